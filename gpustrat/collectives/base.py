@@ -1,0 +1,139 @@
+"""The collective interfaces every backend implements.
+
+Words:
+- *local replicas*: the replicas of this worker, one per local device, in order.
+- *replicas in sync*: every replica of every worker; global replica id =
+  ``worker_index * num_local + local_index`` (every worker holds the same number).
+- *buffer*: one array per local replica, living on that replica's device (NumPy for
+  CPU devices, CuPy for GPUs).
+
+A :class:`Communicator` call is made once per collective, by one thread, with the
+buffers of *all* local replicas (the replica threads of ``strategy.run`` meet first and
+one of them issues the call). This is the shape NCCL wants (one grouped call over the
+local devices) and lets the host and MPI paths reduce locally before going between
+workers.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Sequence
+
+import numpy as np
+
+from gpustrat.devices import Device
+from gpustrat.reduce_util import ReduceOp
+
+
+class Communicator(abc.ABC):
+    """Data-plane collectives over all replicas in sync."""
+
+    #: Devices of the local replicas, in local replica order.
+    devices: list[Device]
+    num_workers: int = 1
+    worker_index: int = 0
+
+    @property
+    def num_local(self) -> int:
+        return len(self.devices)
+
+    @property
+    def num_replicas(self) -> int:
+        return self.num_local * self.num_workers
+
+    def global_replica_id(self, local_index: int) -> int:
+        return self.worker_index * self.num_local + local_index
+
+    @abc.abstractmethod
+    def all_reduce(self, buffers: Sequence[Any], op: ReduceOp) -> list:
+        """Element-wise reduction over every replica in sync.
+
+        Args:
+            buffers: one array per local replica, on its device; the same shape and
+                dtype on every replica of every worker.
+            op: SUM, MEAN (SUM divided by ``num_replicas``), MAX or MIN.
+        Returns:
+            One new array per local replica, on its device, all equal. Inputs are not
+            modified.
+        Raises:
+            ValueError: local buffers differ in shape or dtype (naming them).
+        """
+
+    @abc.abstractmethod
+    def all_gather(self, buffers: Sequence[Any], axis: int = 0) -> list:
+        """Concatenate every replica's buffer along ``axis``, in global replica order.
+
+        Shapes may differ only along ``axis``. Returns one array per local replica.
+        """
+
+    @abc.abstractmethod
+    def broadcast(self, buffers: Sequence[Any], root: int = 0) -> list:
+        """Every replica receives the buffer of global replica ``root``.
+
+        Non-root buffers give the shape and dtype only. Returns one array per local replica.
+        """
+
+    @abc.abstractmethod
+    def reduce_scatter(self, buffers: Sequence[Any], op: ReduceOp) -> list:
+        """Reduce, then give global replica ``r`` the ``r``-th of ``num_replicas`` equal
+        chunks along axis 0 (whose length must divide evenly)."""
+
+    def reduce(self, buffers: Sequence[Any], op: ReduceOp):
+        """The all-reduce result on local replica 0's device only (what
+        ``strategy.reduce`` returns). Backends may override to do less work."""
+        return self.all_reduce(buffers, op)[0]
+
+    def close(self) -> None:
+        """Release backend resources (NCCL communicators, duplicated MPI comms)."""
+
+
+class WorkerGroup(abc.ABC):
+    """Control-plane collectives between workers (processes), on small host values.
+
+    Every worker must make the same calls in the same order. Implementations put a
+    deadline on every blocking wait so that a dead peer gives an error, not a hang.
+    """
+
+    size: int = 1
+    rank: int = 0
+
+    @abc.abstractmethod
+    def allgather(self, obj: Any) -> list:
+        """Each worker's ``obj`` (small, picklable), in rank order."""
+
+    @abc.abstractmethod
+    def allreduce_ints(self, values: np.ndarray, op: ReduceOp) -> np.ndarray:
+        """Element-wise SUM/MAX/MIN of an int64 vector over workers (no pickling)."""
+
+    @abc.abstractmethod
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        """``root``'s ``obj`` on every worker."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Wait until every worker has arrived."""
+
+    def abort(self, code: int = 1) -> None:
+        """Stop every worker of the job (after an unrecoverable error on this one)."""
+        raise SystemExit(code)
+
+
+class LocalWorkerGroup(WorkerGroup):
+    """The single-worker group: every agreement is trivially with oneself."""
+
+    size = 1
+    rank = 0
+
+    def allgather(self, obj):
+        return [obj]
+
+    def allreduce_ints(self, values, op):
+        return np.asarray(values, dtype=np.int64).copy()
+
+    def bcast(self, obj, root=0):
+        if root != 0:
+            raise ValueError(f"broadcast root {root} out of range for a single worker")
+        return obj
+
+    def barrier(self):
+        pass

@@ -1,0 +1,108 @@
+"""Nested structures: tuples, lists, dicts and namedtuples of leaves.
+
+Everything else (arrays, scalars, None, per-replica values) is a *leaf*. Dicts are
+walked in sorted key order, as ``tf.nest`` does, so that two dicts with the same keys
+flatten the same way whatever their insertion order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+def is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def is_nested(x: Any) -> bool:
+    return isinstance(x, (tuple, list, dict))
+
+
+def _children(x):
+    if isinstance(x, dict):
+        return [x[k] for k in sorted(x)]
+    return list(x)
+
+
+def flatten(structure: Any) -> list:
+    """The leaves of ``structure`` in a fixed order (dict keys sorted)."""
+    if not is_nested(structure):
+        return [structure]
+    out: list = []
+    stack = [structure]
+    # Iterative walk; reversed children keep the left-to-right order.
+    while stack:
+        x = stack.pop()
+        if is_nested(x):
+            stack.extend(reversed(_children(x)))
+        else:
+            out.append(x)
+    return out
+
+
+def _rebuild(template, children):
+    if isinstance(template, dict):
+        keys = sorted(template)
+        return type(template)((k, v) for k, v in zip(keys, children)) if type(template) is not dict \
+            else dict(zip(keys, children))
+    if is_namedtuple(template):
+        return type(template)(*children)
+    if isinstance(template, tuple):
+        return tuple(children)
+    return list(children)
+
+
+def pack_sequence_as(structure: Any, flat: list) -> Any:
+    """Inverse of :func:`flatten`: put ``flat``'s leaves into ``structure``'s shape."""
+    flat = list(flat)
+    n = len(flatten(structure))
+    if n != len(flat):
+        raise ValueError(
+            f"structure has {n} leaves but {len(flat)} values were given to pack into it")
+    it = iter(flat)
+
+    def build(t):
+        if not is_nested(t):
+            return next(it)
+        return _rebuild(t, [build(c) for c in _children(t)])
+
+    return build(structure)
+
+
+def assert_same_structure(a: Any, b: Any) -> None:
+    """Raise ValueError naming the first place where ``a`` and ``b`` differ in shape."""
+
+    def walk(x, y, path):
+        if is_nested(x) != is_nested(y):
+            raise ValueError(f"structures differ at {path or 'the top'}: "
+                             f"{type(x).__name__} vs {type(y).__name__}")
+        if not is_nested(x):
+            return
+        if isinstance(x, dict) != isinstance(y, dict):
+            raise ValueError(f"structures differ at {path or 'the top'}: "
+                             f"{type(x).__name__} vs {type(y).__name__}")
+        if isinstance(x, dict):
+            if sorted(x) != sorted(y):
+                raise ValueError(f"dict keys differ at {path or 'the top'}: "
+                                 f"{sorted(x)} vs {sorted(y)}")
+            for k in sorted(x):
+                walk(x[k], y[k], f"{path}[{k!r}]")
+        else:
+            if len(x) != len(y):
+                raise ValueError(f"sequence lengths differ at {path or 'the top'}: "
+                                 f"{len(x)} vs {len(y)}")
+            for i, (cx, cy) in enumerate(zip(x, y)):
+                walk(cx, cy, f"{path}[{i}]")
+
+    walk(a, b, "")
+
+
+def map_structure(fn: Callable, *structures: Any) -> Any:
+    """Apply ``fn`` leaf-wise over one or more structures of the same shape."""
+    if not structures:
+        raise ValueError("map_structure needs at least one structure")
+    first = structures[0]
+    for other in structures[1:]:
+        assert_same_structure(first, other)
+    flats = [flatten(s) for s in structures]
+    return pack_sequence_as(first, [fn(*leaves) for leaves in zip(*flats)])

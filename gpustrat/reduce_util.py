@@ -1,0 +1,28 @@
+"""``ReduceOp``: how values from several replicas combine into one."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ReduceOp(enum.Enum):
+    """Reduction over replicas. Strings ``"sum"``, ``"mean"``, ``"max"``, ``"min"``
+    (any case) are accepted wherever a ReduceOp is."""
+
+    SUM = "SUM"
+    MEAN = "MEAN"
+    MAX = "MAX"
+    MIN = "MIN"
+
+    @staticmethod
+    def from_value(op) -> "ReduceOp":
+        if isinstance(op, ReduceOp):
+            return op
+        if isinstance(op, str):
+            try:
+                return ReduceOp[op.strip().upper()]
+            except KeyError:
+                pass
+        raise ValueError(
+            f"unknown reduce op {op!r}: use ReduceOp.SUM, MEAN, MAX or MIN "
+            "(or the strings 'sum', 'mean', 'max', 'min')")
