@@ -1,0 +1,1 @@
+"""Strategies, contexts and distributed input (see :mod:`gpustrat`)."""

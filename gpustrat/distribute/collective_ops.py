@@ -1,0 +1,70 @@
+"""Collectives on nested structures, for the replica context and ``strategy.reduce``.
+
+The replica threads meet in the runner's rendezvous; the last to arrive calls one of
+these functions with every local replica's contribution. They flatten the structures,
+turn Python scalars into arrays, call the strategy's communicator once per leaf (or
+once per fusion bucket), and give each replica its structure back.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from gpustrat import nest
+from gpustrat.collectives.base import Communicator
+from gpustrat.devices import Device, is_array, to_device
+from gpustrat.reduce_util import ReduceOp
+
+
+def as_array(x: Any, device: Device):
+    """An array on ``device`` for a leaf: arrays move if needed, scalars become 0-d."""
+    if is_array(x) or hasattr(x, "__array__") or hasattr(x, "__cuda_array_interface__") \
+            or hasattr(x, "__dlpack__"):
+        return to_device(x, device)
+    return to_device(np.asarray(x), device)
+
+
+def _restore_scalar(template: Any, value: Any) -> Any:
+    # A Python number in gives a Python number out, as a user printing it expects.
+    if isinstance(template, (bool, int, float, complex)) and not is_array(template):
+        return value.item() if hasattr(value, "item") else value
+    return value
+
+
+def leaf_signature(kind: str, op: str, values: Any, skip_axis: int | None = None) -> tuple:
+    """What the replicas must agree on for a collective: kind, op, structure, layout."""
+    sig = []
+    for leaf in nest.flatten(values):
+        shape = tuple(getattr(leaf, "shape", ()))
+        if skip_axis is not None and shape:
+            shape = tuple(s for i, s in enumerate(shape) if i != skip_axis % len(shape))
+        dtype = str(getattr(leaf, "dtype", type(leaf).__name__))
+        sig.append((shape, dtype))
+    return (kind, op, tuple(sig))
+
+
+def all_reduce_structures(comm: Communicator, values: Sequence[Any], op: ReduceOp) -> list:
+    """One reduced structure per local replica (``values[i]`` is replica i's)."""
+    flats = [nest.flatten(v) for v in values]
+    tensors = [[as_array(flats[i][j], comm.devices[i]) for i in range(len(values))]
+               for j in range(len(flats[0]))]
+    reduced = [comm.all_reduce(t, op) for t in tensors]
+    return [nest.pack_sequence_as(values[i], [_restore_scalar(flats[i][j], reduced[j][i])
+                                              for j in range(len(tensors))])
+            for i in range(len(values))]
+
+
+def all_gather_structures(comm: Communicator, values: Sequence[Any], axis: int) -> list:
+    """Each leaf concatenated along ``axis`` over every replica in sync."""
+    flats = [nest.flatten(v) for v in values]
+    out_leaves = []
+    for j in range(len(flats[0])):
+        bufs = [as_array(flats[i][j], comm.devices[i]) for i in range(len(values))]
+        if bufs[0].ndim == 0:
+            raise ValueError("all_gather needs arrays with at least one dimension to "
+                             f"concatenate along axis {axis}; got a scalar (0-d) value")
+        out_leaves.append(comm.all_gather(bufs, axis))
+    return [nest.pack_sequence_as(values[i], [leaf[i] for leaf in out_leaves])
+            for i in range(len(values))]

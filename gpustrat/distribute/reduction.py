@@ -1,0 +1,105 @@
+"""Cross-replica ``reduce`` and ``gather`` of per-replica values (SPEC, Reductions).
+
+- ``axis=None``: element-wise over replicas; shapes must match exactly.
+- ``axis=k``: each replica first reduces along ``k``; SUM then sums over replicas, and
+  MEAN divides the total sum by the total count of examples along ``k``, so a partial
+  batch split 4 + 2 weighs every example the same. Empty per-replica batches add
+  nothing (MAX and MIN skip them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from gpustrat.collectives.base import Communicator
+from gpustrat.devices import array_module as _xp, to_host
+from gpustrat.distribute.collective_ops import as_array
+from gpustrat.reduce_util import ReduceOp
+
+
+def _shapes(arrays) -> str:
+    return ", ".join(f"replica {i}: {tuple(a.shape)}" for i, a in enumerate(arrays))
+
+
+def _normalize_axis(axis: int, ndim: int) -> int:
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis {axis} is out of range for per-replica values of rank {ndim}")
+    return axis % ndim
+
+
+def _identity(op: ReduceOp, dtype) -> Any:
+    big = np.inf if np.issubdtype(dtype, np.inexact) else (
+        np.iinfo(dtype).max if np.issubdtype(dtype, np.integer) else True)
+    small = -np.inf if np.issubdtype(dtype, np.inexact) else (
+        np.iinfo(dtype).min if np.issubdtype(dtype, np.integer) else False)
+    return small if op is ReduceOp.MAX else big
+
+
+def reduce_components(comm: Communicator, op: ReduceOp, comps: Sequence[Any],
+                      axis: int | None) -> Any:
+    """Reduce one leaf given as one component per local replica."""
+    arrays = [as_array(c, d) for c, d in zip(comps, comm.devices)]
+    if axis is None:
+        first = arrays[0]
+        if any(a.shape != first.shape for a in arrays[1:]):
+            raise ValueError(
+                f"cannot reduce per-replica values of different shapes with axis=None "
+                f"({_shapes(arrays)}); partial batches give such shapes: pass axis=0 to "
+                "reduce over the batch dimension as well")
+        return comm.reduce(arrays, op)
+    ndim = arrays[0].ndim
+    if ndim == 0:
+        raise ValueError(f"cannot reduce along axis {axis}: the per-replica values are "
+                         "scalars; use axis=None")
+    ax = _normalize_axis(axis, ndim)
+    rest = [a.shape[:ax] + a.shape[ax + 1:] for a in arrays]
+    if any(r != rest[0] or a.ndim != ndim for r, a in zip(rest, arrays)):
+        raise ValueError(f"per-replica values differ in shape outside axis {axis}: "
+                         f"{_shapes(arrays)}")
+    if op is ReduceOp.SUM:
+        return comm.reduce([a.sum(axis=ax) for a in arrays], ReduceOp.SUM)
+    if op is ReduceOp.MEAN:
+        return _mean_along_axis(comm, arrays, ax)
+    parts = []
+    for a in arrays:
+        xp = _xp(a)
+        if a.shape[ax] == 0:
+            parts.append(xp.full(rest[0], _identity(op, a.dtype), dtype=a.dtype))
+        else:
+            parts.append(a.max(axis=ax) if op is ReduceOp.MAX else a.min(axis=ax))
+    return comm.reduce(parts, op)
+
+
+def _mean_along_axis(comm: Communicator, arrays, ax: int):
+    # One collective for sums and counts: the count rides at the end of the sum buffer.
+    dtype = np.result_type(arrays[0].dtype, np.float32)
+    if np.dtype(dtype).itemsize < 8 and np.issubdtype(arrays[0].dtype, np.integer):
+        dtype = np.float64
+    parts = []
+    for a in arrays:
+        xp = _xp(a)
+        s = a.sum(axis=ax, dtype=dtype).reshape(-1)
+        parts.append(xp.concatenate([s, xp.asarray([a.shape[ax]], dtype=dtype)]))
+    total = comm.reduce(parts, ReduceOp.SUM)
+    out_shape = arrays[0].shape[:ax] + arrays[0].shape[ax + 1:]
+    count = float(to_host(total[-1:])[0])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = total[:-1] / count
+    out_dtype = arrays[0].dtype if np.issubdtype(arrays[0].dtype, np.inexact) else np.float64
+    return mean.reshape(out_shape).astype(out_dtype, copy=False)
+
+
+def gather_components(comm: Communicator, comps: Sequence[Any], axis: int) -> Any:
+    """Concatenate one leaf's components from every replica in sync along ``axis``."""
+    arrays = [as_array(c, d) for c, d in zip(comps, comm.devices)]
+    if arrays[0].ndim == 0:
+        raise ValueError("gather needs per-replica values with at least one dimension; "
+                         "got scalars")
+    ax = _normalize_axis(axis, arrays[0].ndim)
+    rest = [a.shape[:ax] + a.shape[ax + 1:] for a in arrays]
+    if any(r != rest[0] or a.ndim != arrays[0].ndim for r, a in zip(rest, arrays)):
+        raise ValueError(f"gather along axis {axis} needs shapes that differ only along "
+                         f"that axis: {_shapes(arrays)}")
+    return comm.all_gather(arrays, ax)[0]

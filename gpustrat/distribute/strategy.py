@@ -1,0 +1,255 @@
+"""The Strategy base: what every strategy offers (SPEC, Strategies and their methods).
+
+A strategy owns this worker's local devices, a :class:`ReplicaRunner` (one persistent
+thread per local replica), a :class:`Communicator` for collectives over every replica
+in sync, and a :class:`WorkerGroup` for agreement between workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Sequence
+
+from gpustrat import nest
+from gpustrat.collectives.base import Communicator, LocalWorkerGroup, WorkerGroup
+from gpustrat.devices import Device, to_device
+from gpustrat.distribute import context, reduction
+from gpustrat.distribute.replica_context import ReplicaContext, ValueContext
+from gpustrat.distribute.runner import Rendezvous, ReplicaRunner
+from gpustrat.reduce_util import ReduceOp
+from gpustrat.values import DistributedValues, PerReplica, regroup
+
+
+class Strategy:
+    """Distributes computation over replicas: this worker's devices times every worker.
+
+    Args:
+        devices: this worker's local devices, in replica order.
+        communicator: collectives over every replica in sync.
+        workers: agreement between workers (a single worker by default).
+        inline: run a single replica's function in the calling thread.
+    """
+
+    def __init__(self, devices: Sequence[Device], communicator: Communicator,
+                 workers: WorkerGroup | None = None, inline: bool = False):
+        self._devices = tuple(devices)
+        self._communicator = communicator
+        self._workers = workers or LocalWorkerGroup()
+        self._inline = inline and len(self._devices) == 1
+        self._runner = None if self._inline else ReplicaRunner(self._devices)
+        self._rendezvous = self._runner.rendezvous if self._runner else Rendezvous(1)
+        first = self._workers.rank * len(self._devices)
+        self._replica_contexts = [ReplicaContext(self, i, first + i)
+                                  for i in range(len(self._devices))]
+        self._enter = self._enter_replica  # bound once: run() is a hot path
+
+    # --- what the strategy is --------------------------------------------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._communicator.num_replicas
+
+    @property
+    def local_devices(self) -> tuple:
+        """This worker's devices, one per local replica."""
+        return self._devices
+
+    @property
+    def communicator(self) -> Communicator:
+        return self._communicator
+
+    @property
+    def workers(self) -> WorkerGroup:
+        return self._workers
+
+    @property
+    def num_workers(self) -> int:
+        return self._workers.size
+
+    @property
+    def worker_index(self) -> int:
+        return self._workers.rank
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(devices={[d.name for d in self._devices]}, "
+                f"num_replicas_in_sync={self.num_replicas_in_sync})")
+
+    # --- contexts --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def scope(self):
+        """Make this strategy current; inside, code is in cross-replica context."""
+        current, ctx = context.current()
+        if ctx is not None:
+            raise RuntimeError("strategy.scope() cannot be entered inside strategy.run "
+                               "(replica context); enter it outside run")
+        if current is not None and current is not self:
+            raise RuntimeError(f"cannot enter the scope of {self!r} inside the scope of "
+                               f"another strategy, {current!r}: use one strategy at a time")
+        context.push(self, None)
+        try:
+            yield self
+        finally:
+            context.pop()
+
+    def _default_replica_context(self) -> ReplicaContext:
+        return self._replica_contexts[0]
+
+    def _enter_replica(self, index: int) -> None:
+        context.push(self, self._replica_contexts[index])
+
+    # --- running ---------------------------------------------------------------------
+    def run(self, fn: Callable, args: tuple = (), kwargs: dict | None = None, options=None):
+        """Call ``fn`` once per local replica, in replica context.
+
+        Per-replica values among ``args``/``kwargs`` (at any depth of nesting) are
+        unpacked to each replica's component; everything else goes to every replica as
+        is. Returns the results regrouped: per-replica values with the structure of
+        ``fn``'s result (a single replica's result as is).
+
+        Raises:
+            The first replica's exception, with a note naming the replica.
+        """
+        kwargs = kwargs or {}
+        if context.current()[1] is not None:
+            raise RuntimeError("strategy.run was called inside a function already running in "
+                               "a replica context; call it from cross-replica context")
+        n = len(self._devices)
+        if not isinstance(args, (tuple, list)):
+            args = (args,)
+        per_args, per_kwargs = _split_arguments(args, kwargs, n)
+        if self._runner is None:
+            with self._devices[0].activate():
+                self._enter(0)
+                try:
+                    results = [fn(*per_args[0], **per_kwargs[0])]
+                finally:
+                    context.pop()
+        else:
+            results = self._runner.call(fn, per_args, per_kwargs, self._enter, context.pop)
+        return regroup(results)
+
+    experimental_run_v2 = run  # seed 001's (TensorFlow r1.15) name
+
+    # --- cross-replica operations ----------------------------------------------------
+    def _check_cross_replica(self, what: str) -> None:
+        if context.current()[1] is not None:
+            raise RuntimeError(f"strategy.{what} must be called in cross-replica context, "
+                               "not inside strategy.run; inside run use "
+                               "get_replica_context().all_reduce / all_gather")
+
+    def _components(self, value: Any) -> tuple:
+        if isinstance(value, DistributedValues):
+            if len(value.values) != len(self._devices):
+                raise ValueError(f"{type(value).__name__} has {len(value.values)} components "
+                                 f"but this strategy has {len(self._devices)} local replicas")
+            return value.values
+        return (value,) * len(self._devices)
+
+    def reduce(self, reduce_op, value: Any, axis: int | None = None) -> Any:
+        """Reduce per-replica ``value`` (any nested structure) over every replica in sync.
+
+        ``axis=None`` reduces element-wise across replicas (shapes must match);
+        ``axis=k`` also reduces along dimension ``k`` of each component, MEAN dividing by
+        the total number of examples. The result lives on the first local device.
+        """
+        op = ReduceOp.from_value(reduce_op)
+        self._check_cross_replica("reduce")
+
+        def leaf(v):
+            if not isinstance(v, DistributedValues) and axis is None:
+                return self._reduce_plain(op, v)
+            return reduction.reduce_components(self._communicator, op,
+                                               self._components(v), axis)
+        return nest.map_structure(leaf, value)
+
+    def _reduce_plain(self, op: ReduceOp, value: Any) -> Any:
+        # As tf.distribute: a plain value counts as the same on every replica; its MEAN,
+        # MAX and MIN are itself, and its SUM would silently multiply, so it is refused.
+        if op is ReduceOp.SUM and self.num_replicas_in_sync > 1:
+            raise ValueError(
+                f"cannot SUM-reduce a plain value ({type(value).__name__}) over "
+                f"{self.num_replicas_in_sync} replicas: pass a per-replica value (the result "
+                "of strategy.run or of a distributed dataset), or use MEAN")
+        return value
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenate every replica's component along ``axis`` onto the first local
+        device; shapes may differ only along ``axis``."""
+        self._check_cross_replica("gather")
+        return nest.map_structure(
+            lambda v: reduction.gather_components(self._communicator, self._components(v),
+                                                  axis), value)
+
+    def experimental_local_results(self, value: Any) -> tuple:
+        """This worker's components in replica order; a plain value gives ``(value,)``."""
+        if isinstance(value, DistributedValues):
+            return value.values
+        if nest.is_nested(value):
+            flat = nest.flatten(value)
+            if any(isinstance(v, DistributedValues) for v in flat):
+                per = [nest.pack_sequence_as(
+                    value, [v.values[i] if isinstance(v, DistributedValues) else v
+                            for v in flat]) for i in range(len(self._devices))]
+                return tuple(per)
+        return (value,)
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable) -> Any:
+        """``value_fn(ctx)`` once per local replica, its arrays placed on the replica's
+        device; returns per-replica values."""
+        n = self.num_replicas_in_sync
+        results = []
+        for i, dev in enumerate(self._devices):
+            ctx = ValueContext(self._replica_contexts[i].replica_id_in_sync_group, n)
+            out = value_fn(ctx)
+            results.append(nest.map_structure(
+                lambda v, d=dev: to_device(v, d) if _is_arraylike(v) else v, out))
+        return regroup(results, PerReplica, always_wrap=True)
+
+    # --- distributed input -----------------------------------------------------------
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """Split each global batch of ``dataset`` over the replicas in sync (SPEC,
+        Distributed input); returns an iterable DistributedDataset."""
+        from gpustrat.distribute.input_lib import DistributedDataset  # noqa: PLC0415
+        return DistributedDataset(self, dataset, options)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable, options=None):
+        """``dataset_fn(input_context)`` makes this worker's per-replica-batched dataset;
+        local replicas take its batches in turn."""
+        from gpustrat.distribute.input_lib import DistributedDatasetsFromFunction  # noqa
+        return DistributedDatasetsFromFunction(self, dataset_fn, options)
+
+    experimental_distribute_datasets_from_function = distribute_datasets_from_function
+
+    def experimental_make_numpy_dataset(self, numpy_input):
+        """A dataset of the rows of NumPy array(s), as seed 001's r1.15 API had."""
+        from gpustrat.data import Dataset  # noqa: PLC0415
+        return Dataset.from_tensor_slices(numpy_input)
+
+    def close(self) -> None:
+        """Stop the replica threads and release the communicator."""
+        if self._runner is not None:
+            self._runner.close()
+        self._communicator.close()
+
+
+def _is_arraylike(v) -> bool:
+    return hasattr(v, "__array__") or hasattr(v, "__cuda_array_interface__")
+
+
+def _split_arguments(args: Sequence, kwargs: dict, n: int):
+    """One (args, kwargs) per replica; shared as is when no argument is distributed."""
+    flat = nest.flatten((tuple(args), kwargs))
+    if not any(isinstance(v, DistributedValues) for v in flat):
+        args = tuple(args)
+        return [args] * n, [kwargs] * n
+    for v in flat:
+        if isinstance(v, DistributedValues) and len(v.values) != n:
+            raise ValueError(f"an argument is a {type(v).__name__} with {len(v.values)} "
+                             f"components but the strategy has {n} local replicas")
+    per_args, per_kwargs = [], []
+    for i in range(n):
+        a, k = nest.pack_sequence_as(
+            (tuple(args), kwargs),
+            [v.values[i] if isinstance(v, DistributedValues) else v for v in flat])
+        per_args.append(a)
+        per_kwargs.append(k)
+    return per_args, per_kwargs
