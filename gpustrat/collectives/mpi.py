@@ -1,0 +1,454 @@
+"""MPI between workers: the only module that imports mpi4py.
+
+Words:
+- *worker*: one MPI rank. A job launched as ``mpiexec -n 4 python train.py`` has four.
+- *channel*: one duplicated MPI communicator plus the rule for waiting on it. Each
+  :class:`MpiWorkerGroup` and each :class:`MpiCommunicator` owns its own duplicate, so
+  several strategies coexist, and control collectives (input pipeline threads) never
+  interleave with data collectives (replica threads) on one communicator.
+- *deadline*: every blocking wait is a non-blocking MPI call (``Iallreduce``,
+  ``Ibcast``, ...) polled with ``Test`` until it completes or ``GPUSTRAT_TIMEOUT``
+  seconds (default 300) pass; then :class:`~gpustrat.errors.CollectiveTimeout` is
+  raised. Polling is a tight ``Test`` spin first (small collectives finish in a few
+  microseconds, as fast as the blocking call), then ``Test`` between yields of the core,
+  then sleeps backing off to 1 ms, so a rank waiting minutes for a slow peer does not
+  burn a core.
+- *debug mode* (``GPUSTRAT_DEBUG_COLLECTIVES=1``): before each collective, the ranks
+  allgather (operation, shape, dtype, call number) and raise
+  :class:`~gpustrat.errors.CollectiveMismatch` on every rank when they disagree.
+
+Arrays travel through mpi4py's buffer interface (upper-case calls), never pickled.
+``from mpi4py import MPI`` initialises MPI, so it happens in :func:`mpi` the first time a
+group is made, never when gpustrat is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from gpustrat.collectives.base import WorkerGroup
+from gpustrat.collectives.host import HostCommunicator, divide
+from gpustrat.devices import Device
+from gpustrat.errors import CollectiveMismatch, CollectiveTimeout
+from gpustrat.reduce_util import ReduceOp
+
+ENV_TIMEOUT = "GPUSTRAT_TIMEOUT"
+ENV_DEBUG = "GPUSTRAT_DEBUG_COLLECTIVES"
+DEFAULT_TIMEOUT = 300.0
+
+# Polling: _SPIN back-to-back Tests (about 10-30 us), then Test after each yield of the
+# core for _YIELD_S (MPI progresses only inside MPI calls, so a large transfer must keep
+# being tested; the clock is read once per _SPIN tests), then sleeps doubling from 10 us
+# up to 1 ms.
+_SPIN = 100
+_YIELD_S = 0.05
+_MAX_SLEEP_S = 1e-3
+
+_MPI = None
+
+
+def mpi():
+    """The ``mpi4py.MPI`` module, imported (and MPI initialised) on first use."""
+    global _MPI
+    if _MPI is None:
+        from mpi4py import MPI  # noqa: PLC0415 - importing initialises MPI
+        _MPI = MPI
+    return _MPI
+
+
+def mpi_world():
+    """``MPI.COMM_WORLD``, initialising MPI if needed."""
+    return mpi().COMM_WORLD
+
+
+def timeout_from_env() -> float:
+    """``GPUSTRAT_TIMEOUT`` in seconds (default 300; ``inf`` waits forever)."""
+    raw = os.environ.get(ENV_TIMEOUT, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT
+    try:
+        t = float(raw)
+    except ValueError:
+        t = float("nan")
+    if not t > 0:  # also rejects nan
+        raise ValueError(f"{ENV_TIMEOUT}={raw!r} is not a positive number of seconds: "
+                         f"unset it for the default {DEFAULT_TIMEOUT:g} s, or set 'inf' "
+                         "to wait forever")
+    return t
+
+
+def debug_from_env() -> bool:
+    """Whether ``GPUSTRAT_DEBUG_COLLECTIVES`` turns the agreement checks on."""
+    return os.environ.get(ENV_DEBUG, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+# --- dtype and op table -------------------------------------------------------------
+
+# numpy dtype -> name of the MPI datatype used to reduce it.
+_REDUCE_TYPES = {
+    np.dtype(np.float32): "FLOAT", np.dtype(np.float64): "DOUBLE",
+    np.dtype(np.longdouble): "LONG_DOUBLE",
+    np.dtype(np.int8): "INT8_T", np.dtype(np.int16): "INT16_T",
+    np.dtype(np.int32): "INT32_T", np.dtype(np.int64): "INT64_T",
+    np.dtype(np.uint8): "UINT8_T", np.dtype(np.uint16): "UINT16_T",
+    np.dtype(np.uint32): "UINT32_T", np.dtype(np.uint64): "UINT64_T",
+    np.dtype(np.complex64): "C_FLOAT_COMPLEX", np.dtype(np.complex128): "C_DOUBLE_COMPLEX",
+    np.dtype(np.bool_): "C_BOOL",
+}
+# float16 has no portable MPI datatype (Open MPI has none; MPICH's MPIX_C_FLOAT16 is an
+# extension), so it is reduced in float32 and rounded back once, which is also more
+# accurate than summing in float16.
+_UPCAST = {np.dtype(np.float16): np.dtype(np.float32)}
+_OPS = {ReduceOp.SUM: "SUM", ReduceOp.MEAN: "SUM", ReduceOp.MAX: "MAX", ReduceOp.MIN: "MIN"}
+# The host path combines booleans with np.add/maximum/minimum: or, or, and.
+_BOOL_OPS = {ReduceOp.SUM: "LOR", ReduceOp.MEAN: "LOR", ReduceOp.MAX: "LOR",
+             ReduceOp.MIN: "LAND"}
+
+_reduce_args_cache: dict = {}
+
+
+def reduce_args(dtype: np.dtype, op: ReduceOp):
+    """``(MPI datatype, MPI op, dtype to reduce in or None)`` for reducing ``dtype``."""
+    key = (dtype, op)
+    hit = _reduce_args_cache.get(key)
+    if hit is not None:
+        return hit
+    MPI = mpi()
+    up = _UPCAST.get(dtype)
+    name = _REDUCE_TYPES.get(up or dtype)
+    if name is None:
+        raise TypeError(
+            f"cannot reduce arrays of dtype {dtype} between workers: supported are "
+            f"{sorted({str(d) for d in _REDUCE_TYPES} | {str(d) for d in _UPCAST})}; "
+            "cast to one of them first")
+    if dtype.kind == "c" and op in (ReduceOp.MAX, ReduceOp.MIN):
+        raise TypeError(f"{op.name} of complex values ({dtype}) is not defined between "
+                        "workers: reduce the real and imaginary parts, or the absolute value")
+    mop = (_BOOL_OPS if dtype.kind == "b" else _OPS)[op]
+    hit = (getattr(MPI, name), getattr(MPI, mop), up)
+    _reduce_args_cache[key] = hit
+    return hit
+
+
+# --- waiting with a deadline --------------------------------------------------------
+
+def wait(request, what: str | Callable[[], str], rank: int, timeout: float) -> None:
+    """Wait for ``request``, raising CollectiveTimeout after ``timeout`` seconds.
+
+    ``what`` names the operation (a callable is only called to build the error).
+    """
+    test = request.Test
+    for _ in range(_SPIN):
+        if test():
+            return
+    start = time.monotonic()
+    deadline = start + timeout
+    yield_until = start + _YIELD_S
+    delay = 1e-5
+    while True:
+        now = time.monotonic()
+        if now >= deadline:
+            name = what() if callable(what) else what
+            raise CollectiveTimeout(
+                f"{name} did not complete within {timeout:g} s on rank {rank}: another "
+                "rank probably died, is stuck, or skipped this collective (every rank "
+                "must make the same collective calls in the same order). Check the other "
+                f"ranks' output; raise {ENV_TIMEOUT} (seconds) if the work between "
+                f"collectives legitimately takes longer; {ENV_DEBUG}=1 names ranks "
+                "that call different collectives")
+        if now < yield_until:
+            # sched_yield, not sleep(0): a zero sleep still costs the kernel's timer
+            # slack (about 50 us), which a peer spinning on us would wait out.
+            for _ in range(_SPIN):
+                os.sched_yield()
+                if test():
+                    return
+        else:
+            time.sleep(delay)
+            delay = min(2 * delay, _MAX_SLEEP_S)
+            if test():
+                return
+
+
+def _describe(op: str, shape, dtype) -> str:
+    if shape is None:
+        return op
+    return f"{op} on shape {shape} {dtype}"
+
+
+def _mismatch_message(calls: list) -> str:
+    """Explain which ranks disagree with rank 0 (every rank builds the same text)."""
+    ref = calls[0]
+    parts = []
+    for rank, c in enumerate(calls):
+        if c != ref:
+            parts.append(f"rank {rank} called {_describe(*c[:3])} as its collective "
+                         f"#{c[3]} but rank 0 called {_describe(*ref[:3])} as its "
+                         f"collective #{ref[3]}")
+    hint = ("every rank must make the same collective calls, with the same shapes and "
+            "dtypes, in the same order")
+    if len({c[3] for c in calls}) > 1:
+        hint = ("the ranks have made different numbers of collectives: one skipped a call "
+                "or made an extra one (a branch on rank-local data?); " + hint)
+    return "collectives disagree between workers: " + "; ".join(parts) + ". " + hint
+
+
+class _Channel:
+    """One MPI communicator with deadline waits and the debug-mode agreement check."""
+
+    __slots__ = ("comm", "rank", "size", "timeout", "debug", "calls")
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.timeout = timeout_from_env()
+        self.debug = debug_from_env()
+        self.calls = 0
+
+    def wait(self, request, what) -> None:
+        wait(request, what, self.rank, self.timeout)
+
+    def check(self, op: str, shape=None, dtype=None) -> None:
+        """Debug mode: agree with every rank on (op, shape, dtype, call number) first."""
+        self.calls += 1
+        mine = (op, None if shape is None else tuple(shape) if not isinstance(shape, str)
+                else shape, None if dtype is None else str(dtype), self.calls)
+        calls = self.allgather_obj(mine, lambda: "debug check before " + _describe(*mine[:3]))
+        if any(c != mine for c in calls):
+            raise CollectiveMismatch(_mismatch_message(calls))
+
+    def allgather_obj(self, obj: Any, what) -> list:
+        """Every rank's picklable ``obj``: sizes, then the pickles in one Iallgatherv."""
+        MPI = mpi()
+        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+        sizes = np.empty(self.size, np.int64)
+        mine = np.array([data.size], np.int64)
+        self.wait(self.comm.Iallgather([mine, MPI.INT64_T], [sizes, MPI.INT64_T]), what)
+        displs = np.zeros(self.size, np.int64)
+        np.cumsum(sizes[:-1], out=displs[1:])
+        out = np.empty(int(sizes.sum()), np.uint8)
+        self.wait(self.comm.Iallgatherv([data, MPI.BYTE],
+                                        [out, (sizes, displs), MPI.BYTE]), what)
+        return [pickle.loads(out[d:d + s].tobytes()) for d, s in zip(displs, sizes)]
+
+
+# --- workers ------------------------------------------------------------------------
+
+class MpiWorkerGroup(WorkerGroup):
+    """Every rank of an MPI communicator is a worker.
+
+    Args:
+        comm: an mpi4py intra-communicator (default ``COMM_WORLD``). The group works
+            on a duplicate of it, so several groups (strategies) coexist.
+    """
+
+    def __init__(self, comm=None):
+        MPI = mpi()
+        base = MPI.COMM_WORLD if comm is None else comm
+        timeout = timeout_from_env()
+        dup, req = base.Idup()
+        wait(req, "creating a worker group (MPI Idup)", base.Get_rank(), timeout)
+        self.comm = dup
+        self._ch = _Channel(dup)
+        self.size = self._ch.size
+        self.rank = self._ch.rank
+        # Ranks sharing memory are one node: the node-local rank picks this worker's GPU.
+        self.node_comm = dup.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self._node_rank = self.node_comm.Get_rank()
+        self._node_size = self.node_comm.Get_size()
+
+    @property
+    def timeout(self) -> float:
+        """Seconds any blocking wait of this group may take (``GPUSTRAT_TIMEOUT``)."""
+        return self._ch.timeout
+
+    @property
+    def debug(self) -> bool:
+        return self._ch.debug
+
+    def node_local_rank(self) -> int:
+        """This worker's index among the workers of its node (shared-memory domain)."""
+        return self._node_rank
+
+    def node_local_size(self) -> int:
+        """Number of workers on this worker's node."""
+        return self._node_size
+
+    def dup_comm(self):
+        """A new duplicate of this group's communicator (collective; deadline-bounded)."""
+        dup, req = self.comm.Idup()
+        self._ch.wait(req, "duplicating the worker communicator (MPI Idup)")
+        return dup
+
+    def allgather(self, obj):
+        if self._ch.debug:
+            self._ch.check("allgather")
+        return self._ch.allgather_obj(obj, "allgather")
+
+    def allreduce_ints(self, values, op):
+        op = ReduceOp.from_value(op)
+        if op is ReduceOp.MEAN:
+            raise ValueError("allreduce_ints supports SUM, MAX and MIN, not MEAN "
+                             "(an integer mean would round): SUM and divide instead")
+        MPI = mpi()
+        buf = np.array(values, dtype=np.int64, order="C")
+        ch = self._ch
+        if ch.debug:
+            ch.check(f"allreduce_ints({op.name})", buf.shape, buf.dtype)
+        ch.wait(ch.comm.Iallreduce(MPI.IN_PLACE, [buf, MPI.INT64_T], getattr(MPI, _OPS[op])),
+                lambda: _describe(f"allreduce_ints({op.name})", buf.shape, buf.dtype))
+        return buf
+
+    def bcast(self, obj, root=0):
+        if not 0 <= root < self.size:
+            raise ValueError(f"bcast root {root} is not a rank (0 .. {self.size - 1})")
+        MPI = mpi()
+        ch = self._ch
+        if ch.debug:
+            ch.check(f"bcast(root={root})")
+        what = f"bcast(root={root})"
+        mine = self.rank == root
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if mine else b""
+        n = np.array([len(data)], np.int64)
+        ch.wait(ch.comm.Ibcast([n, MPI.INT64_T], root=root), what)
+        buf = np.frombuffer(data, np.uint8).copy() if mine else np.empty(int(n[0]), np.uint8)
+        ch.wait(ch.comm.Ibcast([buf, MPI.BYTE], root=root), what)
+        return obj if mine else pickle.loads(buf.tobytes())
+
+    def barrier(self):
+        ch = self._ch
+        if ch.debug:
+            ch.check("barrier")
+        ch.wait(ch.comm.Ibarrier(), "barrier")
+
+    def abort(self, code: int = 1) -> None:
+        """``MPI_Abort``: the MPI launcher ends every rank of the job."""
+        self.comm.Abort(code)
+
+    def close(self) -> None:
+        """Free the duplicated communicators (collective over the group)."""
+        for c in (self.node_comm, self.comm):
+            if c is not None and c != mpi().COMM_NULL:
+                c.Free()
+        self.node_comm = self.comm = None
+
+
+# --- data plane -------------------------------------------------------------------
+
+class MpiCommunicator(HostCommunicator):
+    """Collectives over CPU replicas of several workers: local NumPy reduction first
+    (HostCommunicator), then one MPI collective between workers on its result.
+
+    Args:
+        devices: this worker's CPU devices (every worker must hold the same number).
+        workers: the :class:`MpiWorkerGroup` of the job.
+    """
+
+    def __init__(self, devices: Sequence[Device], workers: MpiWorkerGroup):
+        if not isinstance(workers, MpiWorkerGroup):
+            raise TypeError(f"MpiCommunicator needs an MpiWorkerGroup, got "
+                            f"{type(workers).__name__}")
+        super().__init__(devices)
+        gpus = [d.name for d in self.devices if d.is_gpu]
+        if gpus:
+            raise ValueError(f"MpiCommunicator moves host (NumPy) arrays; devices {gpus} "
+                             "are GPUs: use select.make_communicator, which stages GPU "
+                             "buffers or uses NCCL")
+        self.workers = workers
+        self.num_workers = workers.size
+        self.worker_index = workers.rank
+        # Data collectives get their own communicator: replica threads and input
+        # pipeline threads may each be inside a collective at the same moment.
+        self._ch = _Channel(workers.dup_comm())
+        sizes = workers.allgather(self.num_local)
+        if len(set(sizes)) > 1:
+            raise ValueError(f"every worker must hold the same number of local replicas, "
+                             f"but the workers hold {sizes} (worker i at position i)")
+
+    @staticmethod
+    def _check_dtype(x: np.ndarray, what: str) -> None:
+        if x.dtype.hasobject:
+            raise TypeError(f"{what}: arrays of Python objects (dtype {x.dtype}) cannot "
+                            "travel between workers; use a numeric dtype")
+
+    def reduce(self, buffers, op):
+        # The common case, one NumPy buffer per worker, skips the local-replica
+        # machinery: a one-float reduce must cost little more than a bare Allreduce.
+        if len(buffers) == 1 and type(op) is ReduceOp:
+            x = buffers[0]
+            if type(x) is np.ndarray and not x.dtype.hasobject:
+                out = self._across_workers_reduce(x.copy(), op)
+                return divide(out, self.num_replicas) if op is ReduceOp.MEAN else out
+        return super().reduce(buffers, op)
+
+    def _across_workers_reduce(self, x, op):
+        MPI = _MPI
+        mtype, mop, up = reduce_args(x.dtype, op)
+        ch = self._ch
+        if ch.debug:
+            ch.check(f"all_reduce({op.name})", x.shape, x.dtype)
+        buf = x if up is None else x.astype(up)
+        if not buf.flags.c_contiguous:
+            buf = np.ascontiguousarray(buf)
+        req = ch.comm.Iallreduce(MPI.IN_PLACE, [buf, mtype], mop)
+        ch.wait(req, lambda: _describe(f"all_reduce({op.name})", x.shape, x.dtype))
+        return buf if up is None else buf.astype(x.dtype)
+
+    def _across_workers_gather(self, x, axis):
+        MPI = _MPI
+        self._check_dtype(x, "all_gather")
+        if x.ndim == 0:
+            raise ValueError("all_gather concatenates along an axis, but the values are "
+                             "scalars: gather x[None] (or reshape to at least 1-D)")
+        if not -x.ndim <= axis < x.ndim:
+            raise ValueError(f"all_gather axis {axis} is out of range for shape {x.shape}")
+        ax = axis % x.ndim
+        front = np.ascontiguousarray(np.moveaxis(x, ax, 0) if ax else x)
+        rest = front.shape[1:]
+        ch = self._ch
+        if ch.debug:
+            # Sizes along the gathered axis may differ: shown and compared as "*".
+            dims = ["*" if i == ax else str(n) for i, n in enumerate(x.shape)]
+            shown = "(" + ", ".join(dims) + (",)" if len(dims) == 1 else ")")
+            ch.check(f"all_gather(axis={ax})", shown, x.dtype)
+        row_bytes = front.itemsize * int(np.prod(rest, dtype=np.int64))
+        info = np.empty(2 * ch.size, np.int64)
+        mine = np.array([front.shape[0], row_bytes], np.int64)
+        what = f"all_gather(axis={ax}) of shape {x.shape} {x.dtype}"
+        ch.wait(ch.comm.Iallgather([mine, MPI.INT64_T], [info, MPI.INT64_T]), what)
+        rows, widths = info[0::2], info[1::2]
+        bad = [r for r in range(ch.size) if widths[r] != row_bytes]
+        if bad:
+            raise ValueError(
+                f"all_gather(axis={ax}): shapes may differ only along the gathered axis, "
+                f"but a slice of rank {bad[0]} holds {widths[bad[0]]} bytes where rank "
+                f"{ch.rank}'s ({rest} {x.dtype}) holds {row_bytes}")
+        counts = rows * row_bytes
+        displs = np.zeros(ch.size, np.int64)
+        np.cumsum(counts[:-1], out=displs[1:])
+        out = np.empty((int(rows.sum()),) + rest, x.dtype)
+        ch.wait(ch.comm.Iallgatherv([front, MPI.BYTE], [out, (counts, displs), MPI.BYTE]),
+                what)
+        return np.ascontiguousarray(np.moveaxis(out, 0, ax)) if ax else out
+
+    def _across_workers_bcast(self, x, root_worker):
+        MPI = _MPI
+        self._check_dtype(x, "broadcast")
+        ch = self._ch
+        if ch.debug:
+            ch.check(f"broadcast(root worker {root_worker})", x.shape, x.dtype)
+        buf = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+        ch.wait(ch.comm.Ibcast([buf, MPI.BYTE], root=root_worker),
+                lambda: _describe(f"broadcast(root worker {root_worker})", x.shape, x.dtype))
+        return buf
+
+    def close(self) -> None:
+        if self._ch.comm is not None:
+            self._ch.comm.Free()
+            self._ch.comm = None
