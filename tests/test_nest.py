@@ -1,0 +1,28 @@
+import collections
+
+import pytest
+
+from gpustrat import nest
+
+Point = collections.namedtuple("Point", "x y")
+
+
+def test_flatten_and_pack_round_trip_all_containers():
+    s = {"b": (1, [2, 3]), "a": Point(4, {"z": 5, "y": 6})}
+    flat = nest.flatten(s)
+    assert flat == [4, 6, 5, 1, 2, 3]  # dict keys sorted, namedtuples in field order
+    back = nest.pack_sequence_as(s, flat)
+    assert back == s and isinstance(back["a"], Point) and isinstance(back["b"][1], list)
+
+
+def test_map_structure_and_mismatch_message():
+    assert nest.map_structure(lambda a, b: a + b, (1, {"k": 2}), (10, {"k": 20})) == (11, {"k": 22})
+    with pytest.raises(ValueError, match=r"sequence lengths differ at \[1\]: 2 vs 3"):
+        nest.assert_same_structure((1, (2, 3)), (1, (2, 3, 4)))
+    with pytest.raises(ValueError, match="dict keys differ"):
+        nest.assert_same_structure({"a": 1}, {"b": 1})
+
+
+def test_pack_with_wrong_count():
+    with pytest.raises(ValueError, match="has 2 leaves but 3 values"):
+        nest.pack_sequence_as((1, 2), [1, 2, 3])
