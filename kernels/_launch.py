@@ -1,0 +1,258 @@
+"""Launch plumbing shared by the kernels: grid and block shapes, streams, arrays.
+
+Words:
+- *launch config*: ``(grid, block)``, both 2-D here. Every kernel of this package
+  walks a 2-D problem (rows x columns: pieces x words, tensors x elements, ...) with
+  grid-stride loops, so any grid is correct and the grid only decides the speed.
+- *window*: one 1-D device array whose extent covers several separate allocations of
+  the same dtype on one device, so that a single launch can read or write many tensors
+  through a table of element offsets (the way NCCL-style fusion kernels take a pointer
+  table; Numba has no kernel argument type for a table of pointers).
+
+Numba is imported inside functions only, so that ``import gpustrat.kernels`` and the
+pure helpers of the kernel modules work where Numba is not installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+
+#: Threads per block unless a launcher is told otherwise; a multiple of the warp
+#: size, small enough that every SM holds several blocks.
+DEFAULT_THREADS = 256
+#: CUDA's limit on ``gridDim.y`` (``gridDim.x`` goes to 2**31 - 1).
+MAX_GRID_Y = 65535
+MAX_GRID_X = 2**31 - 1
+#: Blocks beyond this many along x add nothing for a memory-bound copy: the
+#: grid-stride loop covers the rest.
+MAX_USEFUL_GRID_X = 1 << 16
+
+
+def simulating() -> bool:
+    """True when Numba runs kernels in its CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``)."""
+    from numba import config  # noqa: PLC0415 - numba is optional
+    return bool(config.ENABLE_CUDASIM)
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def launch_config_2d(rows: int, cols: int, threads: int = DEFAULT_THREADS):
+    """Grid and block for a rows x cols problem walked with grid-stride loops.
+
+    The block is ``threads`` threads, shaped so that its x extent covers a short row
+    (``min(threads, next_pow2(cols))``, at least one warp when rows are long) and the
+    rest of the block takes further rows: a batch of scalar labels (one column) still
+    fills every thread, and a long row is read by consecutive threads (coalesced).
+
+    Returns:
+        ``((grid_x, grid_y), (block_x, block_y))``.
+    """
+    if threads < 1 or threads > 1024:
+        raise ValueError(f"threads per block must be in 1..1024, got {threads}")
+    rows, cols = max(int(rows), 1), max(int(cols), 1)
+    bx = min(threads, next_pow2(cols))
+    by = max(threads // bx, 1)
+    gx = min(-(-cols // bx), MAX_USEFUL_GRID_X)
+    gy = min(-(-rows // by), MAX_GRID_Y)
+    return (gx, gy), (bx, by)
+
+
+def launch_config_1d(n: int, threads: int = DEFAULT_THREADS):
+    """Grid and block for ``n`` independent elements walked with a grid-stride loop."""
+    if threads < 1 or threads > 1024:
+        raise ValueError(f"threads per block must be in 1..1024, got {threads}")
+    return min(-(-max(int(n), 1) // threads), MAX_USEFUL_GRID_X), threads
+
+
+def numba_stream(stream=None, like=None):
+    """The Numba stream to launch on.
+
+    Args:
+        stream: None (the current CuPy stream when ``like`` is a CuPy array, else
+            Numba's default stream), a Numba stream, a CuPy stream (anything with a
+            ``.ptr``), or a raw ``cudaStream_t`` integer.
+        like: an array of the launch, to find the current CuPy stream.
+    """
+    from numba import cuda  # noqa: PLC0415
+    if simulating():
+        # The simulator runs launches synchronously and has no external streams.
+        return stream if _is_numba_stream(stream) else cuda.default_stream()
+    if stream is None:
+        xp = _cupy_of(like)
+        if xp is None:
+            return cuda.default_stream()
+        stream = xp.cuda.get_current_stream()
+    if _is_numba_stream(stream):
+        return stream
+    ptr = int(stream.ptr) if hasattr(stream, "ptr") else int(stream)
+    # CuPy's null stream has ptr 0; Numba's default stream is the same legacy stream.
+    return cuda.default_stream() if ptr == 0 else cuda.external_stream(ptr)
+
+
+def _is_numba_stream(stream) -> bool:
+    if stream is None:
+        return False
+    mod = type(stream).__module__
+    return mod.startswith("numba.cuda") or mod.startswith("numba_cuda")
+
+
+def _cupy_of(x):
+    from gpustrat.devices import array_module, is_gpu_array  # noqa: PLC0415
+    return array_module(x) if x is not None and is_gpu_array(x) else None
+
+
+def device_context(*arrays):
+    """Numba's context for the device holding ``arrays`` (all on one device).
+
+    CuPy and Numba share the primary context, but Numba launches on *its* current
+    device, so a launch for ``gpu:3`` must be made inside ``cuda.gpus[3]``.
+    """
+    from gpustrat.devices import device_of  # noqa: PLC0415
+    devs = {d for d in (device_of(a) for a in arrays) if d is not None}
+    if len(devs) > 1:
+        raise ValueError(f"one launch reads and writes one device, but the arrays are on "
+                         f"{sorted(d.name for d in devs)}: copy them to one device first")
+    if not devs or simulating():
+        return contextlib.nullcontext()
+    from numba import cuda  # noqa: PLC0415
+    return cuda.gpus[devs.pop().index]
+
+
+def check_kernel_input(x, what: str):
+    """Device arrays (or, under the simulator, NumPy arrays) pass; host data on a real
+    GPU is a TypeError rather than a silent round trip through host memory."""
+    if hasattr(x, "__cuda_array_interface__"):
+        return x
+    if isinstance(x, np.ndarray) and simulating():
+        return x
+    raise TypeError(
+        f"{what} must be a device array (CuPy, Numba, or anything with "
+        f"__cuda_array_interface__), got {type(x).__name__}: move it with "
+        "gpustrat.devices.to_device, or use the module's *_reference function on host data")
+
+
+def empty(like, shape, dtype, stream=None):
+    """An uninitialised array of the same kind and device as ``like``."""
+    shape = tuple(int(s) for s in shape)
+    cp = _cupy_of(like)
+    if cp is not None:
+        from gpustrat.devices import device_of  # noqa: PLC0415
+        ctx = stream if (stream is not None and hasattr(stream, "ptr")
+                         and hasattr(stream, "__enter__")) else contextlib.nullcontext()
+        with device_of(like).activate(), ctx:
+            return cp.empty(shape, dtype)
+    if isinstance(like, np.ndarray):
+        return np.empty(shape, dtype)
+    from numba import cuda  # noqa: PLC0415
+    return cuda.device_array(shape, dtype,
+                             stream=stream if _is_numba_stream(stream) else 0)
+
+
+def data_ptr(x) -> int:
+    """The address of ``x``'s first element (device or host)."""
+    if hasattr(x, "__cuda_array_interface__"):
+        return int(x.__cuda_array_interface__["data"][0])
+    return int(x.__array_interface__["data"][0])
+
+
+def is_c_contiguous(x) -> bool:
+    flags = getattr(x, "flags", None)
+    if flags is not None:
+        return bool(flags["C_CONTIGUOUS"] if not hasattr(flags, "c_contiguous")
+                    else flags.c_contiguous)
+    cai = x.__cuda_array_interface__
+    return cai.get("strides") is None
+
+
+def word_dtype(row_bytes: int, *ptrs: int) -> np.dtype:
+    """The widest unsigned word (8, 4, 2 or 1 bytes) dividing ``row_bytes`` and every
+    address in ``ptrs``: rows of any dtype are then copied a word at a time."""
+    for size in (8, 4, 2, 1):
+        if row_bytes % size == 0 and all(p % size == 0 for p in ptrs):
+            return np.dtype(f"u{size}")
+    return np.dtype("u1")
+
+
+class _HostInterface:
+    """An ``__array_interface__`` exporter for a raw host address range."""
+
+    def __init__(self, ptr: int, n: int, dtype: np.dtype):
+        self.__array_interface__ = {"data": (ptr, False), "shape": (n,),
+                                    "typestr": dtype.str, "version": 3}
+
+
+def window(arrays, dtype):
+    """A 1-D array of ``dtype`` spanning every array in ``arrays``, and the element
+    offset of each array in it.
+
+    All arrays must be C-contiguous, of ``dtype``, on one device, and aligned to the
+    item size (every allocator does so). The window is only a descriptor: the kernels
+    touch the ranges of the arrays themselves, never the gaps between allocations.
+    The caller keeps ``arrays`` alive while the window is in use.
+
+    Returns:
+        ``(window_array, offsets)`` with ``offsets`` a host int64 array.
+    """
+    dtype = np.dtype(dtype)
+    ptrs = np.array([data_ptr(a) for a in arrays], dtype=np.int64)
+    sizes = np.array([_size(a) for a in arrays], dtype=np.int64)
+    for k, a in enumerate(arrays):
+        if np.dtype(a.dtype) != dtype:
+            raise TypeError(f"tensor {k} has dtype {np.dtype(a.dtype)}, expected {dtype}: "
+                            "one launch handles one dtype (bucket tensors by dtype)")
+        if not is_c_contiguous(a):
+            raise ValueError(f"tensor {k} (shape {tuple(a.shape)}) is not C-contiguous")
+        if ptrs[k] % dtype.itemsize:
+            raise ValueError(f"tensor {k} at address {ptrs[k]:#x} is not aligned to its "
+                             f"item size {dtype.itemsize}")
+    base = int(ptrs.min()) if len(ptrs) else 0
+    end = int((ptrs + sizes * dtype.itemsize).max()) if len(ptrs) else 0
+    n = max((end - base) // dtype.itemsize, 1)
+    offsets = (ptrs - base) // dtype.itemsize
+    if all(isinstance(a, np.ndarray) for a in arrays):
+        win = np.asarray(_HostInterface(base, n, dtype))
+        if simulating():
+            # The simulator copies NumPy arguments in and back out around a launch,
+            # which for a window would write stale bytes over the gaps between
+            # allocations: hand it a wrapper it treats as device memory instead.
+            from numba.cuda.simulator.cudadrv.devicearray import (  # noqa: PLC0415
+                FakeCUDAArray)
+            win = FakeCUDAArray(win)
+    else:
+        from numba import cuda  # noqa: PLC0415
+        desc = {"shape": (n,), "strides": None, "typestr": dtype.str,
+                "data": (base, False), "version": 3}
+        win = cuda.from_cuda_array_interface(desc, owner=None, sync=False)
+    return win, offsets
+
+
+def _size(a) -> int:
+    return int(np.prod(a.shape, dtype=np.int64))
+
+
+def to_kernel_array(host: np.ndarray, like, stream=None):
+    """A small host table (offsets, sizes) as an argument of a launch next to ``like``."""
+    if isinstance(like, np.ndarray) or simulating():
+        return host
+    from numba import cuda  # noqa: PLC0415
+    return cuda.to_device(host, stream=stream if stream is not None else 0)
+
+
+def env_threads(default: int = DEFAULT_THREADS) -> int:
+    """Threads per block from ``GPUSTRAT_KERNEL_THREADS`` (tuning only)."""
+    raw = os.environ.get("GPUSTRAT_KERNEL_THREADS", "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"GPUSTRAT_KERNEL_THREADS={raw!r} is not an integer "
+                         "(threads per block, 32..1024)") from None
+    if not 1 <= value <= 1024:
+        raise ValueError(f"GPUSTRAT_KERNEL_THREADS={value} is out of range 1..1024")
+    return value

@@ -1,0 +1,276 @@
+"""Pack many small tensors into one contiguous fusion buffer, and unpack it, in one
+launch each.
+
+Words:
+- *fusion buffer*: a 1-D array holding tensors ``0 .. K-1`` back to back (tensor ``k``
+  at element ``starts[k]``, ``sizes[k]`` elements), so that one collective replaces K.
+- *scale*: an optional factor applied on the way (``x * scale``), to average while
+  packing (pre-scale by ``1 / num_replicas``) or while unpacking (post-scale).
+  Floating dtypes only; the product is rounded once, in the tensors' dtype.
+
+Algorithm: the K tensors are separate allocations on one device. The launcher builds a
+*window* (see ``kernels/_launch.py``), one 1-D array spanning all of them, plus a
+``(3, K)`` int64 table of each tensor's offset in the window, its size and its start in
+the buffer. A 2-D grid walks tensors along y and elements along x with grid-stride
+loops: consecutive threads copy consecutive elements of one tensor (coalesced), and
+the grid's x extent is sized from the largest tensor. Unpack is the same walk with
+source and destination exchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _launch
+
+# numba.cuda, bound on first launch (see split.py for why it is a module global).
+cuda = None
+
+
+# --- kernels ---------------------------------------------------------------------------
+
+def _pack_copy(win, table, out):
+    """out[starts[k] + j] = win[offsets[k] + j] for j < sizes[k]."""
+    k0 = cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y
+    kstep = cuda.gridDim.y * cuda.blockDim.y
+    j0 = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    jstep = cuda.gridDim.x * cuda.blockDim.x
+    for k in range(k0, table.shape[1], kstep):
+        src = table[0, k]
+        m = table[1, k]
+        dst = table[2, k]
+        for j in range(j0, m, jstep):
+            out[dst + j] = win[src + j]
+
+
+def _pack_scaled(win, table, out, scale):
+    """out[starts[k] + j] = win[offsets[k] + j] * scale for j < sizes[k]."""
+    k0 = cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y
+    kstep = cuda.gridDim.y * cuda.blockDim.y
+    j0 = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    jstep = cuda.gridDim.x * cuda.blockDim.x
+    for k in range(k0, table.shape[1], kstep):
+        src = table[0, k]
+        m = table[1, k]
+        dst = table[2, k]
+        for j in range(j0, m, jstep):
+            out[dst + j] = win[src + j] * scale
+
+
+def _unpack_copy(buf, table, win):
+    """win[offsets[k] + j] = buf[starts[k] + j] for j < sizes[k]."""
+    k0 = cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y
+    kstep = cuda.gridDim.y * cuda.blockDim.y
+    j0 = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    jstep = cuda.gridDim.x * cuda.blockDim.x
+    for k in range(k0, table.shape[1], kstep):
+        dst = table[0, k]
+        m = table[1, k]
+        src = table[2, k]
+        for j in range(j0, m, jstep):
+            win[dst + j] = buf[src + j]
+
+
+def _unpack_scaled(buf, table, win, scale):
+    """win[offsets[k] + j] = buf[starts[k] + j] * scale for j < sizes[k]."""
+    k0 = cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y
+    kstep = cuda.gridDim.y * cuda.blockDim.y
+    j0 = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    jstep = cuda.gridDim.x * cuda.blockDim.x
+    for k in range(k0, table.shape[1], kstep):
+        dst = table[0, k]
+        m = table[1, k]
+        src = table[2, k]
+        for j in range(j0, m, jstep):
+            win[dst + j] = buf[src + j] * scale
+
+
+#: dtypes the kernels are compiled for (scaled variants: the floating ones).
+DTYPES = ("float16", "float32", "float64", "int8", "uint8", "int32", "uint32",
+          "int64", "uint64")
+SCALED_DTYPES = ("float16", "float32", "float64")
+_jitted: dict = {}
+
+
+def _numba():
+    global cuda
+    if cuda is None:
+        from numba import cuda as numba_cuda  # noqa: PLC0415
+        cuda = numba_cuda
+    return cuda
+
+
+def _kernel(name: str):
+    if name not in _jitted:
+        _jitted[name] = _numba().jit(globals()[name])
+    return _jitted[name]
+
+
+def ptx_signatures():
+    """``(python_function, signature)`` for every specialisation, for PTX tests."""
+    from numba import types  # noqa: PLC0415
+    _numba()
+    table = types.Array(types.int64, 2, "C")
+    out = []
+    for name in DTYPES:
+        t = getattr(types, name)
+        arr = types.Array(t, 1, "C")
+        out.append((_pack_copy, (arr, table, arr)))
+        out.append((_unpack_copy, (arr, table, arr)))
+        if name in SCALED_DTYPES:
+            out.append((_pack_scaled, (arr, table, arr, t)))
+            out.append((_unpack_scaled, (arr, table, arr, t)))
+    return out
+
+
+# --- layout ----------------------------------------------------------------------------
+
+def layout(shapes):
+    """``(sizes, starts, total)`` of tensors of ``shapes`` packed back to back."""
+    sizes = np.array([int(np.prod(s, dtype=np.int64)) for s in shapes], dtype=np.int64)
+    starts = np.zeros(len(sizes), dtype=np.int64)
+    if len(sizes) > 1:
+        np.cumsum(sizes[:-1], out=starts[1:])
+    return sizes, starts, int(sizes.sum())
+
+
+def _scale_value(scale, dtype: np.dtype):
+    if scale is None:
+        return None
+    if dtype.kind != "f":
+        raise TypeError(f"a scale factor needs a floating dtype, got {dtype}: scale "
+                        "after converting, or reduce integer tensors without scaling")
+    return dtype.type(scale)
+
+
+def _check_tensors(tensors):
+    if len(tensors) == 0:
+        raise ValueError("nothing to pack: pass at least one tensor")
+    dtype = np.dtype(tensors[0].dtype)
+    for k, t in enumerate(tensors):
+        if np.dtype(t.dtype) != dtype:
+            raise TypeError(f"tensor {k} has dtype {np.dtype(t.dtype)} but tensor 0 has "
+                            f"{dtype}: a fusion buffer holds one dtype (bucket by dtype)")
+    return dtype
+
+
+def _check_buffer(buffer, total: int, what: str):
+    if buffer.ndim != 1 or int(buffer.shape[0]) < total:
+        raise ValueError(f"{what} must be 1-D with at least {total} elements, got shape "
+                         f"{tuple(buffer.shape)}")
+
+
+# --- launchers -------------------------------------------------------------------------
+
+def pack(tensors, out=None, scale=None, stream=None, threads=None):
+    """Copy ``tensors`` (one dtype, one device) back to back into one 1-D buffer.
+
+    Args:
+        tensors: device arrays (CuPy, Numba; NumPy under the simulator), C-contiguous.
+        out: a 1-D buffer of at least the total size to write into; a new one if None.
+        scale: optional factor applied to every element (floating dtypes only).
+        stream: CuPy or Numba stream (None: current CuPy stream / Numba default).
+        threads: threads per block.
+    Returns:
+        The fusion buffer (``out`` when given).
+    """
+    for k, t in enumerate(tensors):
+        _launch.check_kernel_input(t, f"tensor {k}")
+    dtype = _check_tensors(tensors)
+    sizes, starts, total = layout([t.shape for t in tensors])
+    s = _scale_value(scale, dtype)
+    with _launch.device_context(*tensors, *(() if out is None else (out,))):
+        if out is None:
+            out = _launch.empty(tensors[0], (total,), dtype, stream)
+        else:
+            _launch.check_kernel_input(out, "out")
+            _check_buffer(out, total, "out")
+        if total:
+            win, offsets = _launch.window(tensors, dtype)
+            nstream = _launch.numba_stream(stream, like=tensors[0])
+            table = _launch.to_kernel_array(np.stack([offsets, sizes, starts]),
+                                            tensors[0], nstream)
+            grid, block = _launch.launch_config_2d(
+                len(tensors), int(sizes.max()), threads or _launch.env_threads())
+            if s is None:
+                _kernel("_pack_copy")[grid, block, nstream](win, table, out)
+            else:
+                _kernel("_pack_scaled")[grid, block, nstream](win, table, out, s)
+    return out
+
+
+def unpack(buffer, shapes, out=None, scale=None, stream=None, threads=None):
+    """Copy a fusion buffer back into tensors of ``shapes`` (the inverse of :func:`pack`).
+
+    Args:
+        buffer: the 1-D fusion buffer on a device.
+        shapes: the tensors' shapes, in packing order.
+        out: tensors to write into (C-contiguous, ``buffer``'s dtype and device); new
+            ones if None.
+        scale: optional factor applied on the way (floating dtypes only).
+    Returns:
+        The list of tensors.
+    """
+    _launch.check_kernel_input(buffer, "buffer")
+    dtype = np.dtype(buffer.dtype)
+    shapes = [tuple(int(d) for d in s) for s in shapes]
+    sizes, starts, total = layout(shapes)
+    _check_buffer(buffer, total, "buffer")
+    s = _scale_value(scale, dtype)
+    with _launch.device_context(buffer, *(out or ())):
+        if out is None:
+            out = [_launch.empty(buffer, shape, dtype, stream) for shape in shapes]
+        else:
+            out = list(out)
+            if [tuple(o.shape) for o in out] != shapes:
+                raise ValueError(f"out has shapes {[tuple(o.shape) for o in out]}, "
+                                 f"expected {shapes}")
+            for k, o in enumerate(out):
+                _launch.check_kernel_input(o, f"out[{k}]")
+        if total:
+            win, offsets = _launch.window(out, dtype)
+            nstream = _launch.numba_stream(stream, like=buffer)
+            table = _launch.to_kernel_array(np.stack([offsets, sizes, starts]),
+                                            buffer, nstream)
+            grid, block = _launch.launch_config_2d(
+                len(shapes), int(sizes.max()), threads or _launch.env_threads())
+            if s is None:
+                _kernel("_unpack_copy")[grid, block, nstream](buffer, table, win)
+            else:
+                _kernel("_unpack_scaled")[grid, block, nstream](buffer, table, win, s)
+    return out
+
+
+def pack_reference(tensors, out=None, scale=None, stream=None, threads=None):
+    """NumPy reference of :func:`pack`."""
+    tensors = [np.asarray(t) for t in tensors]
+    dtype = _check_tensors(tensors)
+    sizes, starts, total = layout([t.shape for t in tensors])
+    s = _scale_value(scale, dtype)
+    if out is None:
+        out = np.empty(total, dtype)
+    else:
+        _check_buffer(out, total, "out")
+    np.concatenate([t.reshape(-1) for t in tensors], out=out[:total])
+    if s is not None:
+        np.multiply(out[:total], s, out=out[:total])
+    return out
+
+
+def unpack_reference(buffer, shapes, out=None, scale=None, stream=None, threads=None):
+    """NumPy reference of :func:`unpack`."""
+    buffer = np.asarray(buffer)
+    dtype = buffer.dtype
+    shapes = [tuple(int(d) for d in s) for s in shapes]
+    sizes, starts, total = layout(shapes)
+    _check_buffer(buffer, total, "buffer")
+    s = _scale_value(scale, dtype)
+    if out is None:
+        out = [np.empty(shape, dtype) for shape in shapes]
+    for o, shape, start, size in zip(out, shapes, starts, sizes):
+        src = buffer[start:start + size].reshape(shape)
+        if s is None:
+            np.copyto(o, src)
+        else:
+            np.multiply(src, s, out=o)
+    return list(out)

@@ -1,0 +1,299 @@
+"""Split a device-resident global batch into per-replica pieces, in one launch.
+
+The splitting rule (SPEC, "Distributed input"): a batch of ``n`` rows on ``N``
+replicas is cut in order into pieces of ``chunk = ceil(n / N)`` rows; the last
+non-empty piece may be shorter, and replicas past the end of the data get zero rows
+(same trailing shape and dtype). :func:`split_sizes` is that rule, written once.
+
+Words:
+- *row*: ``batch[k]``, of any dtype and trailing shape. The kernel moves rows as
+  unsigned *words* (8, 4, 2 or 1 bytes, the widest dividing the row size and the
+  batch's address), so one compiled kernel per word size serves every dtype.
+- *gather*: with ``index``, output row ``g`` is ``batch[index[g]]`` and
+  ``n = len(index)``: a shuffle (or any row selection) done on the device, fused with
+  the split.
+- *fixed-shape mode*: with ``pad_to=P`` every piece has exactly ``P`` rows, the rows
+  past its valid count zero-filled, and the valid-row counts are returned: kernels and
+  CUDA graphs downstream then never see a new shape, even on the last partial batch.
+
+Algorithm: the output is one contiguous buffer of shape ``(N, P, words)`` (``P`` is
+``pad_to`` or ``chunk``). A 2-D grid walks it with grid-stride loops: threads along x
+take consecutive words of a row (coalesced reads and writes), threads along y take
+output rows. Output row ``(p, r)`` is global row ``g = p * chunk + r``; it is copied
+when ``r < chunk`` and ``g < n`` and zero-filled otherwise. Each piece is then a view
+of the buffer (``out[p, :count]``, contiguous), so moving it to its replica's device
+is a single copy.
+
+Without ``index`` and ``pad_to`` no kernel is needed at all (a contiguous batch splits
+into views along axis 0); the distributed-input layer calls the kernel when it gathers,
+pads, or wants one fresh contiguous buffer per step.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _launch
+
+# numba.cuda, bound on first launch: Numba is optional, and split_sizes must import
+# without it. The kernels below name it as a module global because the CUDA simulator
+# swaps the module in a kernel's globals for its fake one.
+cuda = None
+
+
+def split_sizes(n: int, num_replicas: int) -> list[int]:
+    """Rows of each replica's piece when ``n`` rows are split over ``num_replicas``.
+
+    Pieces of ``ceil(n / num_replicas)`` rows, in order; replicas past the end of the
+    data get 0. Examples: ``split_sizes(6, 4) == [2, 2, 2, 0]``,
+    ``split_sizes(4, 5) == [1, 1, 1, 1, 0]``, ``split_sizes(7, 3) == [3, 3, 1]``.
+    """
+    n, num_replicas = int(n), int(num_replicas)
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
+    if n < 0:
+        raise ValueError(f"a batch cannot have a negative number of rows ({n})")
+    chunk = -(-n // num_replicas)
+    return [max(0, min(chunk, n - i * chunk)) for i in range(num_replicas)]
+
+
+class Split(NamedTuple):
+    """The pieces of one batch, in replica order, and their valid-row counts."""
+
+    pieces: list
+    counts: list
+
+
+# --- kernels ---------------------------------------------------------------------------
+
+def _split_rows(src, out, chunk, n):
+    """out[p, r, :] = src[p * chunk + r, :] where that row exists, else zeros."""
+    pieces = out.shape[0]
+    rows = out.shape[1]
+    words = out.shape[2]
+    w0 = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    wstep = cuda.gridDim.x * cuda.blockDim.x
+    r0 = cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y
+    rstep = cuda.gridDim.y * cuda.blockDim.y
+    for orow in range(r0, pieces * rows, rstep):
+        p = orow // rows
+        r = orow - p * rows
+        g = p * chunk + r
+        if r < chunk and g < n:
+            for w in range(w0, words, wstep):
+                out[p, r, w] = src[g, w]
+        else:
+            for w in range(w0, words, wstep):
+                out[p, r, w] = 0
+
+
+def _gather_split_rows(src, index, out, chunk, n):
+    """out[p, r, :] = src[index[p * chunk + r], :] where that row exists, else zeros."""
+    pieces = out.shape[0]
+    rows = out.shape[1]
+    words = out.shape[2]
+    w0 = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    wstep = cuda.gridDim.x * cuda.blockDim.x
+    r0 = cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y
+    rstep = cuda.gridDim.y * cuda.blockDim.y
+    for orow in range(r0, pieces * rows, rstep):
+        p = orow // rows
+        r = orow - p * rows
+        g = p * chunk + r
+        if r < chunk and g < n:
+            s = index[g]
+            for w in range(w0, words, wstep):
+                out[p, r, w] = src[s, w]
+        else:
+            for w in range(w0, words, wstep):
+                out[p, r, w] = 0
+
+
+_WORDS = ("uint8", "uint16", "uint32", "uint64")
+_INDEX = ("int32", "int64")
+_jitted: dict = {}
+
+
+def _numba():
+    global cuda
+    if cuda is None:
+        from numba import cuda as numba_cuda  # noqa: PLC0415
+        cuda = numba_cuda
+    return cuda
+
+
+def _kernel(name: str):
+    if name not in _jitted:
+        _jitted[name] = _numba().jit(globals()[name])
+    return _jitted[name]
+
+
+def ptx_signatures():
+    """``(python_function, signature)`` for every specialisation the launcher uses,
+    so that tests can compile each to PTX."""
+    from numba import types  # noqa: PLC0415
+    _numba()
+    out = []
+    for w in _WORDS:
+        word = getattr(types, w)
+        src, dst = types.Array(word, 2, "C"), types.Array(word, 3, "C")
+        out.append((_split_rows, (src, dst, types.int64, types.int64)))
+        for i in _INDEX:
+            idx = types.Array(getattr(types, i), 1, "C")
+            out.append((_gather_split_rows, (src, idx, dst, types.int64, types.int64)))
+    return out
+
+
+# --- launcher and reference ------------------------------------------------------------
+
+def _plan(batch, num_replicas, index, pad_to):
+    """Shared argument checks; returns ``(n, sizes, chunk, rows_out)``."""
+    if batch.ndim < 1:
+        raise ValueError(f"a batch to split needs a leading batch axis, got a scalar "
+                         f"(shape {tuple(batch.shape)})")
+    if index is not None:
+        if index.ndim != 1 or np.dtype(index.dtype).kind not in "iu":
+            raise TypeError(f"index must be a 1-D integer array, got shape "
+                            f"{tuple(index.shape)} dtype {np.dtype(index.dtype)}")
+        n = int(index.shape[0])
+    else:
+        n = int(batch.shape[0])
+    sizes = split_sizes(n, num_replicas)
+    chunk = sizes[0]
+    if pad_to is None:
+        rows_out = chunk
+    else:
+        rows_out = int(pad_to)
+        if rows_out < chunk:
+            raise ValueError(
+                f"pad_to={rows_out} rows per replica is too small: {n} rows on "
+                f"{num_replicas} replicas need {chunk} rows per piece; use pad_to >= "
+                f"{chunk} (the per-replica batch size) or no padding")
+    return n, sizes, chunk, rows_out
+
+
+def _check_index_range(index, src_rows: int) -> None:
+    if index.shape[0] == 0:
+        return
+    if hasattr(index, "copy_to_host"):
+        host = index.copy_to_host()
+        lo, hi = int(host.min()), int(host.max())
+    else:
+        lo, hi = int(index.min()), int(index.max())
+    if lo < 0 or hi >= src_rows:
+        raise IndexError(f"index holds rows {lo} .. {hi} but the batch has {src_rows} "
+                         f"rows (valid: 0 .. {src_rows - 1})")
+
+
+def split(batch, num_replicas: int, index=None, pad_to: int | None = None,
+          stream=None, threads: int | None = None, check_index: bool = True) -> Split:
+    """Cut ``batch`` (on a GPU) into ``num_replicas`` pieces by SPEC's rule, in one launch.
+
+    Args:
+        batch: a device array (CuPy, Numba, any ``__cuda_array_interface__``; NumPy
+            under the simulator), any dtype, shape ``(rows, *trailing)``.
+        num_replicas: number of pieces.
+        index: optional 1-D int32/int64 device array; row ``g`` of the split is
+            ``batch[index[g]]`` and ``n = len(index)``.
+        pad_to: fixed-shape mode: every piece gets exactly ``pad_to`` rows, rows past
+            its count are zeros. Must be at least ``ceil(n / num_replicas)``.
+        stream: a CuPy or Numba stream (or ``cudaStream_t``); None is the current
+            CuPy stream for CuPy input, else Numba's default stream. The launch is
+            asynchronous on it.
+        threads: threads per block (default 256, or ``GPUSTRAT_KERNEL_THREADS``).
+        check_index: check that ``index`` lies in ``0 .. rows - 1`` first (reads
+            two numbers back from the device, so it synchronises the stream).
+
+    Returns:
+        ``Split(pieces, counts)``: ``pieces[i]`` has shape ``(rows_i, *trailing)``
+        (``rows_i = counts[i]``, or ``pad_to`` in fixed-shape mode), all views of one
+        new contiguous buffer on ``batch``'s device; ``counts`` are host ints.
+    Raises:
+        TypeError: host data on a real GPU, or an index that is not integer.
+        ValueError: ``pad_to`` too small, or arrays on different devices.
+        IndexError: ``index`` outside the batch (when ``check_index``).
+    """
+    _launch.check_kernel_input(batch, "batch")
+    if index is not None:
+        _launch.check_kernel_input(index, "index")
+    n, sizes, chunk, rows_out = _plan(batch, num_replicas, index, pad_to)
+    trailing = tuple(int(s) for s in batch.shape[1:])
+    dtype = np.dtype(batch.dtype)
+    if not _launch.is_c_contiguous(batch):
+        cp = _launch._cupy_of(batch)
+        if cp is None:
+            raise ValueError(f"batch of shape {tuple(batch.shape)} is not C-contiguous: "
+                             "make it contiguous first")
+        batch = cp.ascontiguousarray(batch)
+    if index is not None and check_index:
+        _check_index_range(index, int(batch.shape[0]))
+    row_elems = int(np.prod(trailing, dtype=np.int64))
+    row_bytes = row_elems * dtype.itemsize
+    word = _launch.word_dtype(row_bytes, _launch.data_ptr(batch))
+    words = row_bytes // word.itemsize
+    with _launch.device_context(batch, *(() if index is None else (index,))):
+        out = _launch.empty(batch, (num_replicas, rows_out, words), word, stream)
+        if num_replicas * rows_out * words:
+            nstream = _launch.numba_stream(stream, like=batch)
+            src = batch.reshape(int(batch.shape[0]), row_elems).view(word)
+            grid, block = _launch.launch_config_2d(
+                num_replicas * rows_out, words, threads or _launch.env_threads())
+            if index is None:
+                _kernel("_split_rows")[grid, block, nstream](src, out, chunk, n)
+            else:
+                _kernel("_gather_split_rows")[grid, block, nstream](
+                    src, index, out, chunk, n)
+    pieces = []
+    for p, count in enumerate(sizes):
+        rows = rows_out if pad_to is not None else count
+        pieces.append(out[p, :rows].view(dtype).reshape((rows,) + trailing))
+    return Split(pieces, list(sizes))
+
+
+def split_reference(batch, num_replicas: int, index=None, pad_to: int | None = None,
+                    stream=None, threads: int | None = None,
+                    check_index: bool = True) -> Split:
+    """NumPy reference of :func:`split` (``stream`` and ``threads`` are ignored)."""
+    batch = np.asarray(batch)
+    if index is not None:
+        index = np.asarray(index)
+    n, sizes, chunk, rows_out = _plan(batch, num_replicas, index, pad_to)
+    if index is not None:
+        if check_index:
+            _check_index_range(index, batch.shape[0])
+        rows = batch[index]
+    else:
+        rows = batch
+    pieces = []
+    for p, count in enumerate(sizes):
+        piece = rows[p * chunk:p * chunk + count]
+        if pad_to is not None:
+            padded = np.zeros((rows_out,) + batch.shape[1:], batch.dtype)
+            padded[:count] = piece
+            piece = padded
+        pieces.append(np.ascontiguousarray(piece).copy())
+    return Split(pieces, list(sizes))
+
+
+def scatter(batch, devices, index=None, pad_to: int | None = None, streams=None,
+            check_index: bool = True) -> Split:
+    """Split ``batch`` and place piece ``i`` on ``devices[i]``.
+
+    A batch on a GPU is split by the kernel on its own device, then each piece is
+    copied to its replica's device (one copy per piece, on ``streams[i]``); host
+    batches are split with the NumPy reference.
+    """
+    from gpustrat.devices import is_gpu_array, parse_device, to_device  # noqa: PLC0415
+    devices = [parse_device(d) for d in devices]
+    if is_gpu_array(batch) or (hasattr(batch, "__cuda_array_interface__")
+                               and not isinstance(batch, np.ndarray)):
+        res = split(batch, len(devices), index, pad_to,
+                    stream=None if streams is None else streams[0],
+                    check_index=check_index)
+    else:
+        res = split_reference(batch, len(devices), index, pad_to, check_index=check_index)
+    placed = [to_device(p, d, None if streams is None else streams[i])
+              for i, (p, d) in enumerate(zip(res.pieces, devices))]
+    return Split(placed, res.counts)

@@ -1,0 +1,117 @@
+"""Element-wise sum of K same-shaped buffers on one device, in one launch.
+
+Used when several replicas share one GPU: their buffers are summed on the device
+before (or instead of) a collective between devices.
+
+Algorithm: a window (see ``kernels/_launch.py``) spans the K buffers, and a table
+holds each buffer's element offset in it. Each thread takes elements ``j`` in a
+grid-stride loop and adds ``buffer[0][j] + buffer[1][j] + ... + buffer[K-1][j]`` in
+that order, in the buffers' dtype, so the result is bit-for-bit the one of summing the
+buffers one after the other on the host (what the host communicator does). Integer
+sums wrap around as NumPy's do.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _launch
+
+# numba.cuda, bound on first launch (see split.py for why it is a module global).
+cuda = None
+
+
+def _sum_kernel(win, offsets, out):
+    """out[j] = win[offsets[0] + j] + ... + win[offsets[K-1] + j]."""
+    j0 = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    jstep = cuda.gridDim.x * cuda.blockDim.x
+    for j in range(j0, out.shape[0], jstep):
+        acc = win[offsets[0] + j]
+        for k in range(1, offsets.shape[0]):
+            acc = acc + win[offsets[k] + j]
+        out[j] = acc
+
+
+DTYPES = ("float16", "float32", "float64", "int32", "int64", "uint32", "uint64")
+_jitted: dict = {}
+
+
+def _numba():
+    global cuda
+    if cuda is None:
+        from numba import cuda as numba_cuda  # noqa: PLC0415
+        cuda = numba_cuda
+    return cuda
+
+
+def _kernel():
+    if "sum" not in _jitted:
+        _jitted["sum"] = _numba().jit(_sum_kernel)
+    return _jitted["sum"]
+
+
+def ptx_signatures():
+    """``(python_function, signature)`` for every specialisation, for PTX tests."""
+    from numba import types  # noqa: PLC0415
+    _numba()
+    offsets = types.Array(types.int64, 1, "C")
+    return [(_sum_kernel, (types.Array(getattr(types, d), 1, "C"), offsets,
+                           types.Array(getattr(types, d), 1, "C")))
+            for d in DTYPES]
+
+
+def _check(buffers):
+    if len(buffers) == 0:
+        raise ValueError("sum_buffers needs at least one buffer")
+    shape, dtype = tuple(buffers[0].shape), np.dtype(buffers[0].dtype)
+    for k, b in enumerate(buffers):
+        if tuple(b.shape) != shape or np.dtype(b.dtype) != dtype:
+            raise ValueError(f"buffer {k} has shape {tuple(b.shape)} dtype "
+                             f"{np.dtype(b.dtype)} but buffer 0 has shape {shape} dtype "
+                             f"{dtype}: sum_buffers adds same-shaped buffers")
+    return shape, dtype
+
+
+def sum_buffers(buffers, out=None, stream=None, threads=None):
+    """``buffers[0] + ... + buffers[K-1]`` into a new (or the given) buffer.
+
+    Args:
+        buffers: K C-contiguous device arrays of one shape and dtype, on one device.
+        out: the result array (same shape and dtype, same device; may be one of
+            ``buffers``: each element is read before it is written); new if None.
+        stream: CuPy or Numba stream (None: current CuPy stream / Numba default).
+        threads: threads per block.
+    Returns:
+        The sum, on the buffers' device.
+    """
+    for k, b in enumerate(buffers):
+        _launch.check_kernel_input(b, f"buffer {k}")
+    shape, dtype = _check(buffers)
+    count = int(np.prod(shape, dtype=np.int64))
+    with _launch.device_context(*buffers, *(() if out is None else (out,))):
+        if out is None:
+            out = _launch.empty(buffers[0], shape, dtype, stream)
+        else:
+            _launch.check_kernel_input(out, "out")
+            _check([buffers[0], out])
+        if count:
+            win, offsets = _launch.window(buffers, dtype)
+            nstream = _launch.numba_stream(stream, like=buffers[0])
+            table = _launch.to_kernel_array(offsets, buffers[0], nstream)
+            grid, block = _launch.launch_config_1d(count, threads or _launch.env_threads())
+            flat = out.reshape(count)
+            _kernel()[grid, block, nstream](win, table, flat)
+    return out
+
+
+def sum_buffers_reference(buffers, out=None, stream=None, threads=None):
+    """NumPy reference of :func:`sum_buffers` (same order of additions)."""
+    buffers = [np.asarray(b) for b in buffers]
+    shape, dtype = _check(buffers)
+    acc = buffers[0].copy()
+    for b in buffers[1:]:
+        np.add(acc, b, out=acc)
+    if out is None:
+        return acc
+    np.copyto(out, acc)
+    return out
