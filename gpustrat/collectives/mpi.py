@@ -187,15 +187,15 @@ def _mismatch_message(calls: list) -> str:
     parts = []
     for rank, c in enumerate(calls):
         if c != ref:
-            parts.append(f"rank {rank} called {_describe(*c[:3])} as its collective "
-                         f"#{c[3]} but rank 0 called {_describe(*ref[:3])} as its "
-                         f"collective #{ref[3]}")
+            parts.append(f"rank {rank} called {_describe(*c[:3])} but rank 0 called "
+                         f"{_describe(*ref[:3])}")
+    # The k-th check of every rank carries k, so a skipped call shows up as the next
+    # call differing (or, when nothing differs, as a timeout); the number says where.
     hint = ("every rank must make the same collective calls, with the same shapes and "
-            "dtypes, in the same order")
-    if len({c[3] for c in calls}) > 1:
-        hint = ("the ranks have made different numbers of collectives: one skipped a call "
-                "or made an extra one (a branch on rank-local data?); " + hint)
-    return "collectives disagree between workers: " + "; ".join(parts) + ". " + hint
+            "dtypes, in the same order (a branch on rank-local data, or a rank that "
+            "skipped a call?)")
+    return (f"collectives disagree between workers at collective #{ref[3]} of this "
+            "communicator: " + "; ".join(parts) + ". " + hint)
 
 
 class _Channel:
@@ -215,7 +215,10 @@ class _Channel:
         wait(request, what, self.rank, self.timeout)
 
     def check(self, op: str, shape=None, dtype=None) -> None:
-        """Debug mode: agree with every rank on (op, shape, dtype, call number) first."""
+        """Debug mode: agree with every rank on (op, shape, dtype, call number) first.
+
+        Raises CollectiveMismatch on every rank (all see the same gathered list).
+        """
         self.calls += 1
         mine = (op, None if shape is None else tuple(shape) if not isinstance(shape, str)
                 else shape, None if dtype is None else str(dtype), self.calls)

@@ -1,0 +1,405 @@
+"""MPI worker group and communicator, under ``mpiexec -n 2``, ``-n 3`` and ``-n 4``.
+
+Each test launches one small job whose ranks check exact expected values and print a
+line per rank; the parent asserts the exit status and those lines, and shows the
+children's output on failure. Failure tests check that jobs end quickly and non-zero.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for mpi_util
+from mpi_util import REPO, assert_mpi_ok, format_result, mpi_flavour, run_mpi  # noqa: E402
+
+from gpustrat.collectives import mpi as gmpi  # noqa: E402
+from gpustrat.errors import CollectiveMismatch, CollectiveTimeout  # noqa: E402
+
+pytestmark = pytest.mark.mpi
+
+COLLECTIVES = r"""
+import numpy as np
+from mpi4py import MPI
+from gpustrat.collectives.mpi import MpiCommunicator, MpiWorkerGroup
+from gpustrat.devices import resolve_devices
+from gpustrat.reduce_util import ReduceOp
+
+g = MpiWorkerGroup()
+W, r = g.size, g.rank
+assert W == MPI.COMM_WORLD.Get_size() and r == MPI.COMM_WORLD.Get_rank()
+eq = np.testing.assert_array_equal
+
+for L in (1, 2):
+    c = MpiCommunicator(resolve_devices([f"cpu:{i}" for i in range(L)]), g)
+    N = W * L
+    assert (c.num_workers, c.worker_index, c.num_replicas) == (W, r, N)
+    gids = [r * L + i for i in range(L)]
+    vals = [np.array([k, -k, 2 * k + 1], np.float32) for k in gids]
+    before = [v.copy() for v in vals]
+    k = np.arange(N)
+    expected = {
+        ReduceOp.SUM: [k.sum(), -k.sum(), (2 * k + 1).sum()],
+        ReduceOp.MEAN: [k.mean(), -k.mean(), (2 * k + 1).mean()],
+        ReduceOp.MAX: [N - 1, 0, 2 * N - 1],
+        ReduceOp.MIN: [0, -(N - 1), 1],
+    }
+    for op, want in expected.items():
+        for spelling in (op, op.name.lower()):
+            outs = c.all_reduce(vals, spelling)
+            assert len(outs) == L and len({id(o) for o in outs}) == L, (op, L)
+            for o in outs:
+                assert o.dtype == np.float32 and o.shape == (3,), (o.dtype, o.shape)
+                np.testing.assert_allclose(o, np.asarray(want, np.float32), rtol=1e-6)
+        np.testing.assert_allclose(c.reduce(vals, op), np.asarray(want, np.float32))
+    for v, b in zip(vals, before):
+        eq(v, b)  # inputs untouched
+    # Scalars, integers (MEAN becomes float), float16 (reduced in float32).
+    eq(c.reduce([np.float64(k) for k in gids], "sum"), k.sum())
+    m = c.reduce([np.array([k], np.int64) for k in gids], "mean")
+    assert m.dtype == np.float64 and m[0] == k.mean(), m
+    h = c.reduce([np.full(4, 0.5, np.float16)] * L, "sum")
+    assert h.dtype == np.float16 and (h == 0.5 * N).all(), h
+    eq(c.reduce([np.array([k % 2 == 0]) for k in gids], "min"), [N == 1])
+
+    # all_gather, sizes differing along the axis, in global replica order.
+    parts = [np.arange(2 * (k + 1)).reshape(k + 1, 2) + 100 * k for k in gids]
+    want = np.concatenate([np.arange(2 * (j + 1)).reshape(j + 1, 2) + 100 * j
+                           for j in range(N)])
+    for o in c.all_gather(parts, axis=0):
+        eq(o, want)
+    for o in c.all_gather([p.T for p in parts], axis=1):
+        eq(o, want.T)
+        assert o.flags.c_contiguous
+    for o in c.all_gather([p.T.astype(np.float16) for p in parts], axis=-1):
+        eq(o, want.T.astype(np.float16))
+    eq(c.all_gather([np.zeros((0, 3)) if k % 2 else np.ones((1, 3)) for k in gids])[0],
+       np.ones(((N + 1) // 2, 3)))
+
+    # broadcast from a root replica on another worker (the last, and worker 1).
+    for root in (N - 1, L):
+        outs = c.broadcast([np.array([[k, 7]], np.int32) for k in gids], root=root)
+        for o in outs:
+            eq(o, [[root, 7]])
+
+    # reduce_scatter: replica j gets the j-th of N chunks of the sum.
+    bufs = [np.arange(2 * N, dtype=np.float64) * (k + 1) for k in gids]
+    total = np.arange(2 * N) * (k + 1).sum()
+    for i, o in enumerate(c.reduce_scatter(bufs, "sum")):
+        eq(o, total[2 * gids[i]: 2 * gids[i] + 2])
+    c.close()
+
+# The control plane.
+assert g.allgather({"rank": r}) == [{"rank": i} for i in range(W)]
+v = np.array([r, 1, -r])
+eq(g.allreduce_ints(v, "sum"), [W * (W - 1) // 2, W, -(W * (W - 1) // 2)])
+eq(g.allreduce_ints(v, "max"), [W - 1, 1, 0])
+eq(g.allreduce_ints(v, "min"), [0, 1, -(W - 1)])
+assert g.allreduce_ints(v, "sum").dtype == np.int64
+assert g.bcast(("from", r, np.arange(r)), root=W - 1)[1] == W - 1
+assert g.bcast(None if r else {"x": 1}) == {"x": 1}
+g.barrier()
+assert g.node_local_size() == W and 0 <= g.node_local_rank() < W  # one node here
+
+# Groups coexist: each works on its own duplicate, also of a sub-communicator.
+g2 = MpiWorkerGroup()
+assert g2.allgather(r * 10) == [i * 10 for i in range(W)]
+assert g.allgather(r) == list(range(W))
+sub = MpiWorkerGroup(MPI.COMM_WORLD.Split(r % 2, r))
+assert sub.allgather(r) == list(range(r % 2, W, 2))
+for x in (sub, g2, g):
+    x.close()
+print("OK", r, flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_collectives(n):
+    assert_mpi_ok(n, COLLECTIVES, timeout=80, expect_lines=n)
+
+
+MISMATCH = r"""
+import sys
+import numpy as np
+from gpustrat.collectives.mpi import MpiCommunicator, MpiWorkerGroup
+from gpustrat.devices import resolve_devices
+from gpustrat.errors import CollectiveMismatch
+
+g = MpiWorkerGroup()
+c = MpiCommunicator(resolve_devices(["cpu:0"]), g)
+r = g.rank
+assert g.debug
+c.reduce([np.ones(2, np.float32)], "sum")  # agreeing calls pass
+case = sys.argv[1]
+try:
+    if case == "shape":
+        c.reduce([np.ones(4 if r == 1 else 3, np.float32)], "sum")
+    else:  # rank 1 skips the all_reduce and goes on to an all_gather
+        if r != 1:
+            c.reduce([np.ones(3, np.float32)], "sum")
+        c.all_gather([np.ones((r + 1, 2), np.float32)])
+except CollectiveMismatch as e:
+    print("MISMATCH", r, e, flush=True)
+else:
+    print("NO ERROR", r, flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("case", ["shape", "skip"])
+def test_debug_mode_names_the_mismatch_on_every_rank(n, case):
+    out = assert_mpi_ok(n, MISMATCH, timeout=50, args=[case], marker="MISMATCH",
+                        expect_lines=n, env={gmpi.ENV_DEBUG: "1", gmpi.ENV_TIMEOUT: "20"})
+    for line in out.splitlines():
+        assert "collective #2" in line, line
+        if case == "shape":
+            assert ("rank 1 called all_reduce(SUM) on shape (4,) float32 but rank 0 "
+                    "called all_reduce(SUM) on shape (3,) float32") in line, line
+        else:
+            assert ("rank 1 called all_gather(axis=0) on shape (*, 2) float32 but rank 0 "
+                    "called all_reduce(SUM) on shape (3,) float32") in line, line
+        assert "rank 2 called" not in line  # ranks that agree with rank 0 are not named
+
+
+TIMEOUT = r"""
+import time
+import numpy as np
+from gpustrat.collectives.mpi import MpiCommunicator, MpiWorkerGroup
+from gpustrat.devices import resolve_devices
+from gpustrat.distribute.failures import install_abort_on_error
+from gpustrat.errors import CollectiveTimeout
+
+g = MpiWorkerGroup()
+c = MpiCommunicator(resolve_devices(["cpu:0"]), g)
+assert install_abort_on_error(g)
+r = g.rank
+g.barrier()
+if r == 1:
+    time.sleep(60)  # skips the collective; MPI_Abort from another rank ends it
+t0 = time.monotonic()
+try:
+    c.reduce([np.ones(3, np.float32)], "sum")
+except CollectiveTimeout as e:
+    print(f"TIMEOUT {r} after {time.monotonic() - t0:.1f} s: {e}", flush=True)
+    raise
+print("NO TIMEOUT", r, flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [2, 3])
+def test_skipped_collective_times_out_and_the_job_ends(n):
+    t0 = time.monotonic()
+    rc, out, err = run_mpi(n, TIMEOUT, timeout=45, env={gmpi.ENV_TIMEOUT: "2"})
+    elapsed = time.monotonic() - t0
+    report = format_result(rc, out, err)
+    assert rc != 0 and "[run_mpi] timed out" not in err, report
+    assert elapsed < 30, f"job took {elapsed:.0f} s\n{report}"
+    lines = [ln for ln in out.splitlines() if ln.startswith("TIMEOUT")]
+    assert lines, report  # the rank that reached the abort first printed its timeout
+    for ln in lines:
+        rank = int(ln.split()[1])
+        assert rank != 1, report
+        secs = float(ln.split()[3])
+        assert 2 <= secs < 10, ln
+        assert (f"all_reduce(SUM) on shape (3,) float32 did not complete within 2 s on "
+                f"rank {rank}") in ln, ln
+        assert "skipped this collective" in ln, ln
+    assert "NO TIMEOUT" not in out, report
+    assert err.count("CollectiveTimeout:") >= 1 and "[gpustrat] rank" in err, report
+
+
+RAISES = r"""
+import threading
+import numpy as np
+from gpustrat.collectives.mpi import MpiCommunicator, MpiWorkerGroup
+from gpustrat.devices import resolve_devices
+from gpustrat.distribute.failures import install_abort_on_error
+import sys
+
+g = MpiWorkerGroup()
+c = MpiCommunicator(resolve_devices(["cpu:0"]), g)
+assert install_abort_on_error(g)
+r = g.rank
+g.barrier()
+if r == 1:
+    def fail():
+        raise ValueError("boom from rank 1")
+    if sys.argv[1] == "thread":
+        t = threading.Thread(target=fail, name="input-pipeline")
+        t.start()
+        t.join()
+    else:
+        fail()
+# The others wait in a collective that rank 1 never joins (default deadline: 300 s).
+c.reduce([np.ones(3, np.float32)], "sum")
+print("SURVIVED", r, flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_exception_on_one_rank_ends_every_rank_quickly(where):
+    t0 = time.monotonic()
+    rc, out, err = run_mpi(3, RAISES, timeout=45, args=[where])
+    elapsed = time.monotonic() - t0
+    report = format_result(rc, out, err)
+    assert rc != 0 and "[run_mpi] timed out" not in err, report
+    assert elapsed < 20, f"job took {elapsed:.0f} s\n{report}"
+    assert "SURVIVED" not in out, report
+    assert err.count("[gpustrat] rank 1 of 3: uncaught exception") == 1, report
+    assert err.count("ValueError: boom from rank 1") == 1, report
+    assert "[gpustrat] rank 0" not in err and "[gpustrat] rank 2" not in err, report
+    if where == "thread":
+        assert "in thread 'input-pipeline'" in err, report
+
+
+KILLED = r"""
+import os
+import numpy as np
+from gpustrat.collectives.mpi import MpiCommunicator, MpiWorkerGroup
+from gpustrat.devices import resolve_devices
+from gpustrat.distribute.failures import install_abort_on_error
+
+g = MpiWorkerGroup()
+c = MpiCommunicator(resolve_devices(["cpu:0"]), g)
+install_abort_on_error(g)
+g.barrier()
+if g.rank == 1:
+    os._exit(3)  # dies without a word, before the collective
+c.reduce([np.ones(3, np.float32)], "sum")
+print("SURVIVED", g.rank, flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cleanup", ["launcher", "deadline"])
+def test_killed_rank_leaves_no_survivor_waiting(cleanup):
+    """The launcher usually ends the job; when it does not (Hydra's
+    -disable-auto-cleanup), the survivors' deadline fires and they abort."""
+    launcher_args = []
+    if cleanup == "deadline":
+        if mpi_flavour() != "mpich":
+            pytest.skip("keeping survivors alive uses MPICH Hydra's -disable-auto-cleanup")
+        launcher_args = ["-disable-auto-cleanup"]
+    t0 = time.monotonic()
+    rc, out, err = run_mpi(3, KILLED, timeout=45, env={gmpi.ENV_TIMEOUT: "3"},
+                           launcher_args=launcher_args)
+    elapsed = time.monotonic() - t0
+    report = format_result(rc, out, err)
+    assert rc != 0 and "[run_mpi] timed out" not in err, report
+    assert elapsed < 30, f"job took {elapsed:.0f} s\n{report}"
+    assert "SURVIVED" not in out, report
+    if cleanup == "deadline":
+        assert "did not complete within 3 s" in err, report
+
+
+# --- in-process: no MPI initialised ----------------------------------------------
+
+class _Never:
+    calls = 0
+
+    def Test(self):
+        self.calls += 1
+        return False
+
+
+class _After:
+    def __init__(self, n):
+        self.n = n
+
+    def Test(self):
+        self.n -= 1
+        return self.n <= 0
+
+
+def test_wait_deadline_raises_collective_timeout():
+    req = _Never()
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveTimeout) as ei:
+        gmpi.wait(req, lambda: "all_reduce(SUM) on shape (3,) float32", 4, 0.3)
+    assert 0.3 <= time.monotonic() - t0 < 3
+    msg = str(ei.value)
+    assert "all_reduce(SUM) on shape (3,) float32 did not complete within 0.3 s on rank 4" \
+        in msg and "GPUSTRAT_TIMEOUT" in msg and "skipped" in msg
+    # The backoff reaches 1 ms sleeps: far fewer tests than a busy spin would make.
+    assert req.calls < 200_000
+
+
+def test_wait_returns_once_the_request_completes():
+    for n in (1, 50, 5000):
+        gmpi.wait(_After(n), "barrier", 0, 5.0)
+
+
+def test_timeout_from_env(monkeypatch):
+    monkeypatch.delenv(gmpi.ENV_TIMEOUT, raising=False)
+    assert gmpi.timeout_from_env() == 300
+    monkeypatch.setenv(gmpi.ENV_TIMEOUT, "2.5")
+    assert gmpi.timeout_from_env() == 2.5
+    monkeypatch.setenv(gmpi.ENV_TIMEOUT, "inf")
+    assert gmpi.timeout_from_env() == float("inf")
+    for bad in ("0", "-1", "soon", "nan"):
+        monkeypatch.setenv(gmpi.ENV_TIMEOUT, bad)
+        with pytest.raises(ValueError, match="GPUSTRAT_TIMEOUT"):
+            gmpi.timeout_from_env()
+
+
+def test_mismatch_message_names_ranks_and_differences():
+    calls = [("all_reduce(SUM)", (3,), "float32", 5), ("all_reduce(SUM)", (4,), "float32", 5),
+             ("all_reduce(SUM)", (3,), "float32", 5), ("barrier", None, None, 5)]
+    msg = gmpi._mismatch_message(calls)
+    assert ("rank 1 called all_reduce(SUM) on shape (4,) float32 but rank 0 called "
+            "all_reduce(SUM) on shape (3,) float32") in msg
+    assert "rank 3 called barrier but rank 0" in msg and "rank 2" not in msg
+    assert "collective #5" in msg
+    assert issubclass(CollectiveMismatch, RuntimeError)
+    assert issubclass(CollectiveTimeout, TimeoutError)
+
+
+def test_importing_gpustrat_does_not_initialise_mpi():
+    code = ("import sys, gpustrat, gpustrat.collectives.mpi, gpustrat.distribute.failures;"
+            "assert 'mpi4py' not in sys.modules, 'mpi4py imported'; print('clean')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60, cwd=REPO)
+    assert p.returncode == 0 and "clean" in p.stdout, p.stderr
+
+
+ABORT_REPORT = r"""
+import os
+from gpustrat.distribute.failures import install_abort_on_error, uninstall_abort_on_error
+import sys
+import threading
+
+class Group:
+    size, rank = 2, 1
+    def abort(self, code=1):
+        print("ABORT", code, flush=True)
+
+os.environ["GPUSTRAT_ABORT_ON_ERROR"] = "0"
+assert install_abort_on_error(Group()) is False
+os.environ["GPUSTRAT_ABORT_ON_ERROR"] = "1"
+one = Group(); one.size = 1
+assert install_abort_on_error(one) is False
+g = Group()
+assert install_abort_on_error(g) and install_abort_on_error(g)
+assert not install_abort_on_error(Group())  # one group's hooks at a time
+uninstall_abort_on_error()
+assert sys.excepthook is sys.__excepthook__
+assert install_abort_on_error(g)
+raise KeyError("lost key")
+"""
+
+
+def test_abort_hook_reports_once_and_exits_nonzero():
+    p = subprocess.run([sys.executable, "-c", ABORT_REPORT], capture_output=True,
+                       text=True, timeout=60, cwd=REPO)
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    assert p.stdout.strip() == "ABORT 1", p.stdout
+    assert p.stderr.count("[gpustrat] rank 1 of 2: uncaught exception") == 1, p.stderr
+    assert "KeyError: 'lost key'" in p.stderr, p.stderr
