@@ -1,0 +1,21 @@
+"""gpustrat.data: a ``tf.data``-compatible input pipeline on NumPy/CuPy arrays.
+
+See ``docs/data.md``. Importing this package starts no thread and touches no file.
+"""
+
+from gpustrat.data.dataset import (AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY,
+                                   Dataset, DatasetIterator)
+from gpustrat.data.files import TextLineDataset
+from gpustrat.data.npy import NpyDataset
+from gpustrat.data.options import AutoShardPolicy, DistributeOptions, Options
+from gpustrat.data.spec import STRING, TensorSpec
+from gpustrat.data.tfrecord import DataLossError, TFRecordDataset, TFRecordWriter
+
+# Import the modules that the Dataset methods load lazily, so that they are ready.
+from gpustrat.data import autoshard, interleave, sources, transforms  # noqa: E402,F401
+
+__all__ = [
+    "AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset", "DatasetIterator",
+    "TextLineDataset", "TFRecordDataset", "TFRecordWriter", "DataLossError", "NpyDataset",
+    "Options", "AutoShardPolicy", "DistributeOptions", "TensorSpec", "STRING",
+]

@@ -1,0 +1,374 @@
+"""The :class:`Dataset` class: a lazy, restartable input pipeline, as ``tf.data.Dataset``.
+
+Words:
+    node: one Dataset object. A pipeline is a graph of nodes: sources (no inputs, such as
+        ``range`` or ``TextLineDataset``) and transformations (``map``, ``batch``, ...)
+        that know their input nodes (:meth:`Dataset._inputs`) and can be rebuilt over
+        other inputs (:meth:`Dataset._with_inputs`). Auto-sharding uses that to rebuild
+        a pipeline with each file source reading only some of its files.
+    file source: a node with a static list of files (``_files``); it can be rebuilt over
+        another list with ``_with_files``.
+    iteration: ``iter(dataset)`` builds a fresh chain of Python generators, one per node
+        (:meth:`Dataset._iter`), and wraps the last one in a :class:`DatasetIterator`.
+        Every ``iter`` is a new epoch: sources restart, shuffles reshuffle. Nothing runs
+        (no file is opened, no thread started) before the first ``next``.
+    cardinality: the number of elements, or :data:`INFINITE_CARDINALITY` (-1) or
+        :data:`UNKNOWN_CARDINALITY` (-2), as in ``tf.data``.
+    peek: to compute an ``element_spec`` that cannot be derived statically (``map``
+        runs user code), a node iterates its own pipeline for one element with a peek
+        context: shuffles use their first-epoch order without counting an epoch,
+        parallel stages run serially. The function is therefore called once more than
+        the data needs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from gpustrat.data.options import Options
+from gpustrat.data.spec import spec_of
+
+INFINITE_CARDINALITY = -1
+UNKNOWN_CARDINALITY = -2
+# tf.data.AUTOTUNE: "pick a value for me".
+AUTOTUNE = -1
+
+
+def autotune_parallelism() -> int:
+    """Threads used for ``num_parallel_calls=AUTOTUNE``.
+
+    Mapped functions are Python code that mostly waits (I/O, sleeps, NumPy releasing the
+    GIL), so more threads than cores pay off: four per core, at least 8, at most 32.
+    """
+    return max(8, min(32, 4 * (os.cpu_count() or 1)))
+
+
+class _IterContext:
+    """What a node's ``_iter`` needs to know about the iteration it is part of."""
+
+    __slots__ = ("peek",)
+
+    def __init__(self, peek: bool = False):
+        self.peek = peek
+
+
+class DatasetIterator:
+    """An iterator over one epoch of a dataset.
+
+    ``next(it)`` (or ``it.get_next()``) returns the next element and raises
+    ``StopIteration`` at the end. ``close()`` stops the pipeline: every background thread
+    of the epoch is stopped and joined before ``close`` returns. Dropping the last
+    reference to the iterator does the same.
+    """
+
+    __slots__ = ("_gen", "_dataset")
+
+    def __init__(self, dataset: "Dataset", gen: Iterator):
+        self._gen = gen
+        self._dataset = dataset
+
+    def __iter__(self) -> "DatasetIterator":
+        return self
+
+    def __next__(self):
+        return next(self._gen)
+
+    def get_next(self):
+        """The next element; raises ``StopIteration`` at the end (as ``next``)."""
+        return next(self._gen)
+
+    @property
+    def element_spec(self):
+        return self._dataset.element_spec
+
+    def close(self) -> None:
+        """Stop the pipeline and join its threads; later ``next`` calls raise StopIteration."""
+        self._gen.close()
+
+    def __enter__(self) -> "DatasetIterator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self._gen.close()
+        except Exception:  # interpreter shutdown: nothing left to stop
+            pass
+
+
+def _check_positive(name: str, value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what}: {name} must be an int, got {type(value).__name__} {value!r}")
+    if value <= 0:
+        raise ValueError(f"{what}: {name} must be positive, got {value}")
+    return int(value)
+
+
+class Dataset:
+    """A ``tf.data``-compatible pipeline of elements (nested structures of arrays).
+
+    Build one with the static constructors (:meth:`range`, :meth:`from_tensor_slices`,
+    :meth:`from_generator`, :meth:`list_files`, ...) or the file sources
+    (``TextLineDataset``, ``TFRecordDataset``, ``NpyDataset``), chain transformations,
+    and iterate: every ``for x in dataset`` is one epoch.
+    """
+
+    # Static file list of a file source; None for every other node.
+    _files: list[str] | None = None
+
+    # --- graph protocol --------------------------------------------------------------
+
+    def _inputs(self) -> tuple["Dataset", ...]:
+        """The datasets this node reads from (none for a source)."""
+        return ()
+
+    def _with_inputs(self, inputs: tuple["Dataset", ...]) -> "Dataset":
+        """The same transformation over other inputs (sources return themselves)."""
+        return self
+
+    def _iter(self, ctx: _IterContext) -> Iterator:
+        """A fresh generator over one epoch of this node's elements."""
+        raise NotImplementedError(f"{type(self).__name__} does not define _iter")
+
+    def _cardinality(self) -> int:
+        return UNKNOWN_CARDINALITY
+
+    def _compute_spec(self) -> Any:
+        """The element spec; by default, that of the first element (a peek)."""
+        gen = self._iter(_IterContext(peek=True))
+        try:
+            first = next(gen)
+        except StopIteration:
+            raise ValueError(
+                f"cannot infer the element_spec of an empty {type(self).__name__}: "
+                "it has no element to look at") from None
+        finally:
+            gen.close()
+        return spec_of(first)
+
+    def _batch_fused(self, batch_size: int, drop_remainder: bool) -> "Dataset | None":
+        """A source that yields whole batches by slicing, or None if this node has none."""
+        return None
+
+    # --- inspection ------------------------------------------------------------------
+
+    def __iter__(self) -> DatasetIterator:
+        return DatasetIterator(self, self._iter(_IterContext()))
+
+    @property
+    def element_spec(self) -> Any:
+        """Nested structure of :class:`TensorSpec` describing each element."""
+        spec = self.__dict__.get("_spec_cache")
+        if spec is None:
+            spec = self._compute_spec()
+            self.__dict__["_spec_cache"] = spec
+        return spec
+
+    def cardinality(self) -> int:
+        """Number of elements, or INFINITE_CARDINALITY (-1) / UNKNOWN_CARDINALITY (-2)."""
+        return int(self._cardinality())
+
+    def __len__(self) -> int:
+        n = self.cardinality()
+        if n == INFINITE_CARDINALITY:
+            raise TypeError("the dataset is infinite (cardinality -1): it has no length")
+        if n == UNKNOWN_CARDINALITY:
+            raise TypeError("the dataset's length is unknown (cardinality -2); count it "
+                            "by iterating if you must")
+        return n
+
+    def options(self) -> Options:
+        """The pipeline's options: its inputs' options merged, then this node's own."""
+        merged = Options()
+        for ds in self._inputs():
+            merged = merged.merge(ds.options())
+        own = self.__dict__.get("_own_options")
+        return merged.merge(own) if own is not None else merged
+
+    def as_numpy_iterator(self) -> DatasetIterator:
+        """An iterator over the elements (they already are NumPy values)."""
+        return iter(self)
+
+    def apply(self, transformation: Callable[["Dataset"], "Dataset"]) -> "Dataset":
+        """``transformation(self)``, for chaining."""
+        return transformation(self)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} cardinality={self.cardinality()}>"
+
+    # --- sources ---------------------------------------------------------------------
+
+    @staticmethod
+    def range(*args, dtype=np.int64) -> "Dataset":
+        """Integers like Python's ``range(start, stop, step)``, as int64 scalars."""
+        from gpustrat.data.sources import RangeDataset
+        return RangeDataset(*args, dtype=dtype)
+
+    @staticmethod
+    def from_tensors(tensors: Any) -> "Dataset":
+        """A dataset of exactly one element, ``tensors``."""
+        from gpustrat.data.sources import TensorsDataset
+        return TensorsDataset(tensors)
+
+    @staticmethod
+    def from_tensor_slices(tensors: Any) -> "Dataset":
+        """One element per row (first-axis index) of every component of ``tensors``."""
+        from gpustrat.data.sources import TensorSliceDataset
+        return TensorSliceDataset(tensors)
+
+    @staticmethod
+    def from_generator(generator: Callable, output_types=None, output_shapes=None,
+                       args: tuple | None = None, output_signature: Any = None) -> "Dataset":
+        """Elements produced by calling ``generator(*args)`` anew each epoch.
+
+        ``output_signature`` (a structure of TensorSpec) is checked for every element;
+        ``output_types``/``output_shapes`` are the older spelling of the same thing.
+        """
+        from gpustrat.data.sources import GeneratorDataset
+        return GeneratorDataset(generator, output_types, output_shapes, args, output_signature)
+
+    @staticmethod
+    def list_files(file_pattern, shuffle: bool | None = None, seed: int | None = None) -> "Dataset":
+        """File names matching a glob pattern (or list of patterns), as bytes scalars."""
+        from gpustrat.data.files import ListFilesDataset
+        return ListFilesDataset(file_pattern, shuffle, seed)
+
+    @staticmethod
+    def from_npy(path, mmap: bool = True) -> "Dataset":
+        """Rows of one or more ``.npy`` files, read through memory maps (see NpyDataset)."""
+        from gpustrat.data.npy import NpyDataset
+        return NpyDataset(path, mmap=mmap)
+
+    @staticmethod
+    def zip(*args, datasets=None) -> "Dataset":
+        """Elements made of one element of each dataset: ``zip(a, b)``, ``zip((a, b))``
+        or ``zip(datasets={"x": a, "y": b})``; any nesting of datasets is allowed."""
+        from gpustrat.data.transforms import ZipDataset
+        if datasets is not None:
+            if args:
+                raise TypeError("zip: pass datasets positionally or as datasets=, not both")
+            structure = datasets
+        elif len(args) == 1:
+            structure = args[0]
+        else:
+            structure = tuple(args)
+        return ZipDataset(structure)
+
+    # --- transformations -------------------------------------------------------------
+
+    def batch(self, batch_size: int, drop_remainder: bool = False,
+              num_parallel_calls: int | None = None, deterministic: bool | None = None) -> "Dataset":
+        """Stack ``batch_size`` consecutive elements into one (the last may be smaller)."""
+        batch_size = _check_positive("batch_size", batch_size, "batch")
+        fused = self._batch_fused(batch_size, bool(drop_remainder))
+        if fused is not None:
+            return fused
+        from gpustrat.data.transforms import BatchDataset
+        return BatchDataset(self, batch_size, bool(drop_remainder))
+
+    def unbatch(self) -> "Dataset":
+        """Split every element along its first axis into that many elements."""
+        from gpustrat.data.transforms import UnbatchDataset
+        return UnbatchDataset(self)
+
+    def map(self, map_func: Callable, num_parallel_calls: int | None = None,
+            deterministic: bool | None = None, name: str | None = None) -> "Dataset":
+        """Apply ``map_func`` to every element (tuples are unpacked into arguments).
+
+        With ``num_parallel_calls`` (an int or AUTOTUNE) the calls run in a thread pool;
+        results keep the input order unless ``deterministic`` is False.
+        """
+        from gpustrat.data.transforms import MapDataset
+        return MapDataset(self, map_func, num_parallel_calls, deterministic)
+
+    def filter(self, predicate: Callable) -> "Dataset":
+        """Keep the elements for which ``predicate`` returns a true scalar."""
+        from gpustrat.data.transforms import FilterDataset
+        return FilterDataset(self, predicate)
+
+    def shuffle(self, buffer_size: int, seed: int | None = None,
+                reshuffle_each_iteration: bool = True) -> "Dataset":
+        """Randomly shuffle with a buffer of ``buffer_size`` elements (tf.data semantics)."""
+        from gpustrat.data.transforms import ShuffleDataset
+        return ShuffleDataset(self, buffer_size, seed, reshuffle_each_iteration)
+
+    def repeat(self, count: int | None = None) -> "Dataset":
+        """Repeat the dataset ``count`` times (None or -1: forever)."""
+        from gpustrat.data.transforms import RepeatDataset
+        return RepeatDataset(self, count)
+
+    def take(self, count: int) -> "Dataset":
+        """At most the first ``count`` elements (-1: all)."""
+        from gpustrat.data.transforms import TakeDataset
+        return TakeDataset(self, count)
+
+    def skip(self, count: int) -> "Dataset":
+        """All but the first ``count`` elements (-1: skip everything)."""
+        from gpustrat.data.transforms import SkipDataset
+        return SkipDataset(self, count)
+
+    def shard(self, num_shards: int, index: int) -> "Dataset":
+        """Elements ``i`` with ``i % num_shards == index``."""
+        from gpustrat.data.transforms import ShardDataset
+        return ShardDataset(self, num_shards, index)
+
+    def enumerate(self, start: int = 0) -> "Dataset":
+        """Pairs ``(i, element)`` with an int64 counter starting at ``start``."""
+        from gpustrat.data.transforms import EnumerateDataset
+        return EnumerateDataset(self, start)
+
+    def concatenate(self, dataset: "Dataset") -> "Dataset":
+        """This dataset's elements, then ``dataset``'s (element specs must be compatible)."""
+        from gpustrat.data.transforms import ConcatenateDataset
+        return ConcatenateDataset(self, dataset)
+
+    def interleave(self, map_func: Callable, cycle_length: int | None = None,
+                   block_length: int | None = None, num_parallel_calls: int | None = None,
+                   deterministic: bool | None = None) -> "Dataset":
+        """Map elements to datasets and interleave them: ``cycle_length`` open at once,
+        ``block_length`` consecutive elements from each (tf.data's order)."""
+        from gpustrat.data.interleave import InterleaveDataset
+        return InterleaveDataset(self, map_func, cycle_length, block_length,
+                                 num_parallel_calls, deterministic)
+
+    def flat_map(self, map_func: Callable) -> "Dataset":
+        """Map elements to datasets and concatenate them in order."""
+        return self.interleave(map_func, cycle_length=1, block_length=1)
+
+    def prefetch(self, buffer_size: int) -> "Dataset":
+        """Compute up to ``buffer_size`` elements ahead in a background thread."""
+        from gpustrat.data.transforms import PrefetchDataset
+        return PrefetchDataset(self, buffer_size)
+
+    def with_options(self, options: Options) -> "Dataset":
+        """The same dataset with ``options`` merged over the pipeline's options."""
+        from gpustrat.data.transforms import OptionsDataset
+        return OptionsDataset(self, options)
+
+    def reduce(self, initial_state: Any, reduce_func: Callable) -> Any:
+        """Fold every element into a state: ``state = reduce_func(state, element)``."""
+        state = initial_state
+        for element in self:
+            state = reduce_func(state, element)
+        return state
+
+    def get_single_element(self) -> Any:
+        """The only element; ValueError if the dataset has zero or several."""
+        it = iter(self)
+        try:
+            try:
+                first = next(it)
+            except StopIteration:
+                raise ValueError("get_single_element: the dataset is empty") from None
+            try:
+                next(it)
+            except StopIteration:
+                return first
+            raise ValueError("get_single_element: the dataset has more than one element")
+        finally:
+            it.close()

@@ -1,0 +1,293 @@
+"""File sources: ``list_files``, ``TextLineDataset`` and their common base.
+
+Words:
+    file names: a path (``str``, ``bytes``, ``os.PathLike``), a list or 1-d array of
+        paths, or a Dataset whose elements are paths (as ``list_files`` yields).
+    file source: a dataset built on a static list of file names (``_files``). FILE
+        auto-sharding rebuilds it over a sub-list with ``_with_files``. A dataset that
+        reads its file names from another dataset is not a file source itself; its
+        input (typically ``list_files``) is.
+    compression: ``None`` or ``""`` (plain files), ``"GZIP"`` or ``"ZLIB"``, as in
+        ``tf.data``.
+    parallel reads: ``num_parallel_reads=k`` (> 1) reads k files at once, interleaving
+        their elements one at a time, each file read ahead by a background thread.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import gzip
+import io
+import os
+import zlib
+from typing import Any, BinaryIO, Iterator
+
+import numpy as np
+
+from gpustrat.data.dataset import (AUTOTUNE, Dataset, _IterContext, autotune_parallelism)
+from gpustrat.data.spec import STRING, TensorSpec
+from gpustrat.data.transforms import _close
+
+
+def as_path(name: Any) -> str:
+    """One file name (str, bytes, PathLike, NumPy string scalar or 0-d array) as str."""
+    if isinstance(name, np.ndarray):
+        if name.ndim != 0:
+            raise ValueError(f"expected one file name, got an array of shape {name.shape}")
+        name = name[()]
+    if isinstance(name, (bytes, np.bytes_)):
+        return os.fsdecode(bytes(name))
+    if isinstance(name, (str, os.PathLike)):
+        return os.fspath(name)
+    raise TypeError(f"a file name must be str, bytes or os.PathLike, got "
+                    f"{type(name).__name__} {name!r}")
+
+
+def as_path_list(names: Any) -> list[str]:
+    """File names (one, a list, or a 1-d array) as a list of str."""
+    if isinstance(names, np.ndarray) and names.ndim == 1:
+        return [as_path(n) for n in names]
+    if isinstance(names, (list, tuple)):
+        return [as_path(n) for n in names]
+    return [as_path(names)]
+
+
+def open_file(path: str, compression: str | None, what: str,
+              buffer_size: int = -1) -> BinaryIO:
+    """Open ``path`` for binary reading, decompressing as asked.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist; the message names it.
+    """
+    try:
+        raw = open(path, "rb", buffering=buffer_size)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what}: file {path!r} does not exist") from None
+    if not compression:
+        return raw
+    if compression == "GZIP":
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if compression == "ZLIB":
+        return io.BufferedReader(_ZlibReader(raw))
+    raw.close()
+    raise ValueError(f"{what}: compression_type must be None, '', 'GZIP' or 'ZLIB', "
+                     f"got {compression!r}")
+
+
+def check_compression(compression: str | None, what: str) -> str:
+    compression = compression or ""
+    if compression not in ("", "GZIP", "ZLIB"):
+        raise ValueError(f"{what}: compression_type must be None, '', 'GZIP' or 'ZLIB', "
+                         f"got {compression!r}")
+    return compression
+
+
+class _ZlibReader(io.RawIOBase):
+    """A readable stream of the zlib-decompressed content of ``raw``."""
+
+    def __init__(self, raw: BinaryIO):
+        self._raw = raw
+        self._z = zlib.decompressobj()
+        self._pending = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while not self._pending:
+            chunk = self._raw.read(1 << 16)
+            if not chunk:
+                self._pending = self._z.flush()
+                if not self._pending:
+                    return 0
+                break
+            self._pending = self._z.decompress(chunk)
+        n = min(len(b), len(self._pending))
+        b[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+class FileSourceDataset(Dataset):
+    """Base of datasets that read the elements of a list of files, file after file.
+
+    Subclasses define :meth:`_read_file` (a generator over one file's elements) and
+    :meth:`_compute_spec`.
+    """
+
+    _what = "file source"
+
+    def __init__(self, filenames: Any, num_parallel_reads: int | None = None):
+        if isinstance(filenames, Dataset):
+            self._names = filenames
+            self._files = None
+        else:
+            self._names = None
+            self._files = as_path_list(filenames)
+        if num_parallel_reads == AUTOTUNE:
+            num_parallel_reads = autotune_parallelism()
+        if num_parallel_reads is not None and (
+                isinstance(num_parallel_reads, bool) or int(num_parallel_reads) <= 0):
+            raise ValueError(f"{self._what}: num_parallel_reads must be positive or AUTOTUNE, "
+                             f"got {num_parallel_reads!r}")
+        self._parallel_reads = int(num_parallel_reads or 1)
+
+    def _inputs(self):
+        return () if self._names is None else (self._names,)
+
+    def _with_inputs(self, inputs):
+        if self._names is None:
+            return self
+        new = copy.copy(self)
+        new._names = inputs[0]
+        new.__dict__.pop("_spec_cache", None)
+        return new
+
+    def _with_files(self, files: list[str]) -> "FileSourceDataset":
+        """The same source over another static list of files."""
+        new = copy.copy(self)
+        new._files = list(files)
+        new._names = None
+        new.__dict__.pop("_spec_cache", None)
+        return new
+
+    def _read_file(self, path: str) -> Iterator:
+        raise NotImplementedError(f"{type(self).__name__} does not define _read_file")
+
+    def _name_iter(self, ctx: _IterContext) -> Iterator[str]:
+        if self._names is None:
+            yield from self._files
+            return
+        it = self._names._iter(ctx)
+        try:
+            for name in it:
+                yield as_path(name)
+        finally:
+            _close(it)
+
+    def _iter(self, ctx):
+        if self._parallel_reads > 1:
+            from gpustrat.data.interleave import InterleaveDataset
+            names = _NamesDataset(self._name_iter)
+            ds = InterleaveDataset(names, lambda p: _OneFile(self, p),
+                                   cycle_length=self._parallel_reads, block_length=1,
+                                   num_parallel_calls=self._parallel_reads)
+            return ds._iter(ctx)
+        return self._sequential(ctx)
+
+    def _sequential(self, ctx):
+        names = self._name_iter(ctx)
+        try:
+            for path in names:
+                reader = self._read_file(path)
+                try:
+                    yield from reader
+                finally:
+                    reader.close()
+        finally:
+            names.close()
+
+    def _cardinality(self):
+        return -2
+
+
+class _NamesDataset(Dataset):
+    """File names from a generator function (internal to parallel reads)."""
+
+    def __init__(self, name_iter):
+        self._name_iter = name_iter
+
+    def _iter(self, ctx):
+        return self._name_iter(ctx)
+
+
+class _OneFile(Dataset):
+    """The elements of one file of a file source (internal to parallel reads)."""
+
+    def __init__(self, source: FileSourceDataset, path: str):
+        self._source, self._path = source, path
+
+    def _iter(self, ctx):
+        return self._source._read_file(self._path)
+
+
+class ListFilesDataset(Dataset):
+    """``Dataset.list_files(pattern, shuffle, seed)``: matching file names as bytes.
+
+    The names are sorted; with ``shuffle`` (the default when None) every epoch visits
+    them in a new order drawn from ``(seed, epoch)``.
+    """
+
+    def __init__(self, file_pattern: Any, shuffle: bool | None = None, seed: int | None = None):
+        patterns = as_path_list(file_pattern)
+        files: set[str] = set()
+        for p in patterns:
+            files.update(glob.glob(p))
+        if not files:
+            raise FileNotFoundError(f"list_files: no files match the pattern(s) {patterns}")
+        self._files = sorted(files)
+        self._shuffle = True if shuffle is None else bool(shuffle)
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little")
+        self._seed = int(seed)
+        self._epoch = 0
+
+    def _with_files(self, files: list[str]) -> "ListFilesDataset":
+        new = copy.copy(self)
+        new._files = list(files)
+        new._epoch = 0
+        return new
+
+    def _iter(self, ctx):
+        files = self._files
+        if self._shuffle:
+            epoch = 0 if ctx.peek else self._epoch
+            if not ctx.peek:
+                self._epoch += 1
+            order = np.random.default_rng([self._seed, epoch]).permutation(len(files))
+            files = [files[i] for i in order]
+        for f in files:
+            yield os.fsencode(f)
+
+    def _cardinality(self):
+        return len(self._files)
+
+    def _compute_spec(self):
+        return TensorSpec((), STRING)
+
+
+class TextLineDataset(FileSourceDataset):
+    """The lines of text files, without their line ending (``\\n`` or ``\\r\\n``), as bytes.
+
+    Args:
+        filenames: file names, or a Dataset of file names.
+        compression_type: None, "", "GZIP" or "ZLIB".
+        buffer_size: read buffer in bytes (default 256 KiB).
+        num_parallel_reads: read this many files at once, interleaving their lines.
+    """
+
+    _what = "TextLineDataset"
+
+    def __init__(self, filenames, compression_type: str | None = None,
+                 buffer_size: int | None = None, num_parallel_reads: int | None = None):
+        super().__init__(filenames, num_parallel_reads)
+        self._compression = check_compression(compression_type, self._what)
+        self._buffer_size = int(buffer_size or 256 * 1024)
+
+    def _read_file(self, path):
+        f = open_file(path, self._compression, self._what, self._buffer_size)
+        try:
+            for line in f:
+                if line.endswith(b"\n"):
+                    line = line[:-2] if line.endswith(b"\r\n") else line[:-1]
+                yield line
+        finally:
+            f.close()
+
+    def _compute_spec(self):
+        return TensorSpec((), STRING)

@@ -1,0 +1,120 @@
+"""``interleave``: map elements to datasets and interleave them, in tf.data's order.
+
+Words:
+    cycle: ``cycle_length`` slots, each holding an open iterator over the dataset
+        ``map_func(x)`` of one input element ``x``, or nothing.
+    block: up to ``block_length`` consecutive elements taken from one slot before moving
+        to the next slot.
+
+The order is tf.data's (``InterleaveDatasetOp``): at the current slot, an open iterator
+gives its next element (after ``block_length`` of them, move on); an exhausted one is
+dropped and we move on; an empty slot takes the next input element and opens its dataset
+there, unless the input is exhausted, in which case we move on. The end comes when the
+input is exhausted and no slot is open. With ``num_parallel_calls``, every open slot is
+read ahead by its own background thread (``block_length`` elements ahead, at least 2);
+the order of elements is unchanged, so ``deterministic`` has no effect on the result.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from gpustrat.data import parallel
+from gpustrat.data import structure as st
+from gpustrat.data.dataset import (AUTOTUNE, UNKNOWN_CARDINALITY, Dataset, _check_positive,
+                                   _IterContext)
+from gpustrat.data.transforms import UnaryDataset, _close, _resolve_parallelism
+
+
+def _default_cycle_length() -> int:
+    return os.cpu_count() or 1
+
+
+class InterleaveDataset(UnaryDataset):
+    """``interleave(map_func, cycle_length, block_length, num_parallel_calls, deterministic)``."""
+
+    def __init__(self, input_dataset: Dataset, map_func: Callable, cycle_length=None,
+                 block_length=None, num_parallel_calls=None, deterministic=None):
+        super().__init__(input_dataset)
+        if not callable(map_func):
+            raise TypeError(f"interleave: map_func must be callable, got "
+                            f"{type(map_func).__name__}")
+        self._fn = map_func
+        if cycle_length is None or cycle_length == AUTOTUNE:
+            cycle_length = _default_cycle_length()
+        self._cycle = _check_positive("cycle_length", cycle_length, "interleave")
+        self._block = 1 if block_length is None else _check_positive(
+            "block_length", block_length, "interleave")
+        self._parallelism = _resolve_parallelism(num_parallel_calls, "interleave")
+        self._deterministic = deterministic
+
+    def _open(self, element, ctx: _IterContext):
+        ds = st.call_with_element(self._fn, element)
+        if not isinstance(ds, Dataset):
+            raise TypeError(f"interleave: map_func must return a Dataset, got "
+                            f"{type(ds).__name__}")
+        it = ds._iter(ctx)
+        if self._parallelism is not None and not ctx.peek:
+            return parallel.Prefetcher(it, max(2, self._block), name="gpustrat-interleave")
+        return it
+
+    def _iter(self, ctx):
+        cycle, block = self._cycle, self._block
+        slots: list = [None] * cycle
+        source = self._input._iter(ctx)
+        end_of_input = False
+        num_open = 0
+        index = 0       # current slot
+        taken = 0       # elements taken from the current slot in this block
+        try:
+            while not end_of_input or num_open > 0:
+                it = slots[index]
+                if it is not None:
+                    try:
+                        element = next(it)
+                    except StopIteration:
+                        _close(it)
+                        slots[index] = None
+                        num_open -= 1
+                        index, taken = (index + 1) % cycle, 0
+                        continue
+                    taken += 1
+                    if taken == block:
+                        index, taken = (index + 1) % cycle, 0
+                    yield element
+                elif not end_of_input:
+                    try:
+                        x = next(source)
+                    except StopIteration:
+                        end_of_input = True
+                        continue
+                    slots[index] = self._open(x, ctx)
+                    num_open += 1
+                else:
+                    index, taken = (index + 1) % cycle, 0
+        finally:
+            for it in slots:
+                if it is not None:
+                    _close(it)
+            _close(source)
+
+    def _cardinality(self):
+        n = self._input._cardinality()
+        return 0 if n == 0 else UNKNOWN_CARDINALITY
+
+    def _compute_spec(self):
+        gen = self._input._iter(_IterContext(peek=True))
+        try:
+            try:
+                x = next(gen)
+            except StopIteration:
+                raise ValueError("interleave: cannot infer the element_spec: the input "
+                                 "dataset is empty, so map_func was never called") from None
+        finally:
+            gen.close()
+        ds = st.call_with_element(self._fn, x)
+        if not isinstance(ds, Dataset):
+            raise TypeError(f"interleave: map_func must return a Dataset, got "
+                            f"{type(ds).__name__}")
+        return ds.element_spec

@@ -1,0 +1,285 @@
+"""In-memory sources: ``range``, ``from_tensors``, ``from_tensor_slices``, ``from_generator``.
+
+Words:
+    slice source: ``from_tensor_slices(x)``: element i is ``x[i]`` for every component.
+    fused batch: ``from_tensor_slices(x).batch(B)`` and ``range(n).batch(B)`` do not
+        batch element by element: they become one source node that yields
+        ``x[i:i + B]`` (a view of the caller's array, no copy) or ``arange`` chunks. The
+        per-batch cost is then one slice per component, which is what makes the data
+        path fast enough to feed a GPU from Python.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+
+from gpustrat import nest
+from gpustrat.data import structure as st
+from gpustrat.data.dataset import Dataset, _IterContext
+from gpustrat.data.spec import STRING, TensorSpec, spec_of
+
+# Range is produced in chunks of this many values: one arange per chunk instead of
+# one Python int conversion per element, without materialising huge ranges.
+_RANGE_CHUNK = 4096
+
+
+def _range_len(start: int, stop: int, step: int) -> int:
+    return len(range(start, stop, step))
+
+
+class RangeDataset(Dataset):
+    """``Dataset.range(stop)`` / ``(start, stop)`` / ``(start, stop, step)``."""
+
+    def __init__(self, *args, dtype=np.int64):
+        if not 1 <= len(args) <= 3:
+            raise TypeError(f"range takes 1 to 3 arguments (start, stop, step), got {len(args)}")
+        for a in args:
+            if isinstance(a, bool) or not isinstance(a, (int, np.integer)):
+                raise TypeError(f"range arguments must be ints, got {a!r}")
+        r = range(*[int(a) for a in args])  # raises ValueError for step 0, like range
+        self._start, self._stop, self._step = r.start, r.stop, r.step
+        self._dtype = np.dtype(dtype)
+
+    def _iter(self, ctx: _IterContext):
+        start, stop, step = self._start, self._stop, self._step
+        n = _range_len(start, stop, step)
+        for c in range(0, n, _RANGE_CHUNK):
+            first = start + c * step
+            last = start + min(n, c + _RANGE_CHUNK) * step
+            yield from np.arange(first, last, step, dtype=self._dtype)
+
+    def _cardinality(self) -> int:
+        return _range_len(self._start, self._stop, self._step)
+
+    def _compute_spec(self):
+        return TensorSpec((), self._dtype)
+
+    def _batch_fused(self, batch_size, drop_remainder):
+        return RangeBatchDataset(self._start, self._stop, self._step, self._dtype,
+                                 batch_size, drop_remainder)
+
+
+class RangeBatchDataset(Dataset):
+    """``range(...).batch(B)`` fused: each batch is one ``arange`` call."""
+
+    def __init__(self, start, stop, step, dtype, batch_size, drop_remainder):
+        self._start, self._stop, self._step = start, stop, step
+        self._dtype = dtype
+        self._batch_size, self._drop = batch_size, drop_remainder
+
+    def _iter(self, ctx):
+        start, step, b = self._start, self._step, self._batch_size
+        n = _range_len(start, self._stop, step)
+        end = n - n % b if self._drop else n
+        for i in range(0, end, b):
+            yield np.arange(start + i * step, start + min(end, i + b) * step, step,
+                            dtype=self._dtype)
+
+    def _cardinality(self):
+        n = _range_len(self._start, self._stop, self._step)
+        return n // self._batch_size if self._drop else math.ceil(n / self._batch_size)
+
+    def _compute_spec(self):
+        return TensorSpec((self._batch_size if self._drop else None,), self._dtype)
+
+
+class TensorsDataset(Dataset):
+    """``from_tensors(x)``: the single element ``x``."""
+
+    def __init__(self, tensors: Any):
+        self._element = st.normalize(tensors)
+
+    def _iter(self, ctx):
+        yield self._element
+
+    def _cardinality(self):
+        return 1
+
+    def _compute_spec(self):
+        return spec_of(self._element)
+
+
+class TensorSliceDataset(Dataset):
+    """``from_tensor_slices(x)``: element i holds row i of every component of ``x``."""
+
+    def __init__(self, tensors: Any):
+        element = st.normalize(tensors)
+        self._structure = element
+        self._leaves = nest.flatten(element)
+        if not self._leaves:
+            raise ValueError("from_tensor_slices needs at least one component")
+        lengths = []
+        for i, leaf in enumerate(self._leaves):
+            if np.ndim(leaf) == 0:
+                raise ValueError(f"from_tensor_slices: component {i} is a scalar "
+                                 f"({leaf!r}); every component needs a first dimension to "
+                                 "slice (use from_tensors for a single element)")
+            lengths.append(st.leading_dim(leaf))
+        if len(set(lengths)) != 1:
+            raise ValueError(f"from_tensor_slices: all components need the same first "
+                             f"dimension, got {lengths} (in flattened component order)")
+        self._n = lengths[0]
+        self._flatten, self._pack = st.make_plan(element)
+
+    def _iter(self, ctx):
+        leaves = self._leaves
+        if len(leaves) == 1 and not nest.is_nested(self._structure):
+            yield from leaves[0]
+            return
+        pack = self._pack
+        for row in zip(*leaves):
+            yield pack(row)
+
+    def _cardinality(self):
+        return self._n
+
+    def _compute_spec(self):
+        return nest.map_structure(lambda s: s._unbatched(), spec_of(self._structure))
+
+    def _batch_fused(self, batch_size, drop_remainder):
+        return SlicedBatchDataset(self._structure, batch_size, drop_remainder)
+
+
+class SlicedBatchDataset(Dataset):
+    """``from_tensor_slices(x).batch(B)`` fused: batch j is ``x[j*B:(j+1)*B]`` (a view)."""
+
+    def __init__(self, structure: Any, batch_size: int, drop_remainder: bool):
+        self._structure = structure
+        self._leaves = nest.flatten(structure)
+        self._n = st.leading_dim(self._leaves[0])
+        self._batch_size, self._drop = batch_size, drop_remainder
+        self._flatten, self._pack = st.make_plan(structure)
+
+    def _iter(self, ctx):
+        n, b = self._n, self._batch_size
+        end = n - n % b if self._drop else n
+        if len(self._leaves) == 1 and not nest.is_nested(self._structure):
+            a = self._leaves[0]
+            for i in range(0, end, b):
+                yield a[i:i + b]
+            return
+        leaves, pack = self._leaves, self._pack
+        for i in range(0, end, b):
+            j = i + b
+            yield pack([a[i:j] for a in leaves])
+
+    def _cardinality(self):
+        n, b = self._n, self._batch_size
+        return n // b if self._drop else math.ceil(n / b)
+
+    def _compute_spec(self):
+        dim = self._batch_size if self._drop else None
+        return nest.map_structure(lambda s: TensorSpec((dim,) + s.shape[1:], s.dtype),
+                                  spec_of(self._structure))
+
+
+def _signature_from_types(output_types, output_shapes):
+    if output_shapes is None:
+        output_shapes = nest.map_structure(lambda _: None, output_types)
+    flat_t = nest.flatten(output_types)
+    flat_s = nest.flatten(output_shapes) if nest.is_nested(output_shapes) else [output_shapes]
+    if nest.is_nested(output_types) and len(flat_s) != len(flat_t):
+        flat_s = [None] * len(flat_t)
+    specs = []
+    for t, s in zip(flat_t, flat_s):
+        if s is None:
+            raise ValueError("from_generator: output_shapes must be given with output_types "
+                             "(or use output_signature with TensorSpec shapes)")
+        specs.append(TensorSpec(s, t))
+    return nest.pack_sequence_as(output_types, specs)
+
+
+class GeneratorDataset(Dataset):
+    """``from_generator``: elements of ``generator(*args)``, checked against a signature."""
+
+    def __init__(self, generator: Callable, output_types=None, output_shapes=None,
+                 args=None, output_signature=None):
+        if not callable(generator):
+            raise TypeError(f"from_generator needs a callable that returns an iterator "
+                            f"(each epoch calls it again), got {type(generator).__name__}")
+        if output_signature is None and output_types is not None:
+            output_signature = _signature_from_types(output_types, output_shapes)
+        if output_signature is not None:
+            for s in nest.flatten(output_signature):
+                if not isinstance(s, TensorSpec):
+                    raise TypeError(f"output_signature must be a structure of TensorSpec, "
+                                    f"found {s!r}")
+        self._generator = generator
+        self._args = tuple(args) if args is not None else ()
+        self._signature = output_signature
+
+    def _iter(self, ctx):
+        sig = self._signature
+        it = iter(self._generator(*self._args))
+        try:
+            if sig is None:
+                for element in it:
+                    yield st.normalize(element)
+                return
+            specs = nest.flatten(sig)
+            flatten, pack = st.make_plan(sig)
+            for index, element in enumerate(it):
+                yield _conform(element, sig, specs, flatten, pack, index)
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+
+    def _compute_spec(self):
+        if self._signature is not None:
+            return self._signature
+        return super()._compute_spec()
+
+
+def _conform(element, sig, specs, flatten, pack, index):
+    """``element`` as NumPy leaves matching ``sig``; a clear error otherwise."""
+    if isinstance(element, list) and type(sig) is tuple:
+        element = tuple(element)
+    try:
+        nest.assert_same_structure(sig, element)
+    except ValueError as e:
+        raise TypeError(f"from_generator: element {index} does not match output_signature: "
+                        f"expected the structure {sig}, got {element!r} ({e})") from None
+    leaves = flatten(element)
+    out = []
+    for c, (spec, value) in enumerate(zip(specs, leaves)):
+        arr = _as_dtype(value, spec.dtype)
+        if arr is None or not spec.is_compatible_with(arr):
+            got = TensorSpec.from_value(value)
+            where = f" component {c}" if len(specs) > 1 else ""
+            raise TypeError(
+                f"from_generator: element {index}{where} does not match output_signature: "
+                f"expected {spec}, got {got}")
+        out.append(arr)
+    return pack(out)
+
+
+def _as_dtype(value, dtype: np.dtype):
+    """``value`` converted to ``dtype`` when that loses nothing, else None."""
+    if dtype == STRING:
+        if isinstance(value, (bytes, str, np.bytes_, np.str_)):
+            return st.to_leaf(bytes(value) if isinstance(value, np.bytes_) else str(value)
+                              if isinstance(value, np.str_) else value)
+        if isinstance(value, list):
+            value = st.to_leaf(value)
+        if isinstance(value, np.ndarray) and value.dtype.kind in "OS":
+            return value.astype(object) if value.dtype.kind == "S" else value
+        return None
+    if isinstance(value, (np.ndarray, np.generic)):
+        if value.dtype == dtype:
+            return value
+        if np.can_cast(value.dtype, dtype, "safe"):
+            return value.astype(dtype)
+        return None
+    if isinstance(value, (bytes, str)):
+        return None
+    arr = np.asarray(value)
+    if arr.dtype.kind in "OUS":
+        return None
+    conv = np.asarray(value, dtype=dtype)
+    if arr.size and not np.array_equal(conv, arr):
+        return None  # the Python value does not fit the dtype (overflow, fraction)
+    return conv[()] if conv.ndim == 0 else conv

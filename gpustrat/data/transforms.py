@@ -1,0 +1,524 @@
+"""Transformations of one or more datasets (``batch``, ``map``, ``shuffle``, ...).
+
+Each class is one ``tf.data`` transformation with its semantics and cardinality rule.
+Words used below:
+    input: the dataset a transformation reads (``_input``), or several for ``zip`` and
+        ``concatenate``.
+    epoch (of a shuffle): the number of times this shuffle node has been iterated,
+        counted per node. The order of epoch ``e`` is drawn from a NumPy generator seeded
+        with ``(seed, e)``, so a fixed seed gives the same first-epoch order in every
+        process, and later epochs differ (unless ``reshuffle_each_iteration=False``,
+        which keeps epoch 0's order).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import os
+from typing import Any, Callable
+
+import numpy as np
+
+from gpustrat import nest
+from gpustrat.data import parallel
+from gpustrat.data import structure as st
+from gpustrat.data.dataset import (AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY,
+                                   Dataset, _check_positive, _IterContext,
+                                   autotune_parallelism)
+from gpustrat.data.options import Options
+from gpustrat.data.spec import TensorSpec, merge_specs, spec_of
+
+_INT64 = np.dtype(np.int64)
+
+
+def _close(it) -> None:
+    close = getattr(it, "close", None)
+    if close is not None:
+        close()
+
+
+class UnaryDataset(Dataset):
+    """A transformation of one input dataset."""
+
+    def __init__(self, input_dataset: Dataset):
+        if not isinstance(input_dataset, Dataset):
+            raise TypeError(f"expected a Dataset as input, got {type(input_dataset).__name__}")
+        self._input = input_dataset
+
+    def _inputs(self):
+        return (self._input,)
+
+    def _with_inputs(self, inputs):
+        new = copy.copy(self)
+        new._input = inputs[0]
+        new.__dict__.pop("_spec_cache", None)
+        return new
+
+    def _cardinality(self):
+        return self._input._cardinality()
+
+    def _compute_spec(self):
+        return self._input.element_spec
+
+
+class BatchDataset(UnaryDataset):
+    """``batch(b, drop_remainder)`` by stacking elements (sources that can slice fuse instead)."""
+
+    def __init__(self, input_dataset, batch_size: int, drop_remainder: bool):
+        super().__init__(input_dataset)
+        self._batch_size, self._drop = batch_size, drop_remainder
+
+    def _iter(self, ctx):
+        b = self._batch_size
+        it = self._input._iter(ctx)
+        try:
+            first = next(it, _MISSING)
+            if first is _MISSING:
+                return
+            flatten, pack = st.make_plan(first)
+            nleaves = len(flatten(first))
+            chunk = [first]
+            for element in itertools.chain(it, (_MISSING,)):
+                if element is not _MISSING:
+                    chunk.append(element)
+                    if len(chunk) < b:
+                        continue
+                elif not chunk or (self._drop and len(chunk) < b):
+                    return
+                if nleaves == 1 and not nest.is_nested(first):
+                    out = st.stack(chunk)
+                else:
+                    columns = zip(*[flatten(e) for e in chunk])
+                    out = pack([st.stack(list(c)) for c in columns])
+                chunk = []
+                yield out
+        finally:
+            _close(it)
+
+    def _cardinality(self):
+        n = self._input._cardinality()
+        if n < 0:
+            return n
+        return n // self._batch_size if self._drop else math.ceil(n / self._batch_size)
+
+    def _compute_spec(self):
+        dim = self._batch_size if self._drop else None
+        return nest.map_structure(lambda s: s._batched(dim), self._input.element_spec)
+
+
+_MISSING = object()
+
+
+class UnbatchDataset(UnaryDataset):
+    """``unbatch()``: every row of every element becomes an element."""
+
+    def _iter(self, ctx):
+        it = self._input._iter(ctx)
+        try:
+            flatten = pack = None
+            for element in it:
+                if not nest.is_nested(element):
+                    if np.ndim(element) == 0:
+                        raise ValueError("unbatch: element is a scalar; unbatching needs "
+                                         "a leading dimension")
+                    yield from element
+                    continue
+                if flatten is None:
+                    flatten, pack = st.make_plan(element)
+                leaves = flatten(element)
+                dims = [st.leading_dim(v) for v in leaves]
+                if len(set(dims)) != 1:
+                    raise ValueError(f"unbatch: components have different leading "
+                                     f"dimensions {dims}; they must all be equal")
+                for row in zip(*leaves):
+                    yield pack(row)
+        finally:
+            _close(it)
+
+    def _cardinality(self):
+        n = self._input._cardinality()
+        if n == INFINITE_CARDINALITY:
+            return n
+        spec = nest.flatten(self._input.element_spec) if n >= 0 else []
+        dims = {s.shape[0] for s in spec if s.shape}
+        if n >= 0 and len(dims) == 1 and None not in dims:
+            return n * dims.pop()
+        return 0 if n == 0 else UNKNOWN_CARDINALITY
+
+    def _compute_spec(self):
+        return nest.map_structure(lambda s: s._unbatched(), self._input.element_spec)
+
+
+def _resolve_parallelism(num_parallel_calls, what: str) -> int | None:
+    if num_parallel_calls is None:
+        return None
+    if num_parallel_calls == AUTOTUNE:
+        return autotune_parallelism()
+    n = _check_positive("num_parallel_calls", num_parallel_calls, what)
+    return n
+
+
+class MapDataset(UnaryDataset):
+    """``map(fn, num_parallel_calls, deterministic)``."""
+
+    def __init__(self, input_dataset, map_func: Callable, num_parallel_calls, deterministic):
+        super().__init__(input_dataset)
+        if not callable(map_func):
+            raise TypeError(f"map: map_func must be callable, got {type(map_func).__name__}")
+        self._fn = map_func
+        self._parallelism = _resolve_parallelism(num_parallel_calls, "map")
+        self._deterministic = deterministic
+
+    def _call(self, element):
+        out = st.call_with_element(self._fn, element)
+        return out if type(out) is np.ndarray else st.normalize(out)
+
+    def _iter(self, ctx):
+        it = self._input._iter(ctx)
+        call = self._call
+        if self._parallelism is None or self._parallelism == 1 or ctx.peek:
+            try:
+                for element in it:
+                    yield call(element)
+            finally:
+                _close(it)
+            return
+        deterministic = self._deterministic
+        if deterministic is None:
+            deterministic = self.options().deterministic is not False
+        yield from parallel.parallel_map(it, call, self._parallelism, deterministic)
+
+    def _compute_spec(self):
+        try:
+            return Dataset._compute_spec(self)  # a peek: the function decides the spec
+        except ValueError:
+            if self._input.cardinality() != 0:
+                raise
+        # Empty input: call the function once on zeros shaped like the input spec.
+        dummy = nest.map_structure(
+            lambda s: np.zeros([d or 0 for d in s.shape], s.dtype), self._input.element_spec)
+        return spec_of(self._call(dummy))
+
+
+class FilterDataset(UnaryDataset):
+    """``filter(predicate)``."""
+
+    def __init__(self, input_dataset, predicate: Callable):
+        super().__init__(input_dataset)
+        if not callable(predicate):
+            raise TypeError(f"filter: predicate must be callable, got {type(predicate).__name__}")
+        self._predicate = predicate
+
+    def _iter(self, ctx):
+        it = self._input._iter(ctx)
+        pred = self._predicate
+        try:
+            for element in it:
+                keep = st.call_with_element(pred, element)
+                if type(keep) is not bool:
+                    if np.ndim(keep) != 0:
+                        raise ValueError(f"filter: predicate must return a scalar boolean, "
+                                         f"got a value of shape {np.shape(keep)}")
+                    keep = bool(keep)
+                if keep:
+                    yield element
+        finally:
+            _close(it)
+
+    def _cardinality(self):
+        n = self._input._cardinality()
+        return 0 if n == 0 else UNKNOWN_CARDINALITY
+
+
+class ShuffleDataset(UnaryDataset):
+    """``shuffle(buffer_size, seed, reshuffle_each_iteration)`` with tf.data's buffer."""
+
+    def __init__(self, input_dataset, buffer_size: int, seed, reshuffle_each_iteration: bool):
+        super().__init__(input_dataset)
+        self._buffer_size = _check_positive("buffer_size", buffer_size, "shuffle")
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little")
+        elif isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"shuffle: seed must be a non-negative int or None, got {seed!r}")
+        self._seed = int(seed)
+        self._reshuffle = bool(reshuffle_each_iteration)
+        self._epochs = itertools.count()
+
+    def _with_inputs(self, inputs):
+        new = super()._with_inputs(inputs)
+        new._epochs = itertools.count()
+        return new
+
+    def _iter(self, ctx):
+        epoch = 0 if (ctx.peek or not self._reshuffle) else next(self._epochs)
+        rng = np.random.default_rng([self._seed, epoch])
+        it = self._input._iter(ctx)
+        try:
+            buf = list(itertools.islice(it, self._buffer_size))
+            exhausted = len(buf) < self._buffer_size
+            # Uniform draws in batches: one NumPy call per 1024 picks.
+            draws, k = rng.random(1024).tolist(), 0
+            while buf:
+                if k == 1024:
+                    draws, k = rng.random(1024).tolist(), 0
+                idx = int(draws[k] * len(buf))
+                k += 1
+                out = buf[idx]
+                nxt = _MISSING if exhausted else next(it, _MISSING)
+                if nxt is _MISSING:
+                    exhausted = True
+                    buf[idx] = buf[-1]
+                    buf.pop()
+                else:
+                    buf[idx] = nxt
+                yield out
+        finally:
+            _close(it)
+
+
+class RepeatDataset(UnaryDataset):
+    """``repeat(count)``: None or -1 repeats forever (an empty input stays empty)."""
+
+    def __init__(self, input_dataset, count):
+        super().__init__(input_dataset)
+        self._count = -1 if count is None else int(count)
+
+    def _iter(self, ctx):
+        passes = itertools.count() if self._count < 0 else range(self._count)
+        for _ in passes:
+            it = self._input._iter(ctx)
+            got = False
+            try:
+                for element in it:
+                    got = True
+                    yield element
+            finally:
+                _close(it)
+            if not got:
+                return
+
+    def _cardinality(self):
+        n = self._input._cardinality()
+        if self._count < 0:
+            return 0 if n == 0 else INFINITE_CARDINALITY
+        if self._count == 0:
+            return 0
+        if n < 0:
+            return n
+        return n * self._count
+
+
+class TakeDataset(UnaryDataset):
+    """``take(count)``: at most ``count`` elements; -1 takes all."""
+
+    def __init__(self, input_dataset, count):
+        super().__init__(input_dataset)
+        self._count = int(count)
+
+    def _iter(self, ctx):
+        it = self._input._iter(ctx)
+        try:
+            yield from (it if self._count < 0 else itertools.islice(it, self._count))
+        finally:
+            _close(it)
+
+    def _cardinality(self):
+        n = self._input._cardinality()
+        if self._count < 0:
+            return n
+        if n == UNKNOWN_CARDINALITY:
+            return n
+        if n == INFINITE_CARDINALITY:
+            return self._count
+        return min(n, self._count)
+
+
+class SkipDataset(UnaryDataset):
+    """``skip(count)``: drop the first ``count`` elements; -1 drops all."""
+
+    def __init__(self, input_dataset, count):
+        super().__init__(input_dataset)
+        self._count = int(count)
+
+    def _iter(self, ctx):
+        if self._count < 0:
+            return
+        it = self._input._iter(ctx)
+        try:
+            yield from itertools.islice(it, self._count, None)
+        finally:
+            _close(it)
+
+    def _cardinality(self):
+        n = self._input._cardinality()
+        if self._count < 0:
+            return 0
+        if n < 0:
+            return n
+        return max(0, n - self._count)
+
+
+class ShardDataset(UnaryDataset):
+    """``shard(num_shards, index)``: element i goes to shard ``i % num_shards``."""
+
+    def __init__(self, input_dataset, num_shards: int, index: int):
+        super().__init__(input_dataset)
+        self._num = _check_positive("num_shards", num_shards, "shard")
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            raise TypeError(f"shard: index must be an int, got {index!r}")
+        if not 0 <= index < self._num:
+            raise ValueError(f"shard: index {index} is out of range for {self._num} shards; "
+                             f"it must be in [0, {self._num})")
+        self._index = int(index)
+
+    def _iter(self, ctx):
+        it = self._input._iter(ctx)
+        try:
+            yield from itertools.islice(it, self._index, None, self._num)
+        finally:
+            _close(it)
+
+    def _cardinality(self):
+        n = self._input._cardinality()
+        if n < 0:
+            return n
+        return n // self._num + (1 if self._index < n % self._num else 0)
+
+
+class EnumerateDataset(UnaryDataset):
+    """``enumerate(start)``: ``(int64 counter, element)`` pairs."""
+
+    def __init__(self, input_dataset, start: int = 0):
+        super().__init__(input_dataset)
+        self._start = int(start)
+
+    def _iter(self, ctx):
+        it = self._input._iter(ctx)
+        try:
+            for i, element in zip(itertools.count(self._start), it):
+                yield np.int64(i), element
+        finally:
+            _close(it)
+
+    def _compute_spec(self):
+        return (TensorSpec((), _INT64), self._input.element_spec)
+
+
+class PrefetchDataset(UnaryDataset):
+    """``prefetch(n)``: a background thread keeps up to ``n`` elements ready."""
+
+    def __init__(self, input_dataset, buffer_size: int):
+        super().__init__(input_dataset)
+        if buffer_size == AUTOTUNE:
+            buffer_size = 2
+        if isinstance(buffer_size, bool) or not isinstance(buffer_size, (int, np.integer)) \
+                or buffer_size < 0:
+            raise ValueError(f"prefetch: buffer_size must be a non-negative int or AUTOTUNE, "
+                             f"got {buffer_size!r}")
+        self._buffer_size = int(buffer_size)
+
+    def _iter(self, ctx):
+        it = self._input._iter(ctx)
+        if self._buffer_size == 0 or ctx.peek:
+            return it
+        return parallel.prefetch(it, self._buffer_size)
+
+
+class OptionsDataset(UnaryDataset):
+    """``with_options(options)``: the input, with options attached."""
+
+    def __init__(self, input_dataset, options: Options):
+        super().__init__(input_dataset)
+        if not isinstance(options, Options):
+            raise TypeError(f"with_options needs an Options object, got {type(options).__name__}")
+        self._own_options = options
+
+    def _iter(self, ctx):
+        return self._input._iter(ctx)
+
+
+class ZipDataset(Dataset):
+    """``Dataset.zip(structure of datasets)``: stops at the shortest input."""
+
+    def __init__(self, structure: Any):
+        flat = nest.flatten(structure)
+        if not flat:
+            raise ValueError("zip needs at least one dataset")
+        for d in flat:
+            if not isinstance(d, Dataset):
+                raise TypeError(f"zip takes a (nested) structure of Datasets, found "
+                                f"{type(d).__name__}")
+        self._structure = structure
+        self._datasets = tuple(flat)
+
+    def _inputs(self):
+        return self._datasets
+
+    def _with_inputs(self, inputs):
+        return ZipDataset(nest.pack_sequence_as(self._structure, list(inputs)))
+
+    def _iter(self, ctx):
+        its = [d._iter(ctx) for d in self._datasets]
+        try:
+            if nest.is_nested(self._structure):
+                structure = self._structure
+                _, pack = st.make_plan(structure)
+                for row in zip(*its):
+                    yield pack(row)
+            else:
+                yield from its[0]
+        finally:
+            for it in its:
+                _close(it)
+
+    def _cardinality(self):
+        ns = [d._cardinality() for d in self._datasets]
+        if UNKNOWN_CARDINALITY in ns:
+            return UNKNOWN_CARDINALITY
+        finite = [n for n in ns if n >= 0]
+        return min(finite) if finite else INFINITE_CARDINALITY
+
+    def _compute_spec(self):
+        return nest.map_structure(lambda d: d.element_spec, self._structure)
+
+
+class ConcatenateDataset(Dataset):
+    """``a.concatenate(b)``."""
+
+    def __init__(self, first: Dataset, second: Dataset):
+        if not isinstance(second, Dataset):
+            raise TypeError(f"concatenate needs a Dataset, got {type(second).__name__}")
+        self._first, self._second = first, second
+
+    def _inputs(self):
+        return (self._first, self._second)
+
+    def _with_inputs(self, inputs):
+        return ConcatenateDataset(*inputs)
+
+    def _iter(self, ctx):
+        for d in (self._first, self._second):
+            it = d._iter(ctx)
+            try:
+                yield from it
+            finally:
+                _close(it)
+
+    def _cardinality(self):
+        a, b = self._first._cardinality(), self._second._cardinality()
+        if INFINITE_CARDINALITY in (a, b):
+            return INFINITE_CARDINALITY
+        if UNKNOWN_CARDINALITY in (a, b):
+            return UNKNOWN_CARDINALITY
+        return a + b
+
+    def _compute_spec(self):
+        a, b = self._first.element_spec, self._second.element_spec
+        try:
+            return merge_specs(a, b)
+        except TypeError as e:
+            raise TypeError(f"concatenate: the datasets' element specs are incompatible: "
+                            f"{a} vs {b} ({e})") from None
+
