@@ -15,3 +15,9 @@ class CollectiveMismatch(RuntimeError):
     """Workers issued different collectives at the same point (different op, shape or
     dtype, or one rank skipped a call). Raised on every rank, only in the debug mode
     that ``GPUSTRAT_DEBUG_COLLECTIVES=1`` turns on."""
+
+
+class OutOfRangeError(StopIteration):
+    """``get_next()`` past the end of a distributed dataset (``tf.errors.OutOfRangeError``).
+
+    A StopIteration, so that ``except StopIteration`` catches it too."""

@@ -1,0 +1,340 @@
+"""Distributed input: datasets whose elements are per-replica values (SPEC, Distributed
+input, Partial batches, Iterators).
+
+Words:
+- *global batch*: one element of the user's dataset; it is cut over every replica in
+  sync (:mod:`gpustrat.distribute.splitting`).
+- *step*: what one ``next()`` yields: one piece per local replica, as per-replica values.
+- *auto-shard policy*: how workers share the data (DATA, FILE, OFF; AUTO picks FILE for
+  file-reading pipelines, else DATA).
+
+The pipeline of one epoch, per worker:
+    dataset (sharded by files under FILE) -> prefetch(num_replicas_in_sync)
+    -> cut into pieces, this worker's share -> end-of-data agreement between workers
+    -> placement on the replicas' devices (background thread for GPUs) -> per-replica values
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any, Callable
+
+from gpustrat import nest
+from gpustrat.distribute import end_of_data
+from gpustrat.distribute.placement import Placer
+from gpustrat.distribute.splitting import Splitter, deal_steps
+from gpustrat.errors import OutOfRangeError
+from gpustrat.values import PerReplica
+
+log = logging.getLogger("gpustrat")
+
+
+class InputReplicationMode(enum.Enum):
+    PER_WORKER = "PER_WORKER"
+    PER_REPLICA = "PER_REPLICA"
+
+
+class InputOptions:
+    """Options for distributed input, as ``tf.distribute.InputOptions``.
+
+    Args:
+        experimental_fetch_to_device: place each piece on its replica's device before
+            ``run`` sees it (default True). False leaves pieces in host memory.
+        experimental_per_replica_buffer_size: steps placed ahead on the devices by the
+            background prefetcher (GPU devices; default 1).
+        experimental_replication_mode: PER_WORKER (one input pipeline per worker, the
+            only mode implemented; PER_REPLICA raises).
+        experimental_place_dataset_on_device: accepted for compatibility; must be False.
+    """
+
+    def __init__(self, experimental_fetch_to_device: bool = True,
+                 experimental_replication_mode=InputReplicationMode.PER_WORKER,
+                 experimental_place_dataset_on_device: bool = False,
+                 experimental_per_replica_buffer_size: int = 1):
+        if experimental_per_replica_buffer_size < 1:
+            raise ValueError("experimental_per_replica_buffer_size must be at least 1, got "
+                             f"{experimental_per_replica_buffer_size}")
+        if InputReplicationMode(experimental_replication_mode) is not \
+                InputReplicationMode.PER_WORKER:
+            raise ValueError("only InputReplicationMode.PER_WORKER is supported: one input "
+                             "pipeline per worker")
+        if experimental_place_dataset_on_device:
+            raise ValueError("experimental_place_dataset_on_device=True is not supported: "
+                             "gpustrat pipelines run on the host and place pieces on devices")
+        self.experimental_fetch_to_device = bool(experimental_fetch_to_device)
+        self.experimental_replication_mode = InputReplicationMode(experimental_replication_mode)
+        self.experimental_place_dataset_on_device = False
+        self.experimental_per_replica_buffer_size = int(experimental_per_replica_buffer_size)
+
+    def __repr__(self) -> str:
+        return (f"InputOptions(experimental_fetch_to_device={self.experimental_fetch_to_device}, "
+                f"experimental_per_replica_buffer_size={self.experimental_per_replica_buffer_size})")
+
+
+class InputContext:
+    """What ``distribute_datasets_from_function``'s ``dataset_fn`` is told."""
+
+    def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0,
+                 num_replicas_in_sync: int = 1):
+        self.num_input_pipelines = num_input_pipelines
+        self.input_pipeline_id = input_pipeline_id
+        self.num_replicas_in_sync = num_replicas_in_sync
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """``global_batch_size / num_replicas_in_sync``.
+
+        Raises:
+            ValueError: the global batch size does not divide evenly.
+        """
+        if global_batch_size % self.num_replicas_in_sync:
+            raise ValueError(
+                f"the global batch size ({global_batch_size}) is not divisible by "
+                f"num_replicas_in_sync ({self.num_replicas_in_sync}); choose a multiple of "
+                f"{self.num_replicas_in_sync}")
+        return global_batch_size // self.num_replicas_in_sync
+
+    def __repr__(self) -> str:
+        return (f"InputContext(num_input_pipelines={self.num_input_pipelines}, "
+                f"input_pipeline_id={self.input_pipeline_id}, "
+                f"num_replicas_in_sync={self.num_replicas_in_sync})")
+
+
+class Optional:
+    """What ``get_next_as_optional`` returns: a value, or none at the end of data."""
+
+    def __init__(self, value: Any = None, has_value: bool = False):
+        self._value, self._has = value, has_value
+
+    def has_value(self) -> bool:
+        return self._has
+
+    def get_value(self) -> Any:
+        if not self._has:
+            raise OutOfRangeError("the optional has no value: the distributed dataset ended")
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"Optional({self._value!r})" if self._has else "Optional(None)"
+
+
+_TRANSFORMS = ("map", "batch", "unbatch", "filter", "shuffle", "repeat", "take", "skip",
+               "shard", "enumerate", "zip", "concatenate", "interleave", "prefetch",
+               "with_options", "cache", "padded_batch", "rebatch", "flat_map", "apply")
+
+
+class _DistributedBase:
+    """What the two kinds of distributed dataset share: iteration and no transforms."""
+
+    def __getattr__(self, name: str):
+        if name in _TRANSFORMS:
+            raise AttributeError(
+                f"a distributed dataset cannot be transformed further ({name!r}): apply "
+                f"{name} to the dataset before distributing it; a distributed dataset can only "
+                "be iterated or asked for its element_spec")
+        raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+
+    def __iter__(self) -> "DistributedIterator":
+        return DistributedIterator(self._strategy, self._epoch_steps(), self._options,
+                                   self.element_spec, self._stats)
+
+
+def _per_replica_spec(dataset) -> Any:
+    from gpustrat.data.spec import TensorSpec  # noqa: PLC0415
+    spec = getattr(dataset, "element_spec", None)
+    if spec is None:
+        return None
+    return nest.map_structure(
+        lambda s: TensorSpec((None,) + tuple(s.shape[1:]), s.dtype) if len(s.shape) else s, spec)
+
+
+class DistributedDataset(_DistributedBase):
+    """``strategy.experimental_distribute_dataset(dataset)``: each global batch cut over
+    every replica in sync. Iterable once per epoch, any number of times."""
+
+    def __init__(self, strategy, dataset, options: InputOptions | None = None):
+        from gpustrat.data import AutoShardPolicy, autoshard  # noqa: PLC0415
+        self._strategy = strategy
+        self._options = options or InputOptions()
+        self._stats = end_of_data.Agreement()
+        _check_batched_spec(dataset)
+        workers = strategy.workers
+        policy = AutoShardPolicy.OFF if workers.size == 1 else \
+            dataset.options().experimental_distribute.auto_shard_policy
+        if policy is AutoShardPolicy.AUTO:
+            policy = AutoShardPolicy.FILE if autoshard.reads_files(dataset) else AutoShardPolicy.DATA
+            if workers.rank == 0:
+                log.info("auto-shard policy AUTO chose %s (the dataset %s files)", policy.name,
+                         "reads" if policy is AutoShardPolicy.FILE else "reads no")
+        if policy is AutoShardPolicy.FILE:
+            # Every rank runs the same check, so a too-few-files error is raised on all.
+            dataset = autoshard.shard_files(dataset, workers.size, workers.rank)
+        self.auto_shard_policy = policy
+        self._stream = policy in (AutoShardPolicy.FILE, AutoShardPolicy.OFF)
+        self._needs_agreement = policy is AutoShardPolicy.FILE
+        self._dataset = dataset.prefetch(strategy.num_replicas_in_sync)
+        self.element_spec = _per_replica_spec(dataset)
+
+    def _steps_per_epoch(self) -> int | None:
+        card = self._dataset.cardinality()
+        if card < 0:
+            return None
+        return card * (self._strategy.num_workers if self._stream else 1)
+
+    def cardinality(self) -> int:
+        """Steps per epoch on this worker, or -1 (infinite) / -2 (unknown)."""
+        card = self._dataset.cardinality()
+        if card < 0 or (self._needs_agreement and self._strategy.num_workers > 1):
+            return card if card < 0 else -2
+        return self._steps_per_epoch()
+
+    def __len__(self) -> int:
+        n = self.cardinality()
+        if n < 0:
+            raise TypeError("the number of steps of this distributed dataset is "
+                            f"{'infinite' if n == -1 else 'unknown'}")
+        return n
+
+    def _epoch_steps(self):
+        s = self._strategy
+        local, workers = len(s.local_devices), s.workers
+        splitter = Splitter(s.num_replicas_in_sync)
+        steps = deal_steps(iter(self._dataset), splitter, workers.rank, workers.size, local,
+                           self._stream)
+        if not self._needs_agreement or workers.size == 1:
+            return steps
+        return end_of_data.agreed_steps(steps, workers, local, self._steps_per_epoch(),
+                                        splitter.empty_like, self._stats)
+
+
+class DistributedDatasetsFromFunction(_DistributedBase):
+    """``strategy.distribute_datasets_from_function(dataset_fn)``: one pipeline per
+    worker, already batched per replica; local replicas take its batches in turn."""
+
+    def __init__(self, strategy, dataset_fn: Callable, options: InputOptions | None = None):
+        self._strategy = strategy
+        self._options = options or InputOptions()
+        self._stats = end_of_data.Agreement()
+        workers = strategy.workers
+        ctx = InputContext(workers.size, workers.rank, strategy.num_replicas_in_sync)
+        self.input_context = ctx
+        self._dataset = dataset_fn(ctx)
+        if not hasattr(self._dataset, "__iter__"):
+            raise TypeError(f"dataset_fn must return a dataset, got "
+                            f"{type(self._dataset).__name__}")
+        _check_batched_spec(self._dataset, "distribute_datasets_from_function")
+        self.element_spec = _per_replica_spec(self._dataset)
+
+    def _steps_per_epoch(self) -> int | None:
+        card = self._dataset.cardinality() if hasattr(self._dataset, "cardinality") else -2
+        if card < 0:
+            return None
+        local = len(self._strategy.local_devices)
+        return -(-card // local)
+
+    def cardinality(self) -> int:
+        n = self._steps_per_epoch()
+        if n is None:
+            return self._dataset.cardinality() if hasattr(self._dataset, "cardinality") else -2
+        return n if self._strategy.num_workers == 1 else -2
+
+    def _epoch_steps(self):
+        s = self._strategy
+        local, workers = len(s.local_devices), s.workers
+        splitter = Splitter(1, "distribute_datasets_from_function")
+        steps = _take_in_turn(iter(self._dataset), local, splitter)
+        if workers.size == 1:
+            return steps
+        return end_of_data.agreed_steps(steps, workers, local, self._steps_per_epoch(),
+                                        splitter.empty_like, self._stats)
+
+
+def _take_in_turn(batches, local: int, splitter: Splitter):
+    """Replica 0 takes the first batch, replica 1 the second, ...; at the end of the
+    data the replicas left over get empty batches."""
+    while True:
+        step = []
+        for _ in range(local):
+            b = next(batches, None)
+            if b is None:
+                break
+            splitter.rows(splitter.flatten(b))  # a clear error for unbatched data
+            step.append(b)
+        if not step:
+            return
+        while len(step) < local:
+            step.append(splitter.empty_like(step[0]))
+        yield step
+
+
+def _check_batched_spec(dataset, what: str = "experimental_distribute_dataset") -> None:
+    spec = getattr(dataset, "element_spec", None)
+    if spec is None:
+        return
+    for s in nest.flatten(spec):
+        shape = getattr(s, "shape", None)
+        if shape is not None and len(shape) == 0:
+            raise ValueError(
+                f"{what} needs a dataset batched by the "
+                f"{'global' if what.startswith('experimental') else 'per-replica'} batch size, "
+                f"but its elements have scalar components (element_spec {spec}); call "
+                ".batch(batch_size) before distributing it")
+
+
+class DistributedIterator:
+    """Iterator over a distributed dataset: ``next``/``get_next`` raise at the end,
+    ``get_next_as_optional`` returns an :class:`Optional`."""
+
+    def __init__(self, strategy, steps, options: InputOptions, element_spec, stats):
+        self._strategy = strategy
+        self.element_spec = element_spec
+        self._stats = stats
+        self._placer = Placer(strategy.local_devices, steps,
+                              fetch_to_device=options.experimental_fetch_to_device,
+                              buffer_size=options.experimental_per_replica_buffer_size)
+        self._single = len(strategy.local_devices) == 1
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        step = self._placer.next()  # raises StopIteration at the end
+        if self._single:
+            return step[0]
+        return _regroup_pieces(step)
+
+    def get_next(self):
+        """The next step; raises :class:`gpustrat.errors.OutOfRangeError` at the end."""
+        try:
+            return self.__next__()
+        except StopIteration:
+            raise OutOfRangeError("end of the distributed dataset") from None
+
+    def get_next_as_optional(self) -> Optional:
+        try:
+            return Optional(self.__next__(), True)
+        except StopIteration:
+            return Optional()
+
+    @property
+    def agreement_collectives(self) -> int:
+        """Collectives between workers this dataset's epochs have spent agreeing on the
+        end of data (see :mod:`gpustrat.distribute.end_of_data`)."""
+        return self._stats.collectives
+
+    def close(self) -> None:
+        self._placer.close()
+
+    def __del__(self):
+        try:
+            self._placer.close()
+        except Exception:
+            pass
+
+
+def _regroup_pieces(step: list) -> Any:
+    first = step[0]
+    if not nest.is_nested(first):
+        return PerReplica(step)
+    flats = [nest.flatten(p) for p in step]
+    return nest.pack_sequence_as(first, [PerReplica(col) for col in zip(*flats)])

@@ -1,0 +1,105 @@
+"""Cutting global batches into per-replica pieces (SPEC, splitting rule).
+
+A batch of ``n`` rows on ``N`` replicas is cut, in order, into pieces of ``ceil(n/N)``
+rows; replicas past the end of the data get an empty piece (zero rows, same trailing
+shape and dtype). Every leaf of a nested element is cut at the same row boundaries.
+On host arrays and contiguous device arrays a piece is a view: no copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from gpustrat import nest
+from gpustrat.kernels.split import split_sizes
+
+
+class NotBatchedError(ValueError):
+    pass
+
+
+class Splitter:
+    """Cuts elements of one fixed structure; the flatten plan is worked out once."""
+
+    def __init__(self, num_pieces: int, what: str = "experimental_distribute_dataset"):
+        self.num_pieces = num_pieces
+        self._what = what
+        self._structure = None
+        self._single = False
+
+    def rows(self, flat: list) -> int:
+        n = None
+        for leaf in flat:
+            shape = getattr(leaf, "shape", None)
+            if shape is None or len(shape) == 0:
+                raise NotBatchedError(
+                    f"{self._what} needs a dataset batched by the global batch size, but an "
+                    f"element has a scalar component ({leaf!r}); call "
+                    "dataset.batch(global_batch_size) before distributing it")
+            if n is None:
+                n = shape[0]
+            elif shape[0] != n:
+                raise ValueError(f"the components of a batch have different numbers of rows "
+                                 f"({n} and {shape[0]}); every component of a batch must have "
+                                 "the same leading (batch) dimension")
+        return n
+
+    def flatten(self, element: Any) -> list:
+        if self._structure is None:
+            self._structure = element
+            self._single = not nest.is_nested(element)
+        return [element] if self._single else nest.flatten(element)
+
+    def pack(self, flat: list) -> Any:
+        return flat[0] if self._single else nest.pack_sequence_as(self._structure, flat)
+
+    def pieces(self, element: Any) -> list:
+        """All ``num_pieces`` pieces of ``element``, in replica order."""
+        flat = self.flatten(element)
+        n = self.rows(flat)
+        out = []
+        start = 0
+        for size in split_sizes(n, self.num_pieces):
+            stop = start + size
+            out.append(self.pack([leaf[start:stop] for leaf in flat]))
+            start = stop
+        return out
+
+    def pieces_range(self, element: Any, first: int, count: int) -> list:
+        """Pieces ``first .. first+count-1`` only (a worker's share under DATA)."""
+        flat = self.flatten(element)
+        n = self.rows(flat)
+        sizes = split_sizes(n, self.num_pieces)
+        start = sum(sizes[:first])
+        out = []
+        for size in sizes[first:first + count]:
+            stop = start + size
+            out.append(self.pack([leaf[start:stop] for leaf in flat]))
+            start = stop
+        return out
+
+    def empty_like(self, element: Any) -> Any:
+        """A zero-row piece with ``element``'s structure, trailing shapes and dtypes."""
+        flat = self.flatten(element)
+        return self.pack([leaf[:0] for leaf in flat])
+
+
+def deal_steps(batches: Iterator, splitter: Splitter, worker: int, num_workers: int,
+               local: int, stream: bool) -> Iterator[list]:
+    """Yield one list of ``local`` pieces per step.
+
+    ``stream=False`` (DATA, or one worker): worker ``w`` takes pieces
+    ``w*local .. (w+1)*local - 1`` of every global batch, so each step is one global
+    batch over all replicas in sync. ``stream=True`` (FILE and OFF across workers): each
+    worker cuts its own batches into ``N`` pieces and its replicas take them ``local``
+    at a time, ``num_workers`` steps per batch.
+    """
+    if not stream or num_workers == 1:
+        first = worker * local
+        for batch in batches:
+            yield splitter.pieces_range(batch, first, local)
+        return
+    for batch in batches:
+        pieces = splitter.pieces(batch)
+        for s in range(num_workers):
+            yield pieces[s * local:(s + 1) * local]
