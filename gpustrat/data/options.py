@@ -43,7 +43,12 @@ class _OptionsBase:
         object.__setattr__(self, "_set", {})
 
     def __getattr__(self, name):
-        # Only reached for fields that were never set.
+        # Reached for every field: values live in _set, not in the instance dict.
+        if name.startswith("__") or name == "_set":
+            raise AttributeError(name)
+        stored = self._set
+        if name in stored:
+            return stored[name]
         defaults = type(self)._defaults
         if name in defaults:
             value = defaults[name]
@@ -130,7 +135,7 @@ class Options(_OptionsBase):
                  "deterministic": None}
 
     def __getattr__(self, name):
-        if name == "experimental_distribute":
+        if name == "experimental_distribute" and name not in self._set:
             # Hand out a stored object so that `opts.experimental_distribute.x = ...`
             # sticks, as in tf.data.
             value = DistributeOptions()

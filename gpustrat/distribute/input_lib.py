@@ -139,9 +139,18 @@ class _DistributedBase:
                                    self.element_spec, self._stats)
 
 
+def _spec_or_none(dataset) -> Any:
+    """The dataset's element_spec, or None where it cannot be known (an empty dataset
+    whose spec comes from looking at an element)."""
+    try:
+        return getattr(dataset, "element_spec", None)
+    except ValueError:
+        return None
+
+
 def _per_replica_spec(dataset) -> Any:
     from gpustrat.data.spec import TensorSpec  # noqa: PLC0415
-    spec = getattr(dataset, "element_spec", None)
+    spec = _spec_or_none(dataset)
     if spec is None:
         return None
     return nest.map_structure(
@@ -268,7 +277,7 @@ def _take_in_turn(batches, local: int, splitter: Splitter):
 
 
 def _check_batched_spec(dataset, what: str = "experimental_distribute_dataset") -> None:
-    spec = getattr(dataset, "element_spec", None)
+    spec = _spec_or_none(dataset)
     if spec is None:
         return
     for s in nest.flatten(spec):

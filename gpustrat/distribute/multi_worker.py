@@ -1,0 +1,61 @@
+"""MultiWorkerMirroredStrategy: every MPI rank is a worker with one or more replicas.
+
+Launch with ``mpirun -n W python train.py``. MPI is initialised when the strategy is
+created, never at import. Every method spans all workers: ``num_replicas_in_sync``
+counts every replica, collectives inside ``run`` reach every replica of every worker,
+``reduce`` and ``gather`` go across workers, ``experimental_local_results`` stays local.
+Distributed input shards over workers by the dataset's auto-shard policy (see
+:mod:`gpustrat.distribute.input_lib`).
+"""
+
+from __future__ import annotations
+
+from gpustrat.collectives.base import Communicator
+from gpustrat.collectives.select import make_communicator
+from gpustrat.devices import Device, gpu_count, resolve_devices
+from gpustrat.distribute.strategy import Strategy
+
+
+class MultiWorkerMirroredStrategy(Strategy):
+    """Synchronous data parallelism over MPI workers.
+
+    Args:
+        devices: this worker's local devices (e.g. ``["cpu:0", "cpu:1"]`` for two
+            replicas per worker). Default: the GPU whose index is this worker's
+            node-local rank (ranks of one node found with a shared-memory split), else
+            ``cpu:0``. Every worker must hold the same number of devices.
+        communicator: an mpi4py communicator whose ranks are the workers (default
+            ``COMM_WORLD``); the strategy works on its own duplicate, so several
+            strategies coexist in one process.
+        collectives: a Communicator to use instead of the default (for tests).
+
+    Raises:
+        ValueError: workers hold different numbers of devices (raised on every rank).
+    """
+
+    def __init__(self, devices=None, communicator=None,
+                 collectives: Communicator | None = None):
+        from gpustrat.collectives.mpi import MpiWorkerGroup  # noqa: PLC0415 - inits MPI
+        from gpustrat.distribute.failures import install_abort_on_error  # noqa: PLC0415
+        workers = MpiWorkerGroup(communicator)
+        if devices is None:
+            n = gpu_count()
+            local = workers.node_local_rank()
+            if n and local >= n:
+                raise ValueError(
+                    f"worker {workers.rank} is node-local rank {local} but its node has only "
+                    f"{n} GPU(s): launch at most {n} ranks per node, or pass devices=")
+            devs = [Device("gpu", local)] if n else [Device("cpu", 0)]
+        else:
+            devs = resolve_devices(devices)
+        counts = workers.allgather(len(devs))
+        if len(set(counts)) != 1:
+            raise ValueError(f"workers hold different numbers of devices ({counts}, by rank); "
+                             "every worker must hold the same number of local replicas")
+        install_abort_on_error(workers)
+        comm = collectives or make_communicator(devs, workers)
+        super().__init__(devs, comm, workers)
+
+    def close(self) -> None:
+        super().close()
+        self.workers.close()

@@ -1,0 +1,264 @@
+"""MultiWorkerMirroredStrategy under ``mpiexec -n 2/3/4``: SPEC's multi-worker examples,
+auto-shard policies, end-of-data agreement, exactly-once delivery, cross-worker
+collectives and failure behaviour. Each child checks exact values and prints one line."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for mpi_util
+from mpi_util import assert_mpi_ok, format_result, run_mpi  # noqa: E402
+
+pytestmark = pytest.mark.mpi
+
+PRELUDE = r"""
+import os, tempfile
+import numpy as np
+import gpustrat as gs
+from gpustrat.data import Dataset, Options, AutoShardPolicy, TextLineDataset
+
+def with_policy(ds, policy):
+    o = Options()
+    o.experimental_distribute.auto_shard_policy = policy
+    return ds.with_options(o)
+
+def steps_of(strategy, dist):
+    out = []
+    for x in dist:
+        out.append([[int(v) for v in np.asarray(p).reshape(-1)]
+                    for p in strategy.experimental_local_results(x)])
+    return out
+
+def write_files(tmp, contents):
+    paths = []
+    for i, rows in enumerate(contents):
+        p = os.path.join(tmp, f"part-{i:03d}.txt")
+        with open(p, "w") as f:
+            f.write("".join(f"{v}\n" for v in rows))
+        paths.append(p)
+    return paths
+
+def text_files(pattern):
+    return (Dataset.list_files(pattern, shuffle=False)
+            .interleave(TextLineDataset, cycle_length=1)
+            .map(lambda line: np.int64(int(line))))
+"""
+
+SPEC_EXAMPLES = PRELUDE + r"""
+s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+W, r = s.num_workers, s.worker_index
+assert W == 2 and s.num_replicas_in_sync == 2
+D = AutoShardPolicy.DATA
+
+# Seed DATA example: 12 elements, global batch 4.
+got = steps_of(s, s.experimental_distribute_dataset(with_policy(Dataset.range(12).batch(4), D)))
+assert got == ([[[0, 1]], [[4, 5]], [[8, 9]]] if r == 0 else [[[2, 3]], [[6, 7]], [[10, 11]]]), got
+# AUTO on a dataset reading no files is DATA.
+got = steps_of(s, s.experimental_distribute_dataset(Dataset.range(12).batch(4)))
+assert got == ([[[0, 1]], [[4, 5]], [[8, 9]]] if r == 0 else [[[2, 3]], [[6, 7]], [[10, 11]]]), got
+# TensorFlow's own tests.
+got = steps_of(s, s.experimental_distribute_dataset(with_policy(Dataset.range(8).batch(3), D)))
+assert got == ([[[0, 1]], [[3, 4]], [[6]]] if r == 0 else [[[2]], [[5]], [[7]]]), got
+got = steps_of(s, s.experimental_distribute_dataset(with_policy(Dataset.range(9).batch(2), D)))
+assert got == ([[[0]], [[2]], [[4]], [[6]], [[8]]] if r == 0 else [[[1]], [[3]], [[5]], [[7]], [[]]]), got
+# OFF: every worker reads everything.
+got = steps_of(s, s.experimental_distribute_dataset(
+    with_policy(Dataset.range(12).batch(4), AutoShardPolicy.OFF)))
+assert got == [[[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]], [[8, 9]], [[10, 11]]], got
+
+# Seed FILE example: file 1 holds 0..5, file 2 holds 6..11 (AUTO picks FILE).
+tmp = tempfile.mkdtemp(prefix=f"gs-file-{r}-")
+write_files(tmp, [range(0, 6), range(6, 12)])
+dist = s.experimental_distribute_dataset(text_files(os.path.join(tmp, "*.txt")).batch(4))
+assert dist.auto_shard_policy == AutoShardPolicy.FILE
+got = steps_of(s, dist)
+assert got == ([[[0, 1]], [[2, 3]], [[4]], [[5]]] if r == 0 else [[[6, 7]], [[8, 9]], [[10]], [[11]]]), got
+
+# Uneven files: worker 1's data ends first; it yields empty pieces until worker 0 ends.
+tmp2 = tempfile.mkdtemp(prefix=f"gs-uneven-{r}-")
+write_files(tmp2, [range(0, 10), range(10, 12)])
+it = iter(s.experimental_distribute_dataset(text_files(os.path.join(tmp2, "*.txt")).batch(4)))
+got = []
+while True:
+    o = it.get_next_as_optional()
+    if not o.has_value():
+        break
+    got.append([int(v) for v in np.asarray(o.get_value())])
+assert got == ([[0, 1], [2, 3], [4, 5], [6, 7], [8], [9]] if r == 0 else
+               [[10], [11], [], [], [], []]), got
+# Unknown step counts: agreement in blocks 1, 2, 4, ...: far fewer collectives than steps.
+assert 1 <= it.agreement_collectives <= 5, it.agreement_collectives
+
+# Too few files for FILE: the same clear error on every rank.
+tmp3 = tempfile.mkdtemp(prefix=f"gs-one-{r}-")
+write_files(tmp3, [range(4)])
+try:
+    s.experimental_distribute_dataset(
+        with_policy(text_files(os.path.join(tmp3, "*.txt")).batch(2), AutoShardPolicy.FILE))
+except ValueError as e:
+    assert "1" in str(e) and "2" in str(e) and "DATA" in str(e), str(e)
+else:
+    raise AssertionError("fewer files than workers must raise")
+
+# distribute_datasets_from_function: one pipeline per worker.
+dd = s.distribute_datasets_from_function(
+    lambda ctx: Dataset.range(10).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+    .batch(ctx.get_per_replica_batch_size(4)))
+assert dd.input_context.num_input_pipelines == 2 and dd.input_context.input_pipeline_id == r
+got = steps_of(s, dd)
+assert got == ([[[0, 2]], [[4, 6]], [[8]]] if r == 0 else [[[1, 3]], [[5, 7]], [[9]]]), got
+print(f"OK rank {r}", flush=True)
+"""
+
+
+def test_spec_multi_worker_examples():
+    out = assert_mpi_ok(2, SPEC_EXAMPLES, timeout=120)
+    assert out.count("OK rank") == 2
+
+
+SEVERAL_REPLICAS = PRELUDE + r"""
+s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"])
+W, r = s.num_workers, s.worker_index
+N = s.num_replicas_in_sync
+assert N == 2 * W
+# Partial batches with two replicas per worker, DATA: a step is one global batch.
+data = Dataset.range(11).batch(2 * W + 1)
+got = steps_of(s, s.experimental_distribute_dataset(data))
+expected = []
+for start in range(0, 11, 2 * W + 1):
+    batch = list(range(start, min(11, start + 2 * W + 1)))
+    per = -(-len(batch) // N)
+    pieces = [batch[i * per:(i + 1) * per] for i in range(N)]
+    expected.append(pieces[2 * r:2 * r + 2])
+assert got == expected, (got, expected)
+
+# Cross-worker collectives inside run reach every replica of every worker.
+def step(x):
+    ctx = gs.get_replica_context()
+    total = ctx.all_reduce("sum", np.float64(ctx.replica_id_in_sync_group))
+    ids = ctx.all_gather(np.array([ctx.replica_id_in_sync_group]), axis=0)
+    return total, ids, x * 2.0
+for x in s.experimental_distribute_dataset(Dataset.range(4 * W).batch(2 * W)):
+    total, ids, doubled = s.run(step, args=(x,))
+    for t in s.experimental_local_results(total):
+        assert float(t) == sum(range(N))
+    for g in s.experimental_local_results(ids):
+        assert list(g) == list(range(N))
+    # reduce and gather across workers: the whole global batch.
+    full = s.gather(x, axis=0)
+    assert list(full) == list(range(full[0], full[0] + 2 * W))  # the whole global batch
+    np.testing.assert_array_equal(s.gather(doubled, axis=0), 2.0 * full)
+    assert float(s.reduce("sum", doubled, axis=0)) == 2.0 * float(full.sum())
+    assert float(s.reduce("mean", doubled, axis=0)) == 2.0 * float(full.mean())
+
+# SPEC's last-step reduce with an uneven, partly empty global batch over all workers.
+last = s.experimental_distribute_dataset(Dataset.range(3).batch(3))
+for x in last:
+    doubled = s.run(lambda v: v * 2.0, args=(x,))
+    assert float(s.reduce("sum", doubled, axis=0)) == 6.0
+    assert float(s.reduce("mean", doubled, axis=0)) == 2.0
+    assert list(s.gather(doubled, axis=0)) == [0.0, 2.0, 4.0]
+
+# DATA costs no agreement collectives at all.
+it = iter(s.experimental_distribute_dataset(Dataset.range(40).batch(4)))
+n_steps = sum(1 for _ in it)
+assert n_steps == 10 and it.agreement_collectives == 0
+print(f"OK rank {r}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_several_replicas_per_worker(n):
+    out = assert_mpi_ok(n, SEVERAL_REPLICAS, timeout=150)
+    assert out.count("OK rank") == n
+
+
+EXACTLY_ONCE = PRELUDE + r"""
+import random
+s = gs.MultiWorkerMirroredStrategy(devices=[f"cpu:{i}" for i in range(int(os.environ["LOCAL"]))])
+W, r = s.num_workers, s.worker_index
+g = s.workers
+rng = random.Random(1234)          # the same cases on every rank
+for case in range(12):
+    size = rng.randint(0, 40)
+    batch = rng.randint(1, 9)
+    drop = rng.random() < 0.3
+    policy = rng.choice(["DATA", "FILE"])
+    if policy == "DATA":
+        ds = with_policy(Dataset.range(size).batch(batch, drop_remainder=drop), AutoShardPolicy.DATA)
+        expected = list(range((size // batch) * batch if drop else size))
+    else:
+        nfiles = rng.randint(W, W + 3)
+        cuts = sorted(rng.randint(0, size) for _ in range(nfiles - 1))
+        bounds = [0] + cuts + [size]
+        tmp = tempfile.mkdtemp(prefix=f"gs-x{case}-{r}-")
+        write_files(tmp, [range(bounds[i], bounds[i + 1]) for i in range(nfiles)])
+        ds = text_files(os.path.join(tmp, "*.txt")).batch(batch)
+        expected = list(range(size))
+    mine, steps = [], 0
+    for x in s.experimental_distribute_dataset(ds):
+        steps += 1
+        for p in s.experimental_local_results(x):
+            mine.extend(int(v) for v in np.asarray(p))
+    every = g.allgather((mine, steps))
+    union = sorted(v for m, _ in every for v in m)
+    assert union == expected, (case, policy, size, batch, drop, union, expected)
+    assert len({st for _, st in every}) == 1, ("step counts differ", case, every)
+print(f"OK rank {r}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("n,local", [(2, 1), (3, 2)])
+def test_exactly_once_data_and_file(n, local):
+    out = assert_mpi_ok(n, EXACTLY_ONCE, timeout=180, env={"LOCAL": str(local)})
+    assert out.count("OK rank") == n
+
+
+FOUR = PRELUDE + r"""
+s = gs.MultiWorkerMirroredStrategy()
+W, r = s.num_workers, s.worker_index
+assert W == 4 and s.local_devices[0].name == "cpu:0"
+got = steps_of(s, s.experimental_distribute_dataset(Dataset.range(10).batch(4)))
+# Global batches [0..3] [4..7] [8,9] cut in 4: worker r takes piece r.
+expected = [[[4 * b + r]] if 4 * b + r < 10 and (b < 2 or r < 2) else [[]] for b in range(3)]
+assert got == expected, (got, expected)
+out = s.run(lambda: gs.get_replica_context().all_reduce("max", np.int64(r)))
+assert int(out) == 3
+print(f"OK rank {r}", flush=True)
+"""
+
+
+def test_four_workers_default_devices():
+    out = assert_mpi_ok(4, FOUR, timeout=150)
+    assert out.count("OK rank") == 4
+
+
+FAILING = r"""
+import numpy as np
+import gpustrat as gs
+from gpustrat.data import Dataset
+s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+def bad(x):
+    if s.worker_index == 1:
+        raise RuntimeError("replica function failed on purpose")
+    return gs.get_replica_context().all_reduce("sum", x)
+for x in s.experimental_distribute_dataset(Dataset.range(8).batch(2)):
+    s.run(bad, args=(x,))
+print("UNREACHABLE", flush=True)
+"""
+
+
+def test_error_in_one_rank_ends_every_rank():
+    t0 = time.monotonic()
+    rc, out, err = run_mpi(3, FAILING, timeout=90)
+    took = time.monotonic() - t0
+    text = out + err
+    assert rc != 0, format_result(rc, out, err)
+    assert "UNREACHABLE" not in text
+    assert text.count("replica function failed on purpose") >= 1
+    assert "rank 1" in text, format_result(rc, out, err)
+    assert took < 60, f"the job took {took:.0f} s to end after one rank failed"
