@@ -177,19 +177,32 @@ class SlicedBatchDataset(Dataset):
 
 
 def _signature_from_types(output_types, output_shapes):
+    """An output_signature from the older ``output_types``/``output_shapes`` pair."""
     if output_shapes is None:
-        output_shapes = nest.map_structure(lambda _: None, output_types)
-    flat_t = nest.flatten(output_types)
-    flat_s = nest.flatten(output_shapes) if nest.is_nested(output_shapes) else [output_shapes]
-    if nest.is_nested(output_types) and len(flat_s) != len(flat_t):
-        flat_s = [None] * len(flat_t)
-    specs = []
-    for t, s in zip(flat_t, flat_s):
-        if s is None:
-            raise ValueError("from_generator: output_shapes must be given with output_types "
-                             "(or use output_signature with TensorSpec shapes)")
-        specs.append(TensorSpec(s, t))
-    return nest.pack_sequence_as(output_types, specs)
+        raise ValueError("from_generator: output_shapes must be given with output_types "
+                         "(or use output_signature with TensorSpec shapes)")
+    if not nest.is_nested(output_types):
+        return TensorSpec(output_shapes, output_types)
+    return nest.map_structure(lambda t, s: TensorSpec(s.shape, t), output_types,
+                              _shapes_like(output_types, output_shapes))
+
+
+def _shapes_like(types, shapes):
+    """``shapes`` (whose leaves are shape tuples) packed into ``types``' structure."""
+    if not nest.is_nested(types):
+        return _ShapeLeaf(shapes)
+    if isinstance(types, dict):
+        return {k: _shapes_like(types[k], shapes[k]) for k in types}
+    return type(types)(*[_shapes_like(t, s) for t, s in zip(types, shapes)]) \
+        if nest.is_namedtuple(types) else type(types)(
+            _shapes_like(t, s) for t, s in zip(types, shapes))
+
+
+class _ShapeLeaf:
+    """A shape wrapped so that nest treats it as one leaf, not as a tuple."""
+
+    def __init__(self, shape):
+        self.shape = shape
 
 
 class GeneratorDataset(Dataset):
@@ -234,16 +247,31 @@ class GeneratorDataset(Dataset):
         return super()._compute_spec()
 
 
+def _flatten_up_to(sig, element, path: str = "") -> list:
+    """``element``'s values at the leaf positions of ``sig`` (lists there are values)."""
+    if not nest.is_nested(sig):
+        return [element]
+    where = path or "the top"
+    if isinstance(sig, dict):
+        if not isinstance(element, dict) or sorted(element) != sorted(sig):
+            raise ValueError(f"expected a dict with keys {sorted(sig)} at {where}, got "
+                             f"{type(element).__name__}")
+        return [v for k in sorted(sig) for v in _flatten_up_to(sig[k], element[k],
+                                                                 f"{path}[{k!r}]")]
+    if not isinstance(element, (tuple, list)) or len(element) != len(sig):
+        raise ValueError(f"expected a sequence of {len(sig)} at {where}, got "
+                         f"{type(element).__name__}")
+    return [v for i, (s, e) in enumerate(zip(sig, element))
+            for v in _flatten_up_to(s, e, f"{path}[{i}]")]
+
+
 def _conform(element, sig, specs, flatten, pack, index):
     """``element`` as NumPy leaves matching ``sig``; a clear error otherwise."""
-    if isinstance(element, list) and type(sig) is tuple:
-        element = tuple(element)
     try:
-        nest.assert_same_structure(sig, element)
+        leaves = _flatten_up_to(sig, element)
     except ValueError as e:
         raise TypeError(f"from_generator: element {index} does not match output_signature: "
-                        f"expected the structure {sig}, got {element!r} ({e})") from None
-    leaves = flatten(element)
+                        f"{e}; expected the structure {sig}, got {element!r}") from None
     out = []
     for c, (spec, value) in enumerate(zip(specs, leaves)):
         arr = _as_dtype(value, spec.dtype)
