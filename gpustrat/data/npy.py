@@ -125,12 +125,12 @@ class NpyDataset(Dataset):
     def _with_files(self, files: list[str]) -> "NpyDataset":
         new = copy.copy(self)
         new._files = list(files)
-        new.__dict__.pop("_meta", None)
+        new.__dict__.pop("_meta_cache", None)
         new.__dict__.pop("_spec_cache", None)
         return new
 
     def _meta(self) -> list[_NpyFile]:
-        meta = self.__dict__.get("_meta")
+        meta = self.__dict__.get("_meta_cache")
         if meta is None:
             meta = [_NpyFile(p) for p in self._files]
             first = meta[0]
@@ -140,7 +140,7 @@ class NpyDataset(Dataset):
                         f"NpyDataset: {m.path!r} has rows of shape {m.shape[1:]} and dtype "
                         f"{m.dtype} but {first.path!r} has {first.shape[1:]} and "
                         f"{first.dtype}; all files must agree")
-            self.__dict__["_meta"] = meta
+            self.__dict__["_meta_cache"] = meta
         return meta
 
     def _cardinality(self) -> int:

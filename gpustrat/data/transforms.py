@@ -78,22 +78,22 @@ class BatchDataset(UnaryDataset):
             if first is _MISSING:
                 return
             flatten, pack = st.make_plan(first)
-            nleaves = len(flatten(first))
-            chunk = [first]
-            for element in itertools.chain(it, (_MISSING,)):
-                if element is not _MISSING:
-                    chunk.append(element)
-                    if len(chunk) < b:
-                        continue
-                elif not chunk or (self._drop and len(chunk) < b):
-                    return
-                if nleaves == 1 and not nest.is_nested(first):
-                    out = st.stack(chunk)
-                else:
-                    columns = zip(*[flatten(e) for e in chunk])
-                    out = pack([st.stack(list(c)) for c in columns])
-                chunk = []
-                yield out
+            single = len(flatten(first)) == 1 and not nest.is_nested(first)
+
+            def build(chunk):
+                if single:
+                    return st.stack(chunk)
+                columns = zip(*[flatten(e) for e in chunk])
+                return pack([st.stack(list(c)) for c in columns])
+
+            chunk = []
+            for element in itertools.chain((first,), it):
+                chunk.append(element)
+                if len(chunk) == b:
+                    out, chunk = build(chunk), []
+                    yield out
+            if chunk and not self._drop:
+                yield build(chunk)
         finally:
             _close(it)
 
