@@ -1,0 +1,187 @@
+"""Kernel cases for the Numba CUDA simulator: every kernel against its NumPy reference.
+
+Not collected by the main test run (the name does not start with ``test_``):
+``test_kernels_sim.py`` runs this file in a child pytest with ``NUMBA_ENABLE_CUDASIM=1``
+set before Numba is imported, so that the simulator never leaks into other tests.
+
+Launches use 128 threads per block, so the sizes 1, 127, 128, 129 and 300 sit below,
+on, just past and well past a block boundary.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", \
+    "run through tests/kernels/test_kernels_sim.py, which sets NUMBA_ENABLE_CUDASIM=1"
+
+from gpustrat.kernels import _launch  # noqa: E402
+from gpustrat.kernels.pack import pack, pack_reference, unpack, unpack_reference  # noqa: E402
+from gpustrat.kernels.split import split, split_reference  # noqa: E402
+from gpustrat.kernels.sum_buffers import sum_buffers, sum_buffers_reference  # noqa: E402
+
+THREADS = 128
+SIZES = (1, 127, 128, 129, 300)
+DTYPES = (np.float16, np.float32, np.float64, np.int32, np.int64)
+
+
+def data(shape, dtype, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape) * 100
+    return x.astype(dtype)
+
+
+def assert_same(got, want):
+    assert type(got) is np.ndarray
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_simulator_is_on():
+    assert _launch.simulating()
+
+
+# --- split -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_split_matches_reference(n, dtype):
+    batch = data((n,), dtype, n)
+    for replicas in (1, 3):
+        got, want = split(batch, replicas, threads=THREADS), split_reference(batch, replicas)
+        assert got.counts == want.counts
+        assert sum(got.counts) == n
+        for g, w in zip(got.pieces, want.pieces):
+            assert_same(g, w)
+        # Every row once, in order.
+        np.testing.assert_array_equal(np.concatenate(got.pieces), batch)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_gather_split_with_padding_matches_reference(n, dtype):
+    src = data((n + 5, 3), dtype, n + 1)
+    index = np.random.default_rng(n).permutation(n + 5)[:n].astype(
+        np.int32 if n % 2 else np.int64)
+    pad = -(-n // 4) + 1
+    got = split(src, 4, index=index, pad_to=pad, threads=THREADS)
+    want = split_reference(src, 4, index=index, pad_to=pad)
+    assert got.counts == want.counts
+    for g, w, c in zip(got.pieces, want.pieces, got.counts):
+        assert_same(g, w)
+        assert g.shape == (pad, 3)
+        np.testing.assert_array_equal(g[c:], 0)
+    np.testing.assert_array_equal(
+        np.concatenate([g[:c] for g, c in zip(got.pieces, got.counts)]), src[index])
+
+
+@pytest.mark.parametrize("shape,dtype,word", [
+    ((130, 3), np.float16, "u2"),      # 6-byte rows move as 2-byte words
+    ((129, 2, 2), np.int64, "u8"),     # 32-byte rows as 8-byte words
+    ((128, 3), np.uint8, "u1"),        # 3-byte rows byte by byte
+    ((127, 5), np.float32, "u4"),
+])
+def test_split_any_trailing_shape(shape, dtype, word):
+    batch = data(shape, dtype, 7)
+    row_bytes = int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
+    assert _launch.word_dtype(row_bytes, 0) == np.dtype(word)
+    got, want = split(batch, 3, threads=THREADS), split_reference(batch, 3)
+    for g, w in zip(got.pieces, want.pieces):
+        assert_same(g, w)
+
+
+def test_split_past_the_end_and_empty_batches():
+    # SPEC: range(8).batch(4) on 3 replicas -> [0,1] [2,3] []
+    got = split(np.arange(4, dtype=np.int64), 3, threads=THREADS)
+    assert got.counts == [2, 2, 0]
+    assert [p.tolist() for p in got.pieces] == [[0, 1], [2, 3], []]
+    empty = split(np.zeros((0, 2), np.float32), 2, threads=THREADS)
+    assert empty.counts == [0, 0] and all(p.shape == (0, 2) for p in empty.pieces)
+    padded = split(np.zeros((0, 2), np.float32) + 1, 2, pad_to=3, threads=THREADS)
+    assert all(p.shape == (3, 2) and not p.any() for p in padded.pieces)
+
+
+def test_split_launcher_errors():
+    batch = np.arange(10, dtype=np.float32)
+    with pytest.raises(ValueError, match="pad_to=2 .* need 4 rows"):
+        split(batch, 3, pad_to=2)
+    with pytest.raises(IndexError, match="rows 0 .. 10 but the batch has 10"):
+        split(batch, 2, index=np.arange(11))
+    with pytest.raises(TypeError, match="1-D integer"):
+        split(batch, 2, index=np.zeros(3, np.float32))
+
+
+# --- pack / unpack ----------------------------------------------------------------------
+
+SHAPES = [(s,) for s in SIZES] + [(0,), (3, 43)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_unpack_match_reference(dtype):
+    tensors = [data(s, dtype, k) for k, s in enumerate(SHAPES)]
+    buf = pack(tensors, threads=THREADS)
+    assert_same(buf, pack_reference(tensors))
+    assert buf.size == sum(t.size for t in tensors)
+    outs = unpack(buf, [t.shape for t in tensors], threads=THREADS)
+    for o, t in zip(outs, tensors):
+        assert_same(o, t)
+    # Into given buffers, at an offset inside a larger fusion buffer.
+    big = np.full(buf.size + 10, 7, dtype)
+    pack(tensors, out=big, threads=THREADS)
+    assert_same(big[:buf.size], buf)
+    assert (big[buf.size:] == 7).all()
+    targets = [np.zeros(t.shape, dtype) for t in tensors]
+    assert unpack(big, [t.shape for t in tensors], out=targets, threads=THREADS)[0] \
+        is targets[0]
+    for o, t in zip(targets, tensors):
+        assert_same(o, t)
+
+
+@pytest.mark.parametrize("dtype", (np.float16, np.float32, np.float64))
+def test_pack_unpack_scale_match_reference(dtype):
+    tensors = [data(s, dtype, 10 + k) for k, s in enumerate(SHAPES)]
+    shapes = [t.shape for t in tensors]
+    buf = pack(tensors, scale=0.25, threads=THREADS)
+    assert_same(buf, pack_reference(tensors, scale=0.25))
+    np.testing.assert_array_equal(buf, np.concatenate([t.ravel() for t in tensors])
+                                  * dtype(0.25))
+    back = unpack(buf, shapes, scale=4.0, threads=THREADS)
+    want = unpack_reference(buf, shapes, scale=4.0)
+    for b, w, t in zip(back, want, tensors):
+        assert_same(b, w)
+        assert_same(b, t)  # scaling by powers of two is exact
+
+
+def test_pack_errors():
+    with pytest.raises(TypeError, match="one dtype"):
+        pack([np.zeros(3, np.float32), np.zeros(3, np.float64)])
+    with pytest.raises(TypeError, match="floating dtype"):
+        pack([np.zeros(3, np.int32)], scale=0.5)
+    with pytest.raises(ValueError, match="at least 6 elements"):
+        pack([np.zeros(3, np.float32)] * 2, out=np.zeros(5, np.float32))
+
+
+# --- sum of K buffers -------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_sum_buffers_matches_reference(n, dtype):
+    for k in (1, 3):
+        bufs = [data((n,), dtype, 100 * k + i) for i in range(k)]
+        got = sum_buffers(bufs, threads=THREADS)
+        assert_same(got, sum_buffers_reference(bufs))
+    # Into one of its inputs, 2-D.
+    bufs = [data((2, n), dtype, 7 + i) for i in range(2)]
+    want = sum_buffers_reference(bufs)
+    assert sum_buffers(bufs, out=bufs[0], threads=THREADS) is bufs[0]
+    assert_same(bufs[0], want)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+def test_sum_buffers_integer_wraps_like_numpy():
+    a = np.full(129, np.iinfo(np.int32).max, np.int32)
+    got = sum_buffers([a, a, a], threads=THREADS)
+    assert_same(got, a + a + a)
