@@ -1,0 +1,206 @@
+"""Data-parallel training of a two-layer MLP, the workload behind ``python -m gpustrat demo``.
+
+The model, its gradients and the data are plain NumPy (CuPy on GPU devices: every
+function takes its array module from the arrays it gets), so the script shows the
+whole ``tf.distribute`` custom-training-loop pattern with nothing hidden:
+
+    dist = strategy.experimental_distribute_dataset(
+        Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH))
+    for batch in dist:
+        weights, losses = strategy.run(step, args=(weights, batch))
+        loss = strategy.reduce("mean", losses, axis=0)
+
+Words:
+- *piece*: one replica's rows of a global batch; it may hold 0 rows (the last, partial
+  batch cut over more replicas than it has rows).
+- *exact data parallelism*: each replica sums its piece's gradients, the sums and the
+  row counts are all-reduced, and every replica divides by the global row count. The
+  update is then the one-replica full-batch gradient step, whatever the topology, up to
+  the order of floating-point additions (see ``tests/test_train_topology.py``).
+
+Weights are replicated: each replica holds its own copy on its device, made from the
+same seed, and applies the same all-reduced update, so the copies stay equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Callable
+
+import numpy as np
+
+# Defaults of the full demo; ``--quick`` shrinks them for a smoke run.
+N_SAMPLES = 20_000      # deliberately not a multiple of GLOBAL_BATCH: the last batch is partial
+N_FEATURES = 16
+HIDDEN = 64
+GLOBAL_BATCH = 256
+LEARNING_RATE = 0.05
+EPOCHS = 5
+DATA_SEED = 0
+INIT_SEED = 1
+
+WEIGHT_NAMES = ("w1", "b1", "w2", "b2")
+
+
+def make_dataset(n_samples: int = N_SAMPLES, n_features: int = N_FEATURES,
+                 seed: int = DATA_SEED, dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
+    """A synthetic regression set: ``y = sin(x @ a) + 0.5 * (x @ b)**2 / d + noise``.
+
+    Deterministic in ``seed``; returns ``(x, y)`` with shapes ``(n, d)`` and ``(n, 1)``.
+    """
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n_samples, n_features))
+    a = rng.standard_normal((n_features, 1)) / np.sqrt(n_features)
+    b = rng.standard_normal((n_features, 1)) / np.sqrt(n_features)
+    y = np.sin(x @ a) + 0.5 * (x @ b) ** 2 + 0.05 * rng.standard_normal((n_samples, 1))
+    return x.astype(dtype), y.astype(dtype)
+
+
+def init_weights(n_features: int = N_FEATURES, hidden: int = HIDDEN, n_out: int = 1,
+                 seed: int = INIT_SEED, dtype=np.float64) -> dict:
+    """Glorot-scaled weights of the MLP ``tanh(x @ w1 + b1) @ w2 + b2``, from ``seed``."""
+    rng = np.random.default_rng(seed)
+    return {
+        "w1": (rng.standard_normal((n_features, hidden)) / np.sqrt(n_features)).astype(dtype),
+        "b1": np.zeros(hidden, dtype),
+        "w2": (rng.standard_normal((hidden, n_out)) / np.sqrt(hidden)).astype(dtype),
+        "b2": np.zeros(n_out, dtype),
+    }
+
+
+def forward_backward(weights: dict, x, y):
+    """Per-example losses and the gradients of their **sum** over the rows of ``x``.
+
+    Loss per example: ``0.5 * ||pred - y||^2``. Works for 0 rows (zero gradients, an
+    empty loss vector). Returns ``(per_example_loss, grads)``, ``grads`` keyed as
+    ``weights``.
+    """
+    from gpustrat.devices import array_module  # noqa: PLC0415
+    xp = array_module(x)                                  # numpy, or cupy on a GPU replica
+    h = xp.tanh(x @ weights["w1"] + weights["b1"])        # (n, H)
+    err = h @ weights["w2"] + weights["b2"] - y           # (n, O)
+    losses = 0.5 * (err * err).sum(axis=1)                # (n,)
+    dh = (err @ weights["w2"].T) * (1.0 - h * h)          # (n, H)
+    grads = {"w1": x.T @ dh, "b1": dh.sum(axis=0),
+             "w2": h.T @ err, "b2": err.sum(axis=0)}
+    return losses, grads
+
+
+def make_step(learning_rate: float) -> Callable:
+    """The per-replica training step for ``strategy.run``."""
+    from gpustrat import get_replica_context  # noqa: PLC0415
+
+    def step(weights, batch):
+        x, y = batch
+        losses, grads = forward_backward(weights, x, y)
+        # Sum of gradients and row count over every replica of every worker: dividing
+        # one by the other gives the full global batch's mean gradient, however the
+        # batch was cut (pieces of unequal size, empty pieces).
+        grads, count = get_replica_context().all_reduce("sum", (grads, float(x.shape[0])))
+        scale = learning_rate / count
+        new = {k: weights[k] - scale * grads[k] for k in WEIGHT_NAMES}
+        return new, losses
+    return step
+
+
+def train(strategy, epochs: int = EPOCHS, n_samples: int = N_SAMPLES,
+          n_features: int = N_FEATURES, hidden: int = HIDDEN,
+          global_batch: int = GLOBAL_BATCH, learning_rate: float = LEARNING_RATE,
+          data_seed: int = DATA_SEED, init_seed: int = INIT_SEED, dtype=np.float64,
+          log: Callable[[str], None] | None = print) -> dict:
+    """Train the MLP with ``strategy`` and return the final weights as NumPy arrays.
+
+    Every worker builds the same dataset and weights from the seeds; the distributed
+    dataset gives each replica its piece of every global batch. Progress (epoch, mean
+    loss over the epoch's examples, samples/s) goes to ``log`` on worker 0 only.
+
+    Returns:
+        ``{"w1", "b1", "w2", "b2"}``: host copies of the first local replica's weights
+        (every replica's copy is the same).
+    """
+    from gpustrat.data import Dataset  # noqa: PLC0415
+    from gpustrat.devices import to_host  # noqa: PLC0415
+
+    x, y = make_dataset(n_samples, n_features, data_seed, dtype)
+    init = init_weights(n_features, hidden, y.shape[1], init_seed, dtype)
+    # One copy of the weights per local replica, on that replica's device.
+    weights = strategy.experimental_distribute_values_from_function(
+        lambda ctx: {k: v.copy() for k, v in init.items()})
+    dataset = Dataset.from_tensor_slices((x, y)).batch(global_batch)
+    dist = strategy.experimental_distribute_dataset(dataset)
+    step = make_step(learning_rate)
+    talk = log is not None and strategy.worker_index == 0
+    if talk:
+        log(f"training a {n_features}-{hidden}-1 MLP on {n_samples} examples, global batch "
+            f"{global_batch}, {strategy.num_replicas_in_sync} replica(s) "
+            f"({strategy.num_workers} worker(s) x {len(strategy.local_devices)}: "
+            f"{', '.join(d.name for d in strategy.local_devices)})")
+    for epoch in range(1, epochs + 1):
+        t0 = time.perf_counter()
+        loss_sum = 0.0
+        for batch in dist:
+            weights, losses = strategy.run(step, args=(weights, batch))
+            # SUM along the batch axis and over replicas: this batch's total loss.
+            loss_sum += float(to_host(strategy.reduce("sum", losses, axis=0)))
+        elapsed = time.perf_counter() - t0
+        if talk:
+            # Every epoch visits each of the n_samples examples once, over all workers.
+            log(f"epoch {epoch}/{epochs}  loss {loss_sum / n_samples:.6f}  "
+                f"{n_samples / elapsed:,.0f} samples/s")
+    first = strategy.experimental_local_results(weights)[0]
+    return {k: to_host(first[k]).copy() for k in WEIGHT_NAMES}
+
+
+def make_strategy(devices=None, multi_worker: bool = False):
+    """MirroredStrategy on ``devices`` (default: every GPU, else cpu:0), or
+    MultiWorkerMirroredStrategy over the MPI ranks when ``multi_worker``."""
+    import gpustrat as gs  # noqa: PLC0415
+    if multi_worker:
+        return gs.MultiWorkerMirroredStrategy(devices=devices)
+    return gs.MirroredStrategy(devices)
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, description="Data-parallel training of a two-layer MLP (NumPy/CuPy, "
+        "hand-written gradients) on a synthetic regression set.")
+    p.add_argument("--devices", nargs="+", metavar="DEV",
+                   help="local devices, e.g. cpu:0 cpu:1 or gpu:0 gpu:1 "
+                        "(default: every GPU, else cpu:0)")
+    p.add_argument("--epochs", type=int, help=f"epochs (default {EPOCHS}; 2 with --quick)")
+    p.add_argument("--samples", type=int,
+                   help=f"examples in the data set (default {N_SAMPLES}; 2000 with --quick)")
+    p.add_argument("--batch", type=int, default=GLOBAL_BATCH, help="global batch size")
+    p.add_argument("--lr", type=float, default=LEARNING_RATE, help="learning rate")
+    p.add_argument("--multi-worker", action="store_true",
+                   help="MultiWorkerMirroredStrategy over the MPI ranks "
+                        "(launch with mpiexec -n W)")
+    p.add_argument("--quick", action="store_true", help="a small, fast run")
+    p.add_argument("--save", metavar="FILE.npz",
+                   help="write the final weights here (worker 0)")
+    return p
+
+
+def main(argv=None, prog: str | None = None) -> dict:
+    """Parse ``argv``, train, print progress on worker 0; return the final weights."""
+    args = build_parser(prog).parse_args(argv)
+    epochs = args.epochs if args.epochs is not None else (2 if args.quick else EPOCHS)
+    samples = args.samples if args.samples is not None else (2000 if args.quick else N_SAMPLES)
+    if epochs < 1 or samples < 1 or args.batch < 1:
+        raise SystemExit("--epochs, --samples and --batch must be at least 1")
+    strategy = make_strategy(args.devices, args.multi_worker)
+    try:
+        weights = train(strategy, epochs=epochs, n_samples=samples,
+                        global_batch=args.batch, learning_rate=args.lr,
+                        log=lambda line: print(line, flush=True))
+        if args.save and strategy.worker_index == 0:
+            np.savez(args.save, **weights)
+    finally:
+        strategy.close()
+    return weights
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
