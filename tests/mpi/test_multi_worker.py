@@ -111,6 +111,13 @@ dd = s.distribute_datasets_from_function(
 assert dd.input_context.num_input_pipelines == 2 and dd.input_context.input_pipeline_id == r
 got = steps_of(s, dd)
 assert got == ([[[0, 2]], [[4, 6]], [[8]]] if r == 0 else [[[1, 3]], [[5, 7]], [[9]]]), got
+
+# Uneven per-worker data with known cardinality: one allgather per epoch, then padding.
+dd = s.distribute_datasets_from_function(lambda ctx: Dataset.range(2 + 4 * ctx.input_pipeline_id).batch(2))
+it = iter(dd)
+got = [[int(v) for v in np.asarray(x)] for x in it]
+assert got == ([[0, 1], [], []] if r == 0 else [[0, 1], [2, 3], [4, 5]]), got
+assert it.agreement_collectives == 1, it.agreement_collectives
 print(f"OK rank {r}", flush=True)
 """
 
