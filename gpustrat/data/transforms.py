@@ -25,7 +25,7 @@ from gpustrat import nest
 from gpustrat.data import parallel
 from gpustrat.data import structure as st
 from gpustrat.data.dataset import (AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY,
-                                   Dataset, _check_positive, _IterContext,
+                                   Dataset, _check_positive,
                                    autotune_parallelism)
 from gpustrat.data.options import Options
 from gpustrat.data.spec import TensorSpec, merge_specs, spec_of
