@@ -1,0 +1,33 @@
+"""The examples run and do what they say."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_custom_training_loop_fits_and_ignores_topology(capsys):
+    loop = load("custom_training_loop")
+    w1, true_w = loop.main(["cpu:0"], epochs=20)
+    w3, _ = loop.main(["cpu:0", "cpu:1", "cpu:2"], epochs=20)
+    np.testing.assert_allclose(w1, true_w, atol=0.01)
+    np.testing.assert_allclose(w3, w1, rtol=1e-12, atol=1e-12)
+    out = capsys.readouterr().out
+    assert "(array([8]), array([], dtype=int64), array([], dtype=int64))" in out
+
+
+def test_mirrored_basics_prints_the_seed_results(capsys):
+    load("mirrored_basics").main(["cpu:0", "cpu:1"])
+    out = capsys.readouterr().out
+    assert "PerReplica:{0: 6.0, 1: 6.0}" in out
+    assert "all_reduce(sum, replica ids): 1" in out
+    assert "reduce(SUM, axis=0): 72.0" in out and "reduce(MEAN, axis=0): 8.0" in out
