@@ -237,14 +237,20 @@ def _is_arraylike(v) -> bool:
 
 def _split_arguments(args: Sequence, kwargs: dict, n: int):
     """One (args, kwargs) per replica; shared as is when no argument is distributed."""
+    if not kwargs and not any(nest.is_nested(a) for a in args):
+        # The common step `run(fn, args=(x,))`: no structure to walk.
+        if not any(isinstance(a, DistributedValues) for a in args):
+            args = tuple(args)
+            return [args] * n, [kwargs] * n
+        _check_component_counts(args, n)
+        per_args = [tuple(a.values[i] if isinstance(a, DistributedValues) else a for a in args)
+                    for i in range(n)]
+        return per_args, [kwargs] * n
     flat = nest.flatten((tuple(args), kwargs))
     if not any(isinstance(v, DistributedValues) for v in flat):
         args = tuple(args)
         return [args] * n, [kwargs] * n
-    for v in flat:
-        if isinstance(v, DistributedValues) and len(v.values) != n:
-            raise ValueError(f"an argument is a {type(v).__name__} with {len(v.values)} "
-                             f"components but the strategy has {n} local replicas")
+    _check_component_counts(flat, n)
     per_args, per_kwargs = [], []
     for i in range(n):
         a, k = nest.pack_sequence_as(
@@ -253,3 +259,10 @@ def _split_arguments(args: Sequence, kwargs: dict, n: int):
         per_args.append(a)
         per_kwargs.append(k)
     return per_args, per_kwargs
+
+
+def _check_component_counts(values, n: int) -> None:
+    for v in values:
+        if isinstance(v, DistributedValues) and len(v.values) != n:
+            raise ValueError(f"an argument is a {type(v).__name__} with {len(v.values)} "
+                             f"components but the strategy has {n} local replicas")
