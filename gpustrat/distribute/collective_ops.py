@@ -14,6 +14,7 @@ import numpy as np
 
 from gpustrat import nest
 from gpustrat.collectives.base import Communicator
+from gpustrat.collectives.fusion import fused_all_reduce
 from gpustrat.devices import Device, is_array, to_device
 from gpustrat.reduce_util import ReduceOp
 
@@ -50,7 +51,9 @@ def all_reduce_structures(comm: Communicator, values: Sequence[Any], op: ReduceO
     flats = [nest.flatten(v) for v in values]
     tensors = [[as_array(flats[i][j], comm.devices[i]) for i in range(len(values))]
                for j in range(len(flats[0]))]
-    reduced = [comm.all_reduce(t, op) for t in tensors]
+    # Many leaves (a model's gradients) go in fusion buckets: one collective per bucket.
+    reduced = fused_all_reduce(comm, tensors, op) if len(tensors) > 1 else \
+        [comm.all_reduce(tensors[0], op)]
     return [nest.pack_sequence_as(values[i], [_restore_scalar(flats[i][j], reduced[j][i])
                                               for j in range(len(tensors))])
             for i in range(len(values))]
