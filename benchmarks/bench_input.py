@@ -6,7 +6,8 @@ Cases (issue 4): small, 20,000 x 8 float32 with global batch 32 (target at least
 global batch 256 (target at least 8 GB/s of data consumed). A plain memcpy of the large
 array is timed in the same run as the machine's yardstick. Reference, TensorFlow 2.21
 with the same pipeline in tf.function on the same machine: about 500 batches/s and
-2.0 GB/s; if TensorFlow is importable it runs here too.
+2.0 GB/s; if TensorFlow is importable it runs here too, and if PyTorch is, a
+DataLoader doing the same step (``peers.torch_input_throughput``).
 
     python benchmarks/bench_input.py [--quick] [--json FILE]
 """
@@ -122,12 +123,27 @@ def main(argv=None) -> dict:
             line += (f" {t['batches_per_s']:>13.0f} {t['gb_per_s']:>8.2f} "
                      f"{r['batches_per_s'] / t['batches_per_s']:>5.1f}x")
         print(line)
+    torch_rows = None
+    if not args.quick:
+        try:
+            from benchmarks import peers  # noqa: PLC0415
+        except ImportError:
+            import peers  # noqa: PLC0415 - run as a script: benchmarks/ is on sys.path
+        torch_small = peers.torch_input_throughput(small, 32)
+        if torch_small is not None:
+            torch_rows = {"small": torch_small, "large": peers.torch_input_throughput(large, 256)}
+            for name, r in rows.items():
+                for loader, t in torch_rows[name].items():
+                    print(f"torch DataLoader ({loader}), {name}: {t['batches_per_s']:.0f} "
+                          f"batches/s, {t['gb_per_s']:.2f} GB/s; ratio gpustrat/torch "
+                          f"{r['batches_per_s'] / t['batches_per_s']:.1f}x")
     print(f"memcpy of the large array: {memcpy:.2f} GB/s")
     if not args.quick:
         print(f"targets: small >= 10,000 batches/s "
               f"({'met' if rows['small']['batches_per_s'] >= 1e4 else 'NOT met'}), large >= 8 GB/s "
               f"({'met' if rows['large']['gb_per_s'] >= 8 else 'NOT met'})")
-    result = {"suite": "input", "rows": rows, "memcpy_gb_per_s": memcpy, "tensorflow": tf_rows}
+    result = {"suite": "input", "rows": rows, "memcpy_gb_per_s": memcpy, "tensorflow": tf_rows,
+              "torch": torch_rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -3,7 +3,8 @@
 Target (issue 2): at most 30 µs per step with 2 replicas on the 2-core machine.
 Reference, same machine: TensorFlow 2.21 MirroredStrategy with 2 logical CPUs, about
 335 µs per step inside tf.function and 1,200 µs eagerly. If TensorFlow is importable
-it is measured in the same run.
+it is measured in the same run; if PyTorch is, its peer of a synchronising step (a
+one-float gloo ``all_reduce`` over 2 processes, see ``peers.py``) is too.
 
     python benchmarks/bench_run.py [--quick]
 """
@@ -51,14 +52,25 @@ def measure_tensorflow(n_steps=2000) -> dict | None:
         import tensorflow as tf
     except Exception:
         return None
-    tf.config.set_logical_device_configuration(
-        tf.config.list_physical_devices("CPU")[0],
-        [tf.config.LogicalDeviceConfiguration()] * 2)
+    try:
+        tf.config.set_logical_device_configuration(
+            tf.config.list_physical_devices("CPU")[0],
+            [tf.config.LogicalDeviceConfiguration()] * 2)
+    except RuntimeError:
+        pass  # already configured in this process
     s = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     step = tf.function(lambda: s.run(lambda: tf.constant(0.0)))
     return {"replicas": 2, "tf_function_us": _time_per_step(step, n_steps, 3),
             "tf_eager_us": _time_per_step(lambda: s.run(lambda: tf.constant(0.0)),
                                           n_steps // 4, 3)}
+
+
+def _peers():
+    try:
+        from benchmarks import peers  # noqa: PLC0415 - imported as benchmarks.bench_run
+    except ImportError:
+        import peers  # noqa: PLC0415 - run as a script: benchmarks/ is on sys.path
+    return peers
 
 
 def main(argv=None) -> dict:
@@ -68,6 +80,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     rows = measure(n_steps=500 if args.quick else 20000)
     tf_row = None if args.quick else measure_tensorflow()
+    torch_row = None if args.quick else _peers().torch_run_overhead(2)
     print(f"{'replicas':>8} {'run (us)':>10} {'run+arg (us)':>13} {'run+all_reduce (us)':>20}")
     for r in rows:
         print(f"{r['replicas']:>8} {r['run_us']:>10.1f} {r['run_per_replica_arg_us']:>13.1f} "
@@ -79,7 +92,11 @@ def main(argv=None) -> dict:
         print(f"tensorflow MirroredStrategy, 2 CPUs: tf.function {tf_row['tf_function_us']:.0f} us, "
               f"eager {tf_row['tf_eager_us']:.0f} us; ratio tf.function/gpustrat "
               f"{tf_row['tf_function_us'] / two['run_us']:.1f}x")
-    result = {"suite": "run", "rows": rows, "tensorflow": tf_row}
+    if torch_row:
+        print(f"torch.distributed (gloo) one-float all_reduce, 2 processes: "
+              f"{torch_row['gloo_all_reduce_us']:.0f} us; ratio torch/gpustrat run+all_reduce "
+              f"{torch_row['gloo_all_reduce_us'] / two['run_all_reduce_us']:.1f}x")
+    result = {"suite": "run", "rows": rows, "tensorflow": tf_row, "torch": torch_row}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

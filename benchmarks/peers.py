@@ -8,9 +8,10 @@ TensorFlow's equivalents live in the suites themselves (``bench_run.py``,
 ``bench_input.py``, ``bench_data.py``), next to the gpustrat code they mirror.
 
 What is compared:
-- ``torch_run_overhead``: ``torch.nn.parallel.parallel_apply`` of a trivial module on
-  N CPU tensors, which runs one thread per input as ``strategy.run`` runs one per
-  replica; the per-call time is the dispatch overhead.
+- ``torch_run_overhead``: PyTorch runs CPU data parallelism as one process per replica
+  (``torch.distributed`` with gloo; ``nn.parallel.parallel_apply``, its in-process
+  threads, needs an accelerator), so the per-step cost of a step that only synchronises
+  is one small ``all_reduce``: compared with ``strategy.run`` of an ``all_reduce``.
 - ``torch_input_throughput``: a ``DataLoader`` over a ``TensorDataset`` of the same
   array and global batch size, each batch cut into ``replicas`` pieces (the same
   ``ceil(n / N)`` rule), summed per piece and the sums added: the work of
@@ -57,23 +58,57 @@ def _best_time(fn, repeats: int) -> float:
     return best
 
 
+def _free_port() -> int:
+    import socket  # noqa: PLC0415
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _gloo_worker(rank: int, world: int, port: int, n_steps: int, out_path: str) -> None:
+    import json  # noqa: PLC0415
+
+    import torch as t  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+    t.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    try:
+        x = t.ones(1)
+        dist.all_reduce(x)
+        assert float(x[0]) == world, float(x[0])
+
+        def steps():
+            for _ in range(n_steps):
+                dist.all_reduce(x)
+        best = _best_time(steps, 3) / n_steps * 1e6
+        dist.barrier()
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump({"replicas": world, "gloo_all_reduce_us": best}, f)
+    finally:
+        dist.destroy_process_group()
+
+
 def torch_run_overhead(replicas: int = 2, n_steps: int = 2000) -> dict | None:
-    """Microseconds per ``parallel_apply`` of an identity module over ``replicas`` CPU
-    tensors; None without torch."""
+    """Microseconds per one-float ``torch.distributed.all_reduce`` over ``replicas``
+    processes with the gloo backend (on the loopback interface): PyTorch's CPU data
+    parallelism has one process per replica, so its per-step cost is this collective,
+    the peer of gpustrat's ``run`` with an ``all_reduce`` inside. None without torch."""
     t = torch()
     if t is None:
         return None
-    from torch.nn.parallel import parallel_apply  # noqa: PLC0415
-    modules = [t.nn.Identity() for _ in range(replicas)]
-    inputs = [t.zeros(1) for _ in range(replicas)]
-    out = parallel_apply(modules, inputs)
-    assert len(out) == replicas
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
 
-    def steps():
-        for _ in range(n_steps):
-            parallel_apply(modules, inputs)
-    return {"replicas": replicas, "threads": t.get_num_threads(),
-            "parallel_apply_us": _best_time(steps, 3) / n_steps * 1e6}
+    import torch.multiprocessing as mp  # noqa: PLC0415
+    with tempfile.TemporaryDirectory(prefix="gpustrat-peer-") as tmp:
+        out = os.path.join(tmp, "gloo.json")
+        mp.spawn(_gloo_worker, args=(replicas, _free_port(), n_steps, out), nprocs=replicas,
+                 join=True)
+        with open(out) as f:
+            return json.load(f)
 
 
 def _cut(batch, replicas: int):
