@@ -1,0 +1,393 @@
+"""NCCL between GPUs, through ``cupy.cuda.nccl``.
+
+Words:
+- *NCCL rank*: one per replica in sync: global replica id
+  ``worker_index * num_local + local_index``. Each local GPU has its own NCCL
+  communicator, and one thread issues the calls of all local GPUs between
+  ``groupStart()`` and ``groupEnd()`` (NCCL requires the grouping when one thread
+  drives several GPUs).
+- *clique*: all NCCL ranks of the job. In one process it is made by
+  ``NcclCommunicator.initAll``; with several workers, the unique id is created on rank
+  0 and broadcast over MPI (``rendezvous.py``), and the cross-worker traffic goes
+  through NCCL as well (NCCL picks rings and trees over NVLink, PCIe and the network
+  itself), so there is no separate hierarchical NCCL-then-MPI path.
+- *deadline*: after issuing a collective, the calling thread polls an event recorded
+  on each NCCL stream (and ``ncclCommGetAsyncError``) until the work is done or
+  ``GPUSTRAT_TIMEOUT`` seconds (default 300) pass; then every local NCCL communicator
+  is aborted and :class:`~gpustrat.errors.CollectiveTimeout` is raised, instead of a
+  hang on a dead peer. An aborted communicator refuses further calls.
+
+Reductions use the dtype and op table below. MEAN is ``ncclAvg`` on floating dtypes
+when the NCCL library has it (2.10 and later), else SUM followed by a division on the
+device; integer MEAN is SUM then a true division (float64), as on the host. Gathers
+and broadcasts move bytes, so they accept any dtype.
+
+Importing this module imports nothing from CuPy; :func:`is_available` does, and never
+raises.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from gpustrat.collectives.base import Communicator, LocalWorkerGroup, WorkerGroup
+from gpustrat.collectives.host import check_same_layout
+from gpustrat.devices import Device, cupy, gpu_count, is_gpu_array, new_stream, to_device
+from gpustrat.errors import CollectiveTimeout
+from gpustrat.reduce_util import ReduceOp
+
+ENV_TIMEOUT = "GPUSTRAT_TIMEOUT"
+
+# --- the dtype and op table ----------------------------------------------------------------
+# NumPy dtype name -> cupy.cuda.nccl datatype constant. bfloat16 is the ml_dtypes dtype.
+NCCL_DTYPES = {
+    "int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32",
+    "uint32": "NCCL_UINT32", "int64": "NCCL_INT64", "uint64": "NCCL_UINT64",
+    "float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
+    "bfloat16": "NCCL_BFLOAT16",
+}
+# ReduceOp -> NCCL op constant. MEAN's entry is used only where ncclAvg exists and the
+# dtype is floating; otherwise MEAN is SUM plus a division (see _reduce_args).
+NCCL_OPS = {ReduceOp.SUM: "NCCL_SUM", ReduceOp.MEAN: "NCCL_AVG",
+            ReduceOp.MAX: "NCCL_MAX", ReduceOp.MIN: "NCCL_MIN"}
+#: ncclAvg appeared in NCCL 2.10.0 (version code 21000).
+AVG_MIN_VERSION = 21000
+# Gathers and broadcasts move raw bytes.
+_BYTES = "NCCL_INT8"
+
+
+def nccl_dtype_name(dtype) -> str:
+    """The NCCL datatype name for reducing ``dtype``; TypeError if NCCL cannot."""
+    dtype = np.dtype(dtype)
+    name = NCCL_DTYPES.get(dtype.name)
+    if name is None:
+        supported = ", ".join(k for k in NCCL_DTYPES)
+        raise TypeError(f"NCCL cannot reduce dtype {dtype}: supported dtypes are "
+                        f"{supported}; cast first (for example bool to uint8 or int32, "
+                        "complex to a float view of twice the length)")
+    return name
+
+
+def nccl_module():
+    """``cupy.cuda.nccl``, imported on first use (RuntimeError if unavailable)."""
+    cupy()  # a clear error when CuPy itself is missing
+    try:
+        mod = importlib.import_module("cupy.cuda.nccl")
+    except Exception as e:
+        raise RuntimeError(f"cupy.cuda.nccl cannot be imported ({e}): install NCCL "
+                           "(pip install nvidia-nccl-cu12 or the CUDA 13 wheel)") from e
+    if not getattr(mod, "available", True):
+        raise RuntimeError("CuPy was built without NCCL support (cupy.cuda.nccl.available "
+                           "is False): use a CuPy wheel with NCCL")
+    return mod
+
+
+def is_available() -> bool:
+    """True when ``cupy.cuda.nccl`` imports and at least one GPU is visible. Never raises."""
+    try:
+        if gpu_count() == 0:
+            return False
+        nccl_module()
+        return True
+    except Exception:
+        return False
+
+
+def timeout_from_env() -> float:
+    """``GPUSTRAT_TIMEOUT`` in seconds (default 300; ``inf`` waits forever)."""
+    from gpustrat.collectives.mpi import timeout_from_env as parse  # noqa: PLC0415
+    return parse()
+
+
+def wait_for(done: Callable[[], bool], timeout: float, describe: Callable[[], str],
+             on_timeout: Callable[[], None], check: Callable[[], None] | None = None,
+             clock=time.monotonic, sleep=time.sleep) -> None:
+    """Poll ``done()`` until it is true, or abort and raise after ``timeout`` seconds.
+
+    ``check()`` (if given) runs between polls and raises on an asynchronous error; then
+    ``on_timeout()`` (the abort) runs too and the error is re-raised as RuntimeError.
+    The poll spins for the first ~100 checks, then sleeps from 10 us doubling to 1 ms.
+    """
+    deadline = clock() + timeout
+    polls = 0
+    delay = 1e-5
+    while not done():
+        polls += 1
+        if check is not None:
+            try:
+                check()
+            except Exception as e:
+                on_timeout()
+                raise RuntimeError(f"{describe()} failed on the device ({e}); this "
+                                   "worker's NCCL communicators were aborted") from e
+        if clock() > deadline:
+            on_timeout()
+            raise CollectiveTimeout(
+                f"{describe()} did not complete within {timeout:g} s ({ENV_TIMEOUT}); "
+                "this worker's NCCL communicators were aborted. Another worker may have "
+                "died, be stuck, or have skipped this collective; create a new strategy "
+                "to continue")
+        if polls > 100:
+            sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
+
+class NcclCommunicator(Communicator):
+    """Collectives over GPU replicas with NCCL: in one process and across workers.
+
+    Args:
+        devices: this worker's GPU devices, one per local replica (every worker must
+            hold the same number).
+        workers: the job's :class:`WorkerGroup` (None or size 1: one process).
+        timeout: deadline in seconds for each collective (default: ``GPUSTRAT_TIMEOUT``).
+    """
+
+    def __init__(self, devices: Sequence[Device], workers: WorkerGroup | None = None,
+                 timeout: float | None = None):
+        self.devices = list(devices)
+        cpus = [d.name for d in self.devices if not d.is_gpu]
+        if cpus:
+            raise ValueError(f"NcclCommunicator reduces between GPUs; {cpus} are CPU devices "
+                             "(use the host or MPI communicator for CPU replicas)")
+        self.workers = workers if workers is not None else LocalWorkerGroup()
+        self.num_workers = self.workers.size
+        self.worker_index = self.workers.rank
+        self.timeout = timeout_from_env() if timeout is None else float(timeout)
+        self._aborted: str | None = None
+        nccl = nccl_module()
+        self._nccl = nccl
+        version = int(nccl.get_version())
+        self._avg = version >= AVG_MIN_VERSION and hasattr(nccl, "NCCL_AVG")
+        cp = cupy()
+        if self.num_workers == 1:
+            self._comms = nccl.NcclCommunicator.initAll([d.index for d in self.devices])
+        else:
+            from gpustrat.collectives.rendezvous import nccl_unique_id  # noqa: PLC0415
+            counts = self.workers.allgather(self.num_local)
+            if len(set(counts)) > 1:
+                raise ValueError(f"every worker must hold the same number of GPUs, but the "
+                                 f"workers hold {counts} (worker i at position i)")
+            uid = nccl_unique_id(self.workers)
+            comms = []
+            nccl.groupStart()
+            try:
+                for i, d in enumerate(self.devices):
+                    with cp.cuda.Device(d.index):
+                        comms.append(nccl.NcclCommunicator(
+                            self.num_replicas, uid, self.global_replica_id(i)))
+            finally:
+                nccl.groupEnd()
+            self._comms = comms
+        self._streams = [new_stream(d) for d in self.devices]
+
+    # --- plumbing ---------------------------------------------------------------------
+
+    def _const(self, name: str) -> int:
+        return int(getattr(self._nccl, name))
+
+    def _reduce_args(self, dtype, op: ReduceOp):
+        """``(nccl datatype, nccl op, post)``; post is None, "divide" (in place, float)
+        or "true_divide" (integer MEAN to float64)."""
+        dt = self._const(nccl_dtype_name(dtype))
+        if op is not ReduceOp.MEAN:
+            return dt, self._const(NCCL_OPS[op]), None
+        if np.dtype(dtype).kind != "f" and np.dtype(dtype).name != "bfloat16":
+            return dt, self._const(NCCL_OPS[ReduceOp.SUM]), "true_divide"
+        if self._avg:
+            return dt, self._const(NCCL_OPS[ReduceOp.MEAN]), None
+        return dt, self._const(NCCL_OPS[ReduceOp.SUM]), "divide"
+
+    def _prepare(self, buffers, what: str) -> list:
+        if self._aborted:
+            raise RuntimeError(f"this NCCL communicator was aborted ({self._aborted}); "
+                               "create a new strategy to continue")
+        if len(buffers) != self.num_local:
+            raise ValueError(f"{what}: got {len(buffers)} buffers for {self.num_local} local "
+                             "replicas")
+        cp = cupy()
+        out = []
+        for b, d in zip(buffers, self.devices):
+            x = b if is_gpu_array(b) and b.device.id == d.index else to_device(b, d)
+            if not x.flags.c_contiguous:
+                with cp.cuda.Device(d.index):
+                    x = cp.ascontiguousarray(x)
+            out.append(x)
+        return out
+
+    def _empty(self, i: int, shape, dtype):
+        cp = cupy()
+        with cp.cuda.Device(self.devices[i].index):
+            return cp.empty(shape, dtype)
+
+    def _run(self, what: Callable[[], str], issue: Callable[[int, object, int], None]) -> None:
+        """Order after each device's current stream, issue every local call in one
+        NCCL group, then wait with the deadline."""
+        cp = cupy()
+        nccl = self._nccl
+        for i, d in enumerate(self.devices):
+            with cp.cuda.Device(d.index):
+                self._streams[i].wait_event(cp.cuda.get_current_stream().record())
+        nccl.groupStart()
+        try:
+            for i, (comm, d) in enumerate(zip(self._comms, self.devices)):
+                with cp.cuda.Device(d.index):
+                    issue(i, comm, self._streams[i].ptr)
+        finally:
+            nccl.groupEnd()
+        events = []
+        for i, d in enumerate(self.devices):
+            with cp.cuda.Device(d.index):
+                events.append(self._streams[i].record())
+
+        def check():
+            for c in self._comms:
+                c.check_async_error()
+
+        wait_for(lambda: all(e.done for e in events), self.timeout, what,
+                 on_timeout=lambda: self.abort(f"{what()} failed or timed out"),
+                 check=check)
+
+    def _post(self, outs: list, post: str | None) -> list:
+        if post is None:
+            return outs
+        cp = cupy()
+        n = self.num_replicas
+        res = []
+        for o, d in zip(outs, self.devices):
+            with cp.cuda.Device(d.index):
+                if post == "divide":
+                    o /= n
+                    res.append(o)
+                else:
+                    res.append(o / n)
+        return res
+
+    # --- collectives ------------------------------------------------------------------
+
+    def all_reduce(self, buffers, op):
+        op = ReduceOp.from_value(op)
+        bufs = self._prepare(buffers, f"all_reduce({op.name})")
+        check_same_layout(bufs, f"all_reduce({op.name})")
+        dt, nop, post = self._reduce_args(bufs[0].dtype, op)
+        outs = [self._empty(i, b.shape, b.dtype) for i, b in enumerate(bufs)]
+        count = int(bufs[0].size)
+        if count:
+            self._run(lambda: f"NCCL all_reduce({op.name}) of {bufs[0].shape} {bufs[0].dtype}",
+                      lambda i, c, s: c.allReduce(bufs[i].data.ptr, outs[i].data.ptr,
+                                                  count, dt, nop, s))
+        return self._post(outs, post)
+
+    def reduce_scatter(self, buffers, op):
+        op = ReduceOp.from_value(op)
+        bufs = self._prepare(buffers, f"reduce_scatter({op.name})")
+        check_same_layout(bufs, f"reduce_scatter({op.name})")
+        n = self.num_replicas
+        shape = bufs[0].shape
+        if len(shape) == 0 or shape[0] % n:
+            raise ValueError(f"reduce_scatter needs axis 0 divisible by {n} replicas, "
+                             f"got shape {shape}")
+        dt, nop, post = self._reduce_args(bufs[0].dtype, op)
+        out_shape = (shape[0] // n,) + tuple(shape[1:])
+        outs = [self._empty(i, out_shape, b.dtype) for i, b in enumerate(bufs)]
+        recvcount = int(bufs[0].size) // n
+        if recvcount:
+            self._run(lambda: f"NCCL reduce_scatter({op.name}) of {shape} {bufs[0].dtype}",
+                      lambda i, c, s: c.reduceScatter(bufs[i].data.ptr, outs[i].data.ptr,
+                                                      recvcount, dt, nop, s))
+        return self._post(outs, post)
+
+    def broadcast(self, buffers, root=0):
+        if not 0 <= root < self.num_replicas:
+            raise ValueError(f"broadcast root {root} is not a replica id "
+                             f"(0 .. {self.num_replicas - 1})")
+        bufs = self._prepare(buffers, "broadcast")
+        check_same_layout(bufs, "broadcast")
+        outs = [self._empty(i, b.shape, b.dtype) for i, b in enumerate(bufs)]
+        nbytes = int(bufs[0].nbytes)
+        dt = self._const(_BYTES)
+        if nbytes:
+            self._run(lambda: f"NCCL broadcast from replica {root} of {bufs[0].shape} "
+                              f"{bufs[0].dtype}",
+                      lambda i, c, s: c.broadcast(bufs[i].data.ptr, outs[i].data.ptr,
+                                                  nbytes, dt, root, s))
+        return outs
+
+    def all_gather(self, buffers, axis=0):
+        """Concatenation along ``axis`` in global replica order. Sizes along ``axis``
+        may differ: they are exchanged first (over the worker group), every piece is
+        padded to the largest, gathered with one ``ncclAllGather``, and trimmed."""
+        cp = cupy()
+        bufs = self._prepare(buffers, "all_gather")
+        x0 = bufs[0]
+        if x0.ndim == 0:
+            raise ValueError("all_gather concatenates along an axis, but the values are "
+                             "scalars: gather x[None] (or reshape to at least 1-D)")
+        if not -x0.ndim <= axis < x0.ndim:
+            raise ValueError(f"all_gather axis {axis} is out of range for shape {x0.shape}")
+        ax = axis % x0.ndim
+        fronts = []
+        for b, d in zip(bufs, self.devices):
+            with cp.cuda.Device(d.index):
+                fronts.append(cp.ascontiguousarray(cp.moveaxis(b, ax, 0)) if ax else b)
+        mine = [(int(f.shape[0]), tuple(int(s) for s in f.shape[1:]), f.dtype.str)
+                for f in fronts]
+        every = ([m for w in self.workers.allgather(mine) for m in w]
+                 if self.num_workers > 1 else mine)
+        rest, dstr = every[0][1], every[0][2]
+        for r, (_, rr, dd) in enumerate(every):
+            if rr != rest or dd != dstr:
+                raise ValueError(
+                    f"all_gather(axis={ax}): shapes may differ only along the gathered "
+                    f"axis, but replica {r} has slices {rr} {np.dtype(dd)} where replica 0 "
+                    f"has {rest} {np.dtype(dstr)}")
+        rows = [e[0] for e in every]
+        width = int(np.prod(rest, dtype=np.int64)) * np.dtype(dstr).itemsize
+        most = max(rows)
+        sends = []
+        for f, d in zip(fronts, self.devices):
+            if f.shape[0] == most:
+                sends.append(f)
+            else:
+                with cp.cuda.Device(d.index):
+                    padded = cp.zeros((most,) + rest, f.dtype)
+                    padded[:f.shape[0]] = f
+                    sends.append(padded)
+        n = self.num_replicas
+        recvs = [self._empty(i, (n * most,) + rest, np.dtype(dstr)) for i in range(self.num_local)]
+        nbytes = most * width
+        dt = self._const(_BYTES)
+        if nbytes:
+            self._run(lambda: f"NCCL all_gather(axis={ax}) of {x0.shape} {x0.dtype}",
+                      lambda i, c, s: c.allGather(sends[i].data.ptr, recvs[i].data.ptr,
+                                                  nbytes, dt, s))
+        outs = []
+        for recv, d in zip(recvs, self.devices):
+            with cp.cuda.Device(d.index):
+                if any(r != most for r in rows):
+                    recv = cp.concatenate([recv[k * most:k * most + rows[k]]
+                                           for k in range(n)])
+                outs.append(cp.ascontiguousarray(cp.moveaxis(recv, 0, ax)) if ax else recv)
+        return outs
+
+    # --- failure and teardown ---------------------------------------------------------
+
+    def abort(self, reason: str = "aborted by the caller") -> None:
+        """``ncclCommAbort`` every local communicator; later calls raise."""
+        self._aborted = reason
+        for c in self._comms:
+            try:
+                c.abort()
+            except Exception:  # an abort must reach every communicator
+                pass
+
+    def close(self) -> None:
+        for c in getattr(self, "_comms", []):
+            try:
+                c.destroy()
+            except Exception:
+                pass
+        self._comms = []

@@ -1,0 +1,61 @@
+"""The host-staged path: GPU collectives when NCCL is not available.
+
+Each collective copies the local replicas' buffers to host memory
+(``gpustrat.devices.to_host``), runs the host communicator's collective on them (the
+in-process :class:`~gpustrat.collectives.host.HostCommunicator`, or the MPI
+communicator between workers) and copies each replica's result back to its device
+(``gpustrat.devices.to_device``). Correct everywhere, and as fast as two PCIe copies
+allow: NCCL is the fast path.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from gpustrat.collectives.base import Communicator
+from gpustrat.devices import Device, to_device, to_host
+
+
+class StagedCommunicator(Communicator):
+    """Collectives over replicas on any devices, through host memory.
+
+    Args:
+        devices: this worker's devices, one per local replica.
+        host_comm: a communicator over host (NumPy) buffers with one buffer per local
+            replica; its worker count and index are this communicator's.
+    """
+
+    def __init__(self, devices: Sequence[Device], host_comm: Communicator):
+        self.devices = list(devices)
+        if host_comm.num_local != len(self.devices):
+            raise ValueError(f"the host communicator has {host_comm.num_local} local "
+                             f"replicas but {len(self.devices)} devices were given")
+        self.host = host_comm
+        self.num_workers = host_comm.num_workers
+        self.worker_index = host_comm.worker_index
+
+    def _down(self, buffers) -> list:
+        if len(buffers) != self.num_local:
+            raise ValueError(f"got {len(buffers)} buffers for {self.num_local} local replicas")
+        return [to_host(b) for b in buffers]
+
+    def _up(self, results) -> list:
+        return [to_device(r, d) for r, d in zip(results, self.devices)]
+
+    def all_reduce(self, buffers, op):
+        return self._up(self.host.all_reduce(self._down(buffers), op))
+
+    def all_gather(self, buffers, axis=0):
+        return self._up(self.host.all_gather(self._down(buffers), axis))
+
+    def broadcast(self, buffers, root=0):
+        return self._up(self.host.broadcast(self._down(buffers), root))
+
+    def reduce_scatter(self, buffers, op):
+        return self._up(self.host.reduce_scatter(self._down(buffers), op))
+
+    def reduce(self, buffers, op):
+        return to_device(self.host.reduce(self._down(buffers), op), self.devices[0])
+
+    def close(self) -> None:
+        self.host.close()
