@@ -261,17 +261,15 @@ class ListFilesDataset(Dataset):
         return TensorSpec((), STRING)
 
 
-class TextLineDataset(FileSourceDataset):
-    """The lines of text files, without their line ending (``\\n`` or ``\\r\\n``), as bytes.
+class CompressedFileSource(FileSourceDataset):
+    """A file source whose files may be compressed; subclasses parse one opened file.
 
     Args:
         filenames: file names, or a Dataset of file names.
         compression_type: None, "", "GZIP" or "ZLIB".
         buffer_size: read buffer in bytes (default 256 KiB).
-        num_parallel_reads: read this many files at once, interleaving their lines.
+        num_parallel_reads: read this many files at once, interleaving their elements.
     """
-
-    _what = "TextLineDataset"
 
     def __init__(self, filenames, compression_type: str | None = None,
                  buffer_size: int | None = None, num_parallel_reads: int | None = None):
@@ -279,15 +277,29 @@ class TextLineDataset(FileSourceDataset):
         self._compression = check_compression(compression_type, self._what)
         self._buffer_size = int(buffer_size or 256 * 1024)
 
+    def _parse(self, f, path: str) -> Iterator:
+        """The elements of one opened (decompressed) file."""
+        raise TypeError(f"{type(self).__name__} must define _parse(file, path)")
+
     def _read_file(self, path):
         f = open_file(path, self._compression, self._what, self._buffer_size)
         try:
-            for line in f:
-                if line.endswith(b"\n"):
-                    line = line[:-2] if line.endswith(b"\r\n") else line[:-1]
-                yield line
+            yield from self._parse(f, path)
         finally:
             f.close()
 
     def _compute_spec(self):
         return TensorSpec((), STRING)
+
+
+class TextLineDataset(CompressedFileSource):
+    """The lines of text files, without their line ending (``\\n`` or ``\\r\\n``), as bytes.
+    Arguments as :class:`CompressedFileSource`."""
+
+    _what = "TextLineDataset"
+
+    def _parse(self, f, path):
+        for line in f:
+            if line.endswith(b"\n"):
+                line = line[:-2] if line.endswith(b"\r\n") else line[:-1]
+            yield line

@@ -20,8 +20,7 @@ from __future__ import annotations
 import struct
 from typing import BinaryIO
 
-from gpustrat.data.files import (FileSourceDataset, check_compression, open_file)
-from gpustrat.data.spec import STRING, TensorSpec
+from gpustrat.data.files import CompressedFileSource, check_compression
 
 _POLY = 0x82F63B78
 _MASK_DELTA = 0xA282EAD8
@@ -183,31 +182,12 @@ def read_records(f: BinaryIO, path: str):
         offset += 16 + length
 
 
-class TFRecordDataset(FileSourceDataset):
-    """The records of TFRecord files, as bytes scalars.
-
-    Args:
-        filenames: file names, or a Dataset of file names.
-        compression_type: None, "", "GZIP" or "ZLIB".
-        buffer_size: read buffer in bytes (default 256 KiB).
-        num_parallel_reads: read this many files at once, interleaving their records.
-    """
+class TFRecordDataset(CompressedFileSource):
+    """The records of TFRecord files, as bytes scalars; both CRCs are checked.
+    Arguments as :class:`~gpustrat.data.files.CompressedFileSource`."""
 
     _what = "TFRecordDataset"
 
-    def __init__(self, filenames, compression_type: str | None = None,
-                 buffer_size: int | None = None, num_parallel_reads: int | None = None):
-        super().__init__(filenames, num_parallel_reads)
-        self._compression = check_compression(compression_type, self._what)
-        self._buffer_size = int(buffer_size or 256 * 1024)
-
-    def _read_file(self, path):
-        f = open_file(path, self._compression, self._what, self._buffer_size)
-        try:
-            yield from read_records(f, path)
-        finally:
-            f.close()
-
-    def _compute_spec(self):
-        return TensorSpec((), STRING)
+    def _parse(self, f, path):
+        return read_records(f, path)
 
