@@ -22,7 +22,6 @@ import numpy as np
 
 
 def _gs_epoch(strategy, dist):
-    import gpustrat as gs  # noqa: F401
     steps = 0
     total = 0.0
     for x in dist:

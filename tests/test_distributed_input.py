@@ -2,7 +2,6 @@
 rule for every nesting and dtype, iterators, options and errors."""
 
 import collections
-import threading
 import time
 
 import numpy as np
