@@ -16,6 +16,7 @@ pure helpers of the kernel modules work where Numba is not installed.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 
 import numpy as np
@@ -126,7 +127,7 @@ def device_context(*arrays):
 def check_kernel_input(x, what: str):
     """Device arrays (or, under the simulator, NumPy arrays) pass; host data on a real
     GPU is a TypeError rather than a silent round trip through host memory."""
-    if hasattr(x, "__cuda_array_interface__"):
+    if _is_cupy(x) or hasattr(x, "__cuda_array_interface__"):
         return x
     if isinstance(x, np.ndarray) and simulating():
         return x
@@ -153,8 +154,18 @@ def empty(like, shape, dtype, stream=None):
                              stream=stream if _is_numba_stream(stream) else 0)
 
 
+def _is_cupy(x) -> bool:
+    # Cheaper than building __cuda_array_interface__ (a dict per call) for each of the
+    # hundreds of tensors of a fusion bucket.
+    return type(x).__module__.startswith("cupy")
+
+
 def data_ptr(x) -> int:
     """The address of ``x``'s first element (device or host)."""
+    if _is_cupy(x):
+        return int(x.data.ptr)
+    if isinstance(x, np.ndarray):
+        return int(x.ctypes.data)
     if hasattr(x, "__cuda_array_interface__"):
         return int(x.__cuda_array_interface__["data"][0])
     return int(x.__array_interface__["data"][0])
@@ -232,7 +243,7 @@ def window(arrays, dtype):
 
 
 def _size(a) -> int:
-    return int(np.prod(a.shape, dtype=np.int64))
+    return int(math.prod(a.shape))
 
 
 def to_kernel_array(host: np.ndarray, like, stream=None):

@@ -19,6 +19,8 @@ source and destination exchanged.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from . import _launch
@@ -127,7 +129,7 @@ def ptx_signatures():
 
 def layout(shapes):
     """``(sizes, starts, total)`` of tensors of ``shapes`` packed back to back."""
-    sizes = np.array([int(np.prod(s, dtype=np.int64)) for s in shapes], dtype=np.int64)
+    sizes = np.array([math.prod(s) for s in shapes], dtype=np.int64)
     starts = np.zeros(len(sizes), dtype=np.int64)
     if len(sizes) > 1:
         np.cumsum(sizes[:-1], out=starts[1:])

@@ -1,0 +1,216 @@
+"""Check and time the GPU paths end to end: kernels, NCCL collectives, fusion.
+
+1. Kernels (split, gather+split, fixed-shape split, pack, unpack, sum of K buffers):
+   each result is checked against its NumPy reference, then timed with CUDA events
+   and reported as effective bandwidth (bytes read + written per second) next to a
+   device-to-device copy of the same bytes. Target: split and pack at least 85% of
+   the copy.
+2. Collectives over every visible GPU with the NCCL communicator (or the host-staged
+   one with ``--staged``), checked against NumPy, in an nccl-tests style table: size,
+   count, dtype, time, algbw, busbw (busbw factors as in nccl-tests: all_reduce
+   2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast 1).
+
+Without a GPU (or CuPy) it prints why and exits 0.
+
+    python benchmarks/bench_gpu.py [--quick] [--staged] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+COPY_TARGET = 0.85
+
+
+def _gpu_or_reason():
+    try:
+        from gpustrat.devices import cupy, gpu_count
+        if gpu_count() == 0:
+            return None, "no CUDA GPU is visible (or CuPy is not installed)"
+        from numba import cuda
+        if not cuda.is_available():
+            return None, "numba.cuda finds no usable CUDA driver"
+        return cupy(), None
+    except Exception as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
+def time_gpu(cp, fn, repeats: int, warmup: int = 3) -> float:
+    """Median seconds of ``fn()`` on the current stream, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    cp.cuda.get_current_stream().synchronize()
+    times = []
+    for _ in range(repeats):
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
+    return float(np.median(times))
+
+
+def _check(name, got, want):
+    got = [g.get() for g in got] if isinstance(got, (list, tuple)) else [got.get()]
+    want = want if isinstance(want, (list, tuple)) else [want]
+    for g, w in zip(got, want):
+        if g.shape != w.shape or not np.array_equal(g, w):
+            raise AssertionError(f"{name}: the GPU result differs from the NumPy reference")
+
+
+def bench_kernels(cp, nbytes: int, repeats: int) -> list[dict]:
+    from gpustrat.kernels.pack import pack, pack_reference, unpack, unpack_reference
+    from gpustrat.kernels.split import split, split_reference
+    from gpustrat.kernels.sum_buffers import sum_buffers, sum_buffers_reference
+    rows = []
+    rng = np.random.default_rng(0)
+    n_rows, width = nbytes // (4 * 256), 256
+    host = rng.standard_normal((n_rows, width)).astype(np.float32)
+    batch = cp.asarray(host)
+    dst = cp.empty_like(batch)
+    copy_s = time_gpu(cp, lambda: dst.data.copy_from_device_async(
+        batch.data, batch.nbytes), repeats)
+
+    def row(name, seconds, moved):
+        bw = moved / seconds / 1e9
+        copy_bw = 2 * batch.nbytes / copy_s / 1e9
+        rows.append({"kernel": name, "bytes": int(moved // 2), "time_us": seconds * 1e6,
+                     "GB_s": bw, "copy_GB_s": copy_bw, "vs_copy": bw / copy_bw})
+
+    row("d2d copy", copy_s, 2 * batch.nbytes)
+    replicas = 4
+    res = split(batch, replicas)
+    _check("split", res.pieces, split_reference(host, replicas).pieces)
+    row("split", time_gpu(cp, lambda: split(batch, replicas), repeats), 2 * batch.nbytes)
+    index_h = rng.permutation(n_rows)
+    index = cp.asarray(index_h)
+    _check("gather split", split(batch, replicas, index=index).pieces,
+           split_reference(host, replicas, index=index_h).pieces)
+    row("split+gather", time_gpu(cp, lambda: split(batch, replicas, index=index,
+                                                   check_index=False), repeats),
+        2 * batch.nbytes)
+    pad = -(-n_rows // replicas) + 1
+    _check("fixed-shape split", split(batch, replicas, pad_to=pad).pieces,
+           split_reference(host, replicas, pad_to=pad).pieces)
+    row("split fixed-shape", time_gpu(cp, lambda: split(batch, replicas, pad_to=pad),
+                                      repeats), 2 * batch.nbytes)
+    # Pack: 1,000 tensors of nbytes / 1000 each (fusion-sized pieces).
+    per = max(nbytes // 4 // 1000, 1)
+    tensors_h = [rng.standard_normal(per).astype(np.float32) for _ in range(1000)]
+    tensors = [cp.asarray(t) for t in tensors_h]
+    buf = pack(tensors)
+    _check("pack", buf, pack_reference(tensors_h))
+    _check("pack scaled", pack(tensors, scale=0.5), pack_reference(tensors_h, scale=0.5))
+    out = cp.empty_like(buf)
+    row("pack (1000 tensors)", time_gpu(cp, lambda: pack(tensors, out=out), repeats),
+        2 * buf.nbytes)
+    shapes = [t.shape for t in tensors_h]
+    outs = [cp.empty_like(t) for t in tensors]
+    _check("unpack", unpack(buf, shapes), unpack_reference(pack_reference(tensors_h), shapes))
+    row("unpack (1000 tensors)", time_gpu(cp, lambda: unpack(buf, shapes, out=outs),
+                                          repeats), 2 * buf.nbytes)
+    k = 4
+    parts_h = [rng.standard_normal(batch.size // k).astype(np.float32) for _ in range(k)]
+    parts = [cp.asarray(p) for p in parts_h]
+    total = cp.empty_like(parts[0])
+    _check("sum_buffers", sum_buffers(parts), sum_buffers_reference(parts_h))
+    row(f"sum of {k} buffers", time_gpu(cp, lambda: sum_buffers(parts, out=total), repeats),
+        (k + 1) * parts[0].nbytes)
+    return rows
+
+
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+              "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+
+
+def bench_collectives(cp, staged: bool, sizes, repeats: int) -> list[dict]:
+    from gpustrat.collectives.host import HostCommunicator
+    from gpustrat.devices import Device, gpu_count
+    n = gpu_count()
+    devices = [Device("gpu", i) for i in range(n)]
+    if staged:
+        from gpustrat.collectives.staged import StagedCommunicator
+        comm = StagedCommunicator(devices, HostCommunicator(devices))
+        name = "staged"
+    else:
+        from gpustrat.collectives.nccl import NcclCommunicator, is_available
+        if not is_available():
+            print("NCCL: cupy.cuda.nccl is not available; rerun with --staged")
+            return []
+        comm = NcclCommunicator(devices)
+        name = "nccl"
+    rows = []
+    rng = np.random.default_rng(1)
+    for nbytes in sizes:
+        count = max(nbytes // 4 // n * n, n)
+        host = [rng.integers(-8, 8, count).astype(np.float32) for _ in range(n)]
+        bufs = []
+        for i, h in enumerate(host):
+            with cp.cuda.Device(i):
+                bufs.append(cp.asarray(h))
+        total = np.sum(host, axis=0, dtype=np.float32)
+        checks = {
+            "all_reduce": (lambda: comm.all_reduce(bufs, "sum"), [total] * n),
+            "all_gather": (lambda: comm.all_gather(bufs, 0), [np.concatenate(host)] * n),
+            "reduce_scatter": (lambda: comm.reduce_scatter(bufs, "sum"),
+                               list(np.split(total, n))),
+            "broadcast": (lambda: comm.broadcast(bufs, 0), [host[0]] * n),
+        }
+        for op, (fn, want) in checks.items():
+            _check(f"{name} {op}", fn(), want)
+            t = time_gpu(cp, fn, repeats)
+            size = count * 4 if op != "all_gather" else count * 4 * n
+            algbw = size / t / 1e9
+            rows.append({"comm": name, "op": op, "size": size, "count": count,
+                         "dtype": "float32", "time_us": t * 1e6, "algbw": algbw,
+                         "busbw": algbw * BUS_FACTOR[op](n), "gpus": n})
+    comm.close()
+    return rows
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
+    ap.add_argument("--staged", action="store_true",
+                    help="time the host-staged communicator instead of NCCL")
+    ap.add_argument("--json", help="write results here")
+    args = ap.parse_args(argv)
+    cp, reason = _gpu_or_reason()
+    if cp is None:
+        print(f"bench_gpu: skipped: {reason}")
+        return {"suite": "gpu", "skipped": reason}
+    repeats = 5 if args.quick else 20
+    nbytes = (16 << 20) if args.quick else (256 << 20)
+    kernels = bench_kernels(cp, nbytes, repeats)
+    print(f"kernels ({cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}), "
+          f"target: split and pack >= {COPY_TARGET:.0%} of a device-to-device copy")
+    print(f"{'kernel':<22} {'bytes':>12} {'time (us)':>10} {'GB/s':>8} {'vs copy':>8}")
+    for r in kernels:
+        print(f"{r['kernel']:<22} {r['bytes']:>12} {r['time_us']:>10.1f} {r['GB_s']:>8.1f} "
+              f"{r['vs_copy']:>7.0%}")
+    verdict = {r["kernel"]: r["vs_copy"] >= COPY_TARGET for r in kernels
+               if r["kernel"] in ("split", "pack (1000 tensors)")}
+    print("target " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in verdict.items()))
+    sizes = [1 << 10, 1 << 16, 1 << 20, 16 << 20] + ([] if args.quick else [256 << 20])
+    colls = bench_collectives(cp, args.staged, sizes, repeats)
+    if colls:
+        print(f"\ncollectives over {colls[0]['gpus']} GPU(s), {colls[0]['comm']}")
+        print(f"{'op':<15} {'size (B)':>12} {'count':>11} {'type':>8} {'time (us)':>10} "
+              f"{'algbw':>8} {'busbw':>8}")
+        for r in colls:
+            print(f"{r['op']:<15} {r['size']:>12} {r['count']:>11} {r['dtype']:>8} "
+                  f"{r['time_us']:>10.1f} {r['algbw']:>8.2f} {r['busbw']:>8.2f}")
+    result = {"suite": "gpu", "kernels": kernels, "collectives": colls, "targets": verdict}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
