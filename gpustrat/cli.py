@@ -248,6 +248,8 @@ def _child_env(repo: Path) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH", "")) if p)
     # Ranks share one stdout pipe: whole buffered lines keep them from interleaving.
     env.pop("PYTHONUNBUFFERED", None)
+    # Peers' start-up chatter (TensorFlow's oneDNN and CPU-feature notices) hides the tables.
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return env
 
 
