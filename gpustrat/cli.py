@@ -188,9 +188,9 @@ BENCH_HELP = """\
 Run the benchmark suites in the benchmarks/ folder of a gpustrat source checkout
 (benchmarks/ is not installed with the package: run this from a clone, installed with
 pip install -e). Each suite is a module benchmarks/bench_NAME.py with main(argv) -> dict;
-it runs in its own process (with a timeout) and prints its table. Suites whose docstring
-says to run `mpiexec -n N python benchmarks/bench_NAME.py` run that way, and are skipped with a message when
-mpiexec or mpi4py is missing. Where TensorFlow or PyTorch imports, suites print their
+it runs in its own process (with a timeout) and prints its table. Suites whose
+docstring says to run `mpiexec -n N python benchmarks/bench_NAME.py` run that way, and
+are skipped with a message when mpiexec or mpi4py is missing. Where TensorFlow or PyTorch imports, suites print their
 numbers beside gpustrat's (not with --quick).
 """
 
