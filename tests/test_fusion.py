@@ -24,7 +24,8 @@ SHAPES_DTYPES = [((3,), np.float32), ((), np.float64), ((2, 5), np.int32), ((0,)
 
 
 class CountingHost(HostCommunicator):
-    """A host communicator that records the buffers of every all_reduce."""
+    """A host communicator that records the buffers of every all-reduce (fusion calls
+    the in-place form on its own packed buffers)."""
 
     def __init__(self, devices):
         super().__init__(devices)
@@ -33,6 +34,10 @@ class CountingHost(HostCommunicator):
     def all_reduce(self, buffers, op):
         self.calls.append([(b.shape, b.dtype) for b in buffers])
         return super().all_reduce(buffers, op)
+
+    def all_reduce_inplace(self, buffers, op):
+        self.calls.append([(b.shape, b.dtype) for b in buffers])
+        return super().all_reduce_inplace(buffers, op)
 
 
 def comm_of(n):

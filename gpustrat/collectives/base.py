@@ -59,6 +59,15 @@ class Communicator(abc.ABC):
             ValueError: local buffers differ in shape or dtype (naming them).
         """
 
+    def all_reduce_inplace(self, buffers: Sequence[Any], op: ReduceOp) -> list:
+        """:meth:`all_reduce` that may overwrite ``buffers`` and return them as results.
+
+        For buffers the caller owns and will not read again (fusion buffers): the
+        backend can skip allocating and copying a result. The default does neither
+        and returns new arrays, which is also correct.
+        """
+        return self.all_reduce(buffers, op)
+
     @abc.abstractmethod
     def all_gather(self, buffers: Sequence[Any], axis: int = 0) -> list:
         """Concatenate every replica's buffer along ``axis``, in global replica order.

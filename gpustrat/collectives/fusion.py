@@ -22,8 +22,11 @@ environment variable (default 64 MiB, as Horovod's fusion threshold).
 
 from __future__ import annotations
 
+import operator
+import sys
+import threading
+
 import os
-import weakref
 from typing import Sequence
 
 import numpy as np
@@ -97,13 +100,15 @@ def _greedy(indices, sizes, itemsize: int, bucket_bytes: int) -> list[list[int]]
 
 def _check(comm: Communicator, tensors) -> None:
     n = comm.num_local
+    # The common all-good case runs in C (map/set); only a failure walks in Python.
+    if set(map(len, tensors)) != {n}:
+        j, row = next((j, row) for j, row in enumerate(tensors) if len(row) != n)
+        raise ValueError(f"tensor {j} has {len(row)} replica values but the "
+                         f"communicator has {n} local replicas: pass tensors[j][i] "
+                         "for every tensor j and local replica i")
+    if n == 1:
+        return
     for j, row in enumerate(tensors):
-        if len(row) != n:
-            raise ValueError(f"tensor {j} has {len(row)} replica values but the "
-                             f"communicator has {n} local replicas: pass tensors[j][i] "
-                             "for every tensor j and local replica i")
-        if n == 1:
-            continue
         t0 = row[0]
         s0, d0 = t0.shape, t0.dtype
         for i in range(1, n):
@@ -146,20 +151,18 @@ def fused_all_reduce(comm: Communicator, tensors: Sequence[Sequence], op,
         return []
     try:
         _check(comm, tensors)
-        first = [row[0] for row in tensors]
-        sizes = [t.size for t in first]
-        dtypes = [t.dtype for t in first]
+        first = list(map(_FIRST, tensors))
+        sizes = list(map(_SIZE, first))
+        dtypes = list(map(_DTYPE, first))
     except AttributeError:  # Python scalars or lists among the values
         tensors = _as_arrays(tensors)
         _check(comm, tensors)
-        first = [row[0] for row in tensors]
-        sizes = [t.size for t in first]
-        dtypes = [t.dtype for t in first]
+        first = list(map(_FIRST, tensors))
+        sizes = list(map(_SIZE, first))
+        dtypes = list(map(_DTYPE, first))
     plan = plan_buckets(sizes, dtypes, int(bucket_bytes))
     n_local = comm.num_local
-    # results[i][j]: tensor j's result on replica i (transposed at the end).
-    results: list[list] = [[None] * len(tensors) for _ in range(n_local)]
-    staging = _staging(comm)
+    out: list = [None] * len(tensors)  # out[j]: tensor j's results, one per replica
     for bucket in plan:
         lo, hi = bucket[0], bucket[-1] + 1
         contiguous = hi - lo == len(bucket)
@@ -167,49 +170,61 @@ def fused_all_reduce(comm: Communicator, tensors: Sequence[Sequence], op,
         total = sum(sizes[lo:hi]) if contiguous else sum(sizes[j] for j in bucket)
         buffers = []
         for i in range(n_local):
-            parts = [row[i] for row in rows]
+            parts = list(map(operator.itemgetter(i), rows))
             if is_gpu_array(parts[0]):
                 buffers.append(_pack_gpu(parts))
             else:
-                buffers.append(_pack_host(parts, total, staging, i))
-        reduced = comm.all_reduce(buffers, op)
-        shapes = [row[0].shape for row in rows]
-        for i, r in enumerate(reduced):
-            parts = _unpack_gpu(r, shapes) if is_gpu_array(r) else _unpack_host(r, shapes)
-            if contiguous:
-                results[i][lo:hi] = parts
-            else:
-                for j, part in zip(bucket, parts):
-                    results[i][j] = part
-    return [list(per_tensor) for per_tensor in zip(*results)]
+                buffers.append(_pack_host(parts, total, i))
+        # The packed buffers are ours: the backend may reduce in them, and the results
+        # are views of them.
+        reduced = comm.all_reduce_inplace(buffers, op)
+        shapes = list(map(_SHAPE, map(_FIRST, rows)))
+        per_replica = [_unpack_gpu(r, shapes) if is_gpu_array(r) else _unpack_host(r, shapes)
+                       for r in reduced]
+        # map/zip run in C: one list per tensor without a Python-level loop body.
+        per_tensor = list(map(list, zip(*per_replica)))
+        if contiguous:
+            out[lo:hi] = per_tensor
+        else:
+            for j, results in zip(bucket, per_tensor):
+                out[j] = results
+    return out
 
 
 # --- host: NumPy ------------------------------------------------------------------------
 
-# Host fusion buffers are kept per communicator and reused from call to call: a fresh
-# multi-megabyte array costs a page fault per 4 KiB page on first touch (more than the
-# copy itself), and the communicator never keeps its input buffers past the call.
-_staging_by_comm: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_pool = threading.local()
+# C-level getters: the per-tensor bookkeeping of 1,000 tensors is a map, not a loop.
+_FIRST = operator.itemgetter(0)
+_SIZE = operator.attrgetter("size")
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
 
 
-def _staging(comm) -> dict:
-    try:
-        return _staging_by_comm.setdefault(comm, {})
-    except TypeError:  # a communicator that cannot be weakly referenced
-        return {}
+def _host_buffer(total: int, dtype, replica: int) -> np.ndarray:
+    """A buffer for ``total`` elements: last call's, when nothing refers to it any more.
 
-
-def _pack_host(tensors, total: int, staging: dict, replica: int) -> np.ndarray:
-    if len(tensors) == 1:
-        return np.ascontiguousarray(tensors[0]).reshape(-1)
-    dtype = tensors[0].dtype
-    key = (replica, dtype)
-    buf = staging.get(key)
-    if buf is None or buf.size < total:
+    Results are views of the packed buffer, and a view keeps a reference to it, so a
+    buffer whose only references are this pool's is free to overwrite. Reusing it saves
+    the page faults of fresh multi-megabyte memory (about 0.4 ms per 4 MB here).
+    """
+    buffers = getattr(_pool, "buffers", None)
+    if buffers is None:
+        buffers = _pool.buffers = {}
+    key = (np.dtype(dtype), replica)
+    buf = buffers.get(key)
+    # References: the dict entry, `buf`, and getrefcount's argument.
+    if buf is None or buf.size < total or sys.getrefcount(buf) > 3:
         buf = np.empty(total, dtype)
-        staging[key] = buf
-    out = buf[:total]
-    # axis=None flattens every input in C, without a Python reshape per tensor.
+        buffers[key] = buf
+    return buf[:total]
+
+
+def _pack_host(tensors, total: int, replica: int) -> np.ndarray:
+    """A contiguous buffer holding ``tensors`` flattened, one after the other."""
+    out = _host_buffer(total, tensors[0].dtype, replica)
+    # axis=None flattens every input in C; with out= given, concatenate skips its
+    # own result-type and shape pass over the inputs (half the time for 1,000 tensors).
     np.concatenate(tensors, axis=None, out=out)
     return out
 

@@ -78,6 +78,28 @@ class HostCommunicator(Communicator):
     def all_reduce(self, buffers, op):
         return self._replicate(self.reduce(buffers, op))
 
+    def all_reduce_inplace(self, buffers, op):
+        op = ReduceOp.from_value(op)
+        bufs = [to_host(b) for b in buffers]
+        out = bufs[0]
+        if not (isinstance(out, np.ndarray) and out.flags.c_contiguous and out.flags.writeable):
+            return self.all_reduce(buffers, op)
+        check_same_layout(bufs, f"all_reduce({op.name})")
+        ufunc = _NP_OPS[op]
+        for b in bufs[1:]:
+            ufunc(out, b, out=out)
+        out = self._across_workers_reduce(out, op)
+        if op is ReduceOp.MEAN:
+            out = divide(out, self.num_replicas)
+        results = [out]
+        for b in bufs[1:]:
+            if b.dtype == out.dtype and b.flags.writeable:
+                np.copyto(b, out)
+                results.append(b)
+            else:  # an integer MEAN became floats
+                results.append(out.copy())
+        return results
+
     def all_gather(self, buffers, axis=0):
         bufs = [np.asarray(to_host(b)) for b in buffers]
         local = np.concatenate(bufs, axis=axis) if len(bufs) > 1 else bufs[0].copy()
