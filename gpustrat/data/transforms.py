@@ -407,10 +407,16 @@ class EnumerateDataset(UnaryDataset):
 
 
 class PrefetchDataset(UnaryDataset):
-    """``prefetch(n)``: a background thread keeps up to ``n`` elements ready."""
+    """``prefetch(n)``: a background thread keeps up to ``n`` elements ready.
 
-    def __init__(self, input_dataset, buffer_size: int):
+    ``adaptive`` (what ``prefetch(AUTOTUNE)`` gives, with 2 elements) starts the thread
+    only when producing an element costs more than handing it over from a thread
+    (:func:`gpustrat.data.parallel.adaptive_prefetch`).
+    """
+
+    def __init__(self, input_dataset, buffer_size: int, adaptive: bool = False):
         super().__init__(input_dataset)
+        self._adaptive = adaptive or buffer_size == AUTOTUNE
         if buffer_size == AUTOTUNE:
             buffer_size = 2
         if isinstance(buffer_size, bool) or not isinstance(buffer_size, (int, np.integer)) \
@@ -423,6 +429,8 @@ class PrefetchDataset(UnaryDataset):
         it = self._input._iter(ctx)
         if self._buffer_size == 0 or ctx.peek:
             return it
+        if self._adaptive:
+            return parallel.adaptive_prefetch(it, self._buffer_size)
         return parallel.prefetch(it, self._buffer_size)
 
 

@@ -4,9 +4,11 @@ Every worker must run the same number of steps, so that no collective is left wa
 a worker whose data ran out keeps yielding empty per-replica batches while any worker
 still has data. What an epoch costs in collectives between workers:
 
-- one worker, or every worker reading the same data (DATA, OFF): none;
+- one worker: none;
 - every worker's number of steps known in advance (finite cardinality): one
-  ``allgather`` at the start of the epoch;
+  ``allgather`` at the start of the epoch. Under DATA and OFF every worker should run
+  the same steps anyway; the allgather makes sure, so that a rank-dependent or
+  unseeded pipeline cannot leave a collective waiting;
 - otherwise: workers read ahead in blocks of 1, 2, 4, ... up to ``MAX_BLOCK`` steps and
   agree once per block with one ``allreduce`` of an int (MAX of the steps each has
   ready): about ``log2(MAX_BLOCK) + steps / MAX_BLOCK + 1`` collectives per epoch,

@@ -180,8 +180,12 @@ class DistributedDataset(_DistributedBase):
             dataset = autoshard.shard_files(dataset, workers.size, workers.rank)
         self.auto_shard_policy = policy
         self._stream = policy in (AutoShardPolicy.FILE, AutoShardPolicy.OFF)
-        self._needs_agreement = policy is AutoShardPolicy.FILE
-        self._dataset = dataset.prefetch(strategy.num_replicas_in_sync)
+        # Under FILE each worker reads other files, so step counts differ between workers.
+        self._counts_differ = policy is AutoShardPolicy.FILE
+        # The appended prefetch of num_replicas_in_sync batches, in a thread when
+        # producing a batch costs more than a thread handoff (see adaptive_prefetch).
+        from gpustrat.data.transforms import PrefetchDataset  # noqa: PLC0415
+        self._dataset = PrefetchDataset(dataset, strategy.num_replicas_in_sync, adaptive=True)
         self.element_spec = _per_replica_spec(dataset)
 
     def _steps_per_epoch(self) -> int | None:
@@ -193,7 +197,7 @@ class DistributedDataset(_DistributedBase):
     def cardinality(self) -> int:
         """Steps per epoch on this worker, or -1 (infinite) / -2 (unknown)."""
         card = self._dataset.cardinality()
-        if card < 0 or (self._needs_agreement and self._strategy.num_workers > 1):
+        if card < 0 or (self._counts_differ and self._strategy.num_workers > 1):
             return card if card < 0 else -2
         return self._steps_per_epoch()
 
@@ -210,8 +214,11 @@ class DistributedDataset(_DistributedBase):
         splitter = Splitter(s.num_replicas_in_sync)
         steps = deal_steps(iter(self._dataset), splitter, workers.rank, workers.size, local,
                            self._stream)
-        if not self._needs_agreement or workers.size == 1:
+        if workers.size == 1:
             return steps
+        # Even under DATA and OFF, where every worker should run the same steps, the
+        # workers check: a rank-dependent or unseeded pipeline must not hang the job.
+        # With known step counts that is one allgather per epoch.
         return end_of_data.agreed_steps(steps, workers, local, self._steps_per_epoch(),
                                         splitter.empty_like, self._stats)
 

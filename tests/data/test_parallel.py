@@ -162,3 +162,35 @@ def test_import_starts_no_thread_and_touches_no_file(tmp_path):
                          check=True, cwd=tmp_path)
     assert out.stdout.strip() == "1"  # building and iter() start nothing before next()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_adaptive_prefetch_threads_only_slow_sources():
+    import threading
+    import time
+
+    from gpustrat.data import parallel
+
+    def slow():
+        for i in range(20):
+            time.sleep(0.001)
+            yield i
+
+    names = []
+
+    def watch(gen):
+        for x in gen:
+            names.append({t.name for t in threading.enumerate()})
+            yield x
+    out = list(watch(parallel.adaptive_prefetch(slow(), 2)))
+    assert out == list(range(20))
+    assert any("gpustrat-prefetch" in n for n in names[parallel.ADAPTIVE_PROBE:])
+    names.clear()
+    assert list(watch(parallel.adaptive_prefetch(iter(range(50)), 2))) == list(range(50))
+    assert not any("gpustrat-prefetch" in n for n in names)
+    # Shorter than the probe, and errors, behave as the plain source.
+    assert list(parallel.adaptive_prefetch(iter(range(3)), 2)) == [0, 1, 2]
+
+
+def test_prefetch_autotune_is_adaptive_and_keeps_order():
+    from gpustrat.data import AUTOTUNE, Dataset
+    assert list(Dataset.range(30).prefetch(AUTOTUNE).as_numpy_iterator()) == list(range(30))

@@ -170,10 +170,16 @@ for x in last:
     assert float(s.reduce("mean", doubled, axis=0)) == 2.0
     assert list(s.gather(doubled, axis=0)) == [0.0, 2.0, 4.0]
 
-# DATA costs no agreement collectives at all.
-it = iter(s.experimental_distribute_dataset(Dataset.range(40).batch(4)))
+# DATA with a known step count costs one agreement collective per epoch.
+dist = s.experimental_distribute_dataset(Dataset.range(40).batch(4))
+it = iter(dist)
 n_steps = sum(1 for _ in it)
-assert n_steps == 10 and it.agreement_collectives == 0
+assert n_steps == 10 and it.agreement_collectives == 1
+assert sum(1 for _ in dist) == 10 and it.agreement_collectives == 2  # per epoch
+# A rank-dependent pipeline under DATA (a user error) still ends together: no hang.
+uneven = s.experimental_distribute_dataset(Dataset.range(8 + 8 * r).filter(lambda v: True).batch(4))
+counts = s.workers.allgather(sum(1 for _ in uneven))
+assert len(set(counts)) == 1, counts
 print(f"OK rank {r}", flush=True)
 """
 
