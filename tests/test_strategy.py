@@ -295,3 +295,9 @@ def test_per_replica_component_count_must_match():
     s = gs.MirroredStrategy(cpus(2))
     with pytest.raises(ValueError, match="3 components but the strategy has 2"):
         s.run(lambda x: x, args=(gs.PerReplica([1, 2, 3]),))
+
+
+def test_experimental_make_numpy_dataset_old_name():
+    s = gs.MirroredStrategy(cpus(2))
+    ds = s.experimental_make_numpy_dataset(np.arange(6.0).reshape(3, 2))
+    assert [r.tolist() for r in ds.as_numpy_iterator()] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]

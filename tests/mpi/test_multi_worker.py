@@ -275,3 +275,52 @@ def test_error_in_one_rank_ends_every_rank():
     assert text.count("replica function failed on purpose") >= 1
     assert "rank 1" in text, format_result(rc, out, err)
     assert took < 60, f"the job took {took:.0f} s to end after one rank failed"
+
+
+TWO_STRATEGIES = r"""
+import numpy as np
+import gpustrat as gs
+from gpustrat.data import Dataset
+a = gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+b = gs.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"])
+r = a.worker_index
+assert a.num_replicas_in_sync == 2 and b.num_replicas_in_sync == 4
+# Interleaved use of both: each works on its own duplicate communicator.
+for x, y in zip(a.experimental_distribute_dataset(Dataset.range(8).batch(4)),
+                b.experimental_distribute_dataset(Dataset.range(8).batch(4))):
+    sa = a.reduce("sum", a.run(lambda v: v * 1.0, args=(x,)), axis=0)
+    sb = b.reduce("sum", b.run(lambda v: v * 1.0, args=(y,)), axis=0)
+    assert float(sa) == float(sb)
+out = b.run(lambda: gs.get_replica_context().all_reduce("sum", 1.0))
+assert b.experimental_local_results(out) == (4.0, 4.0)
+print(f"OK rank {r}", flush=True)
+"""
+
+
+def test_two_strategies_coexist():
+    out = assert_mpi_ok(2, TWO_STRATEGIES, timeout=120)
+    assert out.count("OK rank") == 2
+
+
+PIPELINE_FAILS = r"""
+import numpy as np
+import gpustrat as gs
+from gpustrat.data import Dataset
+s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+def parse(x):
+    if s.worker_index == 2 and int(x[0]) >= 8:
+        raise ValueError("corrupt record in worker 2's input")
+    return x
+for x in s.experimental_distribute_dataset(Dataset.range(40).batch(4).map(parse)):
+    s.reduce("sum", s.run(lambda v: v * 1.0, args=(x,)), axis=0)
+print("UNREACHABLE", flush=True)
+"""
+
+
+def test_error_in_one_ranks_input_pipeline_ends_every_rank():
+    t0 = time.monotonic()
+    rc, out, err = run_mpi(3, PIPELINE_FAILS, timeout=90)
+    text = out + err
+    assert rc != 0 and "UNREACHABLE" not in text, format_result(rc, out, err)
+    assert "corrupt record in worker 2's input" in text and "rank 2" in text
+    assert time.monotonic() - t0 < 60
