@@ -23,6 +23,7 @@ Words:
 
 from __future__ import annotations
 
+import abc
 import os
 from typing import Any, Callable, Iterator
 
@@ -109,7 +110,7 @@ def _check_positive(name: str, value, what: str) -> int:
     return int(value)
 
 
-class Dataset:
+class Dataset(abc.ABC):
     """A ``tf.data``-compatible pipeline of elements (nested structures of arrays).
 
     Build one with the static constructors (:meth:`range`, :meth:`from_tensor_slices`,
@@ -131,9 +132,9 @@ class Dataset:
         """The same transformation over other inputs (sources return themselves)."""
         return self
 
+    @abc.abstractmethod
     def _iter(self, ctx: _IterContext) -> Iterator:
         """A fresh generator over one epoch of this node's elements."""
-        raise NotImplementedError(f"{type(self).__name__} does not define _iter")
 
     def _cardinality(self) -> int:
         return UNKNOWN_CARDINALITY

@@ -15,6 +15,7 @@ Words:
 
 from __future__ import annotations
 
+import abc
 import copy
 import glob
 import gzip
@@ -156,8 +157,9 @@ class FileSourceDataset(Dataset):
         new.__dict__.pop("_spec_cache", None)
         return new
 
+    @abc.abstractmethod
     def _read_file(self, path: str) -> Iterator:
-        raise NotImplementedError(f"{type(self).__name__} does not define _read_file")
+        """A generator over one file's elements."""
 
     def _name_iter(self, ctx: _IterContext) -> Iterator[str]:
         if self._names is None:
@@ -277,9 +279,9 @@ class CompressedFileSource(FileSourceDataset):
         self._compression = check_compression(compression_type, self._what)
         self._buffer_size = int(buffer_size or 256 * 1024)
 
+    @abc.abstractmethod
     def _parse(self, f, path: str) -> Iterator:
         """The elements of one opened (decompressed) file."""
-        raise TypeError(f"{type(self).__name__} must define _parse(file, path)")
 
     def _read_file(self, path):
         f = open_file(path, self._compression, self._what, self._buffer_size)
