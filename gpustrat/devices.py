@@ -203,17 +203,13 @@ def to_device(x, device: Device, stream=None, copy: bool = False):
         out = to_host(x)
         return out.copy() if copy and out is x else out
     cp = cupy()
+    if is_gpu_array(x) and x.device.id != device.index:
+        return _peer_copy(cp, x, device, stream)
     with cp.cuda.Device(device.index):
         ctx = stream if stream is not None else contextlib.nullcontext()
         with ctx:
             if is_gpu_array(x):
-                if x.device.id == device.index:
-                    return x.copy() if copy else x
-                out = cp.empty(x.shape, x.dtype)
-                src = x if x.flags.c_contiguous else cp.ascontiguousarray(x)
-                out.data.copy_from_device_async(
-                    src.data, src.nbytes, stream or cp.cuda.get_current_stream())
-                return out
+                return x.copy() if copy else x
             if hasattr(x, "__cuda_array_interface__") or (
                     hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray)
                     and _dlpack_on_gpu(x)):
@@ -223,6 +219,27 @@ def to_device(x, device: Device, stream=None, copy: bool = False):
             out = cp.empty(host.shape, host.dtype)
             out.set(host, stream=stream)
             return out
+
+
+def _peer_copy(cp, x, device: Device, stream):
+    """Copy CuPy array ``x`` to another GPU on ``stream`` (the destination's current
+    stream if None), ordered after the work queued on x's device's current stream; that
+    stream in turn waits for the copy, so x's memory is not reused before it is read."""
+    src_dev = x.device.id
+    with cp.cuda.Device(src_dev):
+        src_stream = cp.cuda.get_current_stream()
+        src = x if x.flags.c_contiguous else cp.ascontiguousarray(x)
+        ready = src_stream.record()
+    with cp.cuda.Device(device.index):
+        dst_stream = stream if stream is not None else cp.cuda.get_current_stream()
+        with stream if stream is not None else contextlib.nullcontext():
+            out = cp.empty(x.shape, x.dtype)
+        dst_stream.wait_event(ready)
+        out.data.copy_from_device_async(src.data, src.nbytes, dst_stream)
+        copied = dst_stream.record()
+    with cp.cuda.Device(src_dev):
+        src_stream.wait_event(copied)
+    return out
 
 
 def _dlpack_on_gpu(x) -> bool:

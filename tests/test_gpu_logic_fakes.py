@@ -1,0 +1,152 @@
+"""The GPU code paths' ordering logic, checked on a machine without a GPU against a
+small fake ``cupy`` that records what is called, on which device and stream."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+
+import numpy as np
+import pytest
+
+from gpustrat import devices
+from gpustrat.devices import Device
+
+
+class FakeCupy:
+    """Just enough of cupy for devices.py and runner.py; ``log`` records the calls."""
+
+    def __init__(self):
+        self.log: list = []
+        self._tls = threading.local()
+        fake = self
+
+        class ndarray:
+            def __init__(self, shape, dtype, device_id, contiguous=True):
+                self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+                self.device = types.SimpleNamespace(id=device_id)
+                self.flags = types.SimpleNamespace(c_contiguous=contiguous)
+                self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+                self.data = MemoryPointer(self)
+
+        class MemoryPointer:
+            def __init__(self, arr):
+                self.arr = arr
+
+            def copy_from_device_async(self, src, size, stream=None):
+                fake.log.append(("copy", src.arr.device.id, self.arr.device.id, size,
+                                 stream.name, fake.current_device()))
+
+        class Event:
+            def __init__(self, name):
+                self.name = name
+
+        class Stream:
+            def __init__(self, name, dev):
+                self.name, self.dev, self.ptr = name, dev, hash(name) & 0xffff
+
+            def record(self):
+                fake.log.append(("record", self.name, fake.current_device()))
+                return Event(f"ev:{self.name}")
+
+            def wait_event(self, event):
+                fake.log.append(("wait", self.name, event.name, fake.current_device()))
+
+            def synchronize(self):
+                fake.log.append(("sync", self.name))
+
+            def __enter__(self):
+                fake._streams().setdefault(fake.current_device(), []).append(self)
+                return self
+
+            def __exit__(self, *exc):
+                fake._streams()[fake.current_device()].pop()
+
+        class DeviceCtx:
+            def __init__(self, index):
+                self.index = index
+
+            def __enter__(self):
+                fake._devs().append(self.index)
+                return self
+
+            def __exit__(self, *exc):
+                fake._devs().pop()
+
+        def get_current_stream():
+            dev = fake.current_device()
+            stack = fake._streams().get(dev)
+            return stack[-1] if stack else Stream(f"null{dev}", dev)
+
+        def empty(shape, dtype):
+            dev = fake.current_device()
+            fake.log.append(("empty", dev, get_current_stream().name))
+            return ndarray(shape, dtype, dev)
+
+        def ascontiguousarray(x):
+            fake.log.append(("ascontiguousarray", x.device.id, fake.current_device(),
+                             get_current_stream().name))
+            return ndarray(x.shape, x.dtype, fake.current_device())
+
+        self.ndarray = ndarray
+        self.Stream = Stream
+        self.empty = empty
+        self.ascontiguousarray = ascontiguousarray
+        self.cuda = types.SimpleNamespace(
+            Device=DeviceCtx, Stream=Stream, get_current_stream=get_current_stream,
+            runtime=types.SimpleNamespace(getDeviceCount=lambda: 4))
+
+    def _devs(self) -> list:
+        if not hasattr(self._tls, "devs"):
+            self._tls.devs = [0]
+        return self._tls.devs
+
+    def _streams(self) -> dict:
+        if not hasattr(self._tls, "streams"):
+            self._tls.streams = {}
+        return self._tls.streams
+
+    def current_device(self) -> int:
+        return self._devs()[-1]
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    cp = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setattr(devices, "_cupy_mod", cp)
+    return cp
+
+
+def test_peer_copy_is_ordered_after_the_source_stream_and_before_its_reuse(fake_cupy):
+    cp = fake_cupy
+    x = cp.ndarray((4, 3), np.float32, device_id=1)
+    dst = cp.Stream("s2", 2)
+    out = devices.to_device(x, Device("gpu", 2), stream=dst)
+    assert out.device.id == 2 and out.shape == (4, 3) and out.dtype == np.float32
+    assert cp.log == [
+        ("record", "null1", 1),                  # x's producer stream, on device 1
+        ("empty", 2, "s2"),                      # the result lives in s2's pool arena
+        ("wait", "s2", "ev:null1", 2),           # the copy waits for x to be written
+        ("copy", 1, 2, 48, "s2", 2),             # (src, size, stream), device 2 current
+        ("record", "s2", 2),
+        ("wait", "null1", "ev:s2", 1),           # x's memory is reused only after it
+    ]
+
+
+def test_peer_copy_of_a_strided_array_is_made_contiguous_on_its_own_device(fake_cupy):
+    cp = fake_cupy
+    x = cp.ndarray((5,), np.int64, device_id=3, contiguous=False)
+    with cp.cuda.Device(3), cp.Stream("s3", 3):
+        out = devices.to_device(x, Device("gpu", 0))
+    assert out.device.id == 0
+    assert cp.log[:2] == [("ascontiguousarray", 3, 3, "s3"), ("record", "s3", 3)]
+    assert ("copy", 3, 0, 40, "null0", 0) in cp.log
+    assert cp.log[-1] == ("wait", "s3", "ev:null0", 3)
+
+
+def test_same_device_array_is_not_copied(fake_cupy):
+    x = fake_cupy.ndarray((2,), np.float32, device_id=1)
+    assert devices.to_device(x, Device("gpu", 1)) is x
+    assert fake_cupy.log == []
