@@ -43,8 +43,14 @@ class FakeCupy:
                 self.name = name
 
         class Stream:
-            def __init__(self, name, dev):
-                self.name, self.dev, self.ptr = name, dev, hash(name) & 0xffff
+            count = 0
+
+            def __init__(self, name=None, dev=None, non_blocking=False):
+                if name is None:
+                    Stream.count += 1
+                    name = f"new{Stream.count}"
+                self.name, self.ptr = name, hash(name) & 0xffff
+                self.dev = fake.current_device() if dev is None else dev
 
             def record(self):
                 fake.log.append(("record", self.name, fake.current_device()))
@@ -150,3 +156,36 @@ def test_same_device_array_is_not_copied(fake_cupy):
     x = fake_cupy.ndarray((2,), np.float32, device_id=1)
     assert devices.to_device(x, Device("gpu", 1)) is x
     assert fake_cupy.log == []
+
+
+def test_a_collective_waits_for_every_replica_stream_and_the_combiner_streams(fake_cupy):
+    from gpustrat.distribute.runner import ReplicaRunner
+    cp = fake_cupy
+    runner = ReplicaRunner([Device("gpu", 0), Device("gpu", 1)])
+    names = [s.name for s in runner._streams]
+    assert runner._streams[1].dev == 1
+
+    def combine(values):
+        cp.log.append(("combine", threading.current_thread().name))
+        return values
+
+    def fn(i):
+        # A replica's current stream, inside run, is its own.
+        cp.log.append(("current", i, cp.cuda.get_current_stream().name))
+        return runner.rendezvous.exchange(i, ("all_reduce",), i, combine)
+
+    try:
+        assert runner.call(fn, [(0,), (1,)], [{}, {}], lambda i: None, lambda: None) == [0, 1]
+    finally:
+        runner.close()
+    log = cp.log
+    assert ("current", 0, names[0]) in log and ("current", 1, names[1]) in log
+    k = next(j for j, e in enumerate(log) if e[0] == "combine")
+    # Both replicas' streams were synchronized before the combine read their values...
+    assert {("sync", names[0]), ("sync", names[1])} <= set(log[:k])
+    # ...the combining thread's streams (its own replica's, the null stream of the
+    # other device) after it, and every replica stream before call returns.
+    combiner_is_0 = log[k][1] == threading.current_thread().name
+    own, other = (names[0], "null1") if combiner_is_0 else ("null0", names[1])
+    assert log[k + 1:k + 3] == [("sync", own), ("sync", other)]
+    assert log[-2:] == [("sync", names[0]), ("sync", names[1])]

@@ -30,7 +30,7 @@ import time
 import weakref
 from typing import Any, Callable, Sequence
 
-from gpustrat.devices import Device, new_stream
+from gpustrat.devices import Device, new_stream, synchronize
 
 #: A replica-0 step shorter than this runs the other replicas inline, in the caller.
 INLINE_STEP_LIMIT_S = 200e-6
@@ -61,6 +61,10 @@ class Rendezvous:
         self.on_wait: Callable[[], None] | None = None
         #: Set while replicas run one at a time after replica 0 issued no collective.
         self.solo_replica: int | None = None
+        #: On GPUs: ``settle(index)`` waits for replica ``index``'s queued work before
+        #: its value is handed to another thread, ``settle(None)`` for the work the
+        #: combining thread queued before the results are handed back.
+        self.settle: Callable[[int | None], None] | None = None
 
     def exchange(self, index: int, signature: Any, value: Any,
                  combine: Callable[[list], list]) -> Any:
@@ -69,6 +73,8 @@ class Rendezvous:
                 f"replica {self.solo_replica} called a collective ({signature[0]}, "
                 f"{signature[1]}) that replica 0 never called in this step; every replica "
                 "must issue the same collectives in the same order")
+        if self.settle is not None:
+            self.settle(index)
         if self._count + 1 < self.n and self.on_wait is not None:
             self.on_wait()
         with self._cond:
@@ -84,6 +90,8 @@ class Rendezvous:
                 try:
                     _check_signatures(sigs)
                     self._outcome = (combine(values), None)
+                    if self.settle is not None:
+                        self.settle(None)
                 except BaseException as e:  # every replica gets the same error
                     self._outcome = (None, e)
                 self._generation += 1
@@ -167,6 +175,8 @@ class ReplicaRunner:
         self.rendezvous = Rendezvous(len(self.devices))
         # One stream per GPU replica, made now (a strategy's creation, not import time).
         self._streams = [new_stream(d) for d in self.devices]
+        if any(s is not None for s in self._streams):
+            self.rendezvous.settle = self._settle
         self._threads = [_ReplicaThread(self, i, d) for i, d in enumerate(self.devices)][1:]
         self._call_lock = threading.Lock()
         self._started = False
@@ -183,6 +193,16 @@ class ReplicaRunner:
         stack.enter_context(dev.activate())
         stack.enter_context(self._streams[index])
         return stack
+
+    def _settle(self, index: int | None) -> None:
+        # CuPy's current stream is per thread and per device: a replica's work is on
+        # its own stream, the combining thread's on its current stream of each device.
+        if index is not None:
+            if self._streams[index] is not None:
+                self._streams[index].synchronize()
+            return
+        for d in self.devices:
+            synchronize(d)
 
     def _dispatch_rest(self) -> None:
         # Start replicas 1..n-1 in their threads (once per call).
@@ -260,6 +280,10 @@ class ReplicaRunner:
             if errors:
                 rv.reset()
                 raise _primary_error(errors, self.devices)
+            # The caller reads the results (and frees the inputs) on its own streams.
+            for s in self._streams:
+                if s is not None:
+                    s.synchronize()
             return results
 
     def close(self) -> None:
