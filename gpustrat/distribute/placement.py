@@ -134,7 +134,8 @@ class _Staging:
                     view = arena[offset:offset + h.nbytes].view(h.dtype).reshape(h.shape)
                     np.copyto(view, h)
                     offset += h.nbytes
-                    arr = cupy().empty(h.shape, h.dtype)
+                    with self.streams[i]:  # the copy stream's own pool arena
+                        arr = cupy().empty(h.shape, h.dtype)
                     arr.set(view, stream=self.streams[i])
                     placed.append(arr)
             out.append(placed[0] if not nest.is_nested(piece) else
