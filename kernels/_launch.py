@@ -91,8 +91,9 @@ def numba_stream(stream=None, like=None):
     if _is_numba_stream(stream):
         return stream
     ptr = int(stream.ptr) if hasattr(stream, "ptr") else int(stream)
-    # CuPy's null stream has ptr 0; Numba's default stream is the same legacy stream.
-    return cuda.default_stream() if ptr == 0 else cuda.external_stream(ptr)
+    # CuPy's null stream (ptr 0) is the legacy default stream, which is Numba's default
+    # stream only while NUMBA_CUDA_PER_THREAD_DEFAULT_STREAM is off: name it exactly.
+    return cuda.legacy_default_stream() if ptr == 0 else cuda.external_stream(ptr)
 
 
 def _is_numba_stream(stream) -> bool:
