@@ -144,10 +144,6 @@ class _ReplicaThread(threading.Thread):
         self._context = lambda: runner.replica_context_manager(index)
 
     def run(self):
-        with self._context():
-            self._loop()
-
-    def _loop(self):
         go, done = self.go, self.done
         while True:
             go.acquire()
@@ -156,11 +152,15 @@ class _ReplicaThread(threading.Thread):
                 return
             fn, args, kwargs, enter, leave = self.task
             try:
-                enter(self.index)
-                try:
-                    self.result = fn(*args, **kwargs)
-                finally:
-                    leave()
+                # Device and stream are entered per task, not for the thread's life: the
+                # caller may run this replica inline in another call, and a CuPy stream
+                # object must not be entered by two threads at once.
+                with self._context():
+                    enter(self.index)
+                    try:
+                        self.result = fn(*args, **kwargs)
+                    finally:
+                        leave()
             except BaseException as e:
                 self.error = e
                 self._rendezvous.abort(e)
