@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import re
 import sys
 import threading
@@ -107,10 +106,8 @@ def cupy():
 
 @functools.lru_cache(maxsize=None)
 def gpu_count() -> int:
-    """Number of visible CUDA devices; 0 when CuPy or a driver is missing."""
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" and "cupy" not in sys.modules:
-        # The simulator fakes Numba's view only; CuPy would still need a real GPU.
-        pass
+    """Number of visible CUDA devices, as CuPy sees them (Numba's CUDA simulator does not
+    count); 0 when CuPy or a driver is missing."""
     try:
         cp = cupy()
         return int(cp.cuda.runtime.getDeviceCount())
