@@ -32,6 +32,34 @@ MAX_GRID_X = 2**31 - 1
 MAX_USEFUL_GRID_X = 1 << 16
 
 
+class LazyKernels:
+    """The ``@cuda.jit`` kernels of one kernel module, compiled on first launch.
+
+    Kernel bodies refer to the module-global name ``cuda``; it is bound to
+    ``numba.cuda`` on first use, so that the module imports where Numba is missing.
+
+    Args:
+        module_globals: the kernel module's ``globals()``.
+    """
+
+    def __init__(self, module_globals: dict):
+        self._globals = module_globals
+        self._jitted: dict = {}
+
+    def bind(self):
+        """``numba.cuda``, bound to the module's ``cuda`` name."""
+        if self._globals.get("cuda") is None:
+            from numba import cuda  # noqa: PLC0415 - numba is optional
+            self._globals["cuda"] = cuda
+        return self._globals["cuda"]
+
+    def __getitem__(self, name: str):
+        kernel = self._jitted.get(name)
+        if kernel is None:
+            kernel = self._jitted[name] = self.bind().jit(self._globals[name])
+        return kernel
+
+
 def simulating() -> bool:
     """True when Numba runs kernels in its CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``)."""
     from numba import config  # noqa: PLC0415 - numba is optional

@@ -91,27 +91,14 @@ def _unpack_scaled(buf, table, win, scale):
 DTYPES = ("float16", "float32", "float64", "int8", "uint8", "int32", "uint32",
           "int64", "uint64")
 SCALED_DTYPES = ("float16", "float32", "float64")
-_jitted: dict = {}
+_kernels = _launch.LazyKernels(globals())
 
-
-def _numba():
-    global cuda
-    if cuda is None:
-        from numba import cuda as numba_cuda  # noqa: PLC0415
-        cuda = numba_cuda
-    return cuda
-
-
-def _kernel(name: str):
-    if name not in _jitted:
-        _jitted[name] = _numba().jit(globals()[name])
-    return _jitted[name]
 
 
 def ptx_signatures():
     """``(python_function, signature)`` for every specialisation, for PTX tests."""
     from numba import types  # noqa: PLC0415
-    _numba()
+    _kernels.bind()
     table = types.Array(types.int64, 2, "C")
     out = []
     for name in DTYPES:
@@ -195,9 +182,9 @@ def pack(tensors, out=None, scale=None, stream=None, threads=None):
             grid, block = _launch.launch_config_2d(
                 len(tensors), int(sizes.max()), threads or _launch.env_threads())
             if s is None:
-                _kernel("_pack_copy")[grid, block, nstream](win, table, out)
+                _kernels["_pack_copy"][grid, block, nstream](win, table, out)
             else:
-                _kernel("_pack_scaled")[grid, block, nstream](win, table, out, s)
+                _kernels["_pack_scaled"][grid, block, nstream](win, table, out, s)
     return out
 
 
@@ -237,9 +224,9 @@ def unpack(buffer, shapes, out=None, scale=None, stream=None, threads=None):
             grid, block = _launch.launch_config_2d(
                 len(shapes), int(sizes.max()), threads or _launch.env_threads())
             if s is None:
-                _kernel("_unpack_copy")[grid, block, nstream](buffer, table, win)
+                _kernels["_unpack_copy"][grid, block, nstream](buffer, table, win)
             else:
-                _kernel("_unpack_scaled")[grid, block, nstream](buffer, table, win, s)
+                _kernels["_unpack_scaled"][grid, block, nstream](buffer, table, win, s)
     return out
 
 

@@ -113,28 +113,15 @@ def _gather_split_rows(src, index, out, chunk, n):
 
 _WORDS = ("uint8", "uint16", "uint32", "uint64")
 _INDEX = ("int32", "int64")
-_jitted: dict = {}
+_kernels = _launch.LazyKernels(globals())
 
-
-def _numba():
-    global cuda
-    if cuda is None:
-        from numba import cuda as numba_cuda  # noqa: PLC0415
-        cuda = numba_cuda
-    return cuda
-
-
-def _kernel(name: str):
-    if name not in _jitted:
-        _jitted[name] = _numba().jit(globals()[name])
-    return _jitted[name]
 
 
 def ptx_signatures():
     """``(python_function, signature)`` for every specialisation the launcher uses,
     so that tests can compile each to PTX."""
     from numba import types  # noqa: PLC0415
-    _numba()
+    _kernels.bind()
     out = []
     for w in _WORDS:
         word = getattr(types, w)
@@ -241,9 +228,9 @@ def split(batch, num_replicas: int, index=None, pad_to: int | None = None,
             grid, block = _launch.launch_config_2d(
                 num_replicas * rows_out, words, threads or _launch.env_threads())
             if index is None:
-                _kernel("_split_rows")[grid, block, nstream](src, out, chunk, n)
+                _kernels["_split_rows"][grid, block, nstream](src, out, chunk, n)
             else:
-                _kernel("_gather_split_rows")[grid, block, nstream](
+                _kernels["_gather_split_rows"][grid, block, nstream](
                     src, index, out, chunk, n)
     pieces = []
     for p, count in enumerate(sizes):

@@ -33,27 +33,14 @@ def _sum_kernel(win, offsets, out):
 
 
 DTYPES = ("float16", "float32", "float64", "int32", "int64", "uint32", "uint64")
-_jitted: dict = {}
+_kernels = _launch.LazyKernels(globals())
 
-
-def _numba():
-    global cuda
-    if cuda is None:
-        from numba import cuda as numba_cuda  # noqa: PLC0415
-        cuda = numba_cuda
-    return cuda
-
-
-def _kernel():
-    if "sum" not in _jitted:
-        _jitted["sum"] = _numba().jit(_sum_kernel)
-    return _jitted["sum"]
 
 
 def ptx_signatures():
     """``(python_function, signature)`` for every specialisation, for PTX tests."""
     from numba import types  # noqa: PLC0415
-    _numba()
+    _kernels.bind()
     offsets = types.Array(types.int64, 1, "C")
     return [(_sum_kernel, (types.Array(getattr(types, d), 1, "C"), offsets,
                            types.Array(getattr(types, d), 1, "C")))
@@ -100,7 +87,7 @@ def sum_buffers(buffers, out=None, stream=None, threads=None):
             table = _launch.to_kernel_array(offsets, buffers[0], nstream)
             grid, block = _launch.launch_config_1d(count, threads or _launch.env_threads())
             flat = out.reshape(count)
-            _kernel()[grid, block, nstream](win, table, flat)
+            _kernels["_sum_kernel"][grid, block, nstream](win, table, flat)
     return out
 
 
