@@ -123,15 +123,23 @@ def test_collectives(n):
     assert_mpi_ok(n, COLLECTIVES, timeout=80, expect_lines=n)
 
 
-MISMATCH = r"""
+# What the one-replica-per-worker child scripts start with.
+ONE_REPLICA_PRELUDE = r"""
+import os
 import sys
+import threading
+import time
 import numpy as np
 from gpustrat.collectives.mpi import MpiCommunicator, MpiWorkerGroup
 from gpustrat.devices import resolve_devices
-from gpustrat.errors import CollectiveMismatch
+from gpustrat.distribute.failures import install_abort_on_error
+from gpustrat.errors import CollectiveMismatch, CollectiveTimeout
 
 g = MpiWorkerGroup()
 c = MpiCommunicator(resolve_devices(["cpu:0"]), g)
+"""
+
+MISMATCH = ONE_REPLICA_PRELUDE + r"""
 r = g.rank
 assert g.debug
 c.reduce([np.ones(2, np.float32)], "sum")  # agreeing calls pass
@@ -167,16 +175,7 @@ def test_debug_mode_names_the_mismatch_on_every_rank(n, case):
         assert "rank 2 called" not in line  # ranks that agree with rank 0 are not named
 
 
-TIMEOUT = r"""
-import time
-import numpy as np
-from gpustrat.collectives.mpi import MpiCommunicator, MpiWorkerGroup
-from gpustrat.devices import resolve_devices
-from gpustrat.distribute.failures import install_abort_on_error
-from gpustrat.errors import CollectiveTimeout
-
-g = MpiWorkerGroup()
-c = MpiCommunicator(resolve_devices(["cpu:0"]), g)
+TIMEOUT = ONE_REPLICA_PRELUDE + r"""
 assert install_abort_on_error(g)
 r = g.rank
 g.barrier()
@@ -215,16 +214,7 @@ def test_skipped_collective_times_out_and_the_job_ends(n):
     assert err.count("CollectiveTimeout:") >= 1 and "[gpustrat] rank" in err, report
 
 
-RAISES = r"""
-import threading
-import numpy as np
-from gpustrat.collectives.mpi import MpiCommunicator, MpiWorkerGroup
-from gpustrat.devices import resolve_devices
-from gpustrat.distribute.failures import install_abort_on_error
-import sys
-
-g = MpiWorkerGroup()
-c = MpiCommunicator(resolve_devices(["cpu:0"]), g)
+RAISES = ONE_REPLICA_PRELUDE + r"""
 assert install_abort_on_error(g)
 r = g.rank
 g.barrier()
@@ -260,15 +250,7 @@ def test_exception_on_one_rank_ends_every_rank_quickly(where):
         assert "in thread 'input-pipeline'" in err, report
 
 
-KILLED = r"""
-import os
-import numpy as np
-from gpustrat.collectives.mpi import MpiCommunicator, MpiWorkerGroup
-from gpustrat.devices import resolve_devices
-from gpustrat.distribute.failures import install_abort_on_error
-
-g = MpiWorkerGroup()
-c = MpiCommunicator(resolve_devices(["cpu:0"]), g)
+KILLED = ONE_REPLICA_PRELUDE + r"""
 install_abort_on_error(g)
 g.barrier()
 if g.rank == 1:
