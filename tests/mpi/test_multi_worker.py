@@ -265,16 +265,19 @@ print("UNREACHABLE", flush=True)
 """
 
 
-def test_error_in_one_rank_ends_every_rank():
+def assert_job_fails_fast(n: int, script: str, message: str, rank: int) -> None:
+    """The job exits non-zero within a minute, printing ``message`` and the failing rank."""
     t0 = time.monotonic()
-    rc, out, err = run_mpi(3, FAILING, timeout=90)
+    rc, out, err = run_mpi(n, script, timeout=90)
     took = time.monotonic() - t0
     text = out + err
-    assert rc != 0, format_result(rc, out, err)
-    assert "UNREACHABLE" not in text
-    assert text.count("replica function failed on purpose") >= 1
-    assert "rank 1" in text, format_result(rc, out, err)
+    assert rc != 0 and "UNREACHABLE" not in text, format_result(rc, out, err)
+    assert message in text and f"rank {rank}" in text, format_result(rc, out, err)
     assert took < 60, f"the job took {took:.0f} s to end after one rank failed"
+
+
+def test_error_in_one_rank_ends_every_rank():
+    assert_job_fails_fast(3, FAILING, "replica function failed on purpose", rank=1)
 
 
 TWO_STRATEGIES = r"""
@@ -318,9 +321,4 @@ print("UNREACHABLE", flush=True)
 
 
 def test_error_in_one_ranks_input_pipeline_ends_every_rank():
-    t0 = time.monotonic()
-    rc, out, err = run_mpi(3, PIPELINE_FAILS, timeout=90)
-    text = out + err
-    assert rc != 0 and "UNREACHABLE" not in text, format_result(rc, out, err)
-    assert "corrupt record in worker 2's input" in text and "rank 2" in text
-    assert time.monotonic() - t0 < 60
+    assert_job_fails_fast(3, PIPELINE_FAILS, "corrupt record in worker 2's input", rank=2)
