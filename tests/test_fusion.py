@@ -124,6 +124,45 @@ def test_results_are_independent_and_survive_later_calls():
     np.testing.assert_array_equal(tensors[0][0], [1, 1, 1, 1])
 
 
+def test_buckets_share_one_arena_that_is_reused_only_when_free():
+    """Every bucket of a dtype is a slice of one arena per replica; a later call reuses
+    the arena only once no result of the earlier call refers to it."""
+    comm = comm_of(2)
+    rng = np.random.default_rng(3)
+    # 10 float32 tensors of 40 bytes and 2 int64 ones: 3 float32 buckets of 120 bytes.
+    tensors = [[rng.integers(-9, 9, 10).astype(np.float32) for _ in range(2)]
+               for _ in range(9)]
+    tensors += [[np.arange(3, dtype=np.int64) + i for i in range(2)] for _ in range(2)]
+
+    def arena_of(x):
+        return x.base if x.base is not None else x
+
+    first = fused_all_reduce(comm, tensors, "sum", bucket_bytes=120)
+    assert len(comm.calls) == 4   # float32 in 3 buckets, int64 in 1
+    for i in range(2):
+        arenas = {id(arena_of(first[j][i])) for j in range(9)}
+        assert len(arenas) == 1, f"replica {i}: float32 buckets in {len(arenas)} buffers"
+        assert arena_of(first[9][i]) is not arena_of(first[0][i])   # one per dtype
+    assert arena_of(first[0][0]) is not arena_of(first[0][1])       # one per replica
+    held = arena_of(first[4][1])
+    second = fused_all_reduce(comm, tensors, "max", bucket_bytes=120)
+    assert arena_of(second[4][1]) is not held      # first's results still alive
+    want = tensors[4][0] + tensors[4][1]
+    np.testing.assert_array_equal(first[4][1], want)
+    np.testing.assert_array_equal(second[4][1], np.maximum(*tensors[4]))
+    del first, held, second
+    third = fused_all_reduce(comm, tensors, "sum", bucket_bytes=120)
+    kept = [[x.copy() for x in row] for row in third]
+    reused = id(arena_of(third[4][1]))   # the pool keeps it alive: the id stays valid
+    del third
+    fourth = fused_all_reduce(comm, tensors, "sum", bucket_bytes=120)
+    assert id(arena_of(fourth[4][1])) == reused   # nothing referred to it any more
+    for out in (kept, fourth):
+        for j in range(len(tensors)):
+            for i in range(2):
+                np.testing.assert_array_equal(out[j][i], tensors[j][0] + tensors[j][1])
+
+
 def test_python_scalars_and_empty_input():
     comm = comm_of(2)
     out = fused_all_reduce(comm, [[1.5, 2.5], [np.int64(3), np.int64(4)]], "sum")
