@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
+from collections import OrderedDict
 
 import numpy as np
 
@@ -275,12 +277,95 @@ def _size(a) -> int:
     return int(math.prod(a.shape))
 
 
+def stream_handle(stream) -> int:
+    """The ``cudaStream_t`` value of a Numba or CuPy stream, as the CUDA Array Interface
+    writes it: 1 for the legacy default stream, 2 for the per-thread default stream."""
+    if _is_numba_stream(stream):
+        return int(stream)  # Numba: the handle; CU_STREAM_LEGACY is 1
+    ptr = int(stream.ptr) if hasattr(stream, "ptr") else int(stream)
+    return ptr if ptr else 1  # CuPy's null stream is the legacy default stream
+
+
+def kernel_arg(x, nstream):
+    """``x`` as an argument of a launch on the Numba stream ``nstream``.
+
+    Numba imports a CuPy (``__cuda_array_interface__``) argument with
+    ``from_cuda_array_interface(sync=True)``: under version 3 of the interface it then
+    synchronizes the stream the exporter names, CuPy's current stream, so the host
+    would wait for the GPU to drain at every launch, once per array argument. When the
+    launch goes on that same stream, stream order already runs the kernel after the
+    work that produced ``x``, and the array is imported without the wait. On another
+    stream the synchronization is kept: it is what orders the two streams.
+    """
+    if not _is_cupy(x) or simulating():
+        return x
+    from numba import cuda  # noqa: PLC0415
+    cai = x.__cuda_array_interface__
+    exported = cai.get("stream")
+    sync = exported is not None and int(exported) != stream_handle(nstream)
+    return cuda.from_cuda_array_interface(cai, owner=x, sync=sync)
+
+
+#: Device copies of recent host tables, by (device, stream, dtype, shape, bytes): a
+#: training step launches the same layouts every step, and CuPy's memory pool hands
+#: the same addresses back, so in a warm step no table is uploaded. A table is only
+#: used on the stream it was uploaded on: CuPy's pool reuses a freed (evicted) block
+#: for that stream's later work only, which runs after every kernel that read it.
+TABLE_CACHE_SIZE = 64
+_tables: OrderedDict = OrderedDict()
+_tables_lock = threading.Lock()
+
+
 def to_kernel_array(host: np.ndarray, like, stream=None):
-    """A small host table (offsets, sizes) as an argument of a launch next to ``like``."""
+    """A small host table (offsets, sizes) as an argument of a launch next to ``like``.
+
+    Args:
+        host: the table.
+        like: an array of the launch (its kind and device decide where the table goes).
+        stream: the launch's Numba stream (:func:`numba_stream`).
+
+    CuPy launches get the table from CuPy's memory pool, uploaded on the launch stream
+    (so it is ordered before the kernel and its memory is reused only after it), and
+    cached: see ``TABLE_CACHE_SIZE``. Numba's ``to_device`` would allocate with
+    ``cuMemAlloc`` per launch and free with ``cuMemFree``, which synchronizes the device.
+    """
     if isinstance(like, np.ndarray) or simulating():
         return host
+    cp = _cupy_of(like)
+    if cp is None:
+        from numba import cuda  # noqa: PLC0415
+        return cuda.to_device(host, stream=stream if stream is not None else 0)
+    from gpustrat.devices import device_of  # noqa: PLC0415
+    device = device_of(like)
+    host = np.ascontiguousarray(host)
+    key = (device.index, None if stream is None else stream_handle(stream),
+           host.dtype.str, host.shape, host.tobytes())
+    with _tables_lock:
+        table = _tables.get(key)
+        if table is not None:
+            _tables.move_to_end(key)
+    if table is None:
+        with device.activate(), _cupy_stream(cp, stream):
+            table = cp.asarray(host)
+        with _tables_lock:
+            _tables[key] = table
+            while len(_tables) > TABLE_CACHE_SIZE:
+                _tables.popitem(last=False)
+    # Uploaded on the launch stream: ordered before the kernel, no host wait needed.
     from numba import cuda  # noqa: PLC0415
-    return cuda.to_device(host, stream=stream if stream is not None else 0)
+    return cuda.from_cuda_array_interface(table.__cuda_array_interface__, owner=table,
+                                          sync=False)
+
+
+def _cupy_stream(cp, nstream):
+    """A context making CuPy work on the Numba stream ``nstream`` (nothing to do when
+    it is CuPy's current stream already)."""
+    if nstream is None:
+        return contextlib.nullcontext()
+    handle = stream_handle(nstream)
+    if handle == stream_handle(cp.cuda.get_current_stream()):
+        return contextlib.nullcontext()
+    return cp.cuda.ExternalStream(handle)
 
 
 def env_threads(default: int = DEFAULT_THREADS) -> int:

@@ -181,10 +181,11 @@ def pack(tensors, out=None, scale=None, stream=None, threads=None):
                                             tensors[0], nstream)
             grid, block = _launch.launch_config_2d(
                 len(tensors), int(sizes.max()), threads or _launch.env_threads())
+            dst = _launch.kernel_arg(out, nstream)
             if s is None:
-                _kernels["_pack_copy"][grid, block, nstream](win, table, out)
+                _kernels["_pack_copy"][grid, block, nstream](win, table, dst)
             else:
-                _kernels["_pack_scaled"][grid, block, nstream](win, table, out, s)
+                _kernels["_pack_scaled"][grid, block, nstream](win, table, dst, s)
     return out
 
 
@@ -223,10 +224,11 @@ def unpack(buffer, shapes, out=None, scale=None, stream=None, threads=None):
                                             buffer, nstream)
             grid, block = _launch.launch_config_2d(
                 len(shapes), int(sizes.max()), threads or _launch.env_threads())
+            src = _launch.kernel_arg(buffer, nstream)
             if s is None:
-                _kernels["_unpack_copy"][grid, block, nstream](buffer, table, win)
+                _kernels["_unpack_copy"][grid, block, nstream](src, table, win)
             else:
-                _kernels["_unpack_scaled"][grid, block, nstream](buffer, table, win, s)
+                _kernels["_unpack_scaled"][grid, block, nstream](src, table, win, s)
     return out
 
 

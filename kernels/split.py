@@ -227,11 +227,13 @@ def split(batch, num_replicas: int, index=None, pad_to: int | None = None,
             src = batch.reshape(int(batch.shape[0]), row_elems).view(word)
             grid, block = _launch.launch_config_2d(
                 num_replicas * rows_out, words, threads or _launch.env_threads())
+            src = _launch.kernel_arg(src, nstream)
+            dst = _launch.kernel_arg(out, nstream)
             if index is None:
-                _kernels["_split_rows"][grid, block, nstream](src, out, chunk, n)
+                _kernels["_split_rows"][grid, block, nstream](src, dst, chunk, n)
             else:
                 _kernels["_gather_split_rows"][grid, block, nstream](
-                    src, index, out, chunk, n)
+                    src, _launch.kernel_arg(index, nstream), dst, chunk, n)
     pieces = []
     for p, count in enumerate(sizes):
         rows = rows_out if pad_to is not None else count

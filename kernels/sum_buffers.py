@@ -86,7 +86,7 @@ def sum_buffers(buffers, out=None, stream=None, threads=None):
             nstream = _launch.numba_stream(stream, like=buffers[0])
             table = _launch.to_kernel_array(offsets, buffers[0], nstream)
             grid, block = _launch.launch_config_1d(count, threads or _launch.env_threads())
-            flat = out.reshape(count)
+            flat = _launch.kernel_arg(out.reshape(count), nstream)
             _kernels["_sum_kernel"][grid, block, nstream](win, table, flat)
     return out
 

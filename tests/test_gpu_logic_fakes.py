@@ -30,6 +30,18 @@ class FakeCupy:
                 self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
                 self.data = MemoryPointer(self)
 
+            @property
+            def __cuda_array_interface__(self):
+                # CuPy exports its current stream (1: the legacy default stream).
+                ptr = get_current_stream().ptr
+                return {"shape": self.shape, "typestr": self.dtype.str, "version": 3,
+                        "data": (id(self), False), "strides": None,
+                        "stream": fake.exported_stream if fake.exported_stream != "current"
+                        else (ptr or 1)}
+
+        # kernels/_launch.py recognises CuPy arrays by their class's module.
+        ndarray.__module__ = "cupy._core.core"
+
         class MemoryPointer:
             def __init__(self, arr):
                 self.arr = arr
@@ -90,6 +102,16 @@ class FakeCupy:
             fake.log.append(("empty", dev, get_current_stream().name))
             return ndarray(shape, dtype, dev)
 
+        def asarray(host):
+            dev = fake.current_device()
+            fake.log.append(("asarray", dev, get_current_stream().name, host.tolist()))
+            return ndarray(host.shape, host.dtype, dev)
+
+        class ExternalStream(Stream):
+            def __init__(self, ptr):
+                super().__init__(f"ext{ptr}")
+                self.ptr = ptr
+
         def ascontiguousarray(x):
             fake.log.append(("ascontiguousarray", x.device.id, fake.current_device(),
                              get_current_stream().name))
@@ -99,8 +121,11 @@ class FakeCupy:
         self.Stream = Stream
         self.empty = empty
         self.ascontiguousarray = ascontiguousarray
+        self.asarray = asarray
+        self.exported_stream = "current"   # or a fixed value / None for the CAI "stream"
         self.cuda = types.SimpleNamespace(
             Device=DeviceCtx, Stream=Stream, get_current_stream=get_current_stream,
+            ExternalStream=ExternalStream,
             runtime=types.SimpleNamespace(getDeviceCount=lambda: 4))
 
     def _devs(self) -> list:
@@ -189,3 +214,77 @@ def test_a_collective_waits_for_every_replica_stream_and_the_combiner_streams(fa
     own, other = (names[0], "null1") if combiner_is_0 else ("null0", names[1])
     assert log[k + 1:k + 3] == [("sync", own), ("sync", other)]
     assert log[-2:] == [("sync", names[0]), ("sync", names[1])]
+
+
+# --- kernel launches: argument import and the table cache (kernels/_launch.py) -------------
+
+@pytest.fixture
+def imports(monkeypatch):
+    """Record numba.cuda.from_cuda_array_interface calls (no GPU needed)."""
+    from numba import cuda
+    calls = []
+
+    def fake_import(desc, owner=None, sync=True):
+        calls.append((owner, desc["stream"], sync))
+        return ("numba view of", owner)
+    monkeypatch.setattr(cuda, "from_cuda_array_interface", fake_import)
+    return calls
+
+
+def test_a_cupy_argument_on_its_own_stream_is_imported_without_a_host_wait(fake_cupy,
+                                                                             imports):
+    from gpustrat.kernels import _launch
+    cp = fake_cupy
+    with cp.cuda.Device(1), cp.Stream("s", 1) as s:
+        x = cp.ndarray((8,), np.float32, device_id=1)
+        assert _launch.kernel_arg(x, s) == ("numba view of", x)
+        _launch.kernel_arg(x, s.ptr + 7)      # a launch on some other stream
+    assert imports == [(x, s.ptr, False), (x, s.ptr, True)]
+    # CuPy's null stream is exported as 1, the legacy default stream's handle.
+    x0 = cp.ndarray((8,), np.float32, device_id=0)
+    with cp.cuda.Device(0), cp.Stream("null-like", 0) as null:
+        null.ptr = 0
+        _launch.kernel_arg(x0, 1)
+        assert _launch.stream_handle(null) == 1
+    assert imports[-1] == (x0, 1, False)
+    # No stream in the interface: nothing to synchronize.
+    cp.exported_stream = None
+    _launch.kernel_arg(x0, 5)
+    assert imports[-1] == (x0, None, False)
+    # Host arrays pass through untouched.
+    h = np.zeros(3)
+    assert _launch.kernel_arg(h, 5) is h and len(imports) == 4
+
+
+def test_tables_upload_once_per_device_stream_and_content(fake_cupy, imports, monkeypatch):
+    from gpustrat.kernels import _launch
+    cp = fake_cupy
+    monkeypatch.setattr(_launch, "_tables", type(_launch._tables)())
+    monkeypatch.setattr(_launch, "TABLE_CACHE_SIZE", 2)
+    like1 = cp.ndarray((4,), np.float32, device_id=1)
+    t_a, t_b, t_c = (np.array([[k, 1], [2, 3]], np.int64) for k in (0, 10, 20))
+    with cp.cuda.Device(1), cp.Stream("s", 1) as s:
+        first = _launch.to_kernel_array(t_a, like1, s)
+        again = _launch.to_kernel_array(t_a.copy(), like1, s)
+    uploads = [e for e in cp.log if e[0] == "asarray"]
+    # One upload, on the launch's stream and device; the second call hits the cache.
+    assert uploads == [("asarray", 1, "s", t_a.tolist())]
+    assert first == again and first[0] == "numba view of"
+    assert [sync for _, _, sync in imports] == [False, False]
+    # A launch on a stream other than CuPy's current one uploads on that stream.
+    with cp.cuda.Device(1):
+        _launch.to_kernel_array(t_a, like1, 77)
+    assert [e for e in cp.log if e[0] == "asarray"][-1] == ("asarray", 1, "ext77",
+                                                             t_a.tolist())
+    assert imports[-1][2] is False    # uploaded on the launch stream: already ordered
+    # New content uploads; the least recently used entry is evicted past the cap.
+    with cp.cuda.Device(1), cp.Stream("s", 1) as s:
+        _launch.to_kernel_array(t_b, like1, s)
+        _launch.to_kernel_array(t_c, like1, s)
+        assert len(_launch._tables) == 2
+        n = len(cp.log)
+        _launch.to_kernel_array(t_c, like1, s)        # still cached
+        assert len(cp.log) == n
+    # Host launches take the host table as it is.
+    h = np.zeros(2)
+    assert _launch.to_kernel_array(t_a, h, None) is t_a
