@@ -270,17 +270,24 @@ def scatter(batch, devices, index=None, pad_to: int | None = None, streams=None,
             check_index: bool = True) -> Split:
     """Split ``batch`` and place piece ``i`` on ``devices[i]``.
 
-    A batch on a GPU is split by the kernel on its own device, then each piece is
-    copied to its replica's device (one copy per piece, on ``streams[i]``); host
-    batches are split with the NumPy reference.
+    A batch on a GPU is split by the kernel on its own device, on that device's current
+    CuPy stream (where the batch was produced), then each piece is copied to its
+    replica's device, on ``streams[i]`` when given (else that device's current stream);
+    every copy waits for the split first (``devices.to_device`` orders it after the
+    source device's current stream). Host batches are split with the NumPy reference.
     """
-    from gpustrat.devices import is_gpu_array, parse_device, to_device  # noqa: PLC0415
+    from gpustrat.devices import (device_of, is_gpu_array, parse_device,  # noqa: PLC0415
+                                  to_device)
     devices = [parse_device(d) for d in devices]
-    if is_gpu_array(batch) or (hasattr(batch, "__cuda_array_interface__")
-                               and not isinstance(batch, np.ndarray)):
-        res = split(batch, len(devices), index, pad_to,
-                    stream=None if streams is None else streams[0],
-                    check_index=check_index)
+    if streams is not None and len(streams) != len(devices):
+        raise ValueError(f"scatter got {len(streams)} streams for {len(devices)} devices: "
+                         "pass one stream per device, or None")
+    if is_gpu_array(batch):
+        # The split and the copies' wait are both on this device's current stream.
+        with device_of(batch).activate():
+            res = split(batch, len(devices), index, pad_to, check_index=check_index)
+    elif hasattr(batch, "__cuda_array_interface__") and not isinstance(batch, np.ndarray):
+        res = split(batch, len(devices), index, pad_to, check_index=check_index)
     else:
         res = split_reference(batch, len(devices), index, pad_to, check_index=check_index)
     placed = [to_device(p, d, None if streams is None else streams[i])

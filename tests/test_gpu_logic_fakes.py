@@ -288,3 +288,31 @@ def test_tables_upload_once_per_device_stream_and_content(fake_cupy, imports, mo
     # Host launches take the host table as it is.
     h = np.zeros(2)
     assert _launch.to_kernel_array(t_a, h, None) is t_a
+
+
+def test_scatter_splits_on_the_batch_devices_stream_that_the_copies_wait_for(
+        fake_cupy, monkeypatch):
+    from gpustrat.kernels import split as split_mod
+    cp = fake_cupy
+
+    def fake_split(batch, n, index=None, pad_to=None, stream=None, check_index=True):
+        cp.log.append(("split", cp.current_device(), stream,
+                       cp.cuda.get_current_stream().name))
+        pieces = [cp.ndarray((2, 3), np.float32, batch.device.id) for _ in range(n)]
+        return split_mod.Split(pieces, [2] * n)
+    monkeypatch.setattr(split_mod, "split", fake_split)
+    batch = cp.ndarray((4, 3), np.float32, device_id=2)
+    with cp.cuda.Device(2), cp.Stream("producer", 2):
+        streams = [cp.Stream("r0", 0), cp.Stream("r1", 1)]
+        with cp.cuda.Device(0):   # the caller's current device is another one
+            res = split_mod.scatter(batch, ["gpu:0", "gpu:1"], streams=streams)
+    assert [p.device.id for p in res.pieces] == [0, 1]
+    # The kernel ran on the batch's device and its current stream (no stream forced)...
+    assert cp.log[0] == ("split", 2, None, "producer")
+    # ...and each copy, on its replica's stream, waits for that stream's work.
+    copies = [e for e in cp.log if e[0] == "copy"]
+    assert [(c[2], c[4]) for c in copies] == [(0, "r0"), (1, "r1")]
+    assert ("record", "producer", 2) in cp.log
+    assert all(e[0] != "record" or e[1] in ("producer", "r0", "r1") for e in cp.log)
+    with pytest.raises(ValueError, match="2 streams for 3 devices"):
+        split_mod.scatter(batch, ["gpu:0", "gpu:1", "gpu:2"], streams=streams)
