@@ -5,10 +5,10 @@ Words:
         dicts, namedtuples; see :mod:`gpustrat.nest`) of leaves.
     leaf: a NumPy array, a NumPy scalar (``numpy.generic``), a CuPy array, or a byte
         string (``bytes``, the scalar form of ``tf.string``). Python numbers given by
-        users become NumPy scalars, Python ``str`` becomes UTF-8 ``bytes``; a list that
-        holds no tuple or dict is an array, not a structure (``from_tensor_slices([1, 2,
-        3])`` has three elements, as in ``tf.data``); a list of strings is an object array
-        of bytes.
+        users become NumPy scalars, Python ``str`` becomes UTF-8 ``bytes``; a list is
+        always an array, not a structure, even when it holds tuples
+        (``from_tensor_slices([(1, 2), (3, 4)])`` has the two elements ``[1 2]`` and
+        ``[3 4]``, as in ``tf.data``); a list of strings is an object array of bytes.
     plan: a pair of functions ``(flatten, pack)`` made once for a given structure, so
         that the per-element work of batching, slicing and checking does not walk the
         structure generically each time. A single leaf and a flat tuple of leaves, the
@@ -24,15 +24,6 @@ import numpy as np
 from gpustrat import devices, nest
 
 
-def _is_structure(x: Any) -> bool:
-    if isinstance(x, (tuple, dict)):
-        return True
-    if isinstance(x, list):
-        return any(isinstance(v, (tuple, dict)) or
-                   (isinstance(v, list) and _is_structure(v)) for v in x)
-    return False
-
-
 def to_leaf(x: Any) -> Any:
     """A user value as a leaf: arrays pass through, Python scalars become NumPy scalars."""
     if isinstance(x, (np.ndarray, np.generic)) or devices.is_gpu_array(x):
@@ -45,16 +36,21 @@ def to_leaf(x: Any) -> Any:
         # Strings as tf.string does: an object array of bytes.
         return _bytes_array(x)
     arr = np.asarray(x)
+    if arr.dtype == object and isinstance(x, list):
+        raise ValueError(f"a list is one array (as in tf.data), but {x!r} cannot be made "
+                         "into an array of numbers or strings; use a tuple or a dict for "
+                         "a structure")
     return arr[()] if arr.ndim == 0 else arr
 
 
 def _all_text(x) -> bool:
-    return all(_all_text(v) if isinstance(v, list) else isinstance(v, (bytes, str)) for v in x)
+    return all(_all_text(v) if isinstance(v, (list, tuple)) else isinstance(v, (bytes, str))
+               for v in x)
 
 
 def _bytes_array(x: list) -> np.ndarray:
     def enc(v):
-        return [enc(u) for u in v] if isinstance(v, list) else (
+        return [enc(u) for u in v] if isinstance(v, (list, tuple)) else (
             v.encode() if isinstance(v, str) else bytes(v))
     encoded = enc(x)
     probe = np.array(encoded, dtype=object)
@@ -70,10 +66,8 @@ def normalize(element: Any) -> Any:
     t = type(element)
     if t is np.ndarray or isinstance(element, np.generic):
         return element
-    if not _is_structure(element):
+    if not isinstance(element, (tuple, dict)):
         return to_leaf(element)
-    if isinstance(element, list):
-        return [normalize(v) for v in element]
     if isinstance(element, dict):
         return type(element)((k, normalize(v)) for k, v in element.items()) \
             if t is not dict else {k: normalize(v) for k, v in element.items()}

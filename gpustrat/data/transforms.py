@@ -173,7 +173,13 @@ class MapDataset(UnaryDataset):
 
     def _call(self, element):
         out = st.call_with_element(self._fn, element)
-        return out if type(out) is np.ndarray else st.normalize(out)
+        if type(out) is np.ndarray:
+            return out
+        if type(out) is list:
+            # As tf.data: a returned list is a tuple of components (often the result of a
+            # function giving several arrays), not one array stacked from them.
+            out = tuple(out)
+        return st.normalize(out)
 
     def _iter(self, ctx):
         it = self._input._iter(ctx)

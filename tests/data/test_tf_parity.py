@@ -1,0 +1,47 @@
+"""Behaviours compared against real ``tf.data``.
+
+Every expected value here was observed by running the same pipeline with TensorFlow
+2.21 (``tensorflow-cpu``) and is hard-coded, so these tests need no TensorFlow.
+"""
+
+import numpy as np
+import pytest
+
+from gpustrat.data import Dataset, TensorSpec
+
+
+def ints(ds):
+    return [int(v) for v in ds]
+
+
+# --- lists: values given to sources are arrays; a function's top-level list is a tuple --
+
+def test_from_tensor_slices_list_of_tuples_is_one_array():
+    # TF 2.21: from_tensor_slices([(1, 2), (3, 4)]) yields [1 2], [3 4]; spec (2,).
+    ds = Dataset.from_tensor_slices([(1, 2), (3, 4)])
+    assert [v.tolist() for v in ds] == [[1, 2], [3, 4]]
+    assert ds.cardinality() == 2
+    assert ds.element_spec.shape == (2,)
+
+
+def test_from_tensors_list_of_tuples_is_one_array():
+    # TF 2.21: from_tensors([(1, 2), (3, 4)]) yields one element [[1 2] [3 4]], spec (2, 2);
+    # from_tensors(([1, 2], [(1, 2)])) yields ([1 2], [[1 2]]).
+    (elem,) = list(Dataset.from_tensors([(1, 2), (3, 4)]))
+    assert isinstance(elem, np.ndarray) and elem.tolist() == [[1, 2], [3, 4]]
+    (a, b) = next(iter(Dataset.from_tensors(([1, 2], [(1, 2)]))))
+    assert a.tolist() == [1, 2] and isinstance(b, np.ndarray) and b.shape == (1, 2)
+
+
+def test_map_returning_a_list_gives_a_tuple():
+    # TF 2.21: range(3).map(lambda x: [x, x * 2]) yields (0, 0), (1, 2), (2, 4) with spec
+    # (TensorSpec((), int64), TensorSpec((), int64)); a nested list stays a tensor:
+    # map(lambda x: [[x, x], [x, x]]) yields ([0 0], [0 0]), ...
+    ds = Dataset.range(3).map(lambda x: [x, x * 2])
+    out = list(ds)
+    assert all(type(e) is tuple for e in out)
+    assert [(int(a), int(b)) for a, b in out] == [(0, 0), (1, 2), (2, 4)]
+    assert ds.element_spec == (TensorSpec((), np.int64), TensorSpec((), np.int64))
+    assert ints(ds.map(lambda a, b: a + b)) == [0, 3, 6]
+    nested = next(iter(Dataset.range(3).map(lambda x: [[x, x], [x, x]])))
+    assert type(nested) is tuple and [v.shape for v in nested] == [(2,), (2,)]
