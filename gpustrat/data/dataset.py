@@ -205,10 +205,13 @@ class Dataset(abc.ABC):
     # --- sources ---------------------------------------------------------------------
 
     @staticmethod
-    def range(*args, dtype=np.int64) -> "Dataset":
-        """Integers like Python's ``range(start, stop, step)``, as int64 scalars."""
+    def range(*args, output_type=None, dtype=np.int64) -> "Dataset":
+        """Integers like Python's ``range(start, stop, step)``, as int64 scalars.
+
+        ``output_type`` (``tf.data``'s name) or ``dtype`` picks another integer dtype.
+        """
         from gpustrat.data.sources import RangeDataset
-        return RangeDataset(*args, dtype=dtype)
+        return RangeDataset(*args, dtype=dtype if output_type is None else output_type)
 
     @staticmethod
     def from_tensors(tensors: Any) -> "Dataset":

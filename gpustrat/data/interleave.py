@@ -100,8 +100,7 @@ class InterleaveDataset(UnaryDataset):
             _close(source)
 
     def _cardinality(self):
-        n = self._input._cardinality()
-        return 0 if n == 0 else UNKNOWN_CARDINALITY
+        return UNKNOWN_CARDINALITY  # as tf.data, even for an empty input
 
     def _compute_spec(self):
         gen = self._input._iter(_IterContext(peek=True))

@@ -139,13 +139,14 @@ class UnbatchDataset(UnaryDataset):
 
     def _cardinality(self):
         n = self._input._cardinality()
-        if n == INFINITE_CARDINALITY:
+        if n < 0:
             return n
-        spec = nest.flatten(self._input.element_spec) if n >= 0 else []
-        dims = {s.shape[0] for s in spec if s.shape}
-        if n >= 0 and len(dims) == 1 and None not in dims:
+        # As tf.data: known only when every component has the same known, non-zero
+        # leading dimension (an empty input with an unknown batch dimension is unknown).
+        dims = {s.shape[0] for s in nest.flatten(self._input.element_spec) if s.shape}
+        if len(dims) == 1 and dims != {None} and dims != {0}:
             return n * dims.pop()
-        return 0 if n == 0 else UNKNOWN_CARDINALITY
+        return UNKNOWN_CARDINALITY
 
     def _compute_spec(self):
         return nest.map_structure(lambda s: s._unbatched(), self._input.element_spec)
@@ -234,8 +235,7 @@ class FilterDataset(UnaryDataset):
             _close(it)
 
     def _cardinality(self):
-        n = self._input._cardinality()
-        return 0 if n == 0 else UNKNOWN_CARDINALITY
+        return UNKNOWN_CARDINALITY  # as tf.data, even for an empty input
 
 
 class ShuffleDataset(UnaryDataset):
@@ -359,10 +359,10 @@ class SkipDataset(UnaryDataset):
 
     def _cardinality(self):
         n = self._input._cardinality()
+        if n < 0:
+            return n  # as tf.data, even for skip(-1)
         if self._count < 0:
             return 0
-        if n < 0:
-            return n
         return max(0, n - self._count)
 
 

@@ -7,7 +7,7 @@ Every expected value here was observed by running the same pipeline with TensorF
 import numpy as np
 import pytest
 
-from gpustrat.data import Dataset, TensorSpec
+from gpustrat.data import UNKNOWN_CARDINALITY, Dataset, TensorSpec
 
 
 def ints(ds):
@@ -45,3 +45,46 @@ def test_map_returning_a_list_gives_a_tuple():
     assert ints(ds.map(lambda a, b: a + b)) == [0, 3, 6]
     nested = next(iter(Dataset.range(3).map(lambda x: [[x, x], [x, x]])))
     assert type(nested) is tuple and [v.shape for v in nested] == [(2,), (2,)]
+
+
+# --- range ------------------------------------------------------------------------------
+
+def test_range_accepts_tf_output_type_keyword():
+    # TF 2.21: Dataset.range(3, output_type=tf.int32).element_spec is TensorSpec((), int32).
+    ds = Dataset.range(3, output_type=np.int32)
+    assert ds.element_spec == TensorSpec((), np.int32)
+    assert [v.dtype for v in ds] == [np.int32] * 3
+    assert Dataset.range(4, output_type=np.int32).batch(3).element_spec.dtype == np.int32
+
+
+# --- cardinality ------------------------------------------------------------------------
+
+def test_filter_cardinality_is_unknown_even_for_empty_input():
+    # TF 2.21: range(0).filter(lambda x: x > 0).cardinality() == -2.
+    assert Dataset.range(0).filter(lambda x: x > 0).cardinality() == UNKNOWN_CARDINALITY
+
+
+def test_interleave_cardinality_is_unknown_even_for_empty_input():
+    # TF 2.21: range(0).interleave(lambda x: range(2), cycle_length=2).cardinality() == -2.
+    ds = Dataset.range(0).interleave(lambda x: Dataset.range(2), cycle_length=2)
+    assert ds.cardinality() == UNKNOWN_CARDINALITY
+    assert Dataset.range(0).flat_map(lambda x: Dataset.range(2)).cardinality() == -2
+
+
+def test_unbatch_cardinality_unknown_unless_batch_dim_known_and_positive():
+    # TF 2.21: range(0).batch(3).unbatch() -> -2; from_tensors(zeros((0, 3))).unbatch()
+    # -> -2; range(0).batch(3, drop_remainder=True).unbatch() -> 0;
+    # from_tensors(zeros((2, 3))).repeat().unbatch() -> -1.
+    assert Dataset.range(0).batch(3).unbatch().cardinality() == UNKNOWN_CARDINALITY
+    assert Dataset.from_tensors(np.zeros((0, 3))).unbatch().cardinality() == -2
+    assert Dataset.range(0).batch(3, drop_remainder=True).unbatch().cardinality() == 0
+    assert Dataset.from_tensors(np.zeros((2, 3))).repeat().unbatch().cardinality() == -1
+
+
+def test_skip_all_keeps_infinite_and_unknown_cardinality():
+    # TF 2.21: range(5).repeat().skip(-1) -> -1; range(5).filter(...).skip(-1) -> -2;
+    # range(5).skip(-1) -> 0; range(5).repeat().skip(-3) -> -1.
+    assert Dataset.range(5).repeat().skip(-1).cardinality() == -1
+    assert Dataset.range(5).filter(lambda x: True).skip(-1).cardinality() == -2
+    assert Dataset.range(5).skip(-1).cardinality() == 0
+    assert Dataset.range(5).repeat().skip(-3).cardinality() == -1
