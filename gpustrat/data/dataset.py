@@ -102,9 +102,15 @@ class DatasetIterator:
             pass
 
 
-def _check_positive(name: str, value, what: str) -> int:
+def _check_int(name: str, value, what: str) -> int:
+    """``value`` as an int; TypeError naming it when it is not an integer (a float, a bool)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{what}: {name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _check_positive(name: str, value, what: str) -> int:
+    value = _check_int(name, value, what)
     if value <= 0:
         raise ValueError(f"{what}: {name} must be positive, got {value}")
     return int(value)

@@ -25,7 +25,7 @@ from gpustrat import nest
 from gpustrat.data import parallel
 from gpustrat.data import structure as st
 from gpustrat.data.dataset import (AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY,
-                                   Dataset, _check_positive,
+                                   Dataset, _check_int, _check_positive,
                                    autotune_parallelism)
 from gpustrat.data.options import Options
 from gpustrat.data.spec import TensorSpec, merge_specs, spec_of
@@ -289,7 +289,7 @@ class RepeatDataset(UnaryDataset):
 
     def __init__(self, input_dataset, count):
         super().__init__(input_dataset)
-        self._count = -1 if count is None else int(count)
+        self._count = -1 if count is None else _check_int("count", count, "repeat")
 
     def _iter(self, ctx):
         passes = itertools.count() if self._count < 0 else range(self._count)
@@ -321,7 +321,7 @@ class TakeDataset(UnaryDataset):
 
     def __init__(self, input_dataset, count):
         super().__init__(input_dataset)
-        self._count = int(count)
+        self._count = _check_int("count", count, "take")
 
     def _iter(self, ctx):
         it = self._input._iter(ctx)
@@ -346,7 +346,7 @@ class SkipDataset(UnaryDataset):
 
     def __init__(self, input_dataset, count):
         super().__init__(input_dataset)
-        self._count = int(count)
+        self._count = _check_int("count", count, "skip")
 
     def _iter(self, ctx):
         if self._count < 0:
@@ -398,7 +398,7 @@ class EnumerateDataset(UnaryDataset):
 
     def __init__(self, input_dataset, start: int = 0):
         super().__init__(input_dataset)
-        self._start = int(start)
+        self._start = _check_int("start", start, "enumerate")
 
     def _iter(self, ctx):
         it = self._input._iter(ctx)

@@ -88,3 +88,23 @@ def test_skip_all_keeps_infinite_and_unknown_cardinality():
     assert Dataset.range(5).filter(lambda x: True).skip(-1).cardinality() == -2
     assert Dataset.range(5).skip(-1).cardinality() == 0
     assert Dataset.range(5).repeat().skip(-3).cardinality() == -1
+
+
+# --- argument checking ------------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [
+    lambda ds: ds.take(2.0),
+    lambda ds: ds.skip(1.5),
+    lambda ds: ds.repeat(2.0),
+    lambda ds: ds.enumerate(start=0.5),
+])
+def test_counts_must_be_ints(make):
+    # TF 2.21: range(5).take(2.0) raises TypeError ("Cannot convert 2.0 to EagerTensor of
+    # dtype int64"); gpustrat names the argument and the value.
+    with pytest.raises(TypeError, match=r"must be an int, got float"):
+        make(Dataset.range(5))
+
+
+def test_counts_accept_numpy_ints():
+    assert ints(Dataset.range(5).take(np.int64(2))) == [0, 1]
+    assert ints(Dataset.range(2).repeat(np.int32(2))) == [0, 1, 0, 1]
