@@ -513,6 +513,12 @@ class ConcatenateDataset(Dataset):
         return ConcatenateDataset(*inputs)
 
     def _iter(self, ctx):
+        # tf.data refuses incompatible inputs when the dataset is built; here the specs
+        # may need user code to run (a peek), so the check waits for the first element.
+        try:
+            self.element_spec
+        except ValueError:
+            pass  # an input too empty to have a spec conflicts with nothing
         for d in (self._first, self._second):
             it = d._iter(ctx)
             try:

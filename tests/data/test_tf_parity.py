@@ -108,3 +108,24 @@ def test_counts_must_be_ints(make):
 def test_counts_accept_numpy_ints():
     assert ints(Dataset.range(5).take(np.int64(2))) == [0, 1]
     assert ints(Dataset.range(2).repeat(np.int32(2))) == [0, 1, 0, 1]
+
+
+def test_concatenate_incompatible_structures_fail_before_any_element():
+    # TF 2.21: range(3).concatenate(from_tensor_slices((a, b))) and a concatenation of
+    # int64 with float32 raise TypeError "Incompatible dataset elements" when built;
+    # gpustrat raises at the start of iteration (the spec may need user code to run).
+    mixed = Dataset.range(3).concatenate(
+        Dataset.from_tensor_slices((np.arange(2), np.arange(2))))
+    with pytest.raises(TypeError, match="incompatible"):
+        next(iter(mixed))
+    dtypes = Dataset.range(3).concatenate(Dataset.from_tensor_slices(np.zeros(2, np.float32)))
+    with pytest.raises(TypeError, match="incompatible"):
+        list(dtypes)
+    keys = Dataset.from_tensors({"a": 1}).concatenate(Dataset.from_tensors({"b": 1}))
+    with pytest.raises(TypeError, match="incompatible"):
+        list(keys)
+
+
+def test_concatenate_with_an_empty_input_of_unknown_spec_still_iterates():
+    empty = Dataset.from_generator(lambda: iter(()))
+    assert ints(Dataset.range(2).concatenate(empty)) == [0, 1]
