@@ -177,10 +177,13 @@ class SlicedBatchDataset(Dataset):
 
 
 def _signature_from_types(output_types, output_shapes):
-    """An output_signature from the older ``output_types``/``output_shapes`` pair."""
+    """An output_signature from the older ``output_types``/``output_shapes`` pair.
+
+    Without ``output_shapes`` the specs get shape ``()`` as placeholders: only their
+    dtypes are checked (``tf.data`` gives such components an unknown shape).
+    """
     if output_shapes is None:
-        raise ValueError("from_generator: output_shapes must be given with output_types "
-                         "(or use output_signature with TensorSpec shapes)")
+        return nest.map_structure(lambda t: TensorSpec((), t), output_types)
     if not nest.is_nested(output_types):
         return TensorSpec(output_shapes, output_types)
     return nest.map_structure(lambda t, s: TensorSpec(s.shape, t), output_types,
@@ -213,8 +216,10 @@ class GeneratorDataset(Dataset):
         if not callable(generator):
             raise TypeError(f"from_generator needs a callable that returns an iterator "
                             f"(each epoch calls it again), got {type(generator).__name__}")
+        self._check_shapes = True
         if output_signature is None and output_types is not None:
             output_signature = _signature_from_types(output_types, output_shapes)
+            self._check_shapes = output_shapes is not None
         if output_signature is not None:
             for s in nest.flatten(output_signature):
                 if not isinstance(s, TensorSpec):
@@ -235,14 +240,14 @@ class GeneratorDataset(Dataset):
             specs = nest.flatten(sig)
             flatten, pack = st.make_plan(sig)
             for index, element in enumerate(it):
-                yield _conform(element, sig, specs, flatten, pack, index)
+                yield _conform(element, sig, specs, flatten, pack, index, self._check_shapes)
         finally:
             close = getattr(it, "close", None)
             if close is not None:
                 close()
 
     def _compute_spec(self):
-        if self._signature is not None:
+        if self._signature is not None and self._check_shapes:
             return self._signature
         return super()._compute_spec()
 
@@ -265,8 +270,9 @@ def _flatten_up_to(sig, element, path: str = "") -> list:
             for v in _flatten_up_to(s, e, f"{path}[{i}]")]
 
 
-def _conform(element, sig, specs, flatten, pack, index):
-    """``element`` as NumPy leaves matching ``sig``; a clear error otherwise."""
+def _conform(element, sig, specs, flatten, pack, index, check_shapes=True):
+    """``element`` as NumPy leaves matching ``sig`` (its dtypes only, unless
+    ``check_shapes``); a clear error otherwise."""
     try:
         leaves = _flatten_up_to(sig, element)
     except ValueError as e:
@@ -275,12 +281,14 @@ def _conform(element, sig, specs, flatten, pack, index):
     out = []
     for c, (spec, value) in enumerate(zip(specs, leaves)):
         arr = _as_dtype(value, spec.dtype)
-        if arr is None or not spec.is_compatible_with(arr):
+        if arr is None or (check_shapes and not spec.is_compatible_with(arr)):
             got = TensorSpec.from_value(value)
             where = f" component {c}" if len(specs) > 1 else ""
+            expected = spec if check_shapes else \
+                f"dtype {'string' if spec.dtype == STRING else spec.dtype.name}"
             raise TypeError(
                 f"from_generator: element {index}{where} does not match output_signature: "
-                f"expected {spec}, got {got}")
+                f"expected {expected}, got {got}")
         out.append(arr)
     return pack(out)
 

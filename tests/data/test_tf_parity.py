@@ -129,3 +129,27 @@ def test_concatenate_incompatible_structures_fail_before_any_element():
 def test_concatenate_with_an_empty_input_of_unknown_spec_still_iterates():
     empty = Dataset.from_generator(lambda: iter(()))
     assert ints(Dataset.range(2).concatenate(empty)) == [0, 1]
+
+
+# --- from_generator ---------------------------------------------------------------------
+
+def test_from_generator_output_types_without_shapes():
+    # TF 2.21: from_generator(g, output_types=tf.int64) with g yielding 0, 1, 2 yields
+    # int64 0, 1, 2 (shapes unchecked).
+    def gen():
+        yield from range(3)
+
+    ds = Dataset.from_generator(gen, output_types=np.int64)
+    out = list(ds)
+    assert [int(v) for v in out] == [0, 1, 2] and all(v.dtype == np.int64 for v in out)
+
+    def pairs():
+        yield 1, [1, 2]
+        yield 2, [3, 4, 5]
+
+    ds = Dataset.from_generator(pairs, output_types=(np.int32, np.float32))
+    (a, b), (c, d) = list(ds)
+    assert a.dtype == np.int32 and b.dtype == np.float32 and d.tolist() == [3.0, 4.0, 5.0]
+    with pytest.raises(TypeError, match="element 0 does not match output_signature: "
+                                        "expected dtype int64, got"):
+        list(Dataset.from_generator(lambda: iter(["x"]), output_types=np.int64))
