@@ -442,17 +442,23 @@ class MpiCommunicator(HostCommunicator):
             shown = "(" + ", ".join(dims) + (",)" if len(dims) == 1 else ")")
             ch.check(f"all_gather(axis={ax})", shown, x.dtype)
         row_bytes = front.itemsize * int(np.prod(rest, dtype=np.int64))
-        info = np.empty(2 * ch.size, np.int64)
-        mine = np.array([front.shape[0], row_bytes], np.int64)
+        # The counts travel with a checksum of (ndim, other axes, dtype): every rank sees
+        # every checksum, so a mismatch (which would gather reinterpreted bytes) is
+        # raised on all of them, at no extra collective.
+        sig = zlib.crc32(repr((x.ndim, rest, str(x.dtype))).encode())
+        info = np.empty(3 * ch.size, np.int64)
+        mine = np.array([front.shape[0], row_bytes, sig], np.int64)
         what = f"all_gather(axis={ax}) of shape {x.shape} {x.dtype}"
         ch.wait(ch.comm.Iallgather([mine, MPI.INT64_T], [info, MPI.INT64_T]), what)
-        rows, widths = info[0::2], info[1::2]
-        bad = [r for r in range(ch.size) if widths[r] != row_bytes]
-        if bad:
+        rows, sigs = info[0::3], info[2::3]
+        if (sigs != sigs[0]).any():
+            shapes = ch.allgather_obj((x.shape, str(x.dtype)), what)
+            parts = [f"rank {r}: {s} {d}" for r, (s, d) in enumerate(shapes)]
             raise ValueError(
-                f"all_gather(axis={ax}): shapes may differ only along the gathered axis, "
-                f"but a slice of rank {bad[0]} holds {widths[bad[0]]} bytes where rank "
-                f"{ch.rank}'s ({rest} {x.dtype}) holds {row_bytes}")
+                f"all_gather(axis={ax}) between workers: shapes may differ only along the "
+                f"gathered axis and dtypes must match, but the workers hold "
+                f"{'; '.join(parts)}. Cast and reshape the values the same way on every "
+                "worker")
         counts = rows * row_bytes
         displs = np.zeros(ch.size, np.int64)
         np.cumsum(counts[:-1], out=displs[1:])

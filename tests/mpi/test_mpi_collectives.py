@@ -175,6 +175,35 @@ def test_debug_mode_names_the_mismatch_on_every_rank(n, case):
         assert "rank 2 called" not in line  # ranks that agree with rank 0 are not named
 
 
+GATHER_MISMATCH = ONE_REPLICA_PRELUDE + r"""
+r = g.rank
+case = sys.argv[1]
+# Rank 1 differs: same itemsize, other dtype (the bytes would be reinterpreted), other
+# trailing shape, other number of dimensions.
+x = {"dtype": np.ones((2, 3), np.int32 if r == 1 else np.float32),
+     "shape": np.ones((2, 4 if r == 1 else 3), np.float32),
+     "ndim": np.ones((2, 3, 1) if r == 1 else (2, 3), np.float32)}[case]
+try:
+    c.all_gather([x], axis=0)
+except ValueError as e:
+    print("ERROR", r, e, flush=True)
+else:
+    print("NO ERROR", r, flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("case,rank1", [("dtype", "(2, 3) int32"), ("shape", "(2, 4) float32"),
+                                        ("ndim", "(2, 3, 1) float32")])
+def test_all_gather_mismatch_between_workers_is_an_error_on_every_rank(n, case, rank1):
+    out = assert_mpi_ok(n, GATHER_MISMATCH, timeout=50, args=[case], marker="ERROR",
+                        expect_lines=n, env={gmpi.ENV_TIMEOUT: "20"})
+    for line in out.splitlines():
+        assert f"rank 0: (2, 3) float32; rank 1: {rank1}" in line, line
+        assert "dtypes must match" in line, line
+
+
 TIMEOUT = ONE_REPLICA_PRELUDE + r"""
 assert install_abort_on_error(g)
 r = g.rank
