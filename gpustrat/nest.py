@@ -2,11 +2,13 @@
 
 Everything else (arrays, scalars, None, per-replica values) is a *leaf*. Dicts are
 walked in sorted key order, as ``tf.nest`` does, so that two dicts with the same keys
-flatten the same way whatever their insertion order.
+flatten the same way whatever their insertion order; packing gives a dict back in its
+template's key order (as ``tf.nest`` does too).
 """
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable
 
 
@@ -42,9 +44,15 @@ def flatten(structure: Any) -> list:
 
 def _rebuild(template, children):
     if isinstance(template, dict):
-        keys = sorted(template)
-        return type(template)((k, v) for k, v in zip(keys, children)) if type(template) is not dict \
-            else dict(zip(keys, children))
+        # Children come in sorted key order; the result keeps the template's own key
+        # order, as tf.nest does, so a user's dict reads back the way it was written.
+        by_key = dict(zip(sorted(template), children))
+        items = [(k, by_key[k]) for k in template]
+        if type(template) is dict:
+            return dict(items)
+        if isinstance(template, collections.defaultdict):
+            return type(template)(template.default_factory, items)
+        return type(template)(items)
     if is_namedtuple(template):
         return type(template)(*children)
     if isinstance(template, tuple):
