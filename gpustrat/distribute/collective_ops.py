@@ -21,6 +21,9 @@ from gpustrat.reduce_util import ReduceOp
 
 def as_array(x: Any, device: Device):
     """An array on ``device`` for a leaf: arrays move if needed, scalars become 0-d."""
+    if x is None:
+        raise TypeError("a None leaf cannot be reduced or gathered over replicas; leave it "
+                        "out of the structure or give it a value")
     if is_array(x) or hasattr(x, "__array__") or hasattr(x, "__cuda_array_interface__") \
             or hasattr(x, "__dlpack__"):
         return to_device(x, device)

@@ -59,7 +59,9 @@ def reduce_components(comm: Communicator, op: ReduceOp, comps: Sequence[Any],
         raise ValueError(f"per-replica values differ in shape outside axis {axis}: "
                          f"{_shapes(arrays)}")
     if op is ReduceOp.SUM:
-        return comm.reduce([a.sum(axis=ax) for a in arrays], ReduceOp.SUM)
+        # NumPy widens small integers in sum(); TensorFlow's reduce_sum keeps the dtype.
+        dtype = arrays[0].dtype if np.issubdtype(arrays[0].dtype, np.integer) else None
+        return comm.reduce([a.sum(axis=ax, dtype=dtype) for a in arrays], ReduceOp.SUM)
     if op is ReduceOp.MEAN:
         return _mean_along_axis(comm, arrays, ax)
     parts = []
