@@ -156,28 +156,37 @@ class Strategy:
 
         def leaf(v):
             if not isinstance(v, DistributedValues) and axis is None:
-                return self._reduce_plain(op, v)
+                self._check_plain(op, v)
+                if self.num_workers == 1:
+                    return v
+                # Across workers a plain value is this worker's own (with one local
+                # replica, run returns plain values), so it is reduced over the workers.
             return reduction.reduce_components(self._communicator, op,
                                                self._components(v), axis)
         return nest.map_structure(leaf, value)
 
-    def _reduce_plain(self, op: ReduceOp, value: Any) -> Any:
-        # As tf.distribute: a plain value counts as the same on every replica; its MEAN,
-        # MAX and MIN are itself, and its SUM would silently multiply, so it is refused.
-        if op is ReduceOp.SUM and self.num_replicas_in_sync > 1:
+    def _check_plain(self, op: ReduceOp, value: Any) -> None:
+        # As tf.distribute: a plain value counts as the same on every local replica; its
+        # MEAN, MAX and MIN over them are itself, and its SUM would silently multiply.
+        if op is ReduceOp.SUM and len(self._devices) > 1:
             raise ValueError(
                 f"cannot SUM-reduce a plain value ({type(value).__name__}) over "
-                f"{self.num_replicas_in_sync} replicas: pass a per-replica value (the result "
+                f"{len(self._devices)} local replicas: pass a per-replica value (the result "
                 "of strategy.run or of a distributed dataset), or use MEAN")
-        return value
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate every replica's component along ``axis`` onto the first local
-        device; shapes may differ only along ``axis``."""
+        device; shapes may differ only along ``axis``. On one worker a plain
+        (non-distributed) leaf is returned as is, as tf.distribute's MirroredStrategy
+        does; across workers it is each worker's own value, and they are gathered."""
         self._check_cross_replica("gather")
-        return nest.map_structure(
-            lambda v: reduction.gather_components(self._communicator, self._components(v),
-                                                  axis), value)
+
+        def leaf(v):
+            if not isinstance(v, DistributedValues) and self.num_workers == 1:
+                return v
+            return reduction.gather_components(self._communicator, self._components(v),
+                                               axis)
+        return nest.map_structure(leaf, value)
 
     def experimental_local_results(self, value: Any) -> tuple:
         """This worker's components in replica order; a plain value gives ``(value,)``."""
@@ -194,7 +203,8 @@ class Strategy:
 
     def experimental_distribute_values_from_function(self, value_fn: Callable) -> Any:
         """``value_fn(ctx)`` once per local replica, its arrays placed on the replica's
-        device; returns per-replica values."""
+        device; returns per-replica values (OneDeviceStrategy and the default strategy
+        return ``value_fn``'s result unwrapped, as tf.distribute does)."""
         n = self.num_replicas_in_sync
         results = []
         for i, dev in enumerate(self._devices):
@@ -202,7 +212,7 @@ class Strategy:
             out = value_fn(ctx)
             results.append(nest.map_structure(
                 lambda v, d=dev: to_device(v, d) if _is_arraylike(v) else v, out))
-        return regroup(results, PerReplica, always_wrap=True)
+        return regroup(results, PerReplica, always_wrap=not self._inline)
 
     # --- distributed input -----------------------------------------------------------
     def experimental_distribute_dataset(self, dataset, options=None):
