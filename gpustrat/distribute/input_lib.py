@@ -148,13 +148,23 @@ def _spec_or_none(dataset) -> Any:
         return None
 
 
-def _per_replica_spec(dataset) -> Any:
+def _per_replica_spec(dataset, num_pieces: int | None = None) -> Any:
+    """The spec of one replica's piece. As tf.distribute: when every global batch has
+    a static size ``b`` that ``num_pieces`` divides (``batch(b, drop_remainder=True)``),
+    pieces have ``b // num_pieces`` rows; otherwise the batch dimension is None."""
     from gpustrat.data.spec import TensorSpec  # noqa: PLC0415
     spec = _spec_or_none(dataset)
     if spec is None:
         return None
-    return nest.map_structure(
-        lambda s: TensorSpec((None,) + tuple(s.shape[1:]), s.dtype) if len(s.shape) else s, spec)
+
+    def piece(s):
+        if not len(s.shape):
+            return s
+        b = s.shape[0]
+        rows = b // num_pieces if num_pieces and b is not None and b % num_pieces == 0 \
+            else None
+        return TensorSpec((rows,) + tuple(s.shape[1:]), s.dtype)
+    return nest.map_structure(piece, spec)
 
 
 class DistributedDataset(_DistributedBase):
@@ -166,7 +176,11 @@ class DistributedDataset(_DistributedBase):
         self._strategy = strategy
         self._options = options or InputOptions()
         self._stats = end_of_data.Agreement()
-        _check_batched_spec(dataset)
+        # One replica in sync: as tf.distribute, elements pass through uncut (unbatched
+        # data is fine, and element_spec is the dataset's own).
+        self._whole = strategy.num_replicas_in_sync == 1
+        if not self._whole:
+            _check_batched_spec(dataset)
         workers = strategy.workers
         policy = AutoShardPolicy.OFF if workers.size == 1 else \
             dataset.options().experimental_distribute.auto_shard_policy
@@ -186,7 +200,12 @@ class DistributedDataset(_DistributedBase):
         # producing a batch costs more than a thread handoff (see adaptive_prefetch).
         from gpustrat.data.transforms import PrefetchDataset  # noqa: PLC0415
         self._dataset = PrefetchDataset(dataset, strategy.num_replicas_in_sync, adaptive=True)
-        self.element_spec = _per_replica_spec(dataset)
+        if self._whole:
+            self.element_spec = _spec_or_none(dataset)
+        else:
+            # Under FILE a worker may run out early and get empty pieces: no static rows.
+            self.element_spec = _per_replica_spec(
+                dataset, None if self._counts_differ else strategy.num_replicas_in_sync)
 
     def _steps_per_epoch(self) -> int | None:
         card = self._dataset.cardinality()
@@ -209,6 +228,8 @@ class DistributedDataset(_DistributedBase):
         return n
 
     def _epoch_steps(self):
+        if self._whole:
+            return ([element] for element in self._dataset)
         s = self._strategy
         local, workers = len(s.local_devices), s.workers
         splitter = Splitter(s.num_replicas_in_sync)
@@ -238,8 +259,14 @@ class DistributedDatasetsFromFunction(_DistributedBase):
         if not hasattr(self._dataset, "__iter__"):
             raise TypeError(f"dataset_fn must return a dataset, got "
                             f"{type(self._dataset).__name__}")
-        _check_batched_spec(self._dataset, "distribute_datasets_from_function")
-        self.element_spec = _per_replica_spec(self._dataset)
+        # One replica in sync takes the batches as they are (no empty batches to make,
+        # so unbatched data is fine); several need batches to pad the last step with.
+        self._whole = strategy.num_replicas_in_sync == 1
+        if self._whole:
+            self.element_spec = _spec_or_none(self._dataset)
+        else:
+            _check_batched_spec(self._dataset, "distribute_datasets_from_function")
+            self.element_spec = _per_replica_spec(self._dataset)
 
     def _steps_per_epoch(self) -> int | None:
         card = self._dataset.cardinality() if hasattr(self._dataset, "cardinality") else -2
@@ -255,6 +282,8 @@ class DistributedDatasetsFromFunction(_DistributedBase):
         return n if self._strategy.num_workers == 1 else -2
 
     def _epoch_steps(self):
+        if self._whole:
+            return ([element] for element in self._dataset)
         s = self._strategy
         local, workers = len(s.local_devices), s.workers
         splitter = Splitter(1, "distribute_datasets_from_function")
