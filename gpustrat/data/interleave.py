@@ -24,7 +24,8 @@ from gpustrat.data import parallel
 from gpustrat.data import structure as st
 from gpustrat.data.dataset import (AUTOTUNE, UNKNOWN_CARDINALITY, Dataset, _check_positive,
                                    _IterContext)
-from gpustrat.data.transforms import UnaryDataset, _close, _resolve_parallelism
+from gpustrat.data.transforms import (UnaryDataset, _close, _first_or_zeros,
+                                      _resolve_parallelism)
 
 
 def _default_cycle_length() -> int:
@@ -103,16 +104,9 @@ class InterleaveDataset(UnaryDataset):
         return UNKNOWN_CARDINALITY  # as tf.data, even for an empty input
 
     def _compute_spec(self):
-        gen = self._input._iter(_IterContext(peek=True))
-        try:
-            try:
-                x = next(gen)
-            except StopIteration:
-                raise ValueError("interleave: cannot infer the element_spec: the input "
-                                 "dataset is empty, so map_func was never called") from None
-        finally:
-            gen.close()
-        ds = st.call_with_element(self._fn, x)
+        # The spec of the dataset map_func returns for the first input element, or for
+        # zeros shaped like the input spec when the input is empty.
+        ds = st.call_with_element(self._fn, _first_or_zeros(self._input))
         if not isinstance(ds, Dataset):
             raise TypeError(f"interleave: map_func must return a Dataset, got "
                             f"{type(ds).__name__}")

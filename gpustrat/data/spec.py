@@ -127,3 +127,9 @@ def merge_specs(a: Any, b: Any) -> Any:
     except ValueError as e:
         raise TypeError(f"element structures differ: {a} vs {b} ({e})") from None
     return nest.map_structure(lambda x, y: x.most_specific_compatible(y), a, b)
+
+
+def zeros_like_spec(spec: Any) -> Any:
+    """An element of zeros matching ``spec`` (unknown dimensions 0): what a function is
+    called with to learn its output spec when its input dataset is empty."""
+    return nest.map_structure(lambda s: np.zeros([d or 0 for d in s.shape], s.dtype), spec)

@@ -25,10 +25,10 @@ from gpustrat import nest
 from gpustrat.data import parallel
 from gpustrat.data import structure as st
 from gpustrat.data.dataset import (AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY,
-                                   Dataset, _check_int, _check_positive,
+                                   Dataset, _check_int, _check_positive, _IterContext,
                                    autotune_parallelism)
 from gpustrat.data.options import Options
-from gpustrat.data.spec import TensorSpec, merge_specs, spec_of
+from gpustrat.data.spec import TensorSpec, merge_specs, spec_of, zeros_like_spec
 
 _INT64 = np.dtype(np.int64)
 
@@ -109,6 +109,16 @@ class BatchDataset(UnaryDataset):
 
 
 _MISSING = object()
+
+
+def _first_or_zeros(dataset: Dataset) -> Any:
+    """The first element of ``dataset`` (a peek), or zeros like its spec when it is empty."""
+    gen = dataset._iter(_IterContext(peek=True))
+    try:
+        first = next(gen, _MISSING)
+    finally:
+        _close(gen)
+    return zeros_like_spec(dataset.element_spec) if first is _MISSING else first
 
 
 class UnbatchDataset(UnaryDataset):
@@ -198,15 +208,9 @@ class MapDataset(UnaryDataset):
         yield from parallel.parallel_map(it, call, self._parallelism, deterministic)
 
     def _compute_spec(self):
-        try:
-            return Dataset._compute_spec(self)  # a peek: the function decides the spec
-        except ValueError:
-            if self._input.cardinality() != 0:
-                raise
-        # Empty input: call the function once on zeros shaped like the input spec.
-        dummy = nest.map_structure(
-            lambda s: np.zeros([d or 0 for d in s.shape], s.dtype), self._input.element_spec)
-        return spec_of(self._call(dummy))
+        # The function decides the spec: call it on the input's first element (a peek),
+        # or on zeros shaped like the input spec when the input is empty.
+        return spec_of(self._call(_first_or_zeros(self._input)))
 
 
 class FilterDataset(UnaryDataset):

@@ -153,3 +153,21 @@ def test_from_generator_output_types_without_shapes():
     with pytest.raises(TypeError, match="element 0 does not match output_signature: "
                                         "expected dtype int64, got"):
         list(Dataset.from_generator(lambda: iter(["x"]), output_types=np.int64))
+
+
+# --- element_spec of functions over empty inputs ----------------------------------------
+
+def test_interleave_spec_of_empty_input_calls_map_func_on_zeros():
+    # TF 2.21: range(0).interleave(lambda x: range(2), cycle_length=2).element_spec is
+    # TensorSpec((), int64).
+    ds = Dataset.range(0).interleave(lambda x: Dataset.from_tensors(x).repeat(2),
+                                     cycle_length=2)
+    assert ds.element_spec == TensorSpec((), np.int64)
+    assert list(ds) == []
+
+
+def test_map_spec_after_an_empty_filter():
+    # TF 2.21: range(0).filter(lambda x: x > 0).map(lambda x: (x, 1.0)).element_spec is
+    # (TensorSpec((), int64), TensorSpec((), float32)) (float64 in gpustrat: NumPy rules).
+    ds = Dataset.range(0).filter(lambda x: x > 0).map(lambda x: (x, np.float32(1)))
+    assert ds.element_spec == (TensorSpec((), np.int64), TensorSpec((), np.float32))
