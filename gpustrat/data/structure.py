@@ -36,10 +36,14 @@ def to_leaf(x: Any) -> Any:
         # Strings as tf.string does: an object array of bytes.
         return _bytes_array(x)
     arr = np.asarray(x)
-    if arr.dtype == object and isinstance(x, list):
-        raise ValueError(f"a list is one array (as in tf.data), but {x!r} cannot be made "
-                         "into an array of numbers or strings; use a tuple or a dict for "
-                         "a structure")
+    if arr.dtype == object:
+        if isinstance(x, list):
+            raise ValueError(f"a list is one array (as in tf.data), but {x!r} cannot be "
+                             "made into an array of numbers or strings; use a tuple or a "
+                             "dict for a structure")
+        raise TypeError(f"{type(x).__name__} {x!r} cannot be a component of a dataset "
+                        "element; components are arrays, numbers or strings (in tuples, "
+                        "dicts or namedtuples)")
     return arr[()] if arr.ndim == 0 else arr
 
 

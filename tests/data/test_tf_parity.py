@@ -47,6 +47,17 @@ def test_map_returning_a_list_gives_a_tuple():
     assert type(nested) is tuple and [v.shape for v in nested] == [(2,), (2,)]
 
 
+
+def test_none_is_not_an_element_component():
+    # TF 2.21: range(3).map(lambda x: None) raises when built ("Length for attr
+    # 'output_shapes' of 0 must be at least minimum 1"); gpustrat yielded None with a
+    # string spec. It now raises TypeError naming the value.
+    with pytest.raises(TypeError, match="NoneType None cannot be a component"):
+        list(Dataset.range(3).map(lambda x: None))
+    with pytest.raises(TypeError, match="cannot be a component"):
+        Dataset.from_tensors((1, object()))
+
+
 # --- range ------------------------------------------------------------------------------
 
 def test_range_accepts_tf_output_type_keyword():
