@@ -91,8 +91,12 @@ def make_plan(structure: Any) -> tuple[Callable[[Any], Any], Callable[[Any], Any
     if type(structure) is tuple and not any(nest.is_nested(v) for v in structure):
         return _identity, tuple
     if type(structure) is dict and not any(nest.is_nested(v) for v in structure.values()):
+        # Leaves in sorted key order (as nest.flatten), elements in the user's key
+        # order (as nest.pack_sequence_as and tf.data).
         keys = sorted(structure)
-        return (lambda e: [e[k] for k in keys]), (lambda leaves: dict(zip(keys, leaves)))
+        order = [(k, keys.index(k)) for k in structure]
+        return (lambda e: [e[k] for k in keys]), (lambda leaves: {k: leaves[i]
+                                                                 for k, i in order})
     return nest.flatten, (lambda leaves: nest.pack_sequence_as(structure, leaves))
 
 

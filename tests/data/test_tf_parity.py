@@ -182,3 +182,14 @@ def test_map_spec_after_an_empty_filter():
     # (TensorSpec((), int64), TensorSpec((), float32)) (float64 in gpustrat: NumPy rules).
     ds = Dataset.range(0).filter(lambda x: x > 0).map(lambda x: (x, np.float32(1)))
     assert ds.element_spec == (TensorSpec((), np.int64), TensorSpec((), np.float32))
+
+
+def test_dict_elements_keep_the_users_key_order():
+    # Observed from TF 2.21: tf.data keeps {'b', 'a'} in that order (flat and nested).
+    flat = Dataset.from_tensor_slices({"b": [1, 2], "a": [3, 4]})
+    first = next(iter(flat))
+    assert list(first) == ["b", "a"] and (first["b"], first["a"]) == (1, 3)
+    assert list(flat.element_spec) == ["b", "a"]
+    assert [list(e) for e in flat.batch(2)] == [["b", "a"]]
+    nested = Dataset.from_tensor_slices({"b": [1, 2], "a": ([3, 4], [5, 6])})
+    assert list(next(iter(nested))) == ["b", "a"]
