@@ -50,6 +50,8 @@ DEFAULT_TIMEOUT = 300.0
 _SPIN = 100
 _YIELD_S = 0.05
 _MAX_SLEEP_S = 1e-3
+# How long a wait goes on after another rank of the group has exited (see _ExitWatch).
+_EXIT_GRACE_S = 1.0
 
 _MPI = None
 
@@ -140,8 +142,10 @@ def reduce_args(dtype: np.dtype, op: ReduceOp):
 
 # --- waiting with a deadline --------------------------------------------------------
 
-def wait(request, what: str | Callable[[], str], rank: int, timeout: float) -> None:
-    """Wait for ``request``, raising CollectiveTimeout after ``timeout`` seconds.
+def wait(request, what: str | Callable[[], str], rank: int, timeout: float,
+         exits: "_ExitWatch | None" = None) -> None:
+    """Wait for ``request``, raising CollectiveTimeout after ``timeout`` seconds, or
+    ``_EXIT_GRACE_S`` after ``exits`` reports that another rank of the group has exited.
 
     ``what`` names the operation (a callable is only called to build the error).
     """
@@ -153,8 +157,22 @@ def wait(request, what: str | Callable[[], str], rank: int, timeout: float) -> N
     deadline = start + timeout
     yield_until = start + _YIELD_S
     delay = 1e-5
+    gone = None
     while True:
         now = time.monotonic()
+        if exits is not None and gone is None:
+            gone = exits.poll()
+            if gone is not None:
+                # A peer that left may still have completed its side: give MPI a moment.
+                deadline = min(deadline, now + _EXIT_GRACE_S)
+        if now >= deadline and gone is not None:
+            name = what() if callable(what) else what
+            raise CollectiveTimeout(
+                f"{name} cannot complete on rank {rank}: rank {gone} has exited (its "
+                "script ended, returned from main or called sys.exit) while this rank "
+                "waits for it. Every rank must run the same steps and collectives: do not "
+                "leave the training loop or the script early on some ranks only, and "
+                "raise an exception instead of sys.exit on errors (it ends every rank)")
         if now >= deadline:
             name = what() if callable(what) else what
             raise CollectiveTimeout(
@@ -204,18 +222,19 @@ def _mismatch_message(calls: list) -> str:
 class _Channel:
     """One MPI communicator with deadline waits and the debug-mode agreement check."""
 
-    __slots__ = ("comm", "rank", "size", "timeout", "debug", "calls")
+    __slots__ = ("comm", "rank", "size", "timeout", "debug", "calls", "exits")
 
-    def __init__(self, comm):
+    def __init__(self, comm, exits: "_ExitWatch | None" = None):
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.timeout = timeout_from_env()
         self.debug = debug_from_env()
         self.calls = 0
+        self.exits = exits
 
     def wait(self, request, what) -> None:
-        wait(request, what, self.rank, self.timeout)
+        wait(request, what, self.rank, self.timeout, self.exits)
 
     def check(self, op: str, shape=None, dtype=None) -> None:
         """Debug mode: agree with every rank on (op, shape, dtype, call number) first.
@@ -254,6 +273,83 @@ class _Channel:
         return [pickle.loads(out[d:d + s].tobytes()) for d, s in zip(displs, sizes)]
 
 
+# --- ranks that exit early ---------------------------------------------------------
+
+_watches: dict = {}  # id -> _ExitWatch of every open group, told at interpreter exit
+_atexit_registered = False
+
+
+class _ExitWatch:
+    """Tells the ranks of a group, at once, that one of them has exited.
+
+    A rank whose script ends (or calls ``sys.exit``) while the others are still inside
+    a collective would otherwise leave them waiting the whole ``GPUSTRAT_TIMEOUT``.
+    Every rank keeps one receive posted on its own duplicate communicator; at
+    interpreter exit a rank sends its number to every other rank, so that a rank waiting
+    in a collective of this group raises within ``_EXIT_GRACE_S``, naming the rank that
+    left. Then the exiting rank waits on a non-blocking barrier for the others to exit
+    too (MPI_Finalize would wait for them anyway) and receives their notices, so no
+    message is left unmatched. A normal end costs each rank ``size - 1`` sends and
+    receives of one integer; nothing is spent while the job runs.
+    """
+
+    def __init__(self, comm, timeout: float):
+        global _atexit_registered
+        MPI = mpi()
+        dup, req = comm.Idup()
+        wait(req, "creating a worker group (MPI Idup)", comm.Get_rank(), timeout)
+        self.comm = dup
+        self.size = dup.Get_size()
+        self._buf = np.zeros(1, np.int64)
+        self._status = MPI.Status()
+        self._req = dup.Irecv([self._buf, MPI.INT64_T], source=MPI.ANY_SOURCE, tag=0)
+        self.gone: int | None = None
+        _watches[id(self)] = self
+        if not _atexit_registered:
+            import atexit  # noqa: PLC0415
+            atexit.register(_tell_exit)
+            _atexit_registered = True
+
+    def poll(self) -> int | None:
+        """The rank that has exited, once one has; else None."""
+        if self.gone is None and self._req.Test(self._status):
+            self.gone = self._status.Get_source()
+        return self.gone
+
+    def close(self) -> None:
+        """Withdraw the posted receive (collective with the group's close)."""
+        _watches.pop(id(self), None)
+        if self.gone is None:
+            self._req.Cancel()
+            self._req.Wait()
+        self.comm.Free()
+
+
+def _tell_exit() -> None:
+    """atexit: tell every open group's other ranks that this rank is leaving."""
+    if not _watches or _MPI is None or _MPI.Is_finalized():
+        return
+    MPI = _MPI
+    watches = list(_watches.values())
+    _watches.clear()
+    sends, barriers = [], []
+    for w in watches:
+        me = np.array([w.comm.Get_rank()], np.int64)
+        sends += [w.comm.Isend([me, MPI.INT64_T], dest=r, tag=0)
+                  for r in range(w.size) if r != me[0]]
+    # Every notice is sent before any barrier, so the barriers (on different
+    # communicators, in any order) cannot wait on each other.
+    for w in watches:
+        barriers.append(w.comm.Ibarrier())
+    for w, b in zip(watches, barriers):
+        wait(b, "waiting at exit for the other ranks to exit", w.comm.Get_rank(),
+             float("inf"))
+        w._req.Wait()
+        for _ in range(w.size - 2):
+            w.comm.Recv([w._buf, MPI.INT64_T], source=MPI.ANY_SOURCE, tag=0)
+    MPI.Request.Waitall(sends)
+
+
 # --- workers ------------------------------------------------------------------------
 
 class MpiWorkerGroup(WorkerGroup):
@@ -271,7 +367,8 @@ class MpiWorkerGroup(WorkerGroup):
         dup, req = base.Idup()
         wait(req, "creating a worker group (MPI Idup)", base.Get_rank(), timeout)
         self.comm = dup
-        self._ch = _Channel(dup)
+        self.exits = _ExitWatch(dup, timeout) if dup.Get_size() > 1 else None
+        self._ch = _Channel(dup, self.exits)
         self.size = self._ch.size
         self.rank = self._ch.rank
         # Ranks sharing memory are one node: the node-local rank picks this worker's GPU.
@@ -349,6 +446,9 @@ class MpiWorkerGroup(WorkerGroup):
 
     def close(self) -> None:
         """Free the duplicated communicators (collective over the group)."""
+        if self.exits is not None:
+            self.exits.close()
+            self.exits = None
         for c in (self.node_comm, self.comm):
             if c is not None and c != mpi().COMM_NULL:
                 c.Free()
@@ -381,7 +481,7 @@ class MpiCommunicator(HostCommunicator):
         self.worker_index = workers.rank
         # Data collectives get their own communicator: replica threads and input
         # pipeline threads may each be inside a collective at the same moment.
-        self._ch = _Channel(workers.dup_comm())
+        self._ch = _Channel(workers.dup_comm(), workers.exits)
         sizes = workers.allgather(self.num_local)
         if len(set(sizes)) > 1:
             raise ValueError(f"every worker must hold the same number of local replicas, "

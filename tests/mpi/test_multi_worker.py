@@ -265,10 +265,10 @@ print("UNREACHABLE", flush=True)
 """
 
 
-def assert_job_fails_fast(n: int, script: str, message: str, rank: int) -> None:
+def assert_job_fails_fast(n: int, script: str, message: str, rank: int, args=()) -> None:
     """The job exits non-zero within a minute, printing ``message`` and the failing rank."""
     t0 = time.monotonic()
-    rc, out, err = run_mpi(n, script, timeout=90)
+    rc, out, err = run_mpi(n, script, timeout=90, args=args)
     took = time.monotonic() - t0
     text = out + err
     assert rc != 0 and "UNREACHABLE" not in text, format_result(rc, out, err)
@@ -322,3 +322,58 @@ print("UNREACHABLE", flush=True)
 
 def test_error_in_one_ranks_input_pipeline_ends_every_rank():
     assert_job_fails_fast(3, PIPELINE_FAILS, "corrupt record in worker 2's input", rank=2)
+
+
+LEAVES_EARLY = r"""
+import sys
+import numpy as np
+import gpustrat as gs
+from gpustrat.data import Dataset
+
+def main():
+    s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+    for i, x in enumerate(s.experimental_distribute_dataset(Dataset.range(40).batch(4))):
+        if s.worker_index == 1 and i == 2:
+            if sys.argv[1] == "return":
+                return
+            sys.exit(0 if sys.argv[1] == "exit0" else "bad config on rank 1")
+        s.reduce("sum", s.run(lambda v: v * 1.0, args=(x,)), axis=0)
+    print("UNREACHABLE", flush=True)
+main()
+"""
+
+
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize("how", ["return", "exit0", "exit_message"])
+def test_rank_leaving_early_ends_every_rank_without_waiting_for_the_timeout(how):
+    # Under the default GPUSTRAT_TIMEOUT (300 s): the others learn of the exit at once.
+    assert_job_fails_fast(3, LEAVES_EARLY, "rank 1 has exited (its script ended", rank=1,
+                          args=[how])
+
+
+LEAVES_AT_THE_END = r"""
+import time
+import numpy as np
+import gpustrat as gs
+from gpustrat.data import Dataset
+s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+b = gs.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"])
+r = s.worker_index
+for x in s.experimental_distribute_dataset(Dataset.range(24).batch(4)):
+    s.reduce("sum", s.run(lambda v: v * 1.0, args=(x,)), axis=0)
+if r != 0:
+    time.sleep(1.5)  # rank 0 roots the last collective and exits before the others join
+assert s.workers.bcast(r, root=0) == 0
+if r == 1:
+    time.sleep(1.5)  # a rank still working (saving a checkpoint) after the others exit
+ids = b.run(lambda: np.float64(gs.get_replica_context().replica_id_in_sync_group))
+n = b.num_replicas_in_sync
+assert float(b.reduce("sum", ids, axis=None)) == n * (n - 1) / 2
+print(f"OK rank {r}", flush=True)
+"""
+
+
+@pytest.mark.timeout(100)
+def test_ranks_exiting_at_different_times_after_the_last_collective_is_no_error():
+    out = assert_mpi_ok(3, LEAVES_AT_THE_END, timeout=90)
+    assert out.count("OK rank") == 3
