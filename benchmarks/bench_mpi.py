@@ -39,6 +39,7 @@ def main(argv=None) -> dict:
 
     from gpustrat.collectives import mpi as gmpi  # noqa: PLC0415
     from gpustrat.devices import resolve_devices  # noqa: PLC0415
+    from gpustrat.distribute.reduction import reduce_components  # noqa: PLC0415
     from gpustrat.reduce_util import ReduceOp  # noqa: PLC0415
 
     MPI = gmpi.mpi()
@@ -72,6 +73,9 @@ def main(argv=None) -> dict:
         "one_bare": (lambda: bare.Allreduce(one, one_out, MPI.SUM), small_calls),
         "one_gpustrat": (lambda: comm.reduce([one], SUM), small_calls),
         "one_debug": (lambda: debug_comm.reduce([one], SUM), small_calls // 10),
+        # strategy.reduce's path: the layout check between workers, then the reduce.
+        "one_strategy": (lambda: reduce_components(comm, SUM, [one], None),
+                         small_calls // 10),
     }
     # Same answer on both paths, and warm caches.
     bare.Allreduce(big, big_out, MPI.SUM)
@@ -96,6 +100,8 @@ def main(argv=None) -> dict:
         "one_overhead_us": (med["one_gpustrat"] - med["one_bare"]) * 1e6,
         "one_debug_us": med["one_debug"] * 1e6,
         "debug_overhead_us": (med["one_debug"] - med["one_gpustrat"]) * 1e6,
+        "one_strategy_us": med["one_strategy"] * 1e6,
+        "strategy_overhead_us": (med["one_strategy"] - med["one_gpustrat"]) * 1e6,
     }
     # Rank 0 reports; the verdict uses its medians (all ranks wait for each other).
     res["big_ok"] = res["big_ratio"] >= 0.8
@@ -114,6 +120,8 @@ def main(argv=None) -> dict:
              f"target <= +3 us {verdict[r['one_ok']]}"),
             ("one-float reduce, debug mode (us)", "", f"{r['one_debug_us']:.2f}",
              f"{r['debug_overhead_us']:+.2f} us", "GPUSTRAT_DEBUG_COLLECTIVES=1"),
+            ("one-float strategy.reduce (us)", "", f"{r['one_strategy_us']:.2f}",
+             f"{r['strategy_overhead_us']:+.2f} us", "layout check between workers"),
         ]
         print(f"{'case':34} {'bare':>10} {'gpustrat':>10} {'result':>14}")
         for case, b, g, result, note in rows:

@@ -1,5 +1,7 @@
 """The host communicator against NumPy: every collective, the in-place form, errors."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -70,3 +72,48 @@ def test_gather_broadcast_reduce_scatter():
         np.testing.assert_array_equal(p, 3 * np.arange(6.0)[2 * i:2 * i + 2])
     with pytest.raises(ValueError, match="divisible by 3"):
         c.reduce_scatter([np.arange(4.0)] * 3, "sum")
+
+
+class TwoWorkers:
+    """A worker group of this worker (rank 0) and a simulated rank 1 holding ``other``'s
+    layout: what the NCCL communicator's layout check sees over its control group."""
+
+    size, rank = 2, 0
+
+    def __init__(self, other):
+        self.other = other
+        self.calls = []
+
+    def allreduce_ints(self, values, op):
+        from gpustrat.collectives.base import layout_code
+        self.calls.append(("allreduce_ints", op))
+        code = layout_code(*self.other)
+        return np.maximum(np.asarray(values), np.array([code, -code]))
+
+    def allgather(self, obj):
+        self.calls.append(("allgather",))
+        from gpustrat.collectives.base import layout
+        return [obj, layout(*self.other)]
+
+
+def test_layout_agreement_over_a_worker_group():
+    from gpustrat.collectives.base import LocalWorkerGroup, agree_layout_over
+    same = TwoWorkers(((4, "*"), np.float32))
+    agree_layout_over(same, (4, "*"), np.float32, "reduce(SUM, axis=1)")
+    assert same.calls == [("allreduce_ints", ReduceOp.MAX)]   # one collective when equal
+    for other, shown in [(((2, 3), np.float32), "(2, 3) float32"),
+                         (((4, 3), np.float64), "(4, 3) float64"),
+                         (((4,), np.float32), "(4,) float32")]:
+        group = TwoWorkers(other)
+        with pytest.raises(ValueError, match=(
+                r"reduce\(SUM, axis=None\): every worker must contribute the same shape "
+                rf"and dtype, but the workers hold rank 0: \(4, 3\) float32; rank 1: "
+                rf"{re.escape(shown)}\. Pass axis=0")):
+            agree_layout_over(group, (4, 3), np.float32, "reduce(SUM, axis=None)",
+                              "Pass axis=0")
+        assert group.calls == [("allreduce_ints", ReduceOp.MAX), ("allgather",)]
+    # One process: nothing to agree on, no collective; duplicate() is the group itself.
+    local = LocalWorkerGroup()
+    agree_layout_over(local, (1,), np.int8, "x")
+    assert local.duplicate() is local
+    comm(2).agree_layout((3,), np.float32, "x")     # the host communicator: a no-op

@@ -17,6 +17,7 @@ workers.
 from __future__ import annotations
 
 import abc
+import zlib
 from typing import Any, Sequence
 
 import numpy as np
@@ -87,6 +88,18 @@ class Communicator(abc.ABC):
         """Reduce, then give global replica ``r`` the ``r``-th of ``num_replicas`` equal
         chunks along axis 0 (whose length must divide evenly)."""
 
+    def agree_layout(self, shape, dtype, what: str, hint: str = "") -> None:
+        """Check, between workers, that the next collective's buffers have the same shape
+        and dtype everywhere; raise ValueError on every worker when they do not.
+
+        Where shapes come from the data (a partial batch gives workers different row
+        counts), a reduction over mismatched buffers would combine unrelated bytes or
+        break the MPI library. Costs one small collective between workers; nothing in
+        one process, where the local buffers are compared directly. ``what`` names the
+        operation (a string, or a callable returning it, called only for the error) and
+        ``hint`` says what to do, in the message.
+        """
+
     def reduce(self, buffers: Sequence[Any], op: ReduceOp):
         """The all-reduce result on local replica 0's device only (what
         ``strategy.reduce`` returns). Backends may override to do less work."""
@@ -94,6 +107,53 @@ class Communicator(abc.ABC):
 
     def close(self) -> None:
         """Release backend resources (NCCL communicators, duplicated MPI comms)."""
+
+
+def layout(shape, dtype) -> tuple:
+    """``(shape, dtype name)`` with plain ints (a dimension may also be a string such
+    as ``"*"``, for "any size")."""
+    return (tuple(n if isinstance(n, str) else int(n) for n in shape), str(np.dtype(dtype)))
+
+
+_layout_codes: dict = {}
+
+
+def layout_code(shape, dtype) -> int:
+    """A 32-bit checksum of ``(shape, dtype)``, equal on every worker for equal layouts
+    (remembered: a training loop checks the same few layouts every step)."""
+    key = (tuple(shape), dtype)
+    code = _layout_codes.get(key)
+    if code is None:
+        code = zlib.crc32(repr(layout(shape, dtype)).encode())
+        if len(_layout_codes) < 4096:
+            _layout_codes[key] = code
+    return code
+
+
+def _shown(shape) -> str:
+    dims = [str(n) for n in shape]
+    return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
+
+
+def layout_mismatch_message(what: str, layouts: Sequence[tuple], hint: str) -> str:
+    """The text every worker raises: each worker's (shape, dtype), in rank order."""
+    parts = "; ".join(f"rank {r}: {_shown(s)} {d}" for r, (s, d) in enumerate(layouts))
+    what = what() if callable(what) else what
+    return (f"{what}: every worker must contribute the same shape and dtype, but the "
+            f"workers hold {parts}" + (f". {hint}" if hint else ""))
+
+
+def agree_layout_over(group: "WorkerGroup", shape, dtype, what: str, hint: str = "") -> None:
+    """:meth:`Communicator.agree_layout` over a worker group's control collectives: one
+    small all-reduce when the layouts agree, an allgather of them when they do not."""
+    if group.size == 1:
+        return
+    code = layout_code(shape, dtype)
+    agreed = group.allreduce_ints(np.array([code, -code], np.int64), ReduceOp.MAX)
+    if agreed[0] == -agreed[1]:  # max == min: one layout everywhere
+        return
+    layouts = group.allgather(layout(shape, dtype))
+    raise ValueError(layout_mismatch_message(what, layouts, hint))
 
 
 class WorkerGroup(abc.ABC):
@@ -125,6 +185,16 @@ class WorkerGroup(abc.ABC):
     def abort(self, code: int = 1) -> None:
         """Stop every worker of the job (after an unrecoverable error on this one)."""
         raise SystemExit(code)
+
+    def duplicate(self) -> "WorkerGroup":
+        """A group of the same workers whose collectives never interleave with this
+        group's (collective: every worker calls it). For control messages sent from
+        another thread than this group's users, e.g. a communicator's, called from
+        replica threads while the input pipeline agrees on the end of data."""
+        return self
+
+    def close(self) -> None:
+        """Release the group's resources (collective for groups between processes)."""
 
 
 class LocalWorkerGroup(WorkerGroup):

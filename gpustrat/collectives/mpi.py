@@ -33,7 +33,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from gpustrat.collectives.base import WorkerGroup
+from gpustrat.collectives.base import (WorkerGroup, layout, layout_code,
+                                       layout_mismatch_message)
 from gpustrat.collectives.host import HostCommunicator, divide
 from gpustrat.devices import Device
 from gpustrat.errors import CollectiveMismatch, CollectiveTimeout
@@ -444,6 +445,10 @@ class MpiWorkerGroup(WorkerGroup):
         """``MPI_Abort``: the MPI launcher ends every rank of the job."""
         self.comm.Abort(code)
 
+    def duplicate(self) -> "MpiWorkerGroup":
+        """A new group on a duplicate of this group's communicator (collective)."""
+        return MpiWorkerGroup(self.comm)
+
     def close(self) -> None:
         """Free the duplicated communicators (collective over the group)."""
         if self.exits is not None:
@@ -510,6 +515,21 @@ class MpiCommunicator(HostCommunicator):
                                                        x.shape, x.dtype))
                     return divide(buf, self.num_replicas) if op is _MEAN else buf
         return super().reduce(buffers, op)
+
+    def agree_layout(self, shape, dtype, what, hint=""):
+        if self.num_workers == 1:
+            return
+        MPI = mpi()
+        ch = self._ch
+        code = layout_code(shape, dtype)
+        agree = np.array([code, -code], np.int64)
+        ch.wait(ch.comm.Iallreduce(MPI.IN_PLACE, [agree, MPI.INT64_T], MPI.MAX),
+                lambda: "checking the layouts between workers before "
+                + (what() if callable(what) else what))
+        if agree[0] == -agree[1]:  # max == min: one layout everywhere
+            return
+        layouts = ch.allgather_obj(layout(shape, dtype), "checking layouts")
+        raise ValueError(layout_mismatch_message(what, layouts, hint))
 
     def _across_workers_reduce(self, x, op):
         MPI = _MPI

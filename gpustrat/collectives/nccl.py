@@ -34,7 +34,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from gpustrat.collectives.base import Communicator, LocalWorkerGroup, WorkerGroup
+from gpustrat.collectives.base import (Communicator, LocalWorkerGroup, WorkerGroup,
+                                       agree_layout_over)
 from gpustrat.collectives.host import check_same_layout
 from gpustrat.devices import Device, cupy, gpu_count, is_gpu_array, new_stream, to_device
 from gpustrat.errors import CollectiveTimeout
@@ -156,6 +157,10 @@ class NcclCommunicator(Communicator):
         self.workers = workers if workers is not None else LocalWorkerGroup()
         self.num_workers = self.workers.size
         self.worker_index = self.workers.rank
+        # Control messages (gather sizes, layout checks) are sent from replica threads:
+        # on their own duplicate, never interleaved with the input pipeline's agreement
+        # on the end of data over ``workers``.
+        self._control = self.workers.duplicate()
         self.timeout = timeout_from_env() if timeout is None else float(timeout)
         self._aborted: str | None = None
         nccl = nccl_module()
@@ -335,7 +340,7 @@ class NcclCommunicator(Communicator):
                 fronts.append(cp.ascontiguousarray(cp.moveaxis(b, ax, 0)) if ax else b)
         mine = [(int(f.shape[0]), tuple(int(s) for s in f.shape[1:]), f.dtype.str)
                 for f in fronts]
-        every = ([m for w in self.workers.allgather(mine) for m in w]
+        every = ([m for w in self._control.allgather(mine) for m in w]
                  if self.num_workers > 1 else mine)
         rest, dstr = every[0][1], every[0][2]
         for r, (_, rr, dd) in enumerate(every):
@@ -384,6 +389,9 @@ class NcclCommunicator(Communicator):
             except Exception:  # an abort must reach every communicator
                 pass
 
+    def agree_layout(self, shape, dtype, what, hint=""):
+        agree_layout_over(self._control, shape, dtype, what, hint)
+
     def close(self) -> None:
         for c in getattr(self, "_comms", []):
             try:
@@ -391,3 +399,7 @@ class NcclCommunicator(Communicator):
             except Exception:
                 pass
         self._comms = []
+        control = getattr(self, "_control", None)
+        if control is not None and control is not self.workers:
+            control.close()
+        self._control = None

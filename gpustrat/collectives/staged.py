@@ -54,6 +54,9 @@ class StagedCommunicator(Communicator):
     def reduce_scatter(self, buffers, op):
         return self._up(self.host.reduce_scatter(self._down(buffers), op))
 
+    def agree_layout(self, shape, dtype, what, hint=""):
+        self.host.agree_layout(shape, dtype, what, hint)
+
     def reduce(self, buffers, op):
         return to_device(self.host.reduce(self._down(buffers), op), self.devices[0])
 

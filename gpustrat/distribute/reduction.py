@@ -19,6 +19,11 @@ from gpustrat.distribute.collective_ops import as_array
 from gpustrat.reduce_util import ReduceOp
 
 
+_HINT_AXIS_NONE = ("A partial batch gives workers different row counts: pass axis=0 to "
+                   "reduce over the batch dimension as well")
+_HINT_AXIS = "Sizes may differ only along the reduced axis (shown as '*')"
+
+
 def _shapes(arrays) -> str:
     return ", ".join(f"replica {i}: {tuple(a.shape)}" for i, a in enumerate(arrays))
 
@@ -48,6 +53,10 @@ def reduce_components(comm: Communicator, op: ReduceOp, comps: Sequence[Any],
                 f"cannot reduce per-replica values of different shapes with axis=None "
                 f"({_shapes(arrays)}); partial batches give such shapes: pass axis=0 to "
                 "reduce over the batch dimension as well")
+        # Between workers too: a reduction of mismatched buffers would combine unrelated
+        # bytes (or break the MPI library) instead of failing.
+        comm.agree_layout(first.shape, first.dtype, lambda: f"reduce({op.name}, axis=None)",
+                          _HINT_AXIS_NONE)
         return comm.reduce(arrays, op)
     ndim = arrays[0].ndim
     if ndim == 0:
@@ -58,6 +67,10 @@ def reduce_components(comm: Communicator, op: ReduceOp, comps: Sequence[Any],
     if any(r != rest[0] or a.ndim != ndim for r, a in zip(rest, arrays)):
         raise ValueError(f"per-replica values differ in shape outside axis {axis}: "
                          f"{_shapes(arrays)}")
+    # Sizes along the axis may differ between workers; the other axes and dtype may not.
+    shown = tuple("*" if i == ax else n for i, n in enumerate(arrays[0].shape))
+    comm.agree_layout(shown, arrays[0].dtype, lambda: f"reduce({op.name}, axis={axis})",
+                      _HINT_AXIS)
     if op is ReduceOp.SUM:
         # NumPy widens small integers in sum(); TensorFlow's reduce_sum keeps the dtype.
         dtype = arrays[0].dtype if np.issubdtype(arrays[0].dtype, np.integer) else None

@@ -377,3 +377,54 @@ print(f"OK rank {r}", flush=True)
 def test_ranks_exiting_at_different_times_after_the_last_collective_is_no_error():
     out = assert_mpi_ok(3, LEAVES_AT_THE_END, timeout=90)
     assert out.count("OK rank") == 3
+
+
+REDUCE_LAYOUTS = r"""
+import sys
+import numpy as np
+import gpustrat as gs
+from gpustrat.data import Dataset
+s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"])
+r = s.worker_index
+case = sys.argv[1]
+# Rank 1 differs from the others.
+shape, dtype, axis = {
+    "rows": ((2, 3) if r == 1 else (4, 3), np.float64, None),
+    "dtype": ((4, 3), np.float32 if r == 1 else np.float64, None),
+    "trailing": ((4, 2) if r == 1 else (4, 3), np.float64, 0),
+}[case]
+v = s.experimental_distribute_values_from_function(lambda ctx: np.ones(shape, dtype))
+try:
+    s.reduce("sum", v, axis=axis)
+except ValueError as e:
+    print("ERROR", r, e, flush=True)
+else:
+    print("NO ERROR", r, flush=True)
+# The job goes on: partial batches (rows differ between workers) reduce along axis 0.
+rows = 1 + r
+v = s.experimental_distribute_values_from_function(lambda ctx: np.ones((rows, 3)))
+total = s.reduce("sum", v, axis=0)
+want = 2 * sum(1 + w for w in range(s.num_workers))
+assert np.array_equal(total, np.full(3, float(want))), total
+mean = s.reduce("mean", v, axis=0)
+assert np.array_equal(mean, np.ones(3)), mean
+"""
+
+
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("case,rank0,rank1", [
+    ("rows", "(4, 3) float64", "(2, 3) float64"),
+    ("dtype", "(4, 3) float64", "(4, 3) float32"),
+    ("trailing", "(*, 3) float64", "(*, 2) float64"),
+])
+def test_reduce_of_values_whose_layout_differs_between_workers_fails_on_every_rank(
+        n, case, rank0, rank1):
+    out = assert_mpi_ok(n, REDUCE_LAYOUTS, timeout=90, args=[case], marker="ERROR",
+                        expect_lines=n)
+    axis = "0" if case == "trailing" else "None"
+    for line in out.splitlines():
+        assert f"reduce(SUM, axis={axis}): every worker must contribute the same shape " \
+               f"and dtype, but the workers hold rank 0: {rank0}; rank 1: {rank1}" in line, line
+        hint = "pass axis=0" if axis == "None" else "only along the reduced axis"
+        assert hint in line, line
