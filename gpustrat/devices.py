@@ -203,6 +203,10 @@ def to_device(x, device: Device, stream=None, copy: bool = False):
     if is_gpu_array(x) and x.device.id != device.index:
         return _peer_copy(cp, x, device, stream)
     with cp.cuda.Device(device.index):
+        if is_gpu_array(x) and stream is not None:
+            # x was written on this device's current stream: what runs on ``stream``
+            # next (the copy, or the caller's own use of x) must come after it.
+            wait_for_current(device, stream)
         ctx = stream if stream is not None else contextlib.nullcontext()
         with ctx:
             if is_gpu_array(x):
@@ -254,6 +258,19 @@ def new_stream(device: Device):
     cp = cupy()
     with cp.cuda.Device(device.index):
         return cp.cuda.Stream(non_blocking=True)
+
+
+def wait_for_current(device: Device, stream) -> None:
+    """Make ``stream`` (on GPU ``device``) wait, without a host wait, for the work queued
+    so far on the calling thread's current stream of ``device``. Nothing to do when
+    ``stream`` is that stream, or for CPU devices."""
+    if not device.is_gpu or stream is None:
+        return
+    cp = cupy()
+    with cp.cuda.Device(device.index):
+        current = cp.cuda.get_current_stream()
+        if current.ptr != stream.ptr:
+            stream.wait_event(current.record())
 
 
 def synchronize(device: Device, stream=None) -> None:

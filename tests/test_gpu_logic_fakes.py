@@ -316,3 +316,69 @@ def test_scatter_splits_on_the_batch_devices_stream_that_the_copies_wait_for(
     assert all(e[0] != "record" or e[1] in ("producer", "r0", "r1") for e in cp.log)
     with pytest.raises(ValueError, match="2 streams for 3 devices"):
         split_mod.scatter(batch, ["gpu:0", "gpu:1", "gpu:2"], streams=streams)
+
+
+# --- second review: input ordering and the launch device --------------------------------------
+
+def test_replica_streams_wait_for_the_callers_streams_before_running(fake_cupy):
+    from gpustrat.distribute.runner import ReplicaRunner
+    cp = fake_cupy
+    runner = ReplicaRunner([Device("gpu", 0), Device("gpu", 1)])
+    names = [s.name for s in runner._streams]
+
+    def fn(i):
+        cp.log.append(("fn", i))
+        return i
+
+    try:
+        # The caller wrote the arguments on its own stream of device 1.
+        with cp.cuda.Device(1), cp.Stream("caller1", 1):
+            assert runner.call(fn, [(0,), (1,)], [{}, {}], lambda i: None,
+                               lambda: None) == [0, 1]
+    finally:
+        runner.close()
+    first_fn = cp.log.index(("fn", 0))
+    # Replica streams are non-blocking: each waits for its device's caller stream
+    # (an event, no host wait) before any replica reads the arguments.
+    assert ("wait", names[0], "ev:null0", 0) in cp.log[:first_fn]
+    assert ("wait", names[1], "ev:caller1", 1) in cp.log[:first_fn]
+    assert ("record", "caller1", 1) in cp.log[:first_fn]
+
+
+def test_a_piece_already_on_its_device_is_ordered_on_the_given_stream(fake_cupy, monkeypatch):
+    from gpustrat.kernels import split as split_mod
+    cp = fake_cupy
+
+    def fake_split(batch, n, index=None, pad_to=None, stream=None, check_index=True):
+        cp.log.append(("split", cp.current_device(), cp.cuda.get_current_stream().name))
+        pieces = [cp.ndarray((2, 3), np.float32, batch.device.id) for _ in range(n)]
+        return split_mod.Split(pieces, [2] * n)
+    monkeypatch.setattr(split_mod, "split", fake_split)
+    batch = cp.ndarray((4, 3), np.float32, device_id=0)
+    streams = [cp.Stream("r0", 0), cp.Stream("r1", 1)]
+    with cp.cuda.Device(0), cp.Stream("producer", 0):
+        res = split_mod.scatter(batch, ["gpu:0", "gpu:1"], streams=streams)
+    assert res.pieces[0].device.id == 0
+    k = cp.log.index(("split", 0, "producer"))
+    # Piece 0 is not copied, but its consumer stream r0 still waits for the split.
+    assert ("wait", "r0", "ev:producer", 0) in cp.log[k:]
+    # No wait at all when the stream given is the current one.
+    n = len(cp.log)
+    with cp.cuda.Device(0), cp.Stream("same", 0) as same:
+        x = cp.ndarray((3,), np.float32, device_id=0)
+        assert devices.to_device(x, Device("gpu", 0), stream=same) is x
+    assert cp.log[n:] == []
+
+
+def test_placement_hands_over_a_gpu_piece_only_once_it_is_written(fake_cupy):
+    from gpustrat.distribute.placement import _Staging
+    cp = fake_cupy
+    staging = _Staging([Device("gpu", 0)])
+    copy_stream = staging.streams[0].name
+    x = cp.ndarray((2,), np.float32, device_id=0)
+    assert staging.place([x]) == [x]
+    # The copy stream waits for the producer (this thread's stream of device 0), and
+    # the host waits for the copy stream before the step is handed over.
+    assert cp.log[-3:] == [("record", "null0", 0), ("wait", copy_stream, "ev:null0", 0),
+                           ("sync", copy_stream)]
+

@@ -30,7 +30,7 @@ import time
 import weakref
 from typing import Any, Callable, Sequence
 
-from gpustrat.devices import Device, new_stream, synchronize
+from gpustrat.devices import Device, new_stream, synchronize, wait_for_current
 
 #: A replica-0 step shorter than this runs the other replicas inline, in the caller.
 INLINE_STEP_LIMIT_S = 200e-6
@@ -247,6 +247,10 @@ class ReplicaRunner:
             results: list = [None] * n
             errors: dict[int, BaseException] = {}
             rv.on_wait = self._dispatch_rest
+            # The arguments were written on the caller's streams; the replica streams
+            # are non-blocking, so they wait for those first (no host wait).
+            for d, s in zip(self.devices, self._streams):
+                wait_for_current(d, s)
             t0 = time.perf_counter()
             try:
                 results[0] = self._run_inline(0, fn, per_replica_args[0],
