@@ -139,10 +139,13 @@ def _cupy_of(x):
 
 
 def device_context(*arrays):
-    """Numba's context for the device holding ``arrays`` (all on one device).
+    """Numba's context, and CuPy's current device, for the device holding ``arrays``
+    (all on one device).
 
     CuPy and Numba share the primary context, but Numba launches on *its* current
-    device, so a launch for ``gpu:3`` must be made inside ``cuda.gpus[3]``.
+    device, so a launch for ``gpu:3`` must be made inside ``cuda.gpus[3]``; and CuPy's
+    current stream, which a launch with ``stream=None`` uses, is ``gpu:3``'s only while
+    ``gpu:3`` is CuPy's current device.
     """
     from gpustrat.devices import device_of  # noqa: PLC0415
     devs = {d for d in (device_of(a) for a in arrays) if d is not None}
@@ -152,7 +155,14 @@ def device_context(*arrays):
     if not devs or simulating():
         return contextlib.nullcontext()
     from numba import cuda  # noqa: PLC0415
-    return cuda.gpus[devs.pop().index]
+    device = devs.pop()
+    stack = contextlib.ExitStack()
+    stack.enter_context(cuda.gpus[device.index])
+    # CuPy's current stream is per device: the launch stream (numba_stream), the
+    # stream the arguments export (kernel_arg) and the table upload must be this
+    # device's, not those of whichever device the caller had current.
+    stack.enter_context(device.activate())
+    return stack
 
 
 def check_kernel_input(x, what: str):

@@ -382,3 +382,31 @@ def test_placement_hands_over_a_gpu_piece_only_once_it_is_written(fake_cupy):
     assert cp.log[-3:] == [("record", "null0", 0), ("wait", copy_stream, "ev:null0", 0),
                            ("sync", copy_stream)]
 
+
+def test_a_launch_uses_the_stream_of_the_arrays_device_not_the_callers(fake_cupy,
+                                                                         monkeypatch):
+    from numba import cuda
+    from gpustrat.kernels import _launch
+    cp = fake_cupy
+    monkeypatch.setattr(_launch, "simulating", lambda: False)
+    numba_devs = []
+
+    class NumbaCtx:
+        def __init__(self, i):
+            self.i = i
+
+        def __enter__(self):
+            numba_devs.append(self.i)
+
+        def __exit__(self, *exc):
+            numba_devs.pop()
+
+    monkeypatch.setattr(cuda, "gpus", {0: NumbaCtx(0), 1: NumbaCtx(1)}, raising=False)
+    monkeypatch.setattr(cuda, "external_stream", lambda ptr: ("external", ptr))
+    x = cp.ndarray((4,), np.float32, device_id=1)
+    with cp.cuda.Device(1), cp.Stream("s1", 1) as s1:
+        with cp.cuda.Device(0), cp.Stream("s0", 0):     # the caller's current device
+            with _launch.device_context(x):
+                assert numba_devs == [1] and cp.current_device() == 1
+                assert _launch.numba_stream(None, like=x) == ("external", s1.ptr)
+            assert numba_devs == [] and cp.current_device() == 0
