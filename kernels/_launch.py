@@ -355,7 +355,7 @@ def to_kernel_array(host: np.ndarray, like, stream=None):
         if table is not None:
             _tables.move_to_end(key)
     if table is None:
-        with device.activate(), _cupy_stream(cp, stream):
+        with device.activate(), cupy_stream(cp, stream):
             table = cp.asarray(host)
         with _tables_lock:
             _tables[key] = table
@@ -367,7 +367,7 @@ def to_kernel_array(host: np.ndarray, like, stream=None):
                                           sync=False)
 
 
-def _cupy_stream(cp, nstream):
+def cupy_stream(cp, nstream):
     """A context making CuPy work on the Numba stream ``nstream`` (nothing to do when
     it is CuPy's current stream already)."""
     if nstream is None:

@@ -31,6 +31,8 @@ pads, or wants one fresh contiguous buffer per step.
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import NamedTuple
 
 import numpy as np
@@ -174,6 +176,20 @@ def _check_index_range(index, src_rows: int) -> None:
                          f"rows (valid: 0 .. {src_rows - 1})")
 
 
+def _prepare(batch, index, check_index: bool, nstream):
+    """The batch made C-contiguous and the index range checked, on the launch stream
+    ``nstream`` (inside the launch's device context): the kernel then runs after the
+    copy, and the copy's memory goes back to that stream's pool, reused only after it."""
+    cp = _launch._cupy_of(batch)
+    with (_launch.cupy_stream(cp, nstream) if cp is not None
+          else contextlib.nullcontext()):
+        if not _launch.is_c_contiguous(batch):
+            batch = cp.ascontiguousarray(batch)
+        if index is not None and check_index:
+            _check_index_range(index, int(batch.shape[0]))
+    return batch
+
+
 def split(batch, num_replicas: int, index=None, pad_to: int | None = None,
           stream=None, threads: int | None = None, check_index: bool = True) -> Split:
     """Cut ``batch`` (on a GPU) into ``num_replicas`` pieces by SPEC's rule, in one launch.
@@ -208,22 +224,18 @@ def split(batch, num_replicas: int, index=None, pad_to: int | None = None,
     n, sizes, chunk, rows_out = _plan(batch, num_replicas, index, pad_to)
     trailing = tuple(int(s) for s in batch.shape[1:])
     dtype = np.dtype(batch.dtype)
-    if not _launch.is_c_contiguous(batch):
-        cp = _launch._cupy_of(batch)
-        if cp is None:
-            raise ValueError(f"batch of shape {tuple(batch.shape)} is not C-contiguous: "
-                             "make it contiguous first")
-        batch = cp.ascontiguousarray(batch)
-    if index is not None and check_index:
-        _check_index_range(index, int(batch.shape[0]))
-    row_elems = int(np.prod(trailing, dtype=np.int64))
-    row_bytes = row_elems * dtype.itemsize
-    word = _launch.word_dtype(row_bytes, _launch.data_ptr(batch))
-    words = row_bytes // word.itemsize
+    if not _launch.is_c_contiguous(batch) and _launch._cupy_of(batch) is None:
+        raise ValueError(f"batch of shape {tuple(batch.shape)} is not C-contiguous: "
+                         "make it contiguous first")
     with _launch.device_context(batch, *(() if index is None else (index,))):
+        nstream = _launch.numba_stream(stream, like=batch)
+        batch = _prepare(batch, index, check_index, nstream)
+        row_elems = int(np.prod(trailing, dtype=np.int64))
+        row_bytes = row_elems * dtype.itemsize
+        word = _launch.word_dtype(row_bytes, _launch.data_ptr(batch))
+        words = row_bytes // word.itemsize
         out = _launch.empty(batch, (num_replicas, rows_out, words), word, stream)
         if num_replicas * rows_out * words:
-            nstream = _launch.numba_stream(stream, like=batch)
             src = batch.reshape(int(batch.shape[0]), row_elems).view(word)
             grid, block = _launch.launch_config_2d(
                 num_replicas * rows_out, words, threads or _launch.env_threads())

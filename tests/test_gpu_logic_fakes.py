@@ -410,3 +410,20 @@ def test_a_launch_uses_the_stream_of_the_arrays_device_not_the_callers(fake_cupy
                 assert numba_devs == [1] and cp.current_device() == 1
                 assert _launch.numba_stream(None, like=x) == ("external", s1.ptr)
             assert numba_devs == [] and cp.current_device() == 0
+
+
+def test_split_makes_a_strided_batch_contiguous_on_the_launch_stream(fake_cupy):
+    from gpustrat.kernels import split as split_mod
+    cp = fake_cupy
+    batch = cp.ndarray((6, 2), np.float32, device_id=1, contiguous=False)
+    with cp.cuda.Device(1), cp.Stream("s1", 1) as current:
+        explicit = cp.Stream("sx", 1)
+        # Launching on another stream: the copy goes on that stream too, so the kernel
+        # runs after it and the copy's memory is reused only after the kernel.
+        out = split_mod._prepare(batch, None, True, explicit)
+        assert out.device.id == 1 and out is not batch
+        # Launching on the current stream: nothing to switch.
+        split_mod._prepare(batch, None, True, current)
+    assert [e for e in cp.log if e[0] == "ascontiguousarray"] == [
+        ("ascontiguousarray", 1, 1, f"ext{explicit.ptr}"),
+        ("ascontiguousarray", 1, 1, "s1")]
