@@ -104,6 +104,22 @@ def timeout_from_env() -> float:
     return parse()
 
 
+# ncclResult_t values (nccl.h). Some CuPy versions name only 0..5, and their NcclError
+# then fails with a KeyError on the number itself: name it here.
+_NCCL_RESULTS = {1: "ncclUnhandledCudaError", 2: "ncclSystemError",
+                 3: "ncclInternalError", 4: "ncclInvalidArgument",
+                 5: "ncclInvalidUsage", 6: "ncclRemoteError: a peer failed or its "
+                 "connection broke", 7: "ncclInProgress"}
+
+
+def async_error_text(e: BaseException) -> str:
+    """What ``check_async_error`` raised, as text naming the NCCL result."""
+    if isinstance(e, KeyError) and len(e.args) == 1 and isinstance(e.args[0], int):
+        code = e.args[0]
+        return f"{_NCCL_RESULTS.get(code, 'NCCL result')} ({code})"
+    return str(e)
+
+
 def wait_for(done: Callable[[], bool], timeout: float, describe: Callable[[], str],
              on_timeout: Callable[[], None], check: Callable[[], None] | None = None,
              clock=time.monotonic, sleep=time.sleep) -> None:
@@ -123,8 +139,9 @@ def wait_for(done: Callable[[], bool], timeout: float, describe: Callable[[], st
                 check()
             except Exception as e:
                 on_timeout()
-                raise RuntimeError(f"{describe()} failed on the device ({e}); this "
-                                   "worker's NCCL communicators were aborted") from e
+                raise RuntimeError(f"{describe()} failed on the device "
+                                   f"({async_error_text(e)}); this worker's NCCL "
+                                   "communicators were aborted") from e
         if clock() > deadline:
             on_timeout()
             raise CollectiveTimeout(

@@ -215,3 +215,14 @@ def test_gpu_tests_fail_when_a_gpu_is_required():
         env={k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO)).items()
              if k != "GPUSTRAT_TEST_GPU"})
     assert proc.returncode == 0 and "skipped" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_an_unnamed_nccl_result_is_named_in_the_error():
+    # Some CuPy versions' NcclError knows results 0..5 only: result 6 is a KeyError(6).
+    def check():
+        raise KeyError(6)
+
+    with pytest.raises(RuntimeError, match=r"NCCL all_reduce\(SUM\) failed on the device "
+                                           r"\(ncclRemoteError: a peer failed .*\(6\)\)"):
+        nccl.wait_for(lambda: False, 10, lambda: "NCCL all_reduce(SUM)",
+                      on_timeout=lambda: None, check=check)
