@@ -23,7 +23,7 @@ from typing import Any, Callable
 from gpustrat import nest
 from gpustrat.distribute import end_of_data
 from gpustrat.distribute.placement import Placer
-from gpustrat.distribute.splitting import Splitter, deal_steps
+from gpustrat.distribute.splitting import Splitter, deal_steps, stream_steps_per_batch
 from gpustrat.errors import OutOfRangeError
 from gpustrat.values import PerReplica
 
@@ -211,14 +211,25 @@ class DistributedDataset(_DistributedBase):
         card = self._dataset.cardinality()
         if card < 0:
             return None
-        return card * (self._strategy.num_workers if self._stream else 1)
+        if not self._stream or self._strategy.num_workers == 1 or card == 0:
+            return card
+        # FILE and OFF: a batch gives as many steps as it has non-empty pieces (local
+        # replicas at a time), so the rows of the batches must be known too.
+        rows = _batch_rows(self._dataset, card)
+        if rows is None:
+            return None
+        full, last = rows
+        n, local = self._strategy.num_replicas_in_sync, len(self._strategy.local_devices)
+        return (card - 1) * stream_steps_per_batch(full, n, local) + \
+            stream_steps_per_batch(last, n, local)
 
     def cardinality(self) -> int:
         """Steps per epoch on this worker, or -1 (infinite) / -2 (unknown)."""
         card = self._dataset.cardinality()
         if card < 0 or (self._counts_differ and self._strategy.num_workers > 1):
             return card if card < 0 else -2
-        return self._steps_per_epoch()
+        steps = self._steps_per_epoch()
+        return -2 if steps is None else steps
 
     def __len__(self) -> int:
         n = self.cardinality()
@@ -310,6 +321,37 @@ def _take_in_turn(batches, local: int, splitter: Splitter):
         while len(step) < local:
             step.append(splitter.empty_like(step[0]))
         yield step
+
+
+def _batch_rows(dataset, card: int) -> tuple[int, int] | None:
+    """(rows of a full batch, rows of the last batch) of a dataset of ``card`` batches,
+    or None where the pipeline does not tell: a static batch dimension
+    (``batch(b, drop_remainder=True)``), or a ``batch`` (plain or fused with its
+    ``range``/``from_tensor_slices`` source) whose input's size is known, under any
+    ``prefetch``/``with_options``."""
+    from gpustrat.data import transforms  # noqa: PLC0415
+    dims = {s.shape[0] for s in nest.flatten(_spec_or_none(dataset) or ())
+            if getattr(s, "shape", None) is not None and len(s.shape)}
+    if len(dims) == 1 and None not in dims:
+        b = dims.pop()
+        return b, b
+    node = dataset
+    while isinstance(node, (transforms.PrefetchDataset, transforms.OptionsDataset)):
+        node = node._input
+    b = getattr(node, "_batch_size", None)
+    if b is None:
+        return None
+    if isinstance(node, transforms.BatchDataset):
+        total = node._input.cardinality()
+    elif hasattr(node, "_n"):  # SlicedBatchDataset
+        total = node._n
+    elif hasattr(node, "_start"):  # RangeBatchDataset
+        total = len(range(node._start, node._stop, node._step))
+    else:
+        return None
+    if total < 0 or -(-total // b) != card:
+        return None
+    return b, total - (card - 1) * b
 
 
 def _check_batched_spec(dataset, what: str = "experimental_distribute_dataset") -> None:

@@ -92,7 +92,8 @@ def deal_steps(batches: Iterator, splitter: Splitter, worker: int, num_workers: 
     ``w*local .. (w+1)*local - 1`` of every global batch, so each step is one global
     batch over all replicas in sync. ``stream=True`` (FILE and OFF across workers): each
     worker cuts its own batches into ``N`` pieces and its replicas take them ``local``
-    at a time, ``num_workers`` steps per batch.
+    at a time, ``num_workers`` steps per batch (fewer when a batch has empty pieces: see
+    :func:`stream_steps_per_batch`).
     """
     if not stream or num_workers == 1:
         first = worker * local
@@ -101,5 +102,16 @@ def deal_steps(batches: Iterator, splitter: Splitter, worker: int, num_workers: 
         return
     for batch in batches:
         pieces = splitter.pieces(batch)
-        for s in range(num_workers):
+        rows = splitter.rows(splitter.flatten(batch))
+        for s in range(stream_steps_per_batch(rows, splitter.num_pieces, local)):
             yield pieces[s * local:(s + 1) * local]
+
+
+def stream_steps_per_batch(rows: int, num_pieces: int, local: int) -> int:
+    """Steps one batch of ``rows`` rows gives a worker under FILE or OFF: its non-empty
+    pieces, ``local`` at a time (the ceil cut puts the empty pieces last). A step whose
+    pieces would all be empty is left out, as TensorFlow 2.21 leaves it out, so that no
+    step is empty on every worker. Examples with 2 pieces and ``local=1``: 4 rows give 2
+    steps, 1 row gives 1, 0 rows give 0."""
+    nonempty = sum(1 for size in split_sizes(rows, num_pieces) if size)
+    return -(-nonempty // local)
