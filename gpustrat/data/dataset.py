@@ -116,6 +116,20 @@ def _check_positive(name: str, value, what: str) -> int:
     return int(value)
 
 
+def rows_of_batches(total: int, batch_size: int, drop_remainder: bool
+                    ) -> tuple[int, int] | None:
+    """:meth:`Dataset.batch_rows` of ``total`` elements (negative: unknown) batched by
+    ``batch_size``; None when there is no batch at all."""
+    if total < 0:
+        return None
+    if drop_remainder:
+        return (batch_size, batch_size) if total >= batch_size else None
+    if total == 0:
+        return None
+    count = -(-total // batch_size)
+    return batch_size, total - (count - 1) * batch_size
+
+
 class Dataset(abc.ABC):
     """A ``tf.data``-compatible pipeline of elements (nested structures of arrays).
 
@@ -179,6 +193,13 @@ class Dataset(abc.ABC):
     def cardinality(self) -> int:
         """Number of elements, or INFINITE_CARDINALITY (-1) / UNKNOWN_CARDINALITY (-2)."""
         return int(self._cardinality())
+
+    def batch_rows(self) -> tuple[int, int] | None:
+        """``(rows of a full batch, rows of the last batch)`` when this dataset is a
+        ``batch`` (under any ``prefetch``/``with_options``) whose input size is known;
+        None otherwise. Not in ``tf.data``: the distributed input uses it to count an
+        epoch's steps on every worker without iterating."""
+        return None
 
     def __len__(self) -> int:
         n = self.cardinality()

@@ -18,7 +18,7 @@ import numpy as np
 
 from gpustrat import nest
 from gpustrat.data import structure as st
-from gpustrat.data.dataset import Dataset, _IterContext
+from gpustrat.data.dataset import Dataset, _IterContext, rows_of_batches
 from gpustrat.data.spec import STRING, TensorSpec, spec_of
 
 # Range is produced in chunks of this many values: one arange per chunk instead of
@@ -84,6 +84,10 @@ class RangeBatchDataset(Dataset):
 
     def _compute_spec(self):
         return TensorSpec((self._batch_size if self._drop else None,), self._dtype)
+
+    def batch_rows(self):
+        return rows_of_batches(_range_len(self._start, self._stop, self._step),
+                               self._batch_size, self._drop)
 
 
 class TensorsDataset(Dataset):
@@ -169,6 +173,9 @@ class SlicedBatchDataset(Dataset):
     def _cardinality(self):
         n, b = self._n, self._batch_size
         return n // b if self._drop else math.ceil(n / b)
+
+    def batch_rows(self):
+        return rows_of_batches(self._n, self._batch_size, self._drop)
 
     def _compute_spec(self):
         dim = self._batch_size if self._drop else None

@@ -26,7 +26,7 @@ from gpustrat.data import parallel
 from gpustrat.data import structure as st
 from gpustrat.data.dataset import (AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY,
                                    Dataset, _check_int, _check_positive, _IterContext,
-                                   autotune_parallelism)
+                                   autotune_parallelism, rows_of_batches)
 from gpustrat.data.options import Options
 from gpustrat.data.spec import TensorSpec, merge_specs, spec_of, zeros_like_spec
 
@@ -69,6 +69,9 @@ class BatchDataset(UnaryDataset):
     def __init__(self, input_dataset, batch_size: int, drop_remainder: bool):
         super().__init__(input_dataset)
         self._batch_size, self._drop = batch_size, drop_remainder
+
+    def batch_rows(self):
+        return rows_of_batches(self._input.cardinality(), self._batch_size, self._drop)
 
     def _iter(self, ctx):
         b = self._batch_size
@@ -435,6 +438,9 @@ class PrefetchDataset(UnaryDataset):
                              f"got {buffer_size!r}")
         self._buffer_size = int(buffer_size)
 
+    def batch_rows(self):
+        return self._input.batch_rows()
+
     def _iter(self, ctx):
         it = self._input._iter(ctx)
         if self._buffer_size == 0 or ctx.peek:
@@ -452,6 +458,9 @@ class OptionsDataset(UnaryDataset):
         if not isinstance(options, Options):
             raise TypeError(f"with_options needs an Options object, got {type(options).__name__}")
         self._own_options = options
+
+    def batch_rows(self):
+        return self._input.batch_rows()
 
     def _iter(self, ctx):
         return self._input._iter(ctx)

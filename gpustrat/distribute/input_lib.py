@@ -326,32 +326,21 @@ def _take_in_turn(batches, local: int, splitter: Splitter):
 def _batch_rows(dataset, card: int) -> tuple[int, int] | None:
     """(rows of a full batch, rows of the last batch) of a dataset of ``card`` batches,
     or None where the pipeline does not tell: a static batch dimension
-    (``batch(b, drop_remainder=True)``), or a ``batch`` (plain or fused with its
-    ``range``/``from_tensor_slices`` source) whose input's size is known, under any
-    ``prefetch``/``with_options``."""
-    from gpustrat.data import transforms  # noqa: PLC0415
+    (``batch(b, drop_remainder=True)``), or :meth:`Dataset.batch_rows` (a ``batch``
+    whose input's size is known, under any ``prefetch``/``with_options``)."""
     dims = {s.shape[0] for s in nest.flatten(_spec_or_none(dataset) or ())
             if getattr(s, "shape", None) is not None and len(s.shape)}
     if len(dims) == 1 and None not in dims:
         b = dims.pop()
         return b, b
-    node = dataset
-    while isinstance(node, (transforms.PrefetchDataset, transforms.OptionsDataset)):
-        node = node._input
-    b = getattr(node, "_batch_size", None)
-    if b is None:
+    rows = dataset.batch_rows() if hasattr(dataset, "batch_rows") else None
+    if rows is None or rows[0] <= 0:
         return None
-    if isinstance(node, transforms.BatchDataset):
-        total = node._input.cardinality()
-    elif hasattr(node, "_n"):  # SlicedBatchDataset
-        total = node._n
-    elif hasattr(node, "_start"):  # RangeBatchDataset
-        total = len(range(node._start, node._stop, node._step))
-    else:
+    full, last = rows
+    # The rows must account for exactly the dataset's batches.
+    if card < 1 or not 0 < last <= full:
         return None
-    if total < 0 or -(-total // b) != card:
-        return None
-    return b, total - (card - 1) * b
+    return full, last
 
 
 def _check_batched_spec(dataset, what: str = "experimental_distribute_dataset") -> None:

@@ -229,3 +229,15 @@ def test_prefetch_keeps_order_and_values():
     assert ds.cardinality() == 100
     with pytest.raises(ValueError, match="buffer_size"):
         Dataset.range(3).prefetch(-5)
+
+
+def test_batch_rows_full_and_last_batch_when_the_size_is_known():
+    from gpustrat.data import Dataset
+    assert Dataset.range(10).batch(4).batch_rows() == (4, 2)              # fused range
+    assert Dataset.range(10).batch(4, drop_remainder=True).batch_rows() == (4, 4)
+    assert Dataset.from_tensor_slices([1, 2, 3]).batch(2).batch_rows() == (2, 1)
+    assert Dataset.range(9).map(lambda x: x).batch(3).prefetch(2).batch_rows() == (3, 3)
+    assert Dataset.range(3).batch(4, drop_remainder=True).batch_rows() is None  # no batch
+    assert Dataset.range(0).batch(2).batch_rows() is None
+    assert Dataset.range(10).filter(lambda x: x > 2).batch(3).batch_rows() is None
+    assert Dataset.range(10).batch(3).take(2).batch_rows() is None  # not the last node
