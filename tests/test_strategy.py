@@ -48,6 +48,15 @@ def test_single_replica_run_returns_plain_values():
     assert o.num_replicas_in_sync == 1
 
 
+def test_every_public_name_resolves():
+    # `from gpustrat import *` looks up every name of __all__; one that does not resolve
+    # ("experimental" did) breaks it for every user.
+    ns = {}
+    exec("from gpustrat import *", ns)
+    assert set(gs.__all__) <= set(ns)
+    assert ns["MirroredStrategy"] is gs.MirroredStrategy and ns["data"].Dataset
+
+
 # --- contexts ------------------------------------------------------------------------
 
 def test_contexts_like_tf_distribute():
