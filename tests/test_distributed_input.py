@@ -144,6 +144,10 @@ def test_distributed_dataset_cannot_be_transformed():
     for name in ("map", "batch", "filter", "shuffle", "prefetch"):
         with pytest.raises(AttributeError, match=f"cannot be transformed further \\('{name}'\\)"):
             getattr(dist, name)
+    # The error lists what a distributed dataset still offers, and each works.
+    with pytest.raises(AttributeError, match=r"element_spec, cardinality\(\) or len\(\)"):
+        getattr(dist, "map")
+    assert dist.cardinality() == len(dist) == 2 and dist.element_spec.shape == (None,)
 
 
 def test_unbatched_dataset_is_a_clear_error():

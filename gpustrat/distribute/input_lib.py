@@ -131,7 +131,7 @@ class _DistributedBase:
             raise AttributeError(
                 f"a distributed dataset cannot be transformed further ({name!r}): apply "
                 f"{name} to the dataset before distributing it; a distributed dataset can only "
-                "be iterated or asked for its element_spec")
+                "be iterated or asked for its element_spec, cardinality() or len()")
         raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
 
     def __iter__(self) -> "DistributedIterator":
