@@ -12,7 +12,7 @@
 numbers for the same pipelines are printed beside ours. ``main(argv)`` returns the
 results as a dict, for ``python -m gpustrat bench``.
 
-Usage: python benchmarks/bench_data.py [--quick] [--json]
+Usage: python benchmarks/bench_data.py [--quick] [--json [FILE]]
 """
 
 from __future__ import annotations
@@ -140,7 +140,9 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the benchmarks, print a table and return the results."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, a few seconds")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                        help="write the results as JSON to FILE (no FILE, or '-': print "
+                             "them instead of the table), as the other suites do")
     args = parser.parse_args(argv)
     if args.quick:
         results = {"slices": bench_slices(20_000, 3),
@@ -150,7 +152,10 @@ def main(argv: list[str] | None = None) -> dict:
         results = {"slices": bench_slices(20_000, 20),
                    "parallel_map": bench_parallel_map(1000),
                    "npy_rss": bench_npy_rss(2048 * MIB, 64 * MIB)}
-    if args.json:
+    if args.json and args.json != "-":
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    if args.json == "-":
         print(json.dumps(results, indent=2))
     else:
         s, m, r = results["slices"], results["parallel_map"], results["npy_rss"]

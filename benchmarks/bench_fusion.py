@@ -145,8 +145,8 @@ def measure_mpi(nprocs: int, n_tensors: int, size: int, repeats: int,
     is not installed."""
     exe = Path(sys.executable).parent / "mpiexec"
     if not exe.exists():
-        print(f"MPI: no mpiexec beside {sys.executable}; install gpustrat[mpi] "
-              "to measure the MPI communicator")
+        print(f"MPI: no mpiexec beside {sys.executable}; install the mpi extra "
+              "(pip install -e '.[mpi]') to measure the MPI communicator")
         return None
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get(

@@ -111,12 +111,12 @@ def plot(rows: list[dict], path: str) -> None:
     workload, into the PNG ``path``.
 
     Raises:
-        ImportError: matplotlib is missing (``pip install 'gpustrat[plot]'``).
+        ImportError: matplotlib is missing (``pip install -e '.[plot]'``).
     """
     try:
         import matplotlib  # noqa: PLC0415
     except ImportError as e:
-        raise ImportError("plotting needs matplotlib: pip install 'gpustrat[plot]' "
+        raise ImportError("plotting needs matplotlib: pip install -e '.[plot]' "
                           "(or pip install matplotlib)") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415

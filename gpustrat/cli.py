@@ -261,11 +261,11 @@ def run_suite(name: str, path: Path, quick: bool, timeout: float, ranks: int) ->
         exe = _mpiexec()
         if exe == "not found":
             return {"skipped": f"suite {name} needs mpiexec -n {ranks}, and no mpiexec was "
-                               "found beside Python or on PATH (pip install 'gpustrat[mpi]')"}
+                               "found beside Python or on PATH (pip install -e '.[mpi]')"}
         try:
             import mpi4py  # noqa: F401, PLC0415
         except ImportError:
-            return {"skipped": f"suite {name} needs mpi4py (pip install 'gpustrat[mpi]')"}
+            return {"skipped": f"suite {name} needs mpi4py (pip install -e '.[mpi]')"}
         cmd = [exe, "-n", str(ranks)] + cmd
     with tempfile.TemporaryDirectory(prefix="gpustrat-bench-") as tmp:
         out = Path(tmp) / "result.json"
@@ -296,7 +296,7 @@ def cmd_bench(argv) -> int:
     p.add_argument("--json", metavar="FILE", help="write every suite's result dict here")
     p.add_argument("--plot", metavar="FILE.png",
                    help="draw throughput against batch size and replica count (runs the "
-                        "sweep suite; needs matplotlib: pip install 'gpustrat[plot]')")
+                        "sweep suite; needs matplotlib: pip install -e '.[plot]')")
     p.add_argument("--list", action="store_true", help="list the suites and exit")
     p.add_argument("--timeout", type=float,
                    help="seconds per suite before it is killed (default 120 with --quick, "
@@ -324,7 +324,7 @@ def cmd_bench(argv) -> int:
         import importlib.util  # noqa: PLC0415
         if importlib.util.find_spec("matplotlib") is None:
             print("gpustrat bench: --plot needs matplotlib, which is not installed: "
-                  "pip install 'gpustrat[plot]'", file=sys.stderr)
+                  "pip install -e '.[plot]'", file=sys.stderr)
             return 2
         if "sweep" not in suites:
             print(f"gpustrat bench: --plot draws the sweep suite, but {folder} has no "

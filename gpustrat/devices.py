@@ -100,7 +100,8 @@ def cupy():
     if _cupy_mod is None:
         raise RuntimeError(
             f"CuPy is needed for GPU devices but could not be imported ({_cupy_error}); "
-            "install gpustrat[cuda13] or gpustrat[cuda12], or use CPU devices") from _cupy_error
+            "install the cuda13 or cuda12 extra (pip install -e '.[cuda13]'), or use CPU "
+            "devices") from _cupy_error
     return _cupy_mod
 
 

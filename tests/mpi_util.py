@@ -58,11 +58,11 @@ def require_mpi() -> str:
     exe = mpiexec_path()
     if exe is None:
         pytest.skip("no mpiexec found beside the Python executable or on PATH: "
-                    "install the MPI extra (pip install 'gpustrat[mpi]')")
+                    "install the MPI extra (pip install -e '.[mpi]')")
     try:
         import mpi4py  # noqa: F401, PLC0415
     except ImportError:
-        pytest.skip("mpi4py is not installed: pip install 'gpustrat[mpi]'")
+        pytest.skip("mpi4py is not installed: pip install -e '.[mpi]'")
     return exe
 
 

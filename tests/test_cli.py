@@ -162,7 +162,7 @@ def test_bench_sweep_rows_and_plot(tmp_path):
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        assert proc.returncode == 2 and "gpustrat[plot]" in proc.stderr, proc.stderr
+        assert proc.returncode == 2 and "pip install -e '.[plot]'" in proc.stderr, proc.stderr
         assert not png.exists()
         return
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -17,7 +17,7 @@ try:
     from numba import cuda
     from numba.cuda.cudadrv import nvvm
 except ImportError as e:
-    print(f"SKIP: Numba CUDA is not installed ({e}): pip install 'gpustrat[kernels]'")
+    print(f"SKIP: Numba CUDA is not installed ({e}): pip install -e '.[kernels]'")
     sys.exit(77)
 try:
     nvvm.NVVM()

@@ -19,7 +19,7 @@ REPO = HERE.parents[1]
 TIMEOUT_S = 600
 SKIP = 77
 
-pytest.importorskip("numba", reason="the kernels need Numba: pip install 'gpustrat[kernels]'")
+pytest.importorskip("numba", reason="the kernels need Numba: pip install -e '.[kernels]'")
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)

@@ -18,7 +18,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 TIMEOUT_S = 900
 
-pytest.importorskip("numba", reason="the kernels need Numba: pip install 'gpustrat[kernels]'")
+pytest.importorskip("numba", reason="the kernels need Numba: pip install -e '.[kernels]'")
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
