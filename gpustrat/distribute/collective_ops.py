@@ -49,8 +49,21 @@ def leaf_signature(kind: str, op: str, values: Any, skip_axis: int | None = None
     return (kind, op, tuple(sig))
 
 
+def check_same_structures(kind: str, values: Sequence[Any]) -> None:
+    """Every replica's structure must be replica 0's: leaves pair up by position, so
+    ``{"a", "b"}`` against ``{"a", "c"}`` would otherwise be combined silently."""
+    for i in range(1, len(values)):
+        try:
+            nest.assert_same_structure(values[0], values[i])
+        except ValueError as e:
+            raise ValueError(f"{kind}: replica {i} gave a structure that differs from "
+                             f"replica 0's ({e}); every replica must pass the same "
+                             "structure") from None
+
+
 def all_reduce_structures(comm: Communicator, values: Sequence[Any], op: ReduceOp) -> list:
     """One reduced structure per local replica (``values[i]`` is replica i's)."""
+    check_same_structures("all_reduce", values)
     flats = [nest.flatten(v) for v in values]
     tensors = [[as_array(flats[i][j], comm.devices[i]) for i in range(len(values))]
                for j in range(len(flats[0]))]
@@ -64,6 +77,7 @@ def all_reduce_structures(comm: Communicator, values: Sequence[Any], op: ReduceO
 
 def all_gather_structures(comm: Communicator, values: Sequence[Any], axis: int) -> list:
     """Each leaf concatenated along ``axis`` over every replica in sync."""
+    check_same_structures("all_gather", values)
     flats = [nest.flatten(v) for v in values]
     out_leaves = []
     for j in range(len(flats[0])):

@@ -18,13 +18,19 @@ scheduler picks an idle vCPU, so a call decides per step how to run:
 Collectives meet in a :class:`Rendezvous`: the last replica to arrive computes the
 collective for everybody. If a replica raises, the rendezvous is broken so that
 replicas waiting in a collective stop instead of hanging, and the caller re-raises the
-first error with a note naming the replica.
+first error with a note naming the replica. Likewise when a replica's function returns,
+a collective that waits for it (or is issued after it) can never meet, and raises.
+
+If the caller is interrupted (Ctrl-C) while it waits for the threads, it raises at once
+and the next call first waits for that step's threads to finish. A thread left running
+a step does not delay the interpreter's exit.
 """
 
 from __future__ import annotations
 
 import _thread
 import contextlib
+import functools
 import threading
 import time
 import weakref
@@ -34,6 +40,10 @@ from gpustrat.devices import Device, new_stream, synchronize, wait_for_current
 
 #: A replica-0 step shorter than this runs the other replicas inline, in the caller.
 INLINE_STEP_LIMIT_S = 200e-6
+
+
+#: ``Rendezvous.returned`` between the steps of a runner: no collective can meet then.
+NO_STEP = -1
 
 
 class ReplicaAborted(RuntimeError):
@@ -59,8 +69,10 @@ class Rendezvous:
         self._broken: BaseException | None = None
         #: Called (outside the lock) by a replica about to wait for the others.
         self.on_wait: Callable[[], None] | None = None
-        #: Set while replicas run one at a time after replica 0 issued no collective.
-        self.solo_replica: int | None = None
+        #: The first replica whose function returned in this step: a collective issued
+        #: after that can never meet (replicas issue the same collectives), so it raises.
+        #: ``NO_STEP`` between a runner's steps, None during one before any returned.
+        self.returned: int | None = None
         #: On GPUs: ``settle(index)`` waits for replica ``index``'s queued work before
         #: its value is handed to another thread, ``settle(None)`` for the work the
         #: combining thread queued before the results are handed back.
@@ -68,11 +80,8 @@ class Rendezvous:
 
     def exchange(self, index: int, signature: Any, value: Any,
                  combine: Callable[[list], list]) -> Any:
-        if self.solo_replica is not None:
-            raise ValueError(
-                f"replica {self.solo_replica} called a collective ({signature[0]}, "
-                f"{signature[1]}) that replica 0 never called in this step; every replica "
-                "must issue the same collectives in the same order")
+        if self.returned is not None:
+            raise self._unmatched(index, signature)
         if self.settle is not None:
             self.settle(index)
         if self._count + 1 < self.n and self.on_wait is not None:
@@ -80,6 +89,14 @@ class Rendezvous:
         with self._cond:
             if self._broken is not None:
                 raise ReplicaAborted("another replica failed") from self._broken
+            if self.returned is not None:
+                raise self._unmatched(index, signature)
+            if self._sigs[index] is not None:
+                raise ValueError(
+                    f"replica {index} issued two collectives at once ({self._sigs[index][0]} "
+                    f"and {signature[0]}): a replica's collectives must be issued one after "
+                    "the other, from the thread strategy.run called its function in, not "
+                    "from threads it starts")
             gen = self._generation
             self._slots[index] = value
             self._sigs[index] = signature
@@ -97,14 +114,40 @@ class Rendezvous:
                 self._generation += 1
                 self._cond.notify_all()
             else:
-                while self._generation == gen and self._broken is None:
+                while (self._generation == gen and self._broken is None
+                       and self.returned is None):
                     self._cond.wait()
                 if self._generation == gen:
-                    raise ReplicaAborted("another replica failed") from self._broken
+                    if self._broken is not None:
+                        raise ReplicaAborted("another replica failed") from self._broken
+                    raise self._unmatched(index, signature)
             results, error = self._outcome
         if error is not None:
             raise error
         return results[index]
+
+    def _unmatched(self, index: int, signature: Any) -> Exception:
+        if self.returned == NO_STEP:
+            return RuntimeError(
+                f"replica {index} called a collective ({signature[0]}, {signature[1]}) "
+                "outside strategy.run: a replica context (get_replica_context()) can "
+                "only issue collectives from the function run is running")
+        return ValueError(
+            f"replica {index} called a collective ({signature[0]}, {signature[1]}) that "
+            f"replica {self.returned} never called: replica {self.returned} returned from "
+            "its function first; every replica must issue the same collectives in the "
+            "same order")
+
+    def clear_outcome(self) -> None:
+        """Drop the last collective's results once every replica has read them."""
+        self._outcome = (None, None)
+
+    def leave(self, index: int) -> None:
+        """Replica ``index``'s function returned: wake replicas waiting for it in vain."""
+        with self._cond:
+            if self.returned is None:
+                self.returned = index
+            self._cond.notify_all()
 
     def abort(self, error: BaseException) -> None:
         with self._cond:
@@ -116,6 +159,9 @@ class Rendezvous:
         with self._cond:
             self._slots, self._sigs, self._count = [None] * self.n, [None] * self.n, 0
             self._broken = None
+            self.returned = NO_STEP
+            # The last outcome may hold an error whose traceback reaches the strategy.
+            self.clear_outcome()
 
 
 def _check_signatures(sigs: list) -> None:
@@ -128,20 +174,25 @@ def _check_signatures(sigs: list) -> None:
 
 
 class _ReplicaThread(threading.Thread):
-    def __init__(self, runner: "ReplicaRunner", index: int, device: Device):
+    # Holds no reference to its runner or strategy (a live thread is a GC root): when
+    # the strategy is dropped, the runner's finalizer stops the thread.
+    def __init__(self, rendezvous: Rendezvous, index: int, device: Device, stream):
         super().__init__(name=f"gpustrat-replica-{index}-{device.name}", daemon=True)
         self.index = index
         self.device = device
+        self.stream = stream
         self.go = _thread.allocate_lock()
         self.go.acquire()
         self.done = _thread.allocate_lock()
         self.done.acquire()
+        #: ``(step, fn, args, kwargs, enter, leave)`` from dispatch until collected.
         self.task: tuple | None = None
+        #: The step of the last task this thread finished (see ReplicaRunner._drain).
+        self.finished = 0
         self.result: Any = None
         self.error: BaseException | None = None
         self.stop = False
-        self._rendezvous = runner.rendezvous
-        self._context = lambda: runner.replica_context_manager(index)
+        self._rendezvous = rendezvous
 
     def run(self):
         go, done = self.go, self.done
@@ -150,21 +201,48 @@ class _ReplicaThread(threading.Thread):
             if self.stop:
                 done.release()
                 return
-            fn, args, kwargs, enter, leave = self.task
-            try:
-                # Device and stream are entered per task, not for the thread's life: the
-                # caller may run this replica inline in another call, and a CuPy stream
-                # object must not be entered by two threads at once.
-                with self._context():
-                    enter(self.index)
-                    try:
-                        self.result = fn(*args, **kwargs)
-                    finally:
-                        leave()
-            except BaseException as e:
-                self.error = e
-                self._rendezvous.abort(e)
+            self.finished = self._run_task(*self.task)
             done.release()
+
+    def _run_task(self, step, fn, args, kwargs, enter, leave) -> int:
+        # A method of its own, so that no reference to fn or its arguments stays in the
+        # thread's frame while it waits for the next task.
+        try:
+            # Device and stream are entered per task, not for the thread's life: the
+            # caller may run this replica inline in another call, and a CuPy stream
+            # object must not be entered by two threads at once.
+            with _replica_context(self.device, self.stream):
+                enter(self.index)
+                try:
+                    self.result = fn(*args, **kwargs)
+                finally:
+                    leave()
+            self._rendezvous.leave(self.index)
+        except BaseException as e:
+            self.error = e
+            self._rendezvous.abort(e)
+        return step
+
+
+def _replica_context(device: Device, stream):
+    """Make a replica's device and stream current (nothing for CPUs)."""
+    if not device.is_gpu:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(device.activate())
+    stack.enter_context(stream)
+    return stack
+
+
+def _settle(devices, streams, index: int | None) -> None:
+    # CuPy's current stream is per thread and per device: a replica's work is on its own
+    # stream, the combining thread's on its current stream of each device.
+    if index is not None:
+        if streams[index] is not None:
+            streams[index].synchronize()
+        return
+    for d in devices:
+        synchronize(d)
 
 
 class ReplicaRunner:
@@ -173,36 +251,27 @@ class ReplicaRunner:
     def __init__(self, devices: Sequence[Device]):
         self.devices = list(devices)
         self.rendezvous = Rendezvous(len(self.devices))
+        self.rendezvous.returned = NO_STEP
         # One stream per GPU replica, made now (a strategy's creation, not import time).
         self._streams = [new_stream(d) for d in self.devices]
         if any(s is not None for s in self._streams):
-            self.rendezvous.settle = self._settle
-        self._threads = [_ReplicaThread(self, i, d) for i, d in enumerate(self.devices)][1:]
+            # Not a bound method: the threads reach the rendezvous, not the runner.
+            self.rendezvous.settle = functools.partial(_settle, self.devices, self._streams)
+        self._threads = [_ReplicaThread(self.rendezvous, i, d, st) for i, (d, st)
+                         in enumerate(zip(self.devices, self._streams))][1:]
         self._call_lock = threading.Lock()
         self._started = False
         self._dispatched = False
+        self._step = 0
+        #: Set when the caller stopped waiting for the threads (an interrupt): their
+        #: step must finish before the next one starts. Also set by close().
+        self._unclean: str | None = None
         self._task: tuple | None = None
         self._finalizer = weakref.finalize(self, _stop_threads, self._threads)
 
     def replica_context_manager(self, index: int):
         """Make replica ``index``'s device and stream current (nothing for CPUs)."""
-        dev = self.devices[index]
-        if not dev.is_gpu:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(dev.activate())
-        stack.enter_context(self._streams[index])
-        return stack
-
-    def _settle(self, index: int | None) -> None:
-        # CuPy's current stream is per thread and per device: a replica's work is on
-        # its own stream, the combining thread's on its current stream of each device.
-        if index is not None:
-            if self._streams[index] is not None:
-                self._streams[index].synchronize()
-            return
-        for d in self.devices:
-            synchronize(d)
+        return _replica_context(self.devices[index], self._streams[index])
 
     def _dispatch_rest(self) -> None:
         # Start replicas 1..n-1 in their threads (once per call).
@@ -214,8 +283,9 @@ class ReplicaRunner:
                 t.start()
             self._started = True
         fn, per_args, per_kwargs, enter, leave = self._task
+        self._step += 1
         for t in self._threads:
-            t.task = (fn, per_args[t.index], per_kwargs[t.index], enter, leave)
+            t.task = (self._step, fn, per_args[t.index], per_kwargs[t.index], enter, leave)
             t.error = None
             t.go.release()
 
@@ -227,6 +297,33 @@ class ReplicaRunner:
             finally:
                 leave()
 
+    def _collect(self, results: list, errors: dict) -> None:
+        for t in self._threads:
+            t.done.acquire()
+            if t.error is not None:
+                errors[t.index] = t.error
+            results[t.index] = t.result
+            t.task = t.result = t.error = None
+
+    def _drain(self) -> None:
+        """Wait for the threads of a step whose caller was interrupted, drop their
+        results and make the rendezvous ready for the next step."""
+        if self._unclean == "closed":
+            raise RuntimeError("this strategy was closed (strategy.close()); its replica "
+                               "threads are stopped: make a new strategy")
+        for t in self._threads:
+            if t.task is None:
+                continue
+            step = t.task[0]
+            # ``done`` is released once per task; the interrupted caller may already
+            # have taken it without clearing ``task`` (finished == step tells).
+            while not t.done.acquire(timeout=0.05):
+                if t.finished == step:
+                    break
+            t.task = t.result = t.error = None
+        self.rendezvous.reset()
+        self._unclean = None
+
     def call(self, fn: Callable, per_replica_args: Sequence[tuple],
              per_replica_kwargs: Sequence[dict], enter: Callable[[int], None],
              leave: Callable[[], None]) -> list:
@@ -237,11 +334,14 @@ class ReplicaRunner:
 
         Raises:
             The first error (lowest replica that did not merely abort), with a note
-            naming the replica and its device.
+            naming the replica and its device. RuntimeError after :meth:`close`.
         """
         with self._call_lock:
+            if self._unclean is not None:
+                self._drain()
             n = len(self.devices)
             rv = self.rendezvous
+            rv.returned = None
             self._task = (fn, per_replica_args, per_replica_kwargs, enter, leave)
             self._dispatched = False
             results: list = [None] * n
@@ -259,28 +359,36 @@ class ReplicaRunner:
                 errors[0] = e
                 rv.abort(e)
             rv.on_wait = None
-            if not self._dispatched and not errors and n > 1:
-                if time.perf_counter() - t0 < INLINE_STEP_LIMIT_S:
-                    for i in range(1, n):
-                        rv.solo_replica = i
-                        try:
-                            results[i] = self._run_inline(i, fn, per_replica_args[i],
-                                                          per_replica_kwargs[i], enter, leave)
-                        except BaseException as e:
-                            errors[i] = e
-                            break
-                        finally:
-                            rv.solo_replica = None
+            if not errors and n > 1:
+                if self._dispatched:
+                    rv.leave(0)
                 else:
-                    self._dispatch_rest()
+                    # Replica 0 issued no collective, so none of the others may.
+                    rv.returned = 0
+                    if time.perf_counter() - t0 < INLINE_STEP_LIMIT_S:
+                        for i in range(1, n):
+                            try:
+                                results[i] = self._run_inline(
+                                    i, fn, per_replica_args[i], per_replica_kwargs[i],
+                                    enter, leave)
+                            except BaseException as e:
+                                errors[i] = e
+                                break
+                    else:
+                        self._dispatch_rest()
             if self._dispatched:
-                for t in self._threads:
-                    t.done.acquire()
-                    if t.error is not None:
-                        errors[t.index] = t.error
-                    results[t.index] = t.result
-                    t.task = t.result = t.error = None
+                try:
+                    self._collect(results, errors)
+                except BaseException as e:
+                    # Interrupted (Ctrl-C) while waiting: release replicas waiting in a
+                    # collective; the next call waits for this step's threads first.
+                    rv.abort(e)
+                    self._unclean = "interrupted"
+                    self._task = None
+                    raise
+                rv.clear_outcome()
             self._task = None
+            rv.returned = NO_STEP
             if errors:
                 rv.reset()
                 raise _primary_error(errors, self.devices)
@@ -291,6 +399,9 @@ class ReplicaRunner:
             return results
 
     def close(self) -> None:
+        """Stop the replica threads; a later call raises RuntimeError. Not to be called
+        while another thread is inside :meth:`call` on this runner."""
+        self._unclean = "closed"
         self._finalizer()
 
 
@@ -305,10 +416,13 @@ def _primary_error(errors: dict, devices) -> BaseException:
 
 
 def _stop_threads(threads) -> None:
+    # A thread still running an interrupted step (task set) stops when that step ends;
+    # it is not waited for, so that the interpreter can exit while one is stuck.
     for t in threads:
         if t.is_alive():
             t.stop = True
-            t.go.release()
+            with contextlib.suppress(RuntimeError):  # go already released: it will see stop
+                t.go.release()
     for t in threads:
-        if t.is_alive():
+        if t.is_alive() and t.task is None:
             t.join(timeout=5)
