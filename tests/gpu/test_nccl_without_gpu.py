@@ -109,10 +109,15 @@ def test_deadline_async_error_aborts():
 
 
 def test_deadline_returns_when_done():
-    polls = iter([False, False, True])
+    answers = [False] * 150 + [True]  # past the ~100 spinning polls into the sleeps
+    polls = iter(answers)
     clock = FakeClock()
     nccl.wait_for(lambda: next(polls), 1.0, lambda: "x", on_timeout=pytest.fail,
                   clock=clock, sleep=clock.sleep)
+    # It polled until done() said True, and not once more.
+    assert next(polls, "exhausted") == "exhausted"
+    # It slept between the later polls (no busy spin) yet stayed well within the deadline.
+    assert 0 < clock.t < 1.0
 
 
 class TwoWorkers(WorkerGroup):

@@ -344,8 +344,14 @@ def test_wait_deadline_raises_collective_timeout():
 
 
 def test_wait_returns_once_the_request_completes():
+    # Within the spin (1, 50), past it into the backoff (5000): wait must keep testing
+    # until the request completes, and stop at the first Test() that says so.
     for n in (1, 50, 5000):
-        gmpi.wait(_After(n), "barrier", 0, 5.0)
+        req = _After(n)
+        t0 = time.monotonic()
+        gmpi.wait(req, "barrier", 0, 5.0)
+        assert req.n == 0, f"wait returned after {n - req.n} of the {n} tests needed"
+        assert time.monotonic() - t0 < 5.0
 
 
 def test_timeout_from_env(monkeypatch):
