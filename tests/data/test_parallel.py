@@ -192,5 +192,30 @@ def test_adaptive_prefetch_threads_only_slow_sources():
 
 
 def test_prefetch_autotune_is_adaptive_and_keeps_order():
-    from gpustrat.data import AUTOTUNE, Dataset
-    assert list(Dataset.range(30).prefetch(AUTOTUNE).as_numpy_iterator()) == list(range(30))
+    import threading
+    import time
+
+    from gpustrat.data import AUTOTUNE, Dataset, TensorSpec
+
+    def prefetch_threads():
+        return any("gpustrat-prefetch" in t.name for t in threading.enumerate())
+
+    # A cheap source: AUTOTUNE keeps it inline, no thread (prefetch(2) would start one).
+    seen = []
+    for x in Dataset.range(30).prefetch(AUTOTUNE).as_numpy_iterator():
+        seen.append(int(x))
+        assert not prefetch_threads(), "prefetch(AUTOTUNE) threaded a cheap source"
+    assert seen == list(range(30))
+
+    # A slow source: past the probe, AUTOTUNE hands it to a prefetch thread.
+    def slow():
+        for i in range(30):
+            time.sleep(0.002)
+            yield np.int64(i)
+    ds = Dataset.from_generator(slow, output_signature=TensorSpec((), np.int64))
+    seen, threaded = [], []
+    for x in ds.prefetch(AUTOTUNE).as_numpy_iterator():
+        seen.append(int(x))
+        threaded.append(prefetch_threads())
+    assert seen == list(range(30))
+    assert any(threaded), "prefetch(AUTOTUNE) never threaded a slow source"
