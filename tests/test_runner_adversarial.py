@@ -276,17 +276,25 @@ def test_long_step_in_a_later_replica_only(strategy):
 
 
 def test_run_reduce_scope_inside_run_are_refused_and_strategy_stays_usable(strategy):
-    for bad in (lambda: strategy.run(lambda: 1),
-                lambda: strategy.reduce("sum", 1.0, axis=None),
-                lambda: strategy.gather(np.ones(1), 0),
-                lambda: strategy.scope().__enter__()):
+    for bad, message in (
+            (lambda: strategy.run(lambda: 1), "already running in a replica context"),
+            (lambda: strategy.reduce("sum", 1.0, axis=None),
+             r"strategy\.reduce must be called in cross-replica context"),
+            (lambda: strategy.gather(np.ones(1), 0),
+             r"strategy\.gather must be called in cross-replica context"),
+            (lambda: strategy.scope().__enter__(),
+             r"strategy\.scope\(\) cannot be entered inside strategy\.run")):
         def fn():
             all_reduce(1.0)
             if rid() == 1:
                 bad()
             return 1
-        with pytest.raises(RuntimeError):
+        # The refusal itself, raised in replica 1, not some other RuntimeError (such as
+        # the abort the other replicas see).
+        with pytest.raises(RuntimeError, match=message) as ei:
             strategy.run(fn)
+        assert not isinstance(ei.value, runner_mod.ReplicaAborted), ei.value
+        assert "(raised in replica 1 on cpu:1)" in getattr(ei.value, "__notes__", []), ei.value
         check_usable(strategy)
     assert not gs.has_strategy()
 
