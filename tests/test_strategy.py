@@ -37,7 +37,8 @@ def test_seed_all_reduce_of_replica_ids():
         lambda ctx: ctx.replica_id_in_sync_group)
     assert values.values == (0, 1)
     result = s.run(lambda v: gs.get_replica_context().all_reduce("sum", v), args=(values,))
-    assert all(r == 1 for r in s.experimental_local_results(result))
+    # One object on every replica comes back plain, as run does for any identical result.
+    assert set(s.experimental_local_results(result)) == {1}
 
 
 def test_single_replica_run_returns_plain_values():
