@@ -64,7 +64,7 @@ def test_gather_broadcast_reduce_scatter():
     for g in gathered:
         np.testing.assert_array_equal(g, np.concatenate([np.full((i + 1, 2), i) for i in range(3)]))
     out = c.broadcast([np.zeros(2), np.array([7.0, 8.0]), np.zeros(2)], root=1)
-    assert all((o == [7.0, 8.0]).all() for o in out)
+    assert len(out) == 3 and all((o == [7.0, 8.0]).all() for o in out)
     with pytest.raises(ValueError, match="root 3 is not a replica id"):
         c.broadcast([np.zeros(2)] * 3, root=3)
     parts = c.reduce_scatter([np.arange(6.0)] * 3, "sum")

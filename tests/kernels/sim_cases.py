@@ -101,6 +101,7 @@ def test_split_past_the_end_and_empty_batches():
     empty = split(np.zeros((0, 2), np.float32), 2, threads=THREADS)
     assert empty.counts == [0, 0] and all(p.shape == (0, 2) for p in empty.pieces)
     padded = split(np.zeros((0, 2), np.float32) + 1, 2, pad_to=3, threads=THREADS)
+    assert padded.counts == [0, 0] and len(padded.pieces) == 2
     assert all(p.shape == (3, 2) and not p.any() for p in padded.pieces)
 
 
