@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import zlib
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -143,17 +143,23 @@ def layout_mismatch_message(what: str, layouts: Sequence[tuple], hint: str) -> s
             f"workers hold {parts}" + (f". {hint}" if hint else ""))
 
 
-def agree_layout_over(group: "WorkerGroup", shape, dtype, what: str, hint: str = "") -> None:
-    """:meth:`Communicator.agree_layout` over a worker group's control collectives: one
-    small all-reduce when the layouts agree, an allgather of them when they do not."""
-    if group.size == 1:
-        return
+def agree_layout_with(max_ints: Callable[[np.ndarray], np.ndarray],
+                      gather: Callable[[Any], list], shape, dtype, what, hint: str = "") -> None:
+    """:meth:`Communicator.agree_layout` over two collectives between workers: one small
+    all-reduce (``max_ints``, element-wise MAX of an int64 vector) when the layouts
+    agree, an allgather of them (``gather``) when they do not."""
     code = layout_code(shape, dtype)
-    agreed = group.allreduce_ints(np.array([code, -code], np.int64), ReduceOp.MAX)
+    agreed = max_ints(np.array([code, -code], np.int64))
     if agreed[0] == -agreed[1]:  # max == min: one layout everywhere
         return
-    layouts = group.allgather(layout(shape, dtype))
-    raise ValueError(layout_mismatch_message(what, layouts, hint))
+    raise ValueError(layout_mismatch_message(what, gather(layout(shape, dtype)), hint))
+
+
+def agree_layout_over(group: "WorkerGroup", shape, dtype, what, hint: str = "") -> None:
+    """:func:`agree_layout_with` over a worker group's control collectives."""
+    if group.size > 1:
+        agree_layout_with(lambda v: group.allreduce_ints(v, ReduceOp.MAX), group.allgather,
+                          shape, dtype, what, hint)
 
 
 class WorkerGroup(abc.ABC):

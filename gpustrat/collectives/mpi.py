@@ -33,8 +33,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from gpustrat.collectives.base import (WorkerGroup, layout, layout_code,
-                                       layout_mismatch_message)
+from gpustrat.collectives.base import WorkerGroup, agree_layout_with
 from gpustrat.collectives.host import HostCommunicator, divide
 from gpustrat.devices import Device
 from gpustrat.errors import CollectiveMismatch, CollectiveTimeout
@@ -521,15 +520,15 @@ class MpiCommunicator(HostCommunicator):
             return
         MPI = mpi()
         ch = self._ch
-        code = layout_code(shape, dtype)
-        agree = np.array([code, -code], np.int64)
-        ch.wait(ch.comm.Iallreduce(MPI.IN_PLACE, [agree, MPI.INT64_T], MPI.MAX),
-                lambda: "checking the layouts between workers before "
-                + (what() if callable(what) else what))
-        if agree[0] == -agree[1]:  # max == min: one layout everywhere
-            return
-        layouts = ch.allgather_obj(layout(shape, dtype), "checking layouts")
-        raise ValueError(layout_mismatch_message(what, layouts, hint))
+
+        def max_ints(agree):
+            ch.wait(ch.comm.Iallreduce(MPI.IN_PLACE, [agree, MPI.INT64_T], MPI.MAX),
+                    lambda: "checking the layouts between workers before "
+                    + (what() if callable(what) else what))
+            return agree
+        # On the data channel, ordered with the data collectives of this communicator.
+        agree_layout_with(max_ints, lambda obj: ch.allgather_obj(obj, "checking layouts"),
+                          shape, dtype, what, hint)
 
     def _across_workers_reduce(self, x, op):
         MPI = _MPI

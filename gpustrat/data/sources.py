@@ -186,8 +186,8 @@ class SlicedBatchDataset(Dataset):
 def _signature_from_types(output_types, output_shapes):
     """An output_signature from the older ``output_types``/``output_shapes`` pair.
 
-    Without ``output_shapes`` the specs get shape ``()`` as placeholders: only their
-    dtypes are checked (``tf.data`` gives such components an unknown shape).
+    Without ``output_shapes`` only the dtypes are checked: the specs carry shape ``()``
+    and the checks ignore it (``tf.data`` gives such components an unknown shape).
     """
     if output_shapes is None:
         return nest.map_structure(lambda t: TensorSpec((), t), output_types)
