@@ -159,7 +159,7 @@ def test_import_starts_no_thread_and_touches_no_file(tmp_path):
             "it = iter(ds);"
             "print(threading.active_count())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=tmp_path)
+                         check=True, timeout=60, cwd=tmp_path)
     assert out.stdout.strip() == "1"  # building and iter() start nothing before next()
     assert list(tmp_path.iterdir()) == []
 

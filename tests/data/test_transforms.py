@@ -196,7 +196,7 @@ def test_shuffle_order_is_the_same_in_another_process():
     code = ("from gpustrat.data import Dataset;"
             "print([int(v) for v in Dataset.range(30).shuffle(8, seed=42)])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout.strip()
+                         check=True, timeout=60).stdout.strip()
     assert out == str(ints(Dataset.range(30).shuffle(8, seed=42)))
 
 
