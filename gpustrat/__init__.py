@@ -22,7 +22,7 @@ __all__ = [
     "MultiWorkerMirroredStrategy", "ReduceOp", "PerReplica", "Mirrored",
     "DistributedValues", "ReplicaContext", "ValueContext", "InputContext", "InputOptions",
     "get_strategy", "has_strategy", "get_replica_context", "get_cross_replica_context",
-    "in_cross_replica_context", "data",
+    "in_cross_replica_context", "data", "distribute",
 ]
 
 
@@ -35,7 +35,12 @@ def __getattr__(name):
     if name in ("InputContext", "InputOptions"):
         from gpustrat.distribute import input_lib
         return getattr(input_lib, name)
-    if name == "data":
+    if name in ("data", "distribute"):
         import importlib
         return importlib.import_module(f"gpustrat.{name}")
     raise AttributeError(f"module 'gpustrat' has no attribute {name!r}")
+
+
+def __dir__():
+    # The lazily loaded names are listed before their first use.
+    return sorted(set(globals()) | set(__all__))

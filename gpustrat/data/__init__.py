@@ -13,9 +13,10 @@ from gpustrat.data.tfrecord import DataLossError, TFRecordDataset, TFRecordWrite
 
 # Import the modules that the Dataset methods load lazily, so that they are ready.
 from gpustrat.data import autoshard, interleave, sources, transforms  # noqa: E402,F401
+from gpustrat.data import experimental  # noqa: E402,F401 - gs.data.experimental
 
 __all__ = [
     "AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset", "DatasetIterator",
     "TextLineDataset", "TFRecordDataset", "TFRecordWriter", "DataLossError", "NpyDataset",
-    "Options", "AutoShardPolicy", "DistributeOptions", "TensorSpec", "STRING",
+    "Options", "AutoShardPolicy", "DistributeOptions", "TensorSpec", "STRING", "experimental",
 ]

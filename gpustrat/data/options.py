@@ -33,6 +33,14 @@ class AutoShardPolicy(enum.IntEnum):
     FILE = 1
     DATA = 2
 
+    # An IntEnum prints as its number from Python 3.11 on; print the name, which is
+    # what a log line or an error message needs.
+    def __str__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
 
 class _OptionsBase:
     """Fields with defaults that remember which of them were set."""
