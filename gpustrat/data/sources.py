@@ -314,7 +314,10 @@ def _as_dtype(value, dtype: np.dtype):
     if isinstance(value, (np.ndarray, np.generic)):
         if value.dtype == dtype:
             return value
-        if np.can_cast(value.dtype, dtype, "safe"):
+        # tf.data casts NumPy numbers to the declared numeric dtype as astype does
+        # (float64 to float32, even float to int); Python numbers must fit exactly.
+        if np.can_cast(value.dtype, dtype, "safe") or (
+                value.dtype.kind in "biufc" and np.dtype(dtype).kind in "biufc"):
             return value.astype(dtype)
         return None
     if isinstance(value, (bytes, str)):

@@ -166,6 +166,18 @@ def test_from_generator_output_types_without_shapes():
         list(Dataset.from_generator(lambda: iter(["x"]), output_types=np.int64))
 
 
+def test_from_generator_casts_numpy_numbers_to_the_declared_dtype():
+    # TF 2.21: NumPy values are cast to the declared dtype (np.random.rand(4) under
+    # output_types=tf.float32 gives float32; np.array([1.5]) under tf.int32 gives [1]);
+    # a Python 1.5 under int64 is still refused (test_sources).
+    ds = Dataset.from_generator(lambda: iter([np.array([0.25, 0.5], np.float64)]),
+                                output_types=np.float32, output_shapes=(2,))
+    (out,) = list(ds)
+    assert out.dtype == np.float32 and out.tolist() == [0.25, 0.5]
+    (out,) = list(Dataset.from_generator(lambda: iter([np.array([1.5])]), output_types=np.int32))
+    assert out.dtype == np.int32 and out.tolist() == [1]
+
+
 # --- element_spec of functions over empty inputs ----------------------------------------
 
 def test_interleave_spec_of_empty_input_calls_map_func_on_zeros():
