@@ -4,7 +4,7 @@ Run under ``mpiexec -n 2 python benchmarks/bench_agreement.py [--quick]``. Each 
 iterates an in-memory stream of steps (so only the agreement is measured) three ways:
 bare, with the agreement when step counts are unknown (blocks of 1, 2, 4, ... 64), and
 with counts known in advance (one allgather per epoch). The workers hold uneven data.
-Target (issue 5): at most 5 µs per step on average. The per-step all-reduce that
+Target: at most 5 µs per step on average. The per-step all-reduce that
 TensorFlow does is timed beside it for comparison.
 """
 

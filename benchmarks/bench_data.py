@@ -1,4 +1,5 @@
-"""Benchmark of gpustrat.data: the three "Speed" numbers of issue 3.
+"""Benchmark of gpustrat.data: iteration rate, parallel map speed-up and
+streaming memory.
 
 1. ``slices``: ``from_tensor_slices`` of a 20,000 x 8 float32 array batched by 32, full
    iteration, in batches per second (target: >= 50,000 on a 2-core machine).

@@ -1,7 +1,7 @@
 """Distributed input throughput: iterate a distributed dataset over 2 CPU replicas and,
 each step, run a per-replica sum of the piece and a cross-replica SUM.
 
-Cases (issue 4): small, 20,000 x 8 float32 with global batch 32 (target at least
+Cases: small, 20,000 x 8 float32 with global batch 32 (target at least
 10,000 global batches/s on the 2-core machine); large, 2,048 x 65,536 float32 with
 global batch 256 (target at least 8 GB/s of data consumed). A plain memcpy of the large
 array is timed in the same run as the machine's yardstick. Reference, TensorFlow 2.21

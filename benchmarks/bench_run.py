@@ -1,6 +1,6 @@
 """``strategy.run`` overhead per step with a trivial function, 1, 2 and 4 CPU replicas.
 
-Target (issue 2): at most 30 µs per step with 2 replicas on the 2-core machine.
+Target: at most 30 µs per step with 2 replicas on the 2-core machine.
 Reference, same machine: TensorFlow 2.21 MirroredStrategy with 2 logical CPUs, about
 335 µs per step inside tf.function and 1,200 µs eagerly. If TensorFlow is importable
 it is measured in the same run; if PyTorch is, its peer of a synchronising step (a

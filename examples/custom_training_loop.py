@@ -1,4 +1,4 @@
-"""A custom training loop over a distributed dataset, in the shape of the seeds' loop.
+"""A custom training loop over a distributed dataset, in the shape of TensorFlow's custom-loop guide.
 
 A linear model ``y = x @ w`` fitted by gradient descent with hand-written gradients:
 each replica computes the squared-error gradient of its piece of the global batch, the

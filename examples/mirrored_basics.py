@@ -1,4 +1,4 @@
-"""The seeds' MirroredStrategy examples, on the default devices (every GPU, else cpu:0)
+"""TensorFlow's documented MirroredStrategy examples, on the default devices (every GPU, else cpu:0)
 or on the devices named on the command line (e.g. ``cpu:0 cpu:1``)."""
 
 import sys

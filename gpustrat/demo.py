@@ -112,7 +112,7 @@ def train(strategy, epochs: int = EPOCHS, n_samples: int = N_SAMPLES,
           log: Callable[[str], None] | None = print) -> dict:
     """Train the MLP with ``strategy`` and return the final weights as NumPy arrays.
 
-    Every worker builds the same dataset and weights from the seeds; the distributed
+    Every worker builds the same dataset and weights from the random seeds; the distributed
     dataset gives each replica its piece of every global batch. Progress (epoch, mean
     loss over the epoch's examples, samples/s) goes to ``log`` on worker 0 only.
 

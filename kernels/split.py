@@ -1,6 +1,6 @@
 """Split a device-resident global batch into per-replica pieces, in one launch.
 
-The splitting rule (SPEC, "Distributed input"): a batch of ``n`` rows on ``N``
+The splitting rule of distributed input: a batch of ``n`` rows on ``N``
 replicas is cut in order into pieces of ``chunk = ceil(n / N)`` rows; the last
 non-empty piece may be shorter, and replicas past the end of the data get zero rows
 (same trailing shape and dtype). :func:`split_sizes` is that rule, written once.
@@ -192,7 +192,7 @@ def _prepare(batch, index, check_index: bool, nstream):
 
 def split(batch, num_replicas: int, index=None, pad_to: int | None = None,
           stream=None, threads: int | None = None, check_index: bool = True) -> Split:
-    """Cut ``batch`` (on a GPU) into ``num_replicas`` pieces by SPEC's rule, in one launch.
+    """Cut ``batch`` (on a GPU) into ``num_replicas`` pieces by the splitting rule, in one launch.
 
     Args:
         batch: a device array (CuPy, Numba, any ``__cuda_array_interface__``; NumPy

@@ -3,8 +3,8 @@
 - CPU devices: :class:`HostCommunicator` (one worker) or :class:`MpiCommunicator`.
 - GPU devices: NCCL when ``cupy.cuda.nccl`` is available (in-node, and across workers
   with the unique id broadcast over MPI).
-- GPUs without NCCL, or a mix of GPU and CPU devices (as in the seeds'
-  ``MirroredStrategy(["GPU:0", "CPU:0"])``): the host-staged path, which copies to
+- GPUs without NCCL, or a mix of GPU and CPU devices (as in TensorFlow's
+  ``MirroredStrategy(["GPU:0", "CPU:0"])`` example): the host-staged path, which copies to
   host, runs the host or MPI collective and copies each result back to its device.
 """
 

@@ -1,4 +1,4 @@
-"""Agreement between workers on when an epoch ends (SPEC, Partial batches).
+"""Agreement between workers on when an epoch ends.
 
 Every worker must run the same number of steps, so that no collective is left waiting:
 a worker whose data ran out keeps yielding empty per-replica batches while any worker

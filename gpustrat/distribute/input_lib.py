@@ -1,5 +1,5 @@
-"""Distributed input: datasets whose elements are per-replica values (SPEC, Distributed
-input, Partial batches, Iterators).
+"""Distributed input: datasets whose elements are per-replica values, partial batches
+and the end of data, distributed iterators.
 
 Words:
 - *global batch*: one element of the user's dataset; it is cut over every replica in

@@ -1,4 +1,4 @@
-"""Cutting global batches into per-replica pieces (SPEC, splitting rule).
+"""Cutting global batches into per-replica pieces.
 
 A batch of ``n`` rows on ``N`` replicas is cut, in order, into pieces of ``ceil(n/N)``
 rows; replicas past the end of the data get an empty piece (zero rows, same trailing

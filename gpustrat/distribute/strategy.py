@@ -1,4 +1,4 @@
-"""The Strategy base: what every strategy offers (SPEC, Strategies and their methods).
+"""The Strategy base: what every strategy offers.
 
 A strategy owns this worker's local devices, a :class:`ReplicaRunner` (one persistent
 thread per local replica), a :class:`Communicator` for collectives over every replica
@@ -127,7 +127,7 @@ class Strategy:
             results = self._runner.call(fn, per_args, per_kwargs, self._enter, context.pop)
         return regroup(results)
 
-    experimental_run_v2 = run  # seed 001's (TensorFlow r1.15) name
+    experimental_run_v2 = run  # TensorFlow r1.15's name
 
     # --- cross-replica operations ----------------------------------------------------
     def _check_cross_replica(self, what: str) -> None:
@@ -216,8 +216,7 @@ class Strategy:
 
     # --- distributed input -----------------------------------------------------------
     def experimental_distribute_dataset(self, dataset, options=None):
-        """Split each global batch of ``dataset`` over the replicas in sync (SPEC,
-        Distributed input); returns an iterable DistributedDataset."""
+        """Split each global batch of ``dataset`` over the replicas in sync; returns an iterable DistributedDataset."""
         from gpustrat.distribute.input_lib import DistributedDataset  # noqa: PLC0415
         return DistributedDataset(self, dataset, options)
 
@@ -230,7 +229,7 @@ class Strategy:
     experimental_distribute_datasets_from_function = distribute_datasets_from_function
 
     def experimental_make_numpy_dataset(self, numpy_input):
-        """A dataset of the rows of NumPy array(s), as seed 001's r1.15 API had."""
+        """A dataset of the rows of NumPy array(s), as TensorFlow r1.15's API had."""
         from gpustrat.data import Dataset  # noqa: PLC0415
         return Dataset.from_tensor_slices(numpy_input)
 
