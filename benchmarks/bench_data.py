@@ -28,6 +28,11 @@ import time
 
 import numpy as np
 
+try:
+    from benchmarks import targets  # imported as benchmarks.bench_NAME
+except ImportError:
+    import targets  # run as a script: benchmarks/ is on sys.path
+
 MIB = 1 << 20
 
 
@@ -153,22 +158,30 @@ def main(argv: list[str] | None = None) -> dict:
         results = {"slices": bench_slices(20_000, 20),
                    "parallel_map": bench_parallel_map(1000),
                    "npy_rss": bench_npy_rss(2048 * MIB, 64 * MIB)}
+    table = args.json != "-"
+    if table:
+        s, m, r = results["slices"], results["parallel_map"], results["npy_rss"]
+        tf_s = f"   tf.data: {s['tf_batches_per_s']:,.0f}" if "tf_batches_per_s" in s else ""
+        tf_m = f"   tf.data: {m['tf_speedup']:.1f}x" if "tf_speedup" in m else ""
+        print(f"from_tensor_slices 20000x8 f32, batch 32: {s['batches_per_s']:,.0f} batches/s"
+              f"{tf_s}")
+        print(f"map, 1 ms sleep, num_parallel_calls=8: {m['speedup']:.1f}x faster than "
+              f"serial ({m['serial_s']:.2f} s -> {m['parallel_s']:.2f} s){tf_m}")
+        print(f".npy {r['file_mib']:.0f} MiB in {r['batch_mib']:.0f} MiB batches: peak RSS "
+              f"{r['peak_rss_mib']:.0f} MiB (before iterating {r['baseline_rss_mib']:.0f} MiB)")
+    results["verdicts"] = [
+        targets.check("from_tensor_slices batches/s", results["slices"]["batches_per_s"],
+                      50_000, echo=table),
+        targets.check("parallel map speed-up", results["parallel_map"]["speedup"], 6, "x",
+                      echo=table),
+        targets.check(f".npy {results['npy_rss']['file_mib']:.0f} MiB peak RSS",
+                      results["npy_rss"]["peak_rss_mib"], 512, "MiB", higher_is_better=False,
+                      echo=table)]
     if args.json and args.json != "-":
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
     if args.json == "-":
         print(json.dumps(results, indent=2))
-    else:
-        s, m, r = results["slices"], results["parallel_map"], results["npy_rss"]
-        tf_s = f"   tf.data: {s['tf_batches_per_s']:,.0f}" if "tf_batches_per_s" in s else ""
-        tf_m = f"   tf.data: {m['tf_speedup']:.1f}x" if "tf_speedup" in m else ""
-        print(f"from_tensor_slices 20000x8 f32, batch 32: {s['batches_per_s']:,.0f} batches/s "
-              f"(target >= 50,000){tf_s}")
-        print(f"map, 1 ms sleep, num_parallel_calls=8: {m['speedup']:.1f}x faster than "
-              f"serial ({m['serial_s']:.2f} s -> {m['parallel_s']:.2f} s, target >= 6x){tf_m}")
-        print(f".npy {r['file_mib']:.0f} MiB in {r['batch_mib']:.0f} MiB batches: peak RSS "
-              f"{r['peak_rss_mib']:.0f} MiB (before iterating {r['baseline_rss_mib']:.0f} MiB, "
-              f"target < 512)")
     return results
 
 

@@ -19,6 +19,11 @@ import statistics
 import sys
 import time
 
+try:
+    from benchmarks import targets  # imported as benchmarks.bench_NAME
+except ImportError:
+    import targets  # run as a script: benchmarks/ is on sys.path
+
 
 def _time_per_call(fn, calls: int, barrier) -> float:
     barrier()
@@ -106,6 +111,11 @@ def main(argv=None) -> dict:
     # Rank 0 reports; the verdict uses its medians (all ranks wait for each other).
     res["big_ok"] = res["big_ratio"] >= 0.8
     res["one_ok"] = res["one_overhead_us"] <= 3.0
+    res["verdicts"] = [
+        targets.check(f"{res['big_mib']:g} MiB reduce vs bare Allreduce bandwidth",
+                      res["big_ratio"], 0.8, "x", echo=group.rank == 0),
+        targets.check("one-float reduce over bare Allreduce", res["one_overhead_us"], 3.0,
+                      "us", higher_is_better=False, echo=group.rank == 0)]
     if group.rank == 0:
         print(f"MpiCommunicator.reduce vs bare mpi4py Allreduce, {group.size} workers, "
               f"median of {rounds} rounds")

@@ -17,6 +17,11 @@ import time
 
 import numpy as np
 
+try:
+    from benchmarks import targets  # imported as benchmarks.bench_NAME
+except ImportError:
+    import targets  # run as a script: benchmarks/ is on sys.path
+
 
 def _time_per_step(step, n_steps: int, repeats: int = 5) -> float:
     for _ in range(max(10, n_steps // 10)):
@@ -86,8 +91,8 @@ def main(argv=None) -> dict:
         print(f"{r['replicas']:>8} {r['run_us']:>10.1f} {r['run_per_replica_arg_us']:>13.1f} "
               f"{r['run_all_reduce_us']:>20.1f}")
     two = next(r for r in rows if r["replicas"] == 2)
-    print(f"target: 2 replicas <= 30 us per step: {two['run_us']:.1f} us "
-          f"({'met' if two['run_us'] <= 30 else 'NOT met'})")
+    verdicts = [targets.check("run, 2 replicas, per step", two["run_us"], 30, "us",
+                              higher_is_better=False)]
     if tf_row:
         print(f"tensorflow MirroredStrategy, 2 CPUs: tf.function {tf_row['tf_function_us']:.0f} us, "
               f"eager {tf_row['tf_eager_us']:.0f} us; ratio tf.function/gpustrat "
@@ -96,7 +101,8 @@ def main(argv=None) -> dict:
         print(f"torch.distributed (gloo) one-float all_reduce, 2 processes: "
               f"{torch_row['gloo_all_reduce_us']:.0f} us; ratio torch/gpustrat run+all_reduce "
               f"{torch_row['gloo_all_reduce_us'] / two['run_all_reduce_us']:.1f}x")
-    result = {"suite": "run", "rows": rows, "tensorflow": tf_row, "torch": torch_row}
+    result = {"suite": "run", "rows": rows, "tensorflow": tf_row, "torch": torch_row,
+              "verdicts": verdicts}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

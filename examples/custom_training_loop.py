@@ -3,17 +3,18 @@
 A linear model ``y = x @ w`` fitted by gradient descent with hand-written gradients:
 each replica computes the squared-error gradient of its piece of the global batch, the
 replicas all-reduce it, and every replica applies the same update. Runs on the devices
-named on the command line (default: every GPU, else cpu:0), e.g.
+named by ``--devices`` (default: every GPU, else cpu:0 cpu:1), e.g.
 
-    python examples/custom_training_loop.py cpu:0 cpu:1
+    python examples/custom_training_loop.py --devices cpu:0 cpu:1 cpu:2 --epochs 10
 """
 
-import sys
+import argparse
 
 import numpy as np
 
 import gpustrat as gs
 from gpustrat.data import Dataset
+from gpustrat.demo import default_devices
 
 GLOBAL_BATCH = 16
 LEARNING_RATE = 0.1
@@ -27,7 +28,7 @@ def make_data(n=100, d=3, seed=0):
 
 
 def main(devices=None, epochs=20):
-    strategy = gs.MirroredStrategy(devices or None)
+    strategy = gs.MirroredStrategy(devices or default_devices())
     x, y, true_w = make_data()
     dist_dataset = strategy.experimental_distribute_dataset(
         Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH))
@@ -63,4 +64,10 @@ def main(devices=None, epochs=20):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", nargs="+", metavar="DEV",
+                        help="local devices, e.g. cpu:0 cpu:1 or gpu:0 gpu:1 "
+                             "(default: every GPU, else cpu:0 cpu:1)")
+    parser.add_argument("--epochs", type=int, default=20, help="epochs (default: 20)")
+    args = parser.parse_args()
+    main(args.devices, args.epochs)

@@ -1,15 +1,19 @@
-"""TensorFlow's documented MirroredStrategy examples, on the default devices (every GPU, else cpu:0)
-or on the devices named on the command line (e.g. ``cpu:0 cpu:1``)."""
+"""TensorFlow's documented MirroredStrategy examples, on the devices named by
+``--devices`` (default: every GPU, else cpu:0 cpu:1):
 
-import sys
+    python examples/mirrored_basics.py --devices cpu:0 cpu:1 cpu:2
+"""
+
+import argparse
 
 import numpy as np
 
 import gpustrat as gs
+from gpustrat.demo import default_devices
 
 
 def main(devices=None):
-    strategy = gs.MirroredStrategy(devices or None)
+    strategy = gs.MirroredStrategy(devices or default_devices())
     print(f"{strategy}")
     print("run(x * 2.0) on 3.0:", strategy.run(lambda x: x * 2.0, args=(3.0,)))
     ids = strategy.experimental_distribute_values_from_function(
@@ -26,4 +30,8 @@ def main(devices=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    parser = argparse.ArgumentParser(description="TensorFlow's MirroredStrategy examples")
+    parser.add_argument("--devices", nargs="+", metavar="DEV",
+                        help="local devices, e.g. cpu:0 cpu:1 or gpu:0 gpu:1 "
+                             "(default: every GPU, else cpu:0 cpu:1)")
+    main(parser.parse_args().devices)

@@ -1,6 +1,6 @@
 """``python -m gpustrat``: the demo, an environment report and the benchmark suites.
 
-    python -m gpustrat demo [--devices cpu:0 cpu:1] [--epochs N] [--quick] [--multi-worker]
+    python -m gpustrat demo [--devices cpu:0 cpu:1] [--epochs N] [--quick] [--[no-]multi-worker]
     python -m gpustrat info [--json]
     python -m gpustrat bench [NAME ...] [--quick] [--json FILE] [--plot FILE.png]
 
@@ -26,9 +26,9 @@ USAGE = """\
 usage: python -m gpustrat COMMAND [ARGS]
 
 commands:
-  demo    train a two-layer MLP data-parallel on the default devices (every GPU, else
-          the CPU); under `mpiexec -n W python -m gpustrat demo --multi-worker` over
-          W MPI workers
+  demo    train a two-layer MLP data-parallel on every GPU, else on two CPU replicas;
+          under an MPI launcher (`mpiexec -n W python -m gpustrat demo`, `srun`) over
+          the W workers
   info    versions, MPI, NCCL, devices and CUDA simulator state, for bug reports
           (--json for JSON)
   bench   run the benchmark suites of a source checkout's benchmarks/ folder
@@ -171,7 +171,8 @@ def cmd_info(argv) -> int:
     p = argparse.ArgumentParser(prog="python -m gpustrat info",
                                 description="Report versions, MPI, NCCL and devices: "
                                 "paste this into a bug report.")
-    p.add_argument("--json", action="store_true", help="print JSON instead of key: value")
+    p.add_argument("--json", action="store_true",
+                   help="print JSON instead of key: value lines (default: off)")
     args = p.parse_args(argv)
     info = collect_info()
     if args.json:
@@ -253,9 +254,20 @@ def _child_env(repo: Path) -> dict:
     return env
 
 
-def run_suite(name: str, path: Path, quick: bool, timeout: float, ranks: int) -> dict:
+def _relay(stream, state: dict) -> None:
+    """Copy a suite's output lines to ours as they come, noting when the last one came."""
+    for line in stream:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        state["last"] = time.monotonic()
+
+
+def run_suite(name: str, path: Path, quick: bool, timeout: float, ranks: int,
+              heartbeat: float = 15.0) -> dict:
     """Run one suite in a subprocess (under mpiexec when ``ranks``); its result dict, or
-    ``{"error": ...}`` / ``{"skipped": ...}``."""
+    ``{"error": ...}`` / ``{"skipped": ...}``. The suite's output is relayed line by line;
+    after ``heartbeat`` seconds without output a line says that it still runs."""
+    import threading  # noqa: PLC0415
     cmd = [sys.executable, "-c", _RUNNER]
     if ranks:
         exe = _mpiexec()
@@ -272,18 +284,66 @@ def run_suite(name: str, path: Path, quick: bool, timeout: float, ranks: int) ->
         cmd += [str(path), str(out)] + (["--quick"] if quick else [])
         sys.stdout.flush()
         proc = subprocess.Popen(cmd, env=_child_env(path.parent.parent), cwd=tmp,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            return {"error": f"timed out after {timeout:g} s"}
+        start = time.monotonic()
+        state = {"last": start}
+        reader = threading.Thread(target=_relay, args=(proc.stdout, state), daemon=True)
+        reader.start()
+        rc = None
+        while rc is None:
+            try:
+                rc = proc.wait(timeout=min(1.0, heartbeat))
+            except subprocess.TimeoutExpired:
+                now = time.monotonic()
+                if now - start > timeout:
+                    os.killpg(proc.pid, 9)
+                    proc.wait()
+                    reader.join(timeout=5)
+                    return {"error": f"timed out after {timeout:g} s"}
+                if now - state["last"] >= heartbeat:
+                    print(f"  [{name}] still running: {now - start:.0f} s so far "
+                          f"(timeout {timeout:g} s)", flush=True)
+                    state["last"] = now
+        reader.join(timeout=5)
         if rc != 0:
             return {"error": f"exited with status {rc} (its output is above)"}
         if not out.exists():
             return {"error": "finished without a result (main(argv) returned nothing?)"}
         return json.loads(out.read_text())
+
+
+def format_verdict(v: dict) -> str:
+    """A suite's verdict on one target (``benchmarks/targets.py`` makes them):
+    ``NAME: VALUE (goal OP GOAL): met | NOT met``, or ``... not measured (why)``."""
+    unit = f" {v['unit']}" if v.get("unit") else ""
+    goal = f"goal {v.get('op', '>=')} {_num(v['goal'])}{unit}"
+    if v.get("met") is None:
+        return f"{v['name']} ({goal}): not measured ({v.get('reason', 'no value')})"
+    return f"{v['name']}: {_num(v['value'])}{unit} ({goal}): {'met' if v['met'] else 'NOT met'}"
+
+
+def _num(x: float) -> str:
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.3g}"
+
+
+def print_verdicts(report: dict) -> None:
+    """Every suite's targets with their verdicts, and the count of each."""
+    rows = [(name, v) for name, result in report["suites"].items()
+            for v in (result.get("verdicts") or [])]
+    if not rows:
+        return
+    print("== targets ==")
+    for name, v in rows:
+        print(f"{name:>10}  {format_verdict(v)}")
+    print(_count_verdicts([v for _, v in rows]))
+
+
+def _count_verdicts(verdicts: list) -> str:
+    counts = [(sum(v.get("met") is want for v in verdicts), label)
+              for want, label in ((True, "met"), (False, "not met"), (None, "not measured"))]
+    return ", ".join(f"{n} target(s) {label}" if i == 0 else f"{n} {label}"
+                     for i, (n, label) in enumerate(counts) if n or i == 0)
 
 
 def cmd_bench(argv) -> int:
@@ -292,15 +352,22 @@ def cmd_bench(argv) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("names", nargs="*", metavar="NAME",
                    help="suites to run, e.g. run input fusion (default: all)")
-    p.add_argument("--quick", action="store_true", help="small sizes: seconds per suite")
-    p.add_argument("--json", metavar="FILE", help="write every suite's result dict here")
+    p.add_argument("--quick", action="store_true",
+                   help="small sizes: seconds per suite (default: off, full sizes)")
+    p.add_argument("--json", metavar="FILE",
+                   help="write every suite's result dict here (default: not written)")
     p.add_argument("--plot", metavar="FILE.png",
                    help="draw throughput against batch size and replica count (runs the "
-                        "sweep suite; needs matplotlib: pip install -e '.[plot]')")
-    p.add_argument("--list", action="store_true", help="list the suites and exit")
+                        "sweep suite; needs matplotlib: pip install -e '.[plot]') "
+                        "(default: no plot)")
+    p.add_argument("--list", action="store_true",
+                   help="list the suites and exit (default: off)")
     p.add_argument("--timeout", type=float,
-                   help="seconds per suite before it is killed (default 120 with --quick, "
+                   help="seconds per suite before it is killed (default: 120 with --quick, "
                         "else 1200)")
+    p.add_argument("--heartbeat", type=float, default=15.0, metavar="SECONDS",
+                   help="say that a suite still runs after this many seconds without "
+                        "output (default: 15)")
     args = p.parse_args(argv)
     if folder is None or not folder.is_dir():
         print("gpustrat bench: no benchmarks/ folder found next to the gpustrat package "
@@ -343,7 +410,7 @@ def cmd_bench(argv) -> int:
         print(f"== {name} ({suites[name].name}"
               + (f", mpiexec -n {ranks}" if ranks else "") + ") ==", flush=True)
         t0 = time.perf_counter()
-        result = run_suite(name, suites[name], args.quick, timeout, ranks)
+        result = run_suite(name, suites[name], args.quick, timeout, ranks, args.heartbeat)
         seconds = time.perf_counter() - t0
         if "skipped" in result:
             print(f"skipped: {result['skipped']}")
@@ -351,7 +418,9 @@ def cmd_bench(argv) -> int:
             print(f"FAILED: suite {name} {result['error']}")
             failed.append(name)
         report["suites"][name] = result
-        print(f"-- {name}: {seconds:.1f} s\n", flush=True)
+        summary = _count_verdicts(result.get("verdicts") or []) or "no targets"
+        print(f"-- {name}: {seconds:.1f} s, {summary}\n", flush=True)
+    print_verdicts(report)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, default=repr)

@@ -153,45 +153,119 @@ def train(strategy, epochs: int = EPOCHS, n_samples: int = N_SAMPLES,
     return {k: to_host(first[k]).copy() for k in WEIGHT_NAMES}
 
 
+def default_devices() -> list[str]:
+    """The demo's devices in one process: every visible GPU, else two logical CPU
+    devices, so that even a machine without a GPU shows two replicas in sync."""
+    from gpustrat.devices import gpu_count  # noqa: PLC0415
+    n = gpu_count()
+    return [f"gpu:{i}" for i in range(n)] if n else ["cpu:0", "cpu:1"]
+
+
 def make_strategy(devices=None, multi_worker: bool = False):
-    """MirroredStrategy on ``devices`` (default: every GPU, else cpu:0), or
-    MultiWorkerMirroredStrategy over the MPI ranks when ``multi_worker``."""
+    """MirroredStrategy on ``devices`` (default :func:`default_devices`), or
+    MultiWorkerMirroredStrategy over the MPI ranks when ``multi_worker`` (default
+    devices: each worker's GPU by node-local rank, else cpu:0)."""
     import gpustrat as gs  # noqa: PLC0415
     if multi_worker:
         return gs.MultiWorkerMirroredStrategy(devices=devices)
-    return gs.MirroredStrategy(devices)
+    return gs.MirroredStrategy(devices or default_devices())
+
+
+def describe_topology(strategy) -> str:
+    """One line: workers, replicas, this worker's devices and the collectives used."""
+    workers, local = strategy.num_workers, len(strategy.local_devices)
+    return (f"topology: {workers} worker(s) x {local} replica(s) = "
+            f"{strategy.num_replicas_in_sync} replica(s) in sync; worker "
+            f"{strategy.worker_index} devices: "
+            f"{', '.join(d.name for d in strategy.local_devices)}; collectives: "
+            f"{type(strategy.communicator).__name__}")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Misuse is reported in one line (on the first rank of an MPI launch), exit 2."""
+
+    def error(self, message):
+        from gpustrat.launch import detect_launch  # noqa: PLC0415
+        launch = detect_launch()
+        if launch is None or launch.rank == 0:
+            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+def _at_least(minimum, kind=int):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if not value >= minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {text}")
+        return value
+    return parse
+
+
+def _positive_float(text):
+    value = _at_least(0.0, float)(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog=prog, description="Data-parallel training of a two-layer MLP (NumPy/CuPy, "
-        "hand-written gradients) on a synthetic regression set.")
+        "hand-written gradients) on a synthetic regression set. Under an MPI launcher "
+        "(mpiexec, mpirun, srun) with more than one process it trains over all of them.")
     p.add_argument("--devices", nargs="+", metavar="DEV",
-                   help="local devices, e.g. cpu:0 cpu:1 or gpu:0 gpu:1 "
-                        "(default: every GPU, else cpu:0)")
-    p.add_argument("--epochs", type=int, help=f"epochs (default {EPOCHS}; 2 with --quick)")
-    p.add_argument("--samples", type=int,
-                   help=f"examples in the data set (default {N_SAMPLES}; 2000 with --quick)")
-    p.add_argument("--batch", type=int, default=GLOBAL_BATCH, help="global batch size")
-    p.add_argument("--lr", type=float, default=LEARNING_RATE, help="learning rate")
-    p.add_argument("--multi-worker", action="store_true",
-                   help="MultiWorkerMirroredStrategy over the MPI ranks "
-                        "(launch with mpiexec -n W)")
-    p.add_argument("--quick", action="store_true", help="a small, fast run")
+                   help="local devices, e.g. cpu:0 cpu:1 or gpu:0 gpu:1 (default: every "
+                        "GPU, else cpu:0 cpu:1; with several workers, each worker's GPU by "
+                        "node-local rank, else cpu:0)")
+    p.add_argument("--epochs", type=_at_least(1),
+                   help=f"epochs (default: {EPOCHS}; 2 with --quick)")
+    p.add_argument("--samples", type=_at_least(1),
+                   help=f"examples in the data set (default: {N_SAMPLES}; 2000 with --quick)")
+    p.add_argument("--batch", type=_at_least(1), default=GLOBAL_BATCH,
+                   help=f"global batch size (default: {GLOBAL_BATCH})")
+    p.add_argument("--lr", type=_positive_float, default=LEARNING_RATE,
+                   help=f"learning rate (default: {LEARNING_RATE})")
+    p.add_argument("--multi-worker", action=argparse.BooleanOptionalAction, default=None,
+                   help="MultiWorkerMirroredStrategy over the MPI ranks (default: on when "
+                        "an MPI launcher started more than one process, else off)")
+    p.add_argument("--quick", action="store_true",
+                   help="a small, fast run (default: off)")
     p.add_argument("--save", metavar="FILE.npz",
-                   help="write the final weights here (worker 0)")
+                   help="write the final weights here, from worker 0 (default: not saved)")
     return p
 
 
 def main(argv=None, prog: str | None = None) -> dict:
     """Parse ``argv``, train, print progress on worker 0; return the final weights."""
-    args = build_parser(prog).parse_args(argv)
+    from pathlib import Path  # noqa: PLC0415
+
+    from gpustrat.launch import detect_launch  # noqa: PLC0415
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
     epochs = args.epochs if args.epochs is not None else (2 if args.quick else EPOCHS)
     samples = args.samples if args.samples is not None else (2000 if args.quick else N_SAMPLES)
-    if epochs < 1 or samples < 1 or args.batch < 1:
-        raise SystemExit("--epochs, --samples and --batch must be at least 1")
-    strategy = make_strategy(args.devices, args.multi_worker)
+    if args.save:
+        folder = Path(args.save).expanduser().absolute().parent
+        if not folder.is_dir():
+            parser.error(f"argument --save: the folder {folder} does not exist; create it "
+                         "or choose another path")
+    launch = detect_launch()
+    multi_worker = args.multi_worker
+    if multi_worker is None:
+        multi_worker = launch is not None and launch.size > 1
     try:
+        strategy = make_strategy(args.devices, multi_worker)
+    except (ValueError, RuntimeError, TypeError) as e:
+        parser.error(f"argument --devices: {e}" if args.devices else str(e))
+    try:
+        if strategy.worker_index == 0:
+            if args.multi_worker is None and multi_worker:
+                print(f"{launch.launcher} started {launch.size} processes: training over all "
+                      "of them (--no-multi-worker trains each on its own)", flush=True)
+            print(describe_topology(strategy), flush=True)
         weights = train(strategy, epochs=epochs, n_samples=samples,
                         global_batch=args.batch, learning_rate=args.lr,
                         log=lambda line: print(line, flush=True))

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ for mpi_util
-from mpi_util import assert_mpi_ok  # noqa: E402
+from mpi_util import assert_mpi_ok, run_mpi  # noqa: E402
 
 import gpustrat  # noqa: E402
-from gpustrat import cli  # noqa: E402
+from gpustrat import cli, devices  # noqa: E402
+from gpustrat.launch import Launch, detect_launch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SUITES = cli.discover_suites(REPO / "benchmarks")
@@ -99,21 +100,25 @@ def test_info_json_matches_and_reports_the_simulator():
 
 # --- demo -------------------------------------------------------------------------------
 
-def test_demo_quick_prints_epochs_with_falling_loss():
+def test_demo_quick_prints_topology_and_epochs_with_falling_loss():
     proc = gpustrat_cmd("demo", "--quick", timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "1 replica(s)" in proc.stdout
+    if devices.gpu_count() == 0:
+        # Without a GPU the demo still shows distribution: two logical CPU replicas.
+        assert ("topology: 1 worker(s) x 2 replica(s) = 2 replica(s) in sync; worker 0 "
+                "devices: cpu:0, cpu:1; collectives: HostCommunicator") in proc.stdout
+        assert "2 replica(s) (1 worker(s) x 2: cpu:0, cpu:1)" in proc.stdout
     epochs = epoch_lines(proc.stdout)
     assert [e[:2] for e in epochs] == [(1, 2), (2, 2)], proc.stdout
     assert epochs[1][2] < epochs[0][2] and all(e[3] > 0 for e in epochs)
 
 
 def test_demo_two_replicas_same_loss_as_one():
-    one = gpustrat_cmd("demo", "--quick", "--epochs", "1", timeout=120)
+    one = gpustrat_cmd("demo", "--quick", "--epochs", "1", "--devices", "cpu:0", timeout=120)
     two = gpustrat_cmd("demo", "--quick", "--epochs", "1", "--devices", "cpu:0", "cpu:1",
                        timeout=120)
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
-    assert "2 replica(s)" in two.stdout
+    assert "2 replica(s)" in two.stdout and "1 replica(s)" in one.stdout
     (e1,), (e2,) = epoch_lines(one.stdout), epoch_lines(two.stdout)
     assert e1[2] == pytest.approx(e2[2], rel=1e-6)
 
@@ -127,6 +132,131 @@ def test_demo_multi_worker_prints_on_rank_0_only():
     """, timeout=120)
     assert out.count("training a ") == 1 and "4 replica(s) (2 worker(s) x 2" in out, out
     assert [e[:2] for e in epoch_lines(out)] == [(1, 2), (2, 2)], out
+
+
+def assert_one_line_error(proc, *fragments):
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("python -m gpustrat demo: error: "), lines
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    assert "epoch" not in proc.stdout, "misuse is reported before training"
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--batch", "0"], ["argument --batch", "at least 1", "got 0"]),
+    (["--epochs", "-2"], ["argument --epochs", "at least 1", "got -2"]),
+    (["--samples", "x"], ["argument --samples", "expected int", "'x'"]),
+    (["--lr", "0"], ["argument --lr", "must be positive"]),
+    (["--devices", "cpu:0", "cpu:0"], ["argument --devices", "listed twice"]),
+    (["--devices", "tpu:0"], ["argument --devices", "tpu:0"]),
+], ids=["batch", "epochs", "samples", "lr", "twice", "tpu"])
+def test_demo_misuse_is_one_line(args, fragments):
+    assert_one_line_error(gpustrat_cmd("demo", "--quick", *args, timeout=60), *fragments)
+
+
+def test_demo_gpu_without_a_gpu_is_one_line():
+    if devices.gpu_count():
+        pytest.skip("a GPU is visible")
+    assert_one_line_error(gpustrat_cmd("demo", "--quick", "--devices", "gpu:0", timeout=60),
+                          "argument --devices", "gpu:0", "no GPU is visible", "cpu:0")
+
+
+def test_demo_save_checks_the_folder_before_training(tmp_path):
+    missing = tmp_path / "no" / "such" / "w.npz"
+    assert_one_line_error(gpustrat_cmd("demo", "--quick", "--save", str(missing), timeout=60),
+                          "argument --save", str(missing.parent), "does not exist")
+    assert not missing.parent.exists()
+    good = tmp_path / "w.npz"
+    proc = gpustrat_cmd("demo", "--quick", "--epochs", "1", "--save", str(good), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    with np.load(good) as saved:
+        assert sorted(saved.files) == ["b1", "b2", "w1", "w2"]
+
+
+@pytest.mark.parametrize("command", [("demo",), ("bench",), ("info",)])
+def test_help_shows_every_default(command):
+    proc = gpustrat_cmd(*command, "--help", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    options = proc.stdout.split("options:", 1)[1]
+    # One entry per option: its flag line and the indented help lines under it.
+    entries = re.split(r"\n  (?=-)", "\n" + options.strip("\n"))
+    entries = [" ".join(e.split()) for e in entries if e.strip()]
+    assert len(entries) >= 2
+    for entry in entries:
+        if entry.startswith("-h, --help"):
+            continue
+        assert "default" in entry, f"{command[0]} --help: no default for: {entry}"
+
+
+# --- MPI launch detection -----------------------------------------------------------------
+
+@pytest.mark.parametrize("env, want", [
+    ({"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1"}, Launch("MPICH/Hydra", 4, 1, 1)),
+    ({"OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_RANK": "2",
+      "OMPI_COMM_WORLD_LOCAL_RANK": "0"}, Launch("Open MPI", 3, 2, 0)),
+    ({"MV2_COMM_WORLD_SIZE": "2", "MV2_COMM_WORLD_RANK": "0"}, Launch("MVAPICH", 2, 0, None)),
+    ({"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
+      "SLURM_NTASKS": "8"}, Launch("Slurm srun", 8, 5, 1)),
+    # mpiexec inside a Slurm allocation: the MPI launcher's variables win.
+    ({"SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0", "PMI_SIZE": "2", "PMI_RANK": "1"},
+     Launch("MPICH/Hydra", 2, 1, None)),
+    # A Slurm batch script is one process, though its allocation has several tasks.
+    ({"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_JOB_ID": "7"}, None),
+    ({"PMI_SIZE": "two", "PMI_RANK": "0"}, None),
+    ({"PMI_SIZE": "2", "PMI_RANK": "2"}, None),
+    ({}, None),
+], ids=["mpich", "openmpi", "mvapich", "srun", "mpiexec-in-slurm", "sbatch", "garbage",
+        "rank-out-of-range", "none"])
+def test_detect_launch(env, want):
+    assert detect_launch(env) == want
+
+
+def test_importing_launch_reads_no_mpi():
+    code = ("import sys, gpustrat.launch as l; print(l.detect_launch({}), "
+            "'mpi4py' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    assert proc.stdout.strip() == "None False", proc.stderr
+
+
+@pytest.mark.mpi
+def test_demo_under_mpiexec_goes_multi_worker_without_the_flag():
+    out = assert_mpi_ok(2, """
+        import sys
+        from gpustrat.cli import main
+        sys.exit(main(["demo", "--quick", "--devices", "cpu:0"]))
+    """, timeout=120)
+    assert out.count("training a ") == 1, out
+    assert "started 2 processes: training over all of them" in out
+    assert "topology: 2 worker(s) x 1 replica(s) = 2 replica(s) in sync" in out
+    assert [e[:2] for e in epoch_lines(out)] == [(1, 2), (2, 2)], out
+
+
+@pytest.mark.mpi
+def test_demo_under_mpiexec_with_no_multi_worker_runs_independent_jobs():
+    out = assert_mpi_ok(2, """
+        import sys
+        from gpustrat.cli import main
+        sys.exit(main(["demo", "--quick", "--epochs", "1", "--devices", "cpu:0",
+                       "--no-multi-worker"]))
+    """, timeout=120)
+    assert out.count("training a ") == 2 and "started 2 processes" not in out, out
+    assert out.count("1 worker(s) x 1 replica(s)") == 2, out
+
+
+@pytest.mark.mpi
+def test_demo_misuse_under_mpiexec_fails_every_rank_and_says_it_once():
+    if devices.gpu_count():
+        pytest.skip("a GPU is visible")
+    rc, out, err = run_mpi(2, """
+        import sys
+        from gpustrat.cli import main
+        sys.exit(main(["demo", "--quick", "--devices", "gpu:0"]))
+    """, timeout=120)
+    assert rc == 2, (rc, out, err)
+    assert err.count("error: argument --devices") == 1 and "Traceback" not in err, err
 
 
 # --- bench ------------------------------------------------------------------------------
@@ -150,6 +280,14 @@ def test_bench_suite_quick_writes_json(name, tmp_path):
     assert report["quick"] is True and report["gpustrat"] == gpustrat.__version__
     assert list(report["suites"]) == [name]
     result = report["suites"][name]
+    if name != "sweep":
+        # Every target has a verdict, printed beside it and listed at the end.
+        assert result["verdicts"], result
+        assert "== targets ==" in proc.stdout
+        for v in result["verdicts"]:
+            line = cli.format_verdict(v)
+            assert f"target {line}" in proc.stdout and line in proc.stdout.split("== targets ==")[1]
+            assert line.endswith((": met", ": NOT met")) or "not measured (" in line
     if "skipped" in result:
         pytest.skip(result["skipped"])
     assert isinstance(result, dict) and result and "error" not in result, result
@@ -179,3 +317,34 @@ def test_bench_errors_name_the_problem(tmp_path):
     assert "run" in proc.stderr.split("the suites are:")[1]
     proc = gpustrat_cmd("bench", timeout=60, env={"GPUSTRAT_BENCHMARKS": str(tmp_path / "x")})
     assert proc.returncode == 2 and "source checkout" in proc.stderr
+
+
+FAKE_SUITE = """
+import time
+from benchmarks import targets
+
+def main(argv):
+    time.sleep(2.5)
+    print("measured", flush=True)
+    return {"verdicts": [targets.check("fast enough", 7.0, 5.0, "x"),
+                         targets.check("small enough", 7.0, 5.0, "us", higher_is_better=False),
+                         targets.not_measured("on a GPU", 85, "no GPU here", "%")]}
+"""
+
+
+def test_bench_prints_progress_and_a_verdict_beside_every_target(tmp_path):
+    (tmp_path / "bench_fake.py").write_text(FAKE_SUITE)
+    proc = gpustrat_cmd("bench", "fake", "--heartbeat", "1", timeout=60,
+                        env={"GPUSTRAT_BENCHMARKS": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    # Silent for 2.5 s: the runner says the suite still runs, before its first line.
+    assert re.search(r"\[fake\] still running: \d+ s so far \(timeout 1200 s\)", out), out
+    assert out.index("still running") < out.index("measured")
+    assert "target fast enough: 7 x (goal >= 5 x): met" in out
+    assert "target small enough: 7 us (goal <= 5 us): NOT met" in out
+    assert "target on a GPU (goal >= 85 %): not measured (no GPU here)" in out
+    assert "-- fake: " in out and ", 1 target(s) met, 1 not met, 1 not measured" in out
+    summary = out.split("== targets ==")[1].splitlines()
+    assert [line.split()[0] for line in summary[1:4]] == ["fake"] * 3
+    assert summary[4] == "1 target(s) met, 1 not met, 1 not measured"

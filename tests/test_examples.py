@@ -1,9 +1,13 @@
 """The examples run and do what they say."""
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -31,3 +35,33 @@ def test_mirrored_basics_prints_the_seed_results(capsys):
     assert "PerReplica:{0: 6.0, 1: 6.0}" in out
     assert "all_reduce(sum, replica ids): 1" in out
     assert "reduce(SUM, axis=0): 72.0" in out and "reduce(MEAN, axis=0): 8.0" in out
+
+
+def run_example(*args):
+    env = dict(os.environ, PYTHONPATH=str(EXAMPLES.parent), CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=EXAMPLES.parent)
+
+
+@pytest.mark.parametrize("name", ["mirrored_basics", "custom_training_loop", "train_mlp"])
+def test_examples_take_devices_like_the_demo(name):
+    proc = run_example(f"examples/{name}.py", "--help")
+    assert proc.returncode == 0 and "--devices DEV [DEV ...]" in proc.stdout, proc.stderr
+    assert "default: every GPU, else cpu:0 cpu:1" in " ".join(proc.stdout.split())
+
+
+def test_mirrored_basics_on_three_devices_from_the_command_line():
+    proc = run_example("examples/mirrored_basics.py", "--devices", "cpu:0", "cpu:1", "cpu:2")
+    assert proc.returncode == 0, proc.stderr
+    assert "PerReplica:{0: 6.0, 1: 6.0, 2: 6.0}" in proc.stdout
+    assert "all_reduce(sum, replica ids): 3" in proc.stdout
+
+
+def test_examples_default_to_two_cpu_replicas_without_a_gpu():
+    proc = run_example("examples/mirrored_basics.py")
+    assert proc.returncode == 0, proc.stderr
+    assert "num_replicas_in_sync=2" in proc.stdout and "PerReplica:{0: 6.0, 1: 6.0}" in proc.stdout
+    proc = run_example("examples/custom_training_loop.py", "--devices", "cpu:0", "cpu:1",
+                       "--epochs", "5")
+    assert proc.returncode == 0, proc.stderr
+    assert "epoch   5  loss" in proc.stdout and "(array([8]), array([], dtype=int64))" in proc.stdout

@@ -1,0 +1,66 @@
+"""How this process was launched: by an MPI launcher, and as which rank, read from the
+launcher's environment variables alone (no MPI call, so nothing is initialised).
+
+Words:
+    launch: the job a launcher started: ``size`` processes, this one ``rank``, and
+        ``local_rank`` among the processes of its node (None where the launcher does not
+        say).
+
+Launchers and the variables they set (each names all three where it can):
+    MPICH / Hydra, Intel MPI: ``PMI_SIZE``, ``PMI_RANK``, ``MPI_LOCALRANKID``
+    Open MPI: ``OMPI_COMM_WORLD_SIZE``, ``OMPI_COMM_WORLD_RANK``,
+        ``OMPI_COMM_WORLD_LOCAL_RANK``
+    MVAPICH: ``MV2_COMM_WORLD_SIZE``, ``MV2_COMM_WORLD_RANK``, ``MV2_COMM_WORLD_LOCAL_RANK``
+    PMIx launchers (``prterun``, Slurm with ``--mpi=pmix``): ``PMIX_SIZE`` is not always
+        set, so PMIx is recognised through the variables above or Slurm's
+    Slurm ``srun``: ``SLURM_STEP_NUM_TASKS``, ``SLURM_PROCID``, ``SLURM_LOCALID``. Only
+        a job step (``srun``) sets ``SLURM_STEP_NUM_TASKS``; the batch script itself, which
+        has ``SLURM_NTASKS`` but is one process, is not taken for a launch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One process of a launched job."""
+
+    launcher: str
+    size: int
+    rank: int
+    local_rank: int | None
+
+
+# (launcher, size variable, rank variable, node-local rank variable), in the order they
+# are tried: an MPI launcher run inside a Slurm allocation wins over the allocation.
+_LAUNCHERS = (
+    ("Open MPI", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("MPICH/Hydra", "PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID"),
+    ("MVAPICH", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_LOCAL_RANK"),
+    ("Slurm srun", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_LOCALID"),
+)
+
+
+def _int(env: Mapping[str, str], name: str) -> int | None:
+    try:
+        return int(env[name])
+    except (KeyError, ValueError):
+        return None
+
+
+def detect_launch(env: Mapping[str, str] | None = None) -> Launch | None:
+    """The launch this process belongs to, or None when no launcher's variables are set.
+
+    Args:
+        env: the environment to read (default ``os.environ``).
+    """
+    env = os.environ if env is None else env
+    for launcher, size_var, rank_var, local_var in _LAUNCHERS:
+        size, rank = _int(env, size_var), _int(env, rank_var)
+        if size is not None and rank is not None and 0 <= rank < size:
+            return Launch(launcher, size, rank, _int(env, local_var))
+    return None
