@@ -191,8 +191,13 @@ Run the benchmark suites in the benchmarks/ folder of a gpustrat source checkout
 pip install -e). Each suite is a module benchmarks/bench_NAME.py with main(argv) -> dict;
 it runs in its own process (with a timeout) and prints its table. Suites whose
 docstring says to run `mpiexec -n N python benchmarks/bench_NAME.py` run that way, and
-are skipped with a message when mpiexec or mpi4py is missing. Where TensorFlow or PyTorch imports, suites print their
-numbers beside gpustrat's (not with --quick).
+are skipped with a message when mpiexec or mpi4py is missing. Where TensorFlow or
+PyTorch imports, suites print their numbers beside gpustrat's (not with --quick).
+
+A suite's output is relayed as it comes; after --heartbeat seconds of silence a line
+says it still runs. Each target is printed with its verdict beside it (met, NOT met,
+or not measured and why; suites make them with benchmarks/targets.py), and all verdicts
+are listed again under "== targets ==" at the end.
 """
 
 # Runs inside the suite's process: load the module from its file, call main(argv) and
