@@ -21,8 +21,8 @@ from gpustrat.data import experimental_ops
 REPO = Path(__file__).resolve().parents[1]
 PORTING = (REPO / "docs" / "porting.md").read_text()
 
-# dir(tf.distribute), dir(tf.distribute.experimental), dir(tf.data.experimental), public
-# names, recorded from TensorFlow 2.21.
+# dir(tf.distribute), dir(tf.distribute.experimental), dir(tf.data), dir(tf.data.experimental),
+# public names, recorded from TensorFlow 2.21.
 TF_DISTRIBUTE = {
     "CrossDeviceOps", "DistributedDataset", "DistributedIterator", "DistributedValues",
     "HierarchicalCopyAllReduce", "InputContext", "InputOptions", "InputReplicationMode",
@@ -36,6 +36,10 @@ TF_DISTRIBUTE_EXPERIMENTAL = {
     "CommunicationImplementation", "CommunicationOptions", "MultiWorkerMirroredStrategy",
     "ParameterServerStrategy", "PreemptionCheckpointHandler", "PreemptionWatcher",
     "TPUStrategy", "TerminationConfig", "ValueContext", "coordinator", "partitioners", "rpc"}
+TF_DATA = {
+    "AUTOTUNE", "Dataset", "DatasetSpec", "FixedLengthRecordDataset", "INFINITE_CARDINALITY",
+    "Iterator", "IteratorSpec", "NumpyIterator", "Options", "TFRecordDataset",
+    "TextLineDataset", "ThreadingOptions", "UNKNOWN_CARDINALITY", "experimental"}
 TF_DATA_EXPERIMENTAL = {
     "AUTOTUNE", "AutoShardPolicy", "AutotuneAlgorithm", "AutotuneOptions", "Counter",
     "CsvDataset", "DatasetInitializer", "DistributeOptions", "ExternalStatePolicy",
@@ -68,8 +72,9 @@ def run_python(code: str) -> str:
 @pytest.mark.parametrize("module, tf_names", [
     ("gpustrat.distribute", TF_DISTRIBUTE),
     ("gpustrat.distribute.experimental", TF_DISTRIBUTE_EXPERIMENTAL),
+    ("gpustrat.data", TF_DATA),
     ("gpustrat.data.experimental", TF_DATA_EXPERIMENTAL),
-], ids=["distribute", "distribute.experimental", "data.experimental"])
+], ids=["distribute", "distribute.experimental", "data", "data.experimental"])
 def test_every_tensorflow_name_is_there_or_listed_as_missing(module, tf_names):
     mod = importlib.import_module(module)
     missing = sorted(n for n in tf_names - public(mod)
