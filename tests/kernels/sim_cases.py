@@ -181,6 +181,21 @@ def test_sum_buffers_matches_reference(n, dtype):
     assert_same(bufs[0], want)
 
 
+@pytest.mark.parametrize("dtype", (np.float32, np.int64))
+@pytest.mark.parametrize("n", (1, 129))
+def test_sum_buffers_into_a_strided_out(n, dtype):
+    bufs = [data((3, n), dtype, 40 + i) for i in range(3)]
+    want = sum_buffers_reference(bufs)
+    every_other = np.zeros((3, 2 * n), dtype)
+    out = every_other[:, ::2]
+    assert sum_buffers(bufs, out=out, threads=THREADS) is out
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(every_other[:, 1::2], 0)   # the gaps stay untouched
+    transposed = np.zeros((n, 3), dtype).T
+    sum_buffers(bufs, out=transposed, threads=THREADS)
+    np.testing.assert_array_equal(transposed, want)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered")
 def test_sum_buffers_integer_wraps_like_numpy():
     a = np.full(129, np.iinfo(np.int32).max, np.int32)
