@@ -1,9 +1,9 @@
 """Launch plumbing shared by the kernels: grid and block shapes, streams, arrays.
 
 Words:
-- *launch config*: ``(grid, block)``, both 2-D here. Every kernel of this package
-  walks a 2-D problem (rows x columns: pieces x words, tensors x elements, ...) with
-  grid-stride loops, so any grid is correct and the grid only decides the speed.
+- *launch config*: ``(grid, block)``: 2-D for split (pieces x rows by words), 1-D for
+  pack, unpack and sum (elements). Every kernel walks its problem with grid-stride
+  loops, so any grid is correct and the grid only decides the speed.
 - *window*: one 1-D device array whose extent covers several separate allocations of
   the same dtype on one device, so that a single launch can read or write many tensors
   through a table of element offsets (the way NCCL-style fusion kernels take a pointer
@@ -42,16 +42,26 @@ class LazyKernels:
 
     Args:
         module_globals: the kernel module's ``globals()``.
+        device_functions: names of module-level functions that kernels call; on first
+            use each name is rebound to ``cuda.jit(device=True, inline="always")`` of
+            it (before any kernel is compiled, since Numba reads globals then).
+            Inlined at Numba's IR level, a device function compiles to PTX without a
+            GPU; numba-cuda compiles a called one for the current device's compute
+            capability, which needs a driver.
     """
 
-    def __init__(self, module_globals: dict):
+    def __init__(self, module_globals: dict, device_functions: tuple = ()):
         self._globals = module_globals
+        self._device_functions = tuple(device_functions)
         self._jitted: dict = {}
 
     def bind(self):
         """``numba.cuda``, bound to the module's ``cuda`` name."""
         if self._globals.get("cuda") is None:
             from numba import cuda  # noqa: PLC0415 - numba is optional
+            for name in self._device_functions:
+                self._globals[name] = cuda.jit(device=True, inline="always")(
+                    self._globals[name])
             self._globals["cuda"] = cuda
         return self._globals["cuda"]
 
