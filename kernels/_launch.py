@@ -385,6 +385,26 @@ def cupy_stream(cp, nstream):
     handle = stream_handle(nstream)
     if handle == stream_handle(cp.cuda.get_current_stream()):
         return contextlib.nullcontext()
+    return external_cupy_stream(cp, handle)
+
+
+class _StreamHandle:
+    """A raw ``cudaStream_t`` speaking the CUDA stream protocol."""
+
+    def __init__(self, handle: int):
+        self.handle = int(handle)
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+def external_cupy_stream(cp, handle: int):
+    """A CuPy stream object for the raw ``cudaStream_t`` ``handle``: through
+    ``Stream.from_external`` where CuPy has it (14 and later, which deprecate
+    ``ExternalStream``), else ``ExternalStream`` (CuPy 13)."""
+    from_external = getattr(cp.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(_StreamHandle(handle))
     return cp.cuda.ExternalStream(handle)
 
 

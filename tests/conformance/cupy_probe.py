@@ -89,9 +89,10 @@ def _(cp, nccl, cuda):
     return cp.cuda.get_current_stream().ptr
 
 
-@entry("cupy.cuda.ExternalStream")
+@entry("cupy.cuda.ExternalStream", "cupy.cuda.Stream.from_external")
 def _(cp, nccl, cuda):
-    s = cp.cuda.ExternalStream(12345)       # _launch.cupy_stream: a raw cudaStream_t
+    from gpustrat.kernels._launch import external_cupy_stream
+    s = external_cupy_stream(cp, 12345)     # a launch's raw cudaStream_t
     assert s.ptr == 12345
     with s:
         pass

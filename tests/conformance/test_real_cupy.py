@@ -113,6 +113,15 @@ def test_entry_point_accepts_gpustrats_arguments(version, name):
     assert set(got["swallowed"]) & NO_DEVICE, why
 
 
+@pytest.mark.parametrize("version", VERSIONS)
+def test_no_entry_point_is_deprecated(version):
+    # A deprecated call works today and is gone in a later major version.
+    warned = {name: got["warnings"] for name, got in probe(version)["entries"].items()
+              if any(w.startswith(("DeprecationWarning", "FutureWarning"))
+                     for w in got["warnings"])}
+    assert not warned, warned
+
+
 @pytest.mark.timeout(TIMEOUT_S + 60)
 @pytest.mark.parametrize("version", VERSIONS)
 def test_multi_worker_nccl_construction_reaches_nccl(version):
