@@ -346,11 +346,6 @@ def _(cp, nccl, cuda):
         pass
 
 
-@entry("numba.cuda.is_available")
-def _(cp, nccl, cuda):
-    return bool(cuda.is_available())
-
-
 # --- running --------------------------------------------------------------------------------
 
 #: Exceptions CuPy swallowed during the current call (Cython ``except``-less
