@@ -346,6 +346,40 @@ def _(cp, nccl, cuda):
         pass
 
 
+# --- gpustrat's launchers, with real CuPy arrays --------------------------------------------
+
+def fake_tensors(cp):
+    from gpustrat.kernels import _launch
+    tensors = [fake_array(cp, (3,), ptr=0x10000), fake_array(cp, (5, 2), ptr=0x20000)]
+    assert all(_launch._is_cupy(t) for t in tensors)
+    return tensors
+
+
+@entry("gpustrat.kernels.pack.pack")
+def _(cp, nccl, cuda):
+    from gpustrat.kernels.pack import pack
+    pack(fake_tensors(cp), out=fake_array(cp, (13,), ptr=0x30000))
+
+
+@entry("gpustrat.kernels.pack.unpack")
+def _(cp, nccl, cuda):
+    from gpustrat.kernels.pack import unpack
+    unpack(fake_array(cp, (13,), ptr=0x30000), [(3,), (5, 2)], out=fake_tensors(cp))
+
+
+@entry("gpustrat.kernels.sum_buffers.sum_buffers")
+def _(cp, nccl, cuda):
+    from gpustrat.kernels.sum_buffers import sum_buffers
+    bufs = [fake_array(cp, (4, 8), ptr=0x10000 * k) for k in (1, 2)]
+    sum_buffers(bufs, out=fake_array(cp, (8, 4), ptr=0x30000).T)
+
+
+@entry("gpustrat.kernels.split.split")
+def _(cp, nccl, cuda):
+    from gpustrat.kernels.split import split
+    split(fake_array(cp, (6, 3)), 4, pad_to=2)
+
+
 # --- running --------------------------------------------------------------------------------
 
 #: Exceptions CuPy swallowed during the current call (Cython ``except``-less
