@@ -114,31 +114,51 @@ def _mpiexec() -> str:
 
 
 def _nccl_info() -> dict:
+    """Whether CuPy loaded an NCCL library, its version and file, and whether NCCL
+    communicators can be made here (that also needs a GPU). Asked of CuPy directly:
+    a machine without a GPU still tells whether the library is installed right."""
     import importlib.util  # noqa: PLC0415
+    if importlib.util.find_spec("cupy") is None:
+        return {"nccl": "not loaded (CuPy not installed)"}
     try:
-        if importlib.util.find_spec("gpustrat.collectives.nccl") is not None:
-            from gpustrat.collectives import nccl  # noqa: PLC0415
-            available = bool(nccl.is_available())
-            version = getattr(nccl, "version", None)
-            out = {"nccl": "available" if available else "not available"}
-            if available and callable(version):
-                out["nccl version"] = str(version())
-            elif available:
-                out["nccl version"] = _cupy_nccl_version()
-            return out
-        if importlib.util.find_spec("cupy") is None:
-            return {"nccl": "not available (CuPy not installed)"}
-        version = _cupy_nccl_version()
-        return {"nccl": "available", "nccl version": version}
-    except Exception as e:
-        return {"nccl": f"not available ({type(e).__name__}: {e})"}
+        import warnings  # noqa: PLC0415
+        with warnings.catch_warnings():
+            # CuPy warns when it finds no NCCL library; "not loaded" below says so.
+            warnings.simplefilter("ignore")
+            from cupy.cuda import nccl  # noqa: PLC0415
+        if not getattr(nccl, "available", False):
+            return {"nccl": "not loaded: CuPy found no NCCL library (install the "
+                            "nvidia-nccl-cu12 or -cu13 wheel matching the CuPy wheel, "
+                            "e.g. pip install 'gpustrat[cuda13]')"}
+        out = {"nccl": "loaded",
+               "nccl version": f"{_nccl_version_text(nccl.get_version())} (CuPy built "
+                               f"against {_nccl_version_text(nccl.get_build_version())})",
+               "nccl library": _loaded_library("libnccl") or "unknown"}
+    except Exception as e:  # a broken CUDA install is worth reporting, not dying on
+        return {"nccl": f"not loaded ({type(e).__name__}: {e})"}
+    from gpustrat.collectives import nccl as gpustrat_nccl  # noqa: PLC0415
+    out["nccl communicators"] = ("usable" if gpustrat_nccl.is_available()
+                                 else "unusable: no GPU is visible")
+    return out
 
 
-def _cupy_nccl_version() -> str:
-    from cupy.cuda import nccl  # noqa: PLC0415
-    v = int(nccl.get_version())
+def _nccl_version_text(code) -> str:
+    v = int(code)
     # NCCL encodes 2.18.3 as 21803 (and versions before 2.9 as 2183).
     return f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v >= 10000 else str(v)
+
+
+def _loaded_library(stem: str) -> str | None:
+    """The file of the shared library ``stem*`` mapped into this process (Linux)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split(maxsplit=5)[-1].strip()
+                if os.path.basename(path).startswith(stem + "."):
+                    return path
+    except OSError:
+        pass
+    return None
 
 
 def collect_info() -> dict:

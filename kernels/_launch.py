@@ -1,9 +1,9 @@
 """Launch plumbing shared by the kernels: grid and block shapes, streams, arrays.
 
 Words:
-- *launch config*: ``(grid, block)``, both 2-D here. Every kernel of this package
-  walks a 2-D problem (rows x columns: pieces x words, tensors x elements, ...) with
-  grid-stride loops, so any grid is correct and the grid only decides the speed.
+- *launch config*: ``(grid, block)``: 2-D for split (pieces x rows by words), 1-D for
+  pack, unpack and sum (elements). Every kernel walks its problem with grid-stride
+  loops, so any grid is correct and the grid only decides the speed.
 - *window*: one 1-D device array whose extent covers several separate allocations of
   the same dtype on one device, so that a single launch can read or write many tensors
   through a table of element offsets (the way NCCL-style fusion kernels take a pointer
@@ -42,16 +42,26 @@ class LazyKernels:
 
     Args:
         module_globals: the kernel module's ``globals()``.
+        device_functions: names of module-level functions that kernels call; on first
+            use each name is rebound to ``cuda.jit(device=True, inline="always")`` of
+            it (before any kernel is compiled, since Numba reads globals then).
+            Inlined at Numba's IR level, a device function compiles to PTX without a
+            GPU; numba-cuda compiles a called one for the current device's compute
+            capability, which needs a driver.
     """
 
-    def __init__(self, module_globals: dict):
+    def __init__(self, module_globals: dict, device_functions: tuple = ()):
         self._globals = module_globals
+        self._device_functions = tuple(device_functions)
         self._jitted: dict = {}
 
     def bind(self):
         """``numba.cuda``, bound to the module's ``cuda`` name."""
         if self._globals.get("cuda") is None:
             from numba import cuda  # noqa: PLC0415 - numba is optional
+            for name in self._device_functions:
+                self._globals[name] = cuda.jit(device=True, inline="always")(
+                    self._globals[name])
             self._globals["cuda"] = cuda
         return self._globals["cuda"]
 
@@ -375,6 +385,26 @@ def cupy_stream(cp, nstream):
     handle = stream_handle(nstream)
     if handle == stream_handle(cp.cuda.get_current_stream()):
         return contextlib.nullcontext()
+    return external_cupy_stream(cp, handle)
+
+
+class _StreamHandle:
+    """A raw ``cudaStream_t`` speaking the CUDA stream protocol."""
+
+    def __init__(self, handle: int):
+        self.handle = int(handle)
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+def external_cupy_stream(cp, handle: int):
+    """A CuPy stream object for the raw ``cudaStream_t`` ``handle``: through
+    ``Stream.from_external`` where CuPy has it (14 and later, which deprecate
+    ``ExternalStream``), else ``ExternalStream`` (CuPy 13)."""
+    from_external = getattr(cp.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(_StreamHandle(handle))
     return cp.cuda.ExternalStream(handle)
 
 

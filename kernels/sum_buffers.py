@@ -66,6 +66,8 @@ def sum_buffers(buffers, out=None, stream=None, threads=None):
         buffers: K C-contiguous device arrays of one shape and dtype, on one device.
         out: the result array (same shape and dtype, same device; may be one of
             ``buffers``: each element is read before it is written); new if None.
+            A strided (non-contiguous) CuPy or NumPy ``out`` gets the sum through a
+            contiguous temporary, copied into it on the launch stream.
         stream: CuPy or Numba stream (None: current CuPy stream / Numba default).
         threads: threads per block.
     Returns:
@@ -81,14 +83,34 @@ def sum_buffers(buffers, out=None, stream=None, threads=None):
         else:
             _launch.check_kernel_input(out, "out")
             _check([buffers[0], out])
+        # The kernel writes a flat view; reshape() of a strided array would be a copy,
+        # and the sum would land in that copy and be lost.
+        target = out
+        if count and not _launch.is_c_contiguous(out):
+            if not (isinstance(out, np.ndarray) or _launch._cupy_of(out) is not None):
+                raise ValueError(f"out (shape {tuple(out.shape)}) is not C-contiguous: "
+                                 "pass a contiguous out, or a CuPy array")
+            target = _launch.empty(out, shape, dtype, stream)
         if count:
             win, offsets = _launch.window(buffers, dtype)
             nstream = _launch.numba_stream(stream, like=buffers[0])
             table = _launch.to_kernel_array(offsets, buffers[0], nstream)
             grid, block = _launch.launch_config_1d(count, threads or _launch.env_threads())
-            flat = _launch.kernel_arg(out.reshape(count), nstream)
+            flat = _launch.kernel_arg(target.reshape(count), nstream)
             _kernels["_sum_kernel"][grid, block, nstream](win, table, flat)
+            if target is not out:
+                _copy_into(out, target, nstream)
     return out
+
+
+def _copy_into(out, result, nstream) -> None:
+    """``out[...] = result`` on the launch's stream (so after the kernel)."""
+    if isinstance(out, np.ndarray):
+        np.copyto(out, result)
+        return
+    cp = _launch._cupy_of(out)
+    with _launch.cupy_stream(cp, nstream):
+        out[...] = result
 
 
 def sum_buffers_reference(buffers, out=None, stream=None, threads=None):

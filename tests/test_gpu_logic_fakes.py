@@ -220,14 +220,21 @@ def test_a_collective_waits_for_every_replica_stream_and_the_combiner_streams(fa
 
 @pytest.fixture
 def imports(monkeypatch):
-    """Record numba.cuda.from_cuda_array_interface calls (no GPU needed)."""
+    """Record numba.cuda.from_cuda_array_interface calls (no GPU needed).
+
+    The tests model launches on a real GPU, so the simulator is switched off for them
+    even under ``NUMBA_ENABLE_CUDASIM=1``, whose ``numba.cuda`` has no
+    ``from_cuda_array_interface`` to patch (hence ``raising=False``).
+    """
     from numba import cuda
+    from gpustrat.kernels import _launch
     calls = []
 
     def fake_import(desc, owner=None, sync=True):
         calls.append((owner, desc["stream"], sync))
         return ("numba view of", owner)
-    monkeypatch.setattr(cuda, "from_cuda_array_interface", fake_import)
+    monkeypatch.setattr(_launch, "simulating", lambda: False)
+    monkeypatch.setattr(cuda, "from_cuda_array_interface", fake_import, raising=False)
     return calls
 
 

@@ -188,7 +188,8 @@ class NcclCommunicator(Communicator):
         if self.num_workers == 1:
             self._comms = nccl.NcclCommunicator.initAll([d.index for d in self.devices])
         else:
-            from gpustrat.collectives.rendezvous import nccl_unique_id  # noqa: PLC0415
+            from gpustrat.collectives.rendezvous import (  # noqa: PLC0415
+                new_communicator, nccl_unique_id)
             counts = self.workers.allgather(self.num_local)
             if len(set(counts)) > 1:
                 raise ValueError(f"every worker must hold the same number of GPUs, but the "
@@ -199,8 +200,8 @@ class NcclCommunicator(Communicator):
             try:
                 for i, d in enumerate(self.devices):
                     with cp.cuda.Device(d.index):
-                        comms.append(nccl.NcclCommunicator(
-                            self.num_replicas, uid, self.global_replica_id(i)))
+                        comms.append(new_communicator(
+                            nccl, self.num_replicas, uid, self.global_replica_id(i)))
             finally:
                 nccl.groupEnd()
             self._comms = comms

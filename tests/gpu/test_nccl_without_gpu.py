@@ -149,14 +149,159 @@ def test_rendezvous_creates_on_root_only():
 
     def make():
         made.append(1)
-        return tuple(range(128))
+        return bytes(range(128))
 
-    assert broadcast_unique_id(LocalWorkerGroup(), make) == tuple(range(128))
+    assert broadcast_unique_id(LocalWorkerGroup(), make) == bytes(range(128))
     made.clear()
     root, other = TwoWorkers(0), TwoWorkers(1)
-    assert broadcast_unique_id(root, make) == tuple(range(128))
-    assert broadcast_unique_id(other, make) == tuple(range(128))
+    assert broadcast_unique_id(root, make) == bytes(range(128))
+    assert broadcast_unique_id(other, make) == bytes(range(128))
     assert made == [1]
+
+
+# --- the unique id's two forms: CuPy 13 (tuple of signed chars) and CuPy 14 (bytes) ------
+
+class FakeNccl:
+    """``cupy.cuda.nccl`` of one CuPy major version, with its constructor's argument
+    checks as the real Cython code makes them (cupy_backends/cuda/libs/nccl.pyx):
+    CuPy 13: ``def __init__(self, int ndev, tuple commId, int rank)``, each item
+    stored into a C ``char``; CuPy 14: ``bytes commId``, length checked."""
+
+    NCCL_SUM, NCCL_AVG = 0, 4
+
+    def __init__(self, major: int, uid: bytes = bytes(range(7, 135))):
+        self.major, self.uid, self.made = major, uid, []
+        fake = self
+
+        class NcclCommunicator:
+            def __init__(self, ndev, commId, rank):
+                want = tuple if fake.major < 14 else bytes
+                if type(commId) is not want:
+                    raise TypeError(f"Argument 'commId' has incorrect type (expected "
+                                    f"{want.__name__}, got {type(commId).__name__})")
+                if len(commId) != 128:
+                    raise ValueError(f"commId length {len(commId)} != 128.")
+                if want is tuple and not all(-128 <= c <= 127 for c in commId):
+                    raise OverflowError("value too large to convert to char")
+                fake.made.append((ndev, commId, rank))
+
+        self.NcclCommunicator = NcclCommunicator
+
+    def get_unique_id(self):
+        if self.major < 14:
+            return tuple(b - 256 if b > 127 else b for b in self.uid)
+        return self.uid
+
+    def get_version(self):
+        return 23203
+
+    def groupStart(self):
+        pass
+
+    def groupEnd(self):
+        pass
+
+
+class ThreadWorkers(WorkerGroup):
+    """Worker ``rank`` of ``size`` workers that are threads of this process."""
+
+    def __init__(self, rank, shared):
+        self.rank, self.size, self.shared = rank, shared["size"], shared
+
+    def allgather(self, obj):
+        self.shared["slots"][self.rank] = obj
+        self.shared["barrier"].wait(timeout=30)
+        out = list(self.shared["slots"])
+        self.shared["barrier"].wait(timeout=30)
+        return out
+
+    def bcast(self, obj, root=0):
+        return self.allgather(obj)[root]
+
+    def allreduce_ints(self, values, op):
+        raise AssertionError("not used")
+
+    def barrier(self):
+        self.shared["barrier"].wait(timeout=30)
+
+
+def make_worker_communicators(monkeypatch, majors, gpus_per_worker=2):
+    """gpustrat's NcclCommunicator on ``len(majors)`` workers (threads), worker ``w``
+    with CuPy major version ``majors[w]``; returns each worker's FakeNccl."""
+    import contextlib
+    import threading
+    import types
+    fakes = [FakeNccl(m) for m in majors]
+    local = threading.local()
+    cp = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Device=lambda i: contextlib.nullcontext()))
+    monkeypatch.setattr(nccl, "cupy", lambda: cp)
+    monkeypatch.setattr(nccl, "nccl_module", lambda: fakes[local.rank])
+    monkeypatch.setattr(nccl, "new_stream", lambda d: None)
+    shared = {"size": len(majors), "slots": [None] * len(majors),
+              "barrier": threading.Barrier(len(majors))}
+    errors = []
+
+    def worker(rank):
+        local.rank = rank
+        try:
+            nccl.NcclCommunicator([Device("gpu", i) for i in range(gpus_per_worker)],
+                                  ThreadWorkers(rank, shared), timeout=5)
+        except BaseException as e:  # reported below, from the test's thread
+            errors.append((rank, e))
+            shared["barrier"].abort()
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(len(majors))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return fakes
+
+
+@pytest.mark.parametrize("majors", [(13, 13), (14, 14, 14), (13, 14), (14, 13)])
+def test_worker_communicators_get_the_id_in_their_cupys_form(monkeypatch, majors):
+    fakes = make_worker_communicators(monkeypatch, majors)
+    root_uid = fakes[0].uid
+    n = 2 * len(majors)
+    for w, fake in enumerate(fakes):
+        # Every local GPU of every worker: the clique's size, its global replica id,
+        # and rank 0's id in the form this worker's CuPy takes.
+        assert [(ndev, rank) for ndev, _, rank in fake.made] == [(n, 2 * w), (n, 2 * w + 1)]
+        for _, comm_id, _ in fake.made:
+            if fake.major >= 14:
+                assert comm_id == root_uid
+            else:
+                assert type(comm_id) is tuple
+                assert bytes(c & 0xFF for c in comm_id) == root_uid
+
+
+def test_unique_id_forms_round_trip_every_byte():
+    from gpustrat.collectives import rendezvous as rv
+    raw = bytes((i * 2 + 1) % 256 for i in range(128))
+    chars = rv.unique_id_signed_chars(raw)
+    assert min(chars) >= -128 and max(chars) <= 127 and min(chars) < 0
+    assert rv.unique_id_bytes(chars) == raw == rv.unique_id_bytes(raw)
+    every = bytes(range(256))
+    for half in (every[:128], every[128:]):
+        assert rv.unique_id_bytes(rv.unique_id_signed_chars(half)) == half
+    with pytest.raises(ValueError, match="is 128 bytes, got 127"):
+        rv.unique_id_bytes(raw[:127])
+    with pytest.raises(ValueError, match=r"holds \[300\]"):
+        rv.unique_id_bytes((300,) + (0,) * 127)
+
+
+def test_a_constructor_that_takes_neither_form_is_a_clear_error():
+    from gpustrat.collectives import rendezvous as rv
+    fake = FakeNccl(14)
+
+    def refuse(ndev, commId, rank):
+        raise TypeError(f"no {type(commId).__name__}")
+    fake.NcclCommunicator = refuse
+    with pytest.raises(TypeError, match=r"neither as bytes .* nor as a tuple .*no bytes.*"
+                                        r"no tuple"):
+        rv.new_communicator(fake, 2, bytes(128), 0)
 
 
 def test_rendezvous_failure_reaches_every_worker():
@@ -173,7 +318,7 @@ import os
 from gpustrat.collectives.mpi import MpiWorkerGroup
 from gpustrat.collectives.rendezvous import broadcast_unique_id
 g = MpiWorkerGroup()
-uid = broadcast_unique_id(g, lambda: tuple(os.urandom(128)))
+uid = broadcast_unique_id(g, lambda: os.urandom(128))
 every = g.allgather(uid)
 assert len(uid) == 128 and all(u == uid for u in every)
 print(f"OK rank {g.rank}", flush=True)

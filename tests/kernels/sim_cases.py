@@ -156,6 +156,72 @@ def test_pack_unpack_scale_match_reference(dtype):
         assert_same(b, t)  # scaling by powers of two is exact
 
 
+@pytest.mark.parametrize("scale", (None, 0.5))
+def test_pack_unpack_many_small_and_empty_tensors_with_a_grid_stride(monkeypatch, scale):
+    # 32-thread blocks and at most 2 of them: each thread walks many elements, crossing
+    # tensors, empty ones included (first, middle, last), in its grid-stride loop.
+    monkeypatch.setattr(_launch, "MAX_USEFUL_GRID_X", 2)
+    sizes = [0, 1, 31, 32, 33, 0, 0, 64, 65, 1, 2, 0, 95, 3, 0]
+    tensors = [data((n,), np.float32, 50 + k) for k, n in enumerate(sizes)]
+    buf = pack(tensors, scale=scale, threads=32)
+    assert_same(buf, pack_reference(tensors, scale=scale))
+    back = unpack(buf, [t.shape for t in tensors], scale=None if scale is None else 2.0,
+                  threads=32)
+    for b, t in zip(back, tensors):
+        assert_same(b, t)
+
+
+def resnet50_gradient_shapes():
+    """The 161 parameter shapes of ResNet-50 (25,557,032 values): conv weights, batch
+    norm scales and offsets, the classifier."""
+    shapes = [(64, 3, 7, 7), (64,), (64,)]
+    cin = 64
+    for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        for b in range(blocks):
+            for co, ci, k in ((width, cin, 1), (width, width, 3), (4 * width, width, 1)):
+                shapes += [(co, ci, k, k), (co,), (co,)]
+            if b == 0:
+                shapes += [(4 * width, cin, 1, 1), (4 * width,), (4 * width,)]
+            cin = 4 * width
+    return shapes + [(1000, 2048), (1000,)]
+
+
+def test_pack_of_resnet50_gradients_launches_no_idle_block(monkeypatch):
+    from gpustrat.kernels import pack as pack_mod
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, name):
+            return Configured(name)
+
+    class Configured:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, config):
+            launches.append((self.name, config[0], config[1]))
+            return lambda *args: None      # the sizes, not the copy, are checked here
+
+    shapes = resnet50_gradient_shapes()
+    total = sum(int(np.prod(s)) for s in shapes)
+    assert (len(shapes), total) == (161, 25557032)
+    # Never written: np.empty reserves the 100 MB without touching it.
+    tensors = [np.empty(s, np.float32) for s in shapes]
+    monkeypatch.setattr(pack_mod, "_kernels", Recorder())
+    pack(tensors, threads=256)
+    unpack(np.empty(total, np.float32), shapes, out=tensors, threads=256)
+    # One thread per element up to the 65,536-block cap (a 2-D grid sized by the
+    # largest tensor launched 9,216 x 161 = 1,483,776 blocks here).
+    assert launches == [("_pack_copy", 65536, 256), ("_unpack_copy", 65536, 256)]
+    assert -(-total // 256) > 65536
+    # A list small enough to need fewer blocks gets one thread per element, and its
+    # last block is the only one with idle threads.
+    launches.clear()
+    small = [np.empty(n, np.float32) for n in (1, 300, 7, 2049)]
+    pack(small, threads=128)
+    assert launches == [("_pack_copy", -(-2357 // 128), 128)]
+
+
 def test_pack_errors():
     with pytest.raises(TypeError, match="one dtype"):
         pack([np.zeros(3, np.float32), np.zeros(3, np.float64)])
@@ -179,6 +245,21 @@ def test_sum_buffers_matches_reference(n, dtype):
     want = sum_buffers_reference(bufs)
     assert sum_buffers(bufs, out=bufs[0], threads=THREADS) is bufs[0]
     assert_same(bufs[0], want)
+
+
+@pytest.mark.parametrize("dtype", (np.float32, np.int64))
+@pytest.mark.parametrize("n", (1, 129))
+def test_sum_buffers_into_a_strided_out(n, dtype):
+    bufs = [data((3, n), dtype, 40 + i) for i in range(3)]
+    want = sum_buffers_reference(bufs)
+    every_other = np.zeros((3, 2 * n), dtype)
+    out = every_other[:, ::2]
+    assert sum_buffers(bufs, out=out, threads=THREADS) is out
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(every_other[:, 1::2], 0)   # the gaps stay untouched
+    transposed = np.zeros((n, 3), dtype).T
+    sum_buffers(bufs, out=transposed, threads=THREADS)
+    np.testing.assert_array_equal(transposed, want)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")

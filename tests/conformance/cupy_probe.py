@@ -1,0 +1,447 @@
+"""Every CuPy, NCCL and Numba entry point of the GPU path, called against the real
+installed packages with the argument types gpustrat passes.
+
+Run as a script (by ``test_real_cupy.py``, in a child whose ``PYTHONPATH`` selects
+one CuPy install) it prints one JSON object: for each entry point, whether the call
+returned or what it raised. On a machine without a GPU a call may fail for lack of a
+device (``CUDARuntimeError``, ``CUDADriverError``, ``NcclError``,
+``CudaSupportError``); a ``TypeError`` or ``AttributeError`` means gpustrat calls the
+package in a way this version does not accept.
+
+Imported (by the parent test) it only defines the table: ``ENTRY_POINTS`` maps each
+entry point's name, as gpustrat's source spells it with the module written out
+(``cupy.cuda.Device``, ``cupy.cuda.nccl.get_unique_id``, ``numba.cuda.external_stream``),
+to the probe that calls it; ``COVERED_ELSEWHERE`` names those checked by another test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import traceback
+import warnings
+
+import numpy as np
+
+ENTRY_POINTS: dict = {}
+
+#: Kernel intrinsics and the decorator: compiled to PTX for sm_80 and sm_90 with the
+#: real numba-cuda by ``tests/kernels/test_kernels_ptx.py`` (needs no device).
+COVERED_ELSEWHERE = {
+    "numba.cuda.jit": "tests/kernels/test_kernels_ptx.py",
+    "numba.cuda.grid": "tests/kernels/test_kernels_ptx.py",
+    "numba.cuda.gridsize": "tests/kernels/test_kernels_ptx.py",
+    "numba.cuda.blockIdx": "tests/kernels/test_kernels_ptx.py",
+    "numba.cuda.blockDim": "tests/kernels/test_kernels_ptx.py",
+    "numba.cuda.threadIdx": "tests/kernels/test_kernels_ptx.py",
+    "numba.cuda.gridDim": "tests/kernels/test_kernels_ptx.py",
+}
+
+
+def entry(*names):
+    """Register a probe for the entry points ``names`` (one call may cover several)."""
+    def register(fn):
+        for name in names:
+            ENTRY_POINTS[name] = fn
+        return fn
+    return register
+
+
+# --- plumbing: a CuPy array without a device ----------------------------------------------
+
+def fake_array(cp, shape=(4, 8), dtype=np.float32, ptr=0x10000):
+    """A ``cupy.ndarray`` over an address that is never dereferenced: CuPy builds it
+    without touching a device (``UnownedMemory`` with an explicit device id)."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    mem = cp.cuda.UnownedMemory(ptr, nbytes, None, 0)
+    return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, 0))
+
+
+def fake_event(cp):
+    """A ``cupy.cuda.Event`` object holding the null event handle (creating a real
+    one needs a device)."""
+    ev = cp.cuda.Event.__new__(cp.cuda.Event)
+    ev.ptr = 0
+    return ev
+
+
+# --- CuPy: devices and streams --------------------------------------------------------------
+
+@entry("cupy.cuda.runtime.getDeviceCount")
+def _(cp, nccl, cuda):
+    return cp.cuda.runtime.getDeviceCount()
+
+
+@entry("cupy.cuda.Device")
+def _(cp, nccl, cuda):
+    with cp.cuda.Device(1):         # devices.py, nccl.py: ``with cp.cuda.Device(index)``
+        pass
+
+
+@entry("cupy.cuda.Stream")
+def _(cp, nccl, cuda):
+    return cp.cuda.Stream(non_blocking=True)    # devices.new_stream
+
+
+@entry("cupy.cuda.get_current_stream")
+def _(cp, nccl, cuda):
+    return cp.cuda.get_current_stream().ptr
+
+
+@entry("cupy.cuda.ExternalStream", "cupy.cuda.Stream.from_external")
+def _(cp, nccl, cuda):
+    from gpustrat.kernels._launch import external_cupy_stream
+    s = external_cupy_stream(cp, 12345)     # a launch's raw cudaStream_t
+    assert s.ptr == 12345
+    with s:
+        pass
+
+
+@entry("cupy.cuda.Stream.record")
+def _(cp, nccl, cuda):
+    return cp.cuda.Stream.null.record()
+
+
+@entry("cupy.cuda.Stream.wait_event")
+def _(cp, nccl, cuda):
+    cp.cuda.Stream.null.wait_event(fake_event(cp))
+
+
+@entry("cupy.cuda.Stream.synchronize")
+def _(cp, nccl, cuda):
+    cp.cuda.Stream.null.synchronize()
+
+
+@entry("cupy.cuda.Event.done")
+def _(cp, nccl, cuda):
+    return fake_event(cp).done
+
+
+# --- CuPy: arrays ---------------------------------------------------------------------------
+
+@entry("cupy.empty")
+def _(cp, nccl, cuda):
+    return cp.empty((3, 2), np.dtype(np.float32))
+
+
+@entry("cupy.zeros")
+def _(cp, nccl, cuda):
+    return cp.zeros((3, 2), np.float32)
+
+
+@entry("cupy.full")
+def _(cp, nccl, cuda):
+    return cp.full(3, np.float32(0), dtype=np.float32)
+
+
+@entry("cupy.asarray")
+def _(cp, nccl, cuda):
+    return cp.asarray(np.arange(6, dtype=np.int64).reshape(2, 3))
+
+
+@entry("cupy.stack", "cupy.concatenate")
+def _(cp, nccl, cuda):
+    x = fake_array(cp)
+    cp.stack([x, x])
+    return cp.concatenate([x[:1], x[1:]])
+
+
+@entry("cupy.moveaxis")
+def _(cp, nccl, cuda):
+    assert cp.moveaxis(fake_array(cp), 1, 0).shape == (8, 4)
+
+
+@entry("cupy.ascontiguousarray")
+def _(cp, nccl, cuda):
+    x = fake_array(cp)
+    assert cp.ascontiguousarray(x) is x
+    return cp.ascontiguousarray(x.T)
+
+
+@entry("cupy.tanh")
+def _(cp, nccl, cuda):
+    return cp.tanh(fake_array(cp))
+
+
+@entry("cupy.from_dlpack")
+def _(cp, nccl, cuda):
+    return cp.from_dlpack(fake_array(cp))
+
+
+@entry("cupy.ndarray", "cupy.ndarray.device.id", "cupy.ndarray.data.ptr",
+       "cupy.ndarray.flags.c_contiguous")
+def _(cp, nccl, cuda):
+    x = fake_array(cp)
+    assert isinstance(x, cp.ndarray)
+    assert (x.device.id, x.data.ptr, x.flags.c_contiguous) == (0, 0x10000, True)
+    assert not x.T.flags.c_contiguous
+
+
+@entry("cupy.ndarray.__cuda_array_interface__")
+def _(cp, nccl, cuda):
+    cai = fake_array(cp).__cuda_array_interface__
+    assert cai["version"] >= 3 and "stream" in cai and cai["data"][0] == 0x10000
+
+
+@entry("cupy.ndarray.get", "cupy.ndarray.set")
+def _(cp, nccl, cuda):
+    x = fake_array(cp)
+    x.set(np.zeros((4, 8), np.float32), stream=cp.cuda.Stream.null)
+    return x.get()
+
+
+@entry("cupy.cuda.MemoryPointer.copy_from_device_async")
+def _(cp, nccl, cuda):
+    x, y = fake_array(cp), fake_array(cp, ptr=0x20000)
+    y.data.copy_from_device_async(x.data, x.nbytes, cp.cuda.Stream.null)
+
+
+@entry("cupy.ndarray.__setitem__", "cupy.ndarray.__itruediv__", "cupy.ndarray.__truediv__")
+def _(cp, nccl, cuda):
+    x, y = fake_array(cp), fake_array(cp, ptr=0x20000)
+    y.T[...] = x.T
+    x /= 4
+    return x / 4
+
+
+# --- NCCL -----------------------------------------------------------------------------------
+
+@entry("cupy.cuda.nccl.available", "cupy.cuda.nccl.get_version",
+       "cupy.cuda.nccl.get_build_version")
+def _(cp, nccl, cuda):
+    assert nccl.available is True
+    return int(nccl.get_version()), int(nccl.get_build_version())
+
+
+@entry("cupy.cuda.nccl.get_unique_id")
+def _(cp, nccl, cuda):
+    from gpustrat.collectives.rendezvous import unique_id_bytes
+    uid = nccl.get_unique_id()
+    return f"{type(uid).__name__} of {len(unique_id_bytes(uid))} bytes"
+
+
+@entry("cupy.cuda.nccl.NcclCommunicator")
+def _(cp, nccl, cuda):
+    """gpustrat's multi-worker constructor path, with the id from the real
+    ``get_unique_id`` in the form this CuPy takes."""
+    from gpustrat.collectives.rendezvous import new_communicator, unique_id_bytes
+    return new_communicator(nccl, 2, unique_id_bytes(nccl.get_unique_id()), 0)
+
+
+@entry("gpustrat.collectives.nccl.NcclCommunicator(workers=2)")
+def _(cp, nccl, cuda):
+    """gpustrat's whole multi-worker constructor, as worker 0 of 2: the real
+    ``get_unique_id``, the rendezvous, and the real constructor inside a group
+    (``cupy.cuda.Device`` is made a no-op so the call gets past entering the device)."""
+    from gpustrat.collectives.base import LocalWorkerGroup
+    from gpustrat.collectives.nccl import NcclCommunicator
+    from gpustrat.devices import Device
+
+    class FirstOfTwo(LocalWorkerGroup):
+        size = 2
+
+        def allgather(self, obj):
+            return [obj, obj]
+
+    real = cp.cuda.Device
+    cp.cuda.Device = lambda index: contextlib.nullcontext()
+    try:
+        return NcclCommunicator([Device("gpu", 0)], FirstOfTwo(), timeout=5)
+    finally:
+        cp.cuda.Device = real
+
+
+@entry("cupy.cuda.nccl.NcclCommunicator.initAll")
+def _(cp, nccl, cuda):
+    return nccl.NcclCommunicator.initAll([0, 1])
+
+
+@entry("cupy.cuda.nccl.groupStart", "cupy.cuda.nccl.groupEnd")
+def _(cp, nccl, cuda):
+    nccl.groupStart()
+    nccl.groupEnd()
+
+
+def null_comm(nccl):
+    """A communicator object holding no NCCL communicator: its methods reach NCCL,
+    which refuses the null handle (NCCL_ERROR_INVALID_ARGUMENT)."""
+    return nccl.NcclCommunicator.__new__(nccl.NcclCommunicator)
+
+
+@entry("cupy.cuda.nccl.NcclCommunicator.allReduce")
+def _(cp, nccl, cuda):
+    # nccl.py: c.allReduce(send.data.ptr, recv.data.ptr, count, dt, op, stream.ptr)
+    null_comm(nccl).allReduce(0x10000, 0x20000, 4, int(nccl.NCCL_FLOAT32),
+                              int(nccl.NCCL_SUM), 0)
+
+
+@entry("cupy.cuda.nccl.NcclCommunicator.reduceScatter")
+def _(cp, nccl, cuda):
+    null_comm(nccl).reduceScatter(0x10000, 0x20000, 2, int(nccl.NCCL_FLOAT32),
+                                  int(nccl.NCCL_AVG), 0)
+
+
+@entry("cupy.cuda.nccl.NcclCommunicator.broadcast")
+def _(cp, nccl, cuda):
+    null_comm(nccl).broadcast(0x10000, 0x20000, 16, int(nccl.NCCL_INT8), 1, 0)
+
+
+@entry("cupy.cuda.nccl.NcclCommunicator.allGather")
+def _(cp, nccl, cuda):
+    null_comm(nccl).allGather(0x10000, 0x20000, 16, int(nccl.NCCL_INT8), 0)
+
+
+@entry("cupy.cuda.nccl.NcclCommunicator.check_async_error")
+def _(cp, nccl, cuda):
+    null_comm(nccl).check_async_error()
+
+
+@entry("cupy.cuda.nccl.NcclCommunicator.abort", "cupy.cuda.nccl.NcclCommunicator.destroy")
+def _(cp, nccl, cuda):
+    c = null_comm(nccl)
+    c.abort()
+    c.destroy()
+
+
+# --- Numba ----------------------------------------------------------------------------------
+
+@entry("numba.cuda.external_stream")
+def _(cp, nccl, cuda):
+    return cuda.external_stream(12345)
+
+
+@entry("numba.cuda.legacy_default_stream")
+def _(cp, nccl, cuda):
+    return int(cuda.legacy_default_stream())
+
+
+@entry("numba.cuda.default_stream")
+def _(cp, nccl, cuda):
+    return int(cuda.default_stream())
+
+
+@entry("numba.cuda.from_cuda_array_interface")
+def _(cp, nccl, cuda):
+    # _launch.window's descriptor (kernel_arg passes a CuPy array's interface, which
+    # needs a device to be made on CuPy 14).
+    desc = {"shape": (8,), "strides": None, "typestr": "<f4", "data": (0x10000, False),
+            "version": 3}
+    return cuda.from_cuda_array_interface(desc, owner=None, sync=False)
+
+
+@entry("numba.cuda.device_array")
+def _(cp, nccl, cuda):
+    return cuda.device_array((3,), np.dtype(np.float32), stream=0)
+
+
+@entry("numba.cuda.to_device")
+def _(cp, nccl, cuda):
+    return cuda.to_device(np.zeros((3, 2), np.int64), stream=0)
+
+
+@entry("numba.cuda.gpus")
+def _(cp, nccl, cuda):
+    with cuda.gpus[1]:
+        pass
+
+
+# --- gpustrat's launchers, with real CuPy arrays --------------------------------------------
+
+def fake_tensors(cp):
+    from gpustrat.kernels import _launch
+    tensors = [fake_array(cp, (3,), ptr=0x10000), fake_array(cp, (5, 2), ptr=0x20000)]
+    assert all(_launch._is_cupy(t) for t in tensors)
+    return tensors
+
+
+@entry("gpustrat.kernels.pack.pack")
+def _(cp, nccl, cuda):
+    from gpustrat.kernels.pack import pack
+    pack(fake_tensors(cp), out=fake_array(cp, (13,), ptr=0x30000))
+
+
+@entry("gpustrat.kernels.pack.unpack")
+def _(cp, nccl, cuda):
+    from gpustrat.kernels.pack import unpack
+    unpack(fake_array(cp, (13,), ptr=0x30000), [(3,), (5, 2)], out=fake_tensors(cp))
+
+
+@entry("gpustrat.kernels.sum_buffers.sum_buffers")
+def _(cp, nccl, cuda):
+    from gpustrat.kernels.sum_buffers import sum_buffers
+    bufs = [fake_array(cp, (4, 8), ptr=0x10000 * k) for k in (1, 2)]
+    sum_buffers(bufs, out=fake_array(cp, (8, 4), ptr=0x30000).T)
+
+
+@entry("gpustrat.kernels.split.split")
+def _(cp, nccl, cuda):
+    from gpustrat.kernels.split import split
+    split(fake_array(cp, (6, 3)), 4, pad_to=2)
+
+
+# --- running --------------------------------------------------------------------------------
+
+#: Exceptions CuPy swallowed during the current call (Cython ``except``-less
+#: functions report them through ``sys.unraisablehook`` and go on with a default).
+_swallowed: list = []
+
+
+def outcome(fn, cp, nccl, cuda) -> dict:
+    _swallowed.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            value = fn(cp, nccl, cuda)
+            out = {"outcome": "returned", "value": repr(value)[:120]}
+        except BaseException as e:  # reported to the parent, judged there
+            t = type(e)
+            out = {"outcome": "raised", "type": f"{t.__module__}.{t.__qualname__}",
+                   "message": str(e)[:300],
+                   "traceback": "".join(traceback.format_exception(e))[-1500:]}
+    out["warnings"] = sorted({f"{w.category.__name__}: {str(w.message)[:160]}"
+                              for w in caught
+                              if not issubclass(w.category, ResourceWarning)})
+    out["swallowed"] = sorted(set(_swallowed))
+    return out
+
+
+def _record_unraisable(unraisable) -> None:
+    t = type(unraisable.exc_value)
+    # Objects made without a device complain in __del__ (AttributeError on a field
+    # __init__ never set): that is teardown, not the call.
+    where = getattr(unraisable.object, "__name__", repr(unraisable.object))
+    if "__del__" not in str(where) and "__dealloc__" not in str(where):
+        _swallowed.append(f"{t.__module__}.{t.__qualname__}")
+
+
+def main() -> int:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # CuPy's preload notes; NCCL's absence shows below
+        import cupy as cp
+        from cupy.cuda import nccl
+    from numba import cuda
+    try:
+        gpus = int(cp.cuda.runtime.getDeviceCount())
+    except Exception:  # the expected answer here: no driver, no device
+        gpus = 0
+    if gpus:
+        # The probes hand CuPy made-up device addresses, which a real device would
+        # dereference: on a GPU machine tests/gpu runs the real calls instead.
+        print(json.dumps({"cupy": cp.__version__, "gpus": gpus}))
+        return 0
+    report = {"cupy": cp.__version__, "nccl_available": bool(nccl.available),
+              "nccl_constants": {n: int(getattr(nccl, n)) for n in dir(nccl)
+                                 if n.startswith("NCCL_") and isinstance(
+                                     getattr(nccl, n), int)},
+              "entries": {}}
+    sys.unraisablehook = _record_unraisable
+    for name, fn in ENTRY_POINTS.items():
+        report["entries"][name] = outcome(fn, cp, nccl, cuda)
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())
