@@ -331,3 +331,24 @@ def test_concatenated_pieces_give_back_the_batches(case):
             assert all(len(p) <= -(-rows // n) for p in pieces)
             np.testing.assert_array_equal(np.concatenate(pieces), want)
             assert all(p.dtype == want.dtype and p.shape[1:] == want.shape[1:] for p in pieces)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 40), st.integers(1, 9), st.booleans(), st.integers(1, 4),
+       st.integers(1, 3))
+def test_data_policy_deals_pieces_round_robin_and_delivers_each_element_once(
+        size, batch, drop, workers, local):
+    # DATA over `workers` workers of `local` replicas, every worker's dealing worked out
+    # in one process: piece k of each global batch goes to worker k % workers, whose
+    # replicas take its pieces in order.
+    from gpustrat.distribute.splitting import Splitter, deal_steps
+    n = workers * local
+    ds = Dataset.range(size).batch(batch, drop_remainder=drop)
+    per_worker = [[[p.tolist() for p in step]
+                   for step in deal_steps(iter(ds), Splitter(n), w, workers, local, False)]
+                  for w in range(workers)]
+    batches = [b.tolist() for b in ds]
+    for w, got in enumerate(per_worker):
+        assert got == [rule(b, n)[w::workers] for b in batches]
+    delivered = sorted(v for got in per_worker for step in got for p in step for v in p)
+    assert delivered == sorted(v for b in batches for v in b)

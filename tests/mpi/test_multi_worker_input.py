@@ -1,0 +1,160 @@
+"""Distributed input across workers with several replicas each, under ``mpiexec -n 2/3/4``:
+how each auto-shard policy deals the pieces (against TensorFlow 2.21's values and the
+rule), every element delivered exactly once, and what a pipeline that differs between
+workers gets (a rank-dependent length is an error on every rank; an unseeded shuffle
+is given one seed agreed by all workers)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for mpi_util
+from mpi_util import assert_mpi_ok  # noqa: E402
+
+pytestmark = pytest.mark.mpi
+
+PRELUDE = r"""
+import os, random, tempfile
+import numpy as np
+import gpustrat as gs
+from gpustrat.data import Dataset, Options, AutoShardPolicy as P, TextLineDataset
+
+def pol(ds, p):
+    o = Options()
+    o.experimental_distribute.auto_shard_policy = p
+    return ds.with_options(o)
+
+def steps_of(s, dist):
+    return [[np.asarray(p).tolist() for p in s.experimental_local_results(x)] for x in dist]
+
+def write_files(tmp, contents):
+    for i, rows in enumerate(contents):
+        with open(os.path.join(tmp, f"part-{i:03d}.txt"), "w") as f:
+            f.write("".join(f"{v}\n" for v in rows))
+
+def text_files(pattern):
+    return (Dataset.list_files(pattern, shuffle=False)
+            .interleave(TextLineDataset, cycle_length=1)
+            .map(lambda line: np.int64(int(line))))
+
+def batches(values, b, drop):
+    out = [values[i:i + b] for i in range(0, len(values), b)]
+    return [x for x in out if len(x) == b] if drop else out
+
+def cut(batch, n):
+    # The splitting rule: pieces of ceil(rows / n) rows, in order; empty pieces last.
+    per = -(-len(batch) // n)
+    return [batch[i * per:(i + 1) * per] for i in range(n)]
+
+def pad(per_worker, local):
+    # Every worker runs as many steps as the longest; the others get empty pieces.
+    longest = max(len(x) for x in per_worker)
+    return [x + [[[]] * local] * (longest - len(x)) for x in per_worker]
+
+def rule_data(values, b, drop, W, R):
+    # The stream of per-replica pieces dealt round-robin over workers; each worker
+    # hands consecutive pieces of its share to its replicas.
+    return pad([[cut(x, W * R)[w::W] for x in batches(values, b, drop)] for w in range(W)], R)
+
+def rule_stream(per_worker_values, b, drop, W, R):
+    # FILE and OFF: each worker cuts its own batches into W*R pieces and hands them to
+    # its replicas R at a time, leaving out steps whose pieces would all be empty.
+    out = []
+    for values in per_worker_values:
+        steps = []
+        for x in batches(values, b, drop):
+            pieces = cut(x, W * R)
+            nonempty = sum(1 for p in pieces if p)
+            steps += [pieces[k * R:(k + 1) * R] for k in range(-(-nonempty // R))]
+        out.append(steps)
+    return pad(out, R)
+"""
+
+DEALING = PRELUDE + r"""
+# DATA over W workers x R replicas, recorded from TF 2.21: for each worker, the pipeline
+# MultiWorkerMirroredStrategy builds (distribute.batch_sizes_for_worker, rebatch,
+# auto_shard_dataset with policy DATA), its elements taken R at a time by the worker's
+# replicas, padded with empty pieces to the longest worker. Key: (n, b, drop, R) for
+# range(n).batch(b, drop_remainder=drop).
+TF_DATA = {2: {
+    (15, 4, False, 2): [[[[0], [2]], [[4], [6]], [[8], [10]], [[12], [14]]], [[[1], [3]], [[5], [7]], [[9], [11]], [[13], []]]],
+    (15, 4, False, 3): [[[[0], [2], []], [[4], [6], []], [[8], [10], []], [[12], [14], []]], [[[1], [3], []], [[5], [7], []], [[9], [11], []], [[13], [], []]]],
+    (9, 4, False, 2): [[[[0], [2]], [[4], [6]], [[8], []]], [[[1], [3]], [[5], [7]], [[], []]]],
+    (9, 4, False, 3): [[[[0], [2], []], [[4], [6], []], [[8], [], []]], [[[1], [3], []], [[5], [7], []], [[], [], []]]],
+    (10, 6, False, 2): [[[[0, 1], [4, 5]], [[6], [8]]], [[[2, 3], []], [[7], [9]]]],
+    (10, 6, False, 3): [[[[0], [2], [4]], [[6], [8], []]], [[[1], [3], [5]], [[7], [9], []]]],
+    (13, 7, False, 2): [[[[0, 1], [4, 5]], [[7, 8], [11, 12]]], [[[2, 3], [6]], [[9, 10], []]]],
+    (13, 7, False, 3): [[[[0, 1], [4, 5], []], [[7], [9], [11]]], [[[2, 3], [6], []], [[8], [10], [12]]]],
+    (17, 5, True, 2): [[[[0, 1], [4]], [[5, 6], [9]], [[10, 11], [14]]], [[[2, 3], []], [[7, 8], []], [[12, 13], []]]],
+    (17, 5, True, 3): [[[[0], [2], [4]], [[5], [7], [9]], [[10], [12], [14]]], [[[1], [3], []], [[6], [8], []], [[11], [13], []]]],
+    (3, 4, False, 2): [[[[0], [2]]], [[[1], []]]],
+    (3, 4, False, 3): [[[[0], [2], []]], [[[1], [], []]]],
+}, 3: {
+    (15, 4, False, 2): [[[[0], [3]], [[4], [7]], [[8], [11]], [[12], []]], [[[1], []], [[5], []], [[9], []], [[13], []]], [[[2], []], [[6], []], [[10], []], [[14], []]]],
+    (15, 4, False, 3): [[[[0], [3], []], [[4], [7], []], [[8], [11], []], [[12], [], []]], [[[1], [], []], [[5], [], []], [[9], [], []], [[13], [], []]], [[[2], [], []], [[6], [], []], [[10], [], []], [[14], [], []]]],
+    (9, 4, False, 2): [[[[0], [3]], [[4], [7]], [[8], []]], [[[1], []], [[5], []], [[], []]], [[[2], []], [[6], []], [[], []]]],
+    (9, 4, False, 3): [[[[0], [3], []], [[4], [7], []], [[8], [], []]], [[[1], [], []], [[5], [], []], [[], [], []]], [[[2], [], []], [[6], [], []], [[], [], []]]],
+    (10, 6, False, 2): [[[[0], [3]], [[6], [9]]], [[[1], [4]], [[7], []]], [[[2], [5]], [[8], []]]],
+    (10, 6, False, 3): [[[[0], [3], []], [[6], [9], []]], [[[1], [4], []], [[7], [], []]], [[[2], [5], []], [[8], [], []]]],
+    (13, 7, False, 2): [[[[0, 1], [6]], [[7], [10]]], [[[2, 3], []], [[8], [11]]], [[[4, 5], []], [[9], [12]]]],
+    (13, 7, False, 3): [[[[0], [3], [6]], [[7], [10], []]], [[[1], [4], []], [[8], [11], []]], [[[2], [5], []], [[9], [12], []]]],
+    (17, 5, True, 2): [[[[0], [3]], [[5], [8]], [[10], [13]]], [[[1], [4]], [[6], [9]], [[11], [14]]], [[[2], []], [[7], []], [[12], []]]],
+    (17, 5, True, 3): [[[[0], [3], []], [[5], [8], []], [[10], [13], []]], [[[1], [4], []], [[6], [9], []], [[11], [14], []]], [[[2], [], []], [[7], [], []], [[12], [], []]]],
+    (3, 4, False, 2): [[[[0], []]], [[[1], []]], [[[2], []]]],
+    (3, 4, False, 3): [[[[0], [], []]], [[[1], [], []]], [[[2], [], []]]],
+}}
+
+tmp = tempfile.mkdtemp(prefix="gs-deal-")
+for R in (2, 3):
+    s = gs.MultiWorkerMirroredStrategy(devices=[f"cpu:{i}" for i in range(R)])
+    W, r, g = s.num_workers, s.worker_index, s.workers
+    assert s.num_replicas_in_sync == W * R
+    for (n, b, drop, RR), want in TF_DATA.get(W, {}).items():
+        if RR != R:
+            continue
+        assert rule_data(list(range(n)), b, drop, W, R) == want, ("rule vs TF", n, b, drop)
+        for p in (P.AUTO, P.DATA):
+            got = steps_of(s, s.experimental_distribute_dataset(
+                pol(Dataset.range(n).batch(b, drop_remainder=drop), p)))
+            assert got == want[r], (p.name, n, b, drop, W, R, r, got, want[r])
+    rng = random.Random(7 + R)          # the same cases on every rank
+    for case in range(10):
+        n, b, drop = rng.randint(0, 30), rng.randint(1, 9), rng.random() < 0.3
+        values = list(range(n))
+        for p in (P.AUTO, P.DATA, P.OFF, P.FILE):
+            if p in (P.AUTO, P.DATA):
+                ds = pol(Dataset.range(n).batch(b, drop_remainder=drop), p)
+                want = rule_data(values, b, drop, W, R)
+            elif p is P.OFF:
+                ds = pol(Dataset.range(n).batch(b, drop_remainder=drop), p)
+                want = rule_stream([values] * W, b, drop, W, R)
+            else:
+                nfiles = rng.randint(W, W + 3)
+                bounds = [0] + sorted(rng.randint(0, n) for _ in range(nfiles - 1)) + [n]
+                files = [values[bounds[i]:bounds[i + 1]] for i in range(nfiles)]
+                d = os.path.join(tmp, f"r{R}-c{case}-rank{r}")
+                os.makedirs(d)
+                write_files(d, files)
+                ds = pol(text_files(os.path.join(d, "*.txt")).batch(b, drop_remainder=drop), p)
+                want = rule_stream([sum(files[w::W], []) for w in range(W)], b, drop, W, R)
+            got = steps_of(s, s.experimental_distribute_dataset(ds))
+            assert got == want[r], (p.name, n, b, drop, W, R, r, got, want[r])
+            # Every element exactly once (under OFF: once per worker), every worker the
+            # same number of steps, every step R pieces.
+            every = g.allgather(got)
+            assert len({len(x) for x in every}) == 1 and all(len(st) == R for st in got)
+            delivered = sorted(v for x in every for st in x for piece in st for v in piece)
+            kept = [v for x in batches(values, b, drop) for v in x] if p is not P.FILE else \
+                [v for w in range(W) for x in batches(sum(files[w::W], []), b, drop) for v in x]
+            assert delivered == sorted(kept * (W if p is P.OFF else 1)), (p.name, n, b, drop)
+print(f"OK rank {r}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_pieces_are_dealt_round_robin_over_workers_with_several_replicas_each(n):
+    out = assert_mpi_ok(n, DEALING, timeout=150)
+    assert out.count("OK rank") == n
