@@ -352,3 +352,17 @@ def test_data_policy_deals_pieces_round_robin_and_delivers_each_element_once(
         assert got == [rule(b, n)[w::workers] for b in batches]
     delivered = sorted(v for got in per_worker for step in got for p in step for v in p)
     assert delivered == sorted(v for b in batches for v in b)
+
+
+def test_per_replica_spec_of_a_mapped_batch_holds_for_every_piece():
+    # map's output spec comes from the input's spec: an unknown batch dimension stays
+    # unknown, so the pieces' spec does not claim rows the last step lacks.
+    s = mirrored(2)
+    dist = s.experimental_distribute_dataset(Dataset.range(5).batch(2).map(lambda x: x * 2))
+    assert dist.element_spec.shape == (None,)
+    assert steps(s, dist) == [[[0], [2]], [[4], [6]], [[8], []]]
+    static = s.experimental_distribute_dataset(
+        Dataset.range(5).batch(2, drop_remainder=True).map(lambda x: x * 2))
+    assert static.element_spec.shape == (1,)
+    assert all(np.asarray(p).shape == (1,) for step in static
+               for p in s.experimental_local_results(step))

@@ -24,7 +24,7 @@ from gpustrat.data import parallel
 from gpustrat.data import structure as st
 from gpustrat.data.dataset import (AUTOTUNE, UNKNOWN_CARDINALITY, Dataset, _check_positive,
                                    _IterContext)
-from gpustrat.data.transforms import (UnaryDataset, _close, _first_or_zeros,
+from gpustrat.data.transforms import (UnaryDataset, _close, _function_spec,
                                       _resolve_parallelism)
 
 
@@ -104,10 +104,12 @@ class InterleaveDataset(UnaryDataset):
         return UNKNOWN_CARDINALITY  # as tf.data, even for an empty input
 
     def _compute_spec(self):
-        # The spec of the dataset map_func returns for the first input element, or for
-        # zeros shaped like the input spec when the input is empty.
-        ds = st.call_with_element(self._fn, _first_or_zeros(self._input))
-        if not isinstance(ds, Dataset):
-            raise TypeError(f"interleave: map_func must return a Dataset, got "
-                            f"{type(ds).__name__}")
-        return ds.element_spec
+        # The specs of the datasets map_func returns for the first elements and probes
+        # of the input (see transforms._function_spec), merged.
+        def dataset_spec(element):
+            ds = st.call_with_element(self._fn, element)
+            if not isinstance(ds, Dataset):
+                raise TypeError(f"interleave: map_func must return a Dataset, got "
+                                f"{type(ds).__name__}")
+            return ds.element_spec
+        return _function_spec(self._input, dataset_spec)
