@@ -1,4 +1,5 @@
-"""File-level sharding of a pipeline, for the FILE (and AUTO) auto-shard policies.
+"""Rewriting a pipeline for the auto-shard policies: file-level sharding (FILE, and AUTO
+on pipelines that read files), and one shuffle seed agreed by every worker (DATA).
 
 Words:
     file source: a node of the pipeline with a static list of files (``list_files``,
@@ -12,6 +13,12 @@ Words:
         above is rebuilt over the new sources (``Dataset._with_inputs``), options
         included. ``list_files`` is sharded on its sorted list, before its per-epoch
         shuffle, so the workers' file sets are disjoint whatever the seed.
+    unseeded shuffle: a ``shuffle`` or ``list_files`` (shuffling) node built without a
+        seed, which draws a random one. Under DATA every worker must read the same
+        elements in the same order, so :func:`agree_seeds` gives every such node worker
+        0's seed on every worker (one ``allgather`` when the dataset is distributed).
+        Shuffles built while the pipeline runs (inside an ``interleave``/``flat_map``
+        function) are not nodes of the pipeline and are not reached: seed those.
 """
 
 from __future__ import annotations
@@ -57,28 +64,68 @@ def shard_files(dataset: Dataset, num_shards: int, index: int) -> Dataset:
     if not reads_files(dataset):
         raise ValueError("shard_files: the dataset reads no files, so it cannot be sharded "
                          "by file: use AutoShardPolicy.DATA or OFF")
+
+    def with_my_files(_, node: Dataset) -> Dataset | None:
+        if node._files is None:
+            return None
+        files = node._files
+        if len(files) < num_shards:
+            raise ValueError(
+                f"dataset reads {len(files)} file(s) but is sharded over {num_shards} "
+                f"workers, so some workers would get no file: use more files, or "
+                f"AutoShardPolicy.DATA or OFF (files: {files})")
+        return node._with_files(files[index::num_shards])
+
+    return _rebuild(dataset, with_my_files)
+
+
+def _rebuild(dataset: Dataset, replace) -> Dataset:
+    """The pipeline with every node rebuilt over its rebuilt inputs
+    (``Dataset._with_inputs``, options included), then replaced by
+    ``replace(node, rebuilt)`` where that is not None; untouched parts are shared."""
     memo: dict[int, Dataset] = {}
 
     def rebuild(node: Dataset) -> Dataset:
         done = memo.get(id(node))
         if done is not None:
             return done
-        if node._files is not None:
-            files = node._files
-            if len(files) < num_shards:
-                raise ValueError(
-                    f"dataset reads {len(files)} file(s) but is sharded over {num_shards} "
-                    f"workers, so some workers would get no file: use more files, or "
-                    f"AutoShardPolicy.DATA or OFF (files: {files})")
-            new = node._with_files(files[index::num_shards])
-        else:
-            inputs = node._inputs()
-            new_inputs = tuple(rebuild(i) for i in inputs)
-            if all(a is b for a, b in zip(inputs, new_inputs)):
-                new = node
-            else:
-                new = node._with_inputs(new_inputs)
+        inputs = node._inputs()
+        new_inputs = tuple(rebuild(i) for i in inputs)
+        new = node if all(a is b for a, b in zip(inputs, new_inputs)) else \
+            node._with_inputs(new_inputs)
+        replaced = replace(node, new)
+        if replaced is not None:
+            new = replaced
         memo[id(node)] = new
         return new
 
     return rebuild(dataset)
+
+
+def unseeded_shuffles(dataset: Dataset) -> list[Dataset]:
+    """The pipeline's shuffling nodes built without a seed, in a fixed walk order."""
+    return [n for n in _walk(dataset) if hasattr(n, "_with_seed") and not n._seeded]
+
+
+def agree_seeds(dataset: Dataset, workers) -> Dataset:
+    """The pipeline with every unseeded shuffle given worker 0's seed for it, on every
+    worker (one ``allgather``, which every worker must call).
+
+    Raises:
+        ValueError: on every worker, when the workers' pipelines have different numbers
+            of unseeded shuffles (the pipelines differ between workers).
+    """
+    nodes = unseeded_shuffles(dataset)
+    shared = workers.allgather([n._seed for n in nodes])
+    counts = [len(seeds) for seeds in shared]
+    if len(set(counts)) > 1:
+        named = ", ".join(f"worker {w}: {c}" for w, c in enumerate(counts))
+        raise ValueError(
+            f"under AutoShardPolicy.DATA every worker must build the same pipeline, but the "
+            f"workers' pipelines have different numbers of unseeded shuffles ({named}): "
+            "build the same pipeline on every worker, or give each shuffle a seed")
+    if not nodes:
+        return dataset
+    agreed = {id(n): seed for n, seed in zip(nodes, shared[0])}
+    return _rebuild(dataset, lambda old, new: new._with_seed(agreed[id(old)])
+                    if id(old) in agreed else None)

@@ -300,6 +300,9 @@ class ShuffleDataset(UnaryDataset):
     def __init__(self, input_dataset, buffer_size: int, seed, reshuffle_each_iteration: bool):
         super().__init__(input_dataset)
         self._buffer_size = _check_positive("buffer_size", buffer_size, "shuffle")
+        # An unseeded shuffle draws a seed here; distributing the dataset under the DATA
+        # policy replaces it with one agreed by every worker (autoshard.agree_seeds).
+        self._seeded = seed is not None
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little")
         elif isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
@@ -310,6 +313,13 @@ class ShuffleDataset(UnaryDataset):
 
     def _with_inputs(self, inputs):
         new = super()._with_inputs(inputs)
+        new._epochs = itertools.count()
+        return new
+
+    def _with_seed(self, seed: int) -> "ShuffleDataset":
+        """The same shuffle with another seed, counting its epochs from 0."""
+        new = copy.copy(self)
+        new._seed, new._seeded = int(seed), True
         new._epochs = itertools.count()
         return new
 

@@ -178,10 +178,15 @@ it = iter(dist)
 n_steps = sum(1 for _ in it)
 assert n_steps == 10 and it.agreement_collectives == 1
 assert sum(1 for _ in dist) == 10 and it.agreement_collectives == 2  # per epoch
-# A rank-dependent pipeline under DATA (a user error) still ends together: no hang.
+# A rank-dependent pipeline under DATA (a user error) is an error on every rank: no
+# hang, no lost pieces.
 uneven = s.experimental_distribute_dataset(Dataset.range(8 + 8 * r).filter(lambda v: True).batch(4))
-counts = s.workers.allgather(sum(1 for _ in uneven))
-assert len(set(counts)) == 1, counts
+try:
+    sum(1 for _ in uneven)
+except ValueError as e:
+    assert "different lengths (worker 0: 2 steps, worker 1: at least" in str(e), str(e)
+else:
+    raise AssertionError("a shorter DATA pipeline on one worker must raise")
 print(f"OK rank {r}", flush=True)
 """
 

@@ -158,3 +158,98 @@ print(f"OK rank {r}", flush=True)
 def test_pieces_are_dealt_round_robin_over_workers_with_several_replicas_each(n):
     out = assert_mpi_ok(n, DEALING, timeout=150)
     assert out.count("OK rank") == n
+
+
+PIPELINES = PRELUDE + r"""
+from gpustrat.data.transforms import ShuffleDataset
+s1 = gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+s2 = gs.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"])
+W, r, g = s1.num_workers, s1.worker_index, s1.workers
+
+def delivered(s, dist):
+    got = steps_of(s, dist)
+    every = g.allgather(got)
+    assert len({len(x) for x in every}) == 1, [len(x) for x in every]
+    return sorted(v for x in every for st in x for piece in st for v in piece), got
+
+# A mapped batch has an unknown batch dimension: OFF counts each worker's steps from the
+# batches' rows, so no step may be run that is empty on every worker.
+for s in (s1, s2):
+    dist = s.experimental_distribute_dataset(pol(Dataset.range(5).batch(2).map(lambda x: x * 2), P.OFF))
+    want = rule_stream([[0, 2, 4, 6, 8]] * W, 2, False, W, s.num_replicas_in_sync // W)
+    assert steps_of(s, dist) == want[r], (steps_of(s, dist), want[r])
+    assert dist.element_spec.shape == (None,)
+
+# A DATA pipeline whose length depends on the rank is an error on every rank, whether
+# the step counts are known in advance (compared once) or not (compared per block).
+for s in (s1, s2):
+    for known in (True, False):
+        ds = Dataset.range(8 * s.num_replicas_in_sync + (4 if r == W - 1 else 0))
+        if not known:
+            ds = ds.filter(lambda v: True)
+        dist = s.experimental_distribute_dataset(ds.batch(s.num_replicas_in_sync))
+        try:
+            sum(1 for _ in dist)
+        except ValueError as e:
+            assert "AutoShardPolicy.DATA every worker must read the same data" in str(e), str(e)
+            assert f"worker {W - 1}: " in str(e) and "worker 0: 8 steps" in str(e), str(e)
+        else:
+            raise AssertionError(f"no error for a rank-dependent DATA pipeline (known={known})")
+        g.barrier()
+# The same pipeline on every worker still runs under DATA, with 1 collective per epoch
+# when the counts are known.
+it = iter(s2.experimental_distribute_dataset(Dataset.range(40).batch(8)))
+assert sum(1 for _ in it) == 5 and it.agreement_collectives == 1
+
+# Unseeded shuffles under DATA: worker 0's seeds on every worker, so every element is
+# delivered exactly once, in every epoch (each epoch reshuffled), nested shuffles too.
+for s in (s1, s2):
+    N = s.num_replicas_in_sync
+    ds = (Dataset.range(64).shuffle(64).map(lambda x: x * 10).shuffle(16)
+          .batch(2 * N).shuffle(3))
+    dist = s.experimental_distribute_dataset(ds)
+    orders = []
+    for epoch in range(2):
+        values, got = delivered(s, dist)
+        assert values == [10 * v for v in range(64)], (epoch, values)
+        orders.append(got)
+    assert orders[0] != orders[1]          # reshuffled each epoch, the same on every worker
+    # The user's own dataset keeps its own random seeds.
+    assert [n._seeded for n in (ds, ds._input._input)] == [False, False]
+# A shuffled list of files read under DATA: the same file order on every worker.
+tmp = tempfile.mkdtemp(prefix=f"gs-shuf-{r}-")
+write_files(tmp, [range(i * 5, i * 5 + 5) for i in range(6)])
+files = pol(Dataset.list_files(os.path.join(tmp, "*.txt"))
+            .interleave(TextLineDataset, cycle_length=2)
+            .map(lambda line: np.int64(int(line))).batch(4), P.DATA)
+values, _ = delivered(s2, s2.experimental_distribute_dataset(files))
+assert values == list(range(30)), values
+# reshuffle_each_iteration=False keeps one agreed order for every epoch.
+fixed = s1.experimental_distribute_dataset(
+    Dataset.range(20).shuffle(20, reshuffle_each_iteration=False).batch(2 * W))
+first, second = steps_of(s1, fixed), steps_of(s1, fixed)
+assert first == second and g.allgather(first) == g.allgather(second)
+assert sorted(v for x in g.allgather(first) for st in x for p in st for v in p) == list(range(20))
+# A seed given by the user is kept.
+seeded = Dataset.range(12).shuffle(12, seed=5).batch(2 * W)
+got = steps_of(s1, s1.experimental_distribute_dataset(seeded))
+ref = [b.tolist() for b in Dataset.range(12).shuffle(12, seed=5).batch(2 * W)]
+assert got == [[cut(b, W)[r]] for b in ref], (got, ref)
+# Different numbers of unseeded shuffles on different workers: an error on every rank.
+uneven = Dataset.range(8)
+for _ in range(1 + (r == W - 1)):
+    uneven = uneven.shuffle(8)
+try:
+    s1.experimental_distribute_dataset(uneven.batch(W))
+except ValueError as e:
+    assert f"unseeded shuffles (worker 0: 1" in str(e) and f"worker {W - 1}: 2)" in str(e), str(e)
+else:
+    raise AssertionError("different pipelines must raise")
+print(f"OK rank {r}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_pipelines_that_differ_between_workers(n):
+    out = assert_mpi_ok(n, PIPELINES, timeout=150)
+    assert out.count("OK rank") == n
