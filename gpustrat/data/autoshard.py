@@ -1,5 +1,5 @@
 """Rewriting a pipeline for the auto-shard policies: file-level sharding (FILE, and AUTO
-on pipelines that read files), and one shuffle seed agreed by every worker (DATA).
+on pipelines that read files), and the same order of elements on every worker (DATA).
 
 Words:
     file source: a node of the pipeline with a static list of files (``list_files``,
@@ -14,16 +14,23 @@ Words:
         included. ``list_files`` is sharded on its sorted list, before its per-epoch
         shuffle, so the workers' file sets are disjoint whatever the seed.
     unseeded shuffle: a ``shuffle`` or ``list_files`` (shuffling) node built without a
-        seed, which draws a random one. Under DATA every worker must read the same
-        elements in the same order, so :func:`agree_seeds` gives every such node worker
-        0's seed on every worker (one ``allgather`` when the dataset is distributed).
-        Shuffles built while the pipeline runs (inside an ``interleave``/``flat_map``
-        function) are not nodes of the pipeline and are not reached: seed those.
+        seed, which draws a random one of its own.
+    same order everywhere: under DATA every worker must read the same elements in the
+        same order (each keeps its own pieces of the same global batches), so
+        :func:`same_order_everywhere` gives every unseeded shuffle worker 0's seed for
+        it (one ``allgather`` when the dataset is distributed) and makes a parallel
+        ``map`` with ``deterministic=False`` keep its input order. Shuffles built while
+        the pipeline runs (inside an ``interleave``/``flat_map`` function) are not nodes
+        of the pipeline and are not reached: seed those.
 """
 
 from __future__ import annotations
 
+import logging
+
 from gpustrat.data.dataset import Dataset
+
+log = logging.getLogger("gpustrat")
 
 
 def _walk(dataset: Dataset):
@@ -107,9 +114,11 @@ def unseeded_shuffles(dataset: Dataset) -> list[Dataset]:
     return [n for n in _walk(dataset) if hasattr(n, "_with_seed") and not n._seeded]
 
 
-def agree_seeds(dataset: Dataset, workers) -> Dataset:
-    """The pipeline with every unseeded shuffle given worker 0's seed for it, on every
-    worker (one ``allgather``, which every worker must call).
+def same_order_everywhere(dataset: Dataset, workers) -> Dataset:
+    """The pipeline rewritten so that every worker reads the same elements in the same
+    order, as DATA needs: every unseeded shuffle gets worker 0's seed for it (one
+    ``allgather``, which every worker must call), and a parallel ``map`` with
+    ``deterministic=False`` keeps its input order (logged once).
 
     Raises:
         ValueError: on every worker, when the workers' pipelines have different numbers
@@ -124,8 +133,20 @@ def agree_seeds(dataset: Dataset, workers) -> Dataset:
             f"under AutoShardPolicy.DATA every worker must build the same pipeline, but the "
             f"workers' pipelines have different numbers of unseeded shuffles ({named}): "
             "build the same pipeline on every worker, or give each shuffle a seed")
-    if not nodes:
-        return dataset
     agreed = {id(n): seed for n, seed in zip(nodes, shared[0])}
-    return _rebuild(dataset, lambda old, new: new._with_seed(agreed[id(old)])
-                    if id(old) in agreed else None)
+    unordered = []
+
+    def replace(old: Dataset, new: Dataset) -> Dataset | None:
+        if id(old) in agreed:
+            return new._with_seed(agreed[id(old)])
+        in_order = new._in_order() if hasattr(new, "_in_order") else None
+        if in_order is not None:
+            unordered.append(old)
+        return in_order
+
+    out = _rebuild(dataset, replace)
+    if unordered and workers.rank == 0:
+        log.info("under AutoShardPolicy.DATA every worker must read the same order: "
+                 "%d parallel map(s) with deterministic=False keep their input order",
+                 len(unordered))
+    return out

@@ -245,6 +245,16 @@ class MapDataset(UnaryDataset):
             out = tuple(out)
         return st.normalize(out)
 
+    def _in_order(self) -> "MapDataset | None":
+        """This map keeping the input order, or None when it already does (a parallel
+        map with ``deterministic=False`` yields results as they complete)."""
+        if self._parallelism is None or self._parallelism == 1 or self._deterministic or (
+                self._deterministic is None and self.options().deterministic is not False):
+            return None
+        new = copy.copy(self)
+        new._deterministic = True
+        return new
+
     def _iter(self, ctx):
         it = self._input._iter(ctx)
         call = self._call
@@ -301,7 +311,8 @@ class ShuffleDataset(UnaryDataset):
         super().__init__(input_dataset)
         self._buffer_size = _check_positive("buffer_size", buffer_size, "shuffle")
         # An unseeded shuffle draws a seed here; distributing the dataset under the DATA
-        # policy replaces it with one agreed by every worker (autoshard.agree_seeds).
+        # policy replaces it with one agreed by every worker
+        # (autoshard.same_order_everywhere).
         self._seeded = seed is not None
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little")

@@ -194,8 +194,9 @@ class DistributedDataset(_DistributedBase):
             dataset = autoshard.shard_files(dataset, workers.size, workers.rank)
         elif policy is AutoShardPolicy.DATA:
             # Every worker must read the same order: unseeded shuffles take worker 0's
-            # seeds (one allgather here, whether or not there are any).
-            dataset = autoshard.agree_seeds(dataset, workers)
+            # seeds (one allgather here, whether or not there are any), parallel maps
+            # keep their order.
+            dataset = autoshard.same_order_everywhere(dataset, workers)
         self.auto_shard_policy = policy
         self._stream = policy in (AutoShardPolicy.FILE, AutoShardPolicy.OFF)
         # Under FILE each worker reads other files, so step counts differ between workers.

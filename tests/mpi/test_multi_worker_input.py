@@ -235,6 +235,15 @@ seeded = Dataset.range(12).shuffle(12, seed=5).batch(2 * W)
 got = steps_of(s1, s1.experimental_distribute_dataset(seeded))
 ref = [b.tolist() for b in Dataset.range(12).shuffle(12, seed=5).batch(2 * W)]
 assert got == [[cut(b, W)[r]] for b in ref], (got, ref)
+# A parallel map with deterministic=False yields as results complete, in another order
+# on each worker (the sleeps differ by rank): under DATA it keeps its input order.
+import time
+def uneven_work(x):
+    time.sleep(0.0005 * ((int(x) * (r + 3)) % 4))
+    return x
+racy = Dataset.range(48).map(uneven_work, num_parallel_calls=4, deterministic=False)
+values, _ = delivered(s2, s2.experimental_distribute_dataset(racy.batch(4)))
+assert values == list(range(48)), values
 # Different numbers of unseeded shuffles on different workers: an error on every rank.
 uneven = Dataset.range(8)
 for _ in range(1 + (r == W - 1)):
