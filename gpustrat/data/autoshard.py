@@ -86,10 +86,12 @@ def shard_files(dataset: Dataset, num_shards: int, index: int) -> Dataset:
     return _rebuild(dataset, with_my_files)
 
 
-def _rebuild(dataset: Dataset, replace) -> Dataset:
+def _rebuild(dataset: Dataset, replace, same_specs: bool = False) -> Dataset:
     """The pipeline with every node rebuilt over its rebuilt inputs
     (``Dataset._with_inputs``, options included), then replaced by
-    ``replace(node, rebuilt)`` where that is not None; untouched parts are shared."""
+    ``replace(node, rebuilt)`` where that is not None; untouched parts are shared.
+    ``same_specs``: the rewrite changes no element spec, so the specs already worked
+    out (which may have run user code) carry over to the rebuilt nodes."""
     memo: dict[int, Dataset] = {}
 
     def rebuild(node: Dataset) -> Dataset:
@@ -103,6 +105,9 @@ def _rebuild(dataset: Dataset, replace) -> Dataset:
         replaced = replace(node, new)
         if replaced is not None:
             new = replaced
+        known = node.__dict__.get("_spec_cache")
+        if same_specs and new is not node and known is not None:
+            new.__dict__["_spec_cache"] = known
         memo[id(node)] = new
         return new
 
@@ -144,7 +149,7 @@ def same_order_everywhere(dataset: Dataset, workers) -> Dataset:
             unordered.append(old)
         return in_order
 
-    out = _rebuild(dataset, replace)
+    out = _rebuild(dataset, replace, same_specs=True)
     if unordered and workers.rank == 0:
         log.info("under AutoShardPolicy.DATA every worker must read the same order: "
                  "%d parallel map(s) with deterministic=False keep their input order",
