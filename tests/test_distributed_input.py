@@ -366,3 +366,51 @@ def test_per_replica_spec_of_a_mapped_batch_holds_for_every_piece():
     assert static.element_spec.shape == (1,)
     assert all(np.asarray(p).shape == (1,) for step in static
                for p in s.experimental_local_results(step))
+
+
+class _OtherWorker:
+    """Worker 0 of two, whose partner's data holds ``theirs`` steps (a scripted group:
+    what the partner sends in each collective follows from that count)."""
+
+    rank, size = 0, 2
+
+    def __init__(self, theirs, known):
+        self._theirs, self._known, self._read = theirs, known, 0
+
+    def allgather(self, obj):
+        if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[1], bool):
+            return [obj, (self._theirs, True)]      # naming the counts
+        return [obj, (self._theirs if self._known else -1, obj[1])]
+
+    def allreduce_ints(self, values, op):
+        block = max(1, int(values[0]))
+        ready = min(block, self._theirs - self._read)
+        self._read += ready
+        return np.maximum(values, np.array([ready, -ready]))
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_data_steps_that_differ_between_workers_raise_naming_each_count(known):
+    from gpustrat.distribute import end_of_data
+    mine = [[np.arange(2)] for _ in range(9)]
+    steps = end_of_data.agreed_steps(iter(mine), _OtherWorker(5, known), 1,
+                                     9 if known else None, lambda p: p[:0],
+                                     end_of_data.Agreement(), same_steps=True)
+    with pytest.raises(end_of_data.DataLengthMismatch,
+                       match="worker 0: (at least )?[0-9]+ steps, worker 1: 5 steps"):
+        list(steps)
+    # Without same_steps (OFF, FILE) the shorter worker is padded and nothing raises.
+    padded = end_of_data.agreed_steps(iter(mine[:5]), _OtherWorker(9, known), 1,
+                                      5 if known else None, lambda p: p[:0],
+                                      end_of_data.Agreement())
+    got = list(padded)
+    assert len(got) == 9 and all(len(s[0]) == 0 for s in got[5:])
+
+
+def test_a_worker_short_of_its_promised_steps_raises():
+    from gpustrat.distribute import end_of_data
+    steps = end_of_data.agreed_steps(iter([[np.arange(2)]] * 3), _OtherWorker(4, True), 1,
+                                     4, lambda p: p[:0], end_of_data.Agreement())
+    with pytest.raises(RuntimeError, match="worker 0 has 3 steps but its dataset's "
+                                           "cardinality promised 4"):
+        list(steps)
