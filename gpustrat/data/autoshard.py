@@ -20,13 +20,17 @@ Words:
         :func:`same_order_everywhere` gives every unseeded shuffle worker 0's seed for
         it (one ``allgather`` when the dataset is distributed) and makes a parallel
         ``map`` with ``deterministic=False`` keep its input order. Shuffles built while
-        the pipeline runs (inside an ``interleave``/``flat_map`` function) are not nodes
-        of the pipeline and are not reached: seed those.
+        the pipeline runs, in the datasets an ``interleave``/``flat_map`` function
+        returns, are seeded from the interleave's own agreed seed, its epoch and the
+        element's index (:func:`seeded_like_every_worker`): the same on every worker,
+        with no collective.
 """
 
 from __future__ import annotations
 
 import logging
+
+import numpy as np
 
 from gpustrat.data.dataset import Dataset
 
@@ -115,30 +119,17 @@ def _rebuild(dataset: Dataset, replace, same_specs: bool = False) -> Dataset:
 
 
 def unseeded_shuffles(dataset: Dataset) -> list[Dataset]:
-    """The pipeline's shuffling nodes built without a seed, in a fixed walk order."""
+    """The pipeline's nodes that need a seed agreed by every worker, in a fixed walk
+    order: shuffles built without a seed, and every ``interleave``/``flat_map`` (the
+    datasets its function returns may shuffle without one)."""
     return [n for n in _walk(dataset) if hasattr(n, "_with_seed") and not n._seeded]
 
 
-def same_order_everywhere(dataset: Dataset, workers) -> Dataset:
-    """The pipeline rewritten so that every worker reads the same elements in the same
-    order, as DATA needs: every unseeded shuffle gets worker 0's seed for it (one
-    ``allgather``, which every worker must call), and a parallel ``map`` with
-    ``deterministic=False`` keeps its input order (logged once).
-
-    Raises:
-        ValueError: on every worker, when the workers' pipelines have different numbers
-            of unseeded shuffles (the pipelines differ between workers).
-    """
-    nodes = unseeded_shuffles(dataset)
-    shared = workers.allgather([n._seed for n in nodes])
-    counts = [len(seeds) for seeds in shared]
-    if len(set(counts)) > 1:
-        named = ", ".join(f"worker {w}: {c}" for w, c in enumerate(counts))
-        raise ValueError(
-            f"under AutoShardPolicy.DATA every worker must build the same pipeline, but the "
-            f"workers' pipelines have different numbers of unseeded shuffles ({named}): "
-            "build the same pipeline on every worker, or give each shuffle a seed")
-    agreed = {id(n): seed for n, seed in zip(nodes, shared[0])}
+def _in_agreed_order(dataset: Dataset, seeds: list[int]) -> tuple[Dataset, int]:
+    """The pipeline with node ``j`` of :func:`unseeded_shuffles` given ``seeds[j]`` and
+    every parallel ``map`` with ``deterministic=False`` keeping its order; also the
+    number of such maps. No collective: the seeds are already agreed."""
+    agreed = {id(n): int(seed) for n, seed in zip(unseeded_shuffles(dataset), seeds)}
     unordered = []
 
     def replace(old: Dataset, new: Dataset) -> Dataset | None:
@@ -149,9 +140,47 @@ def same_order_everywhere(dataset: Dataset, workers) -> Dataset:
             unordered.append(old)
         return in_order
 
-    out = _rebuild(dataset, replace, same_specs=True)
+    return _rebuild(dataset, replace, same_specs=True), len(unordered)
+
+
+def seeded_like_every_worker(dataset: Dataset, key: tuple) -> Dataset:
+    """``dataset`` (one that an ``interleave``/``flat_map`` function returned while the
+    pipeline runs) with the seeds of its unseeded shuffles drawn from ``key`` (the
+    interleave's agreed seed, its epoch and the element's index), so that every worker
+    derives the same ones without a collective; parallel maps keep their order."""
+    count = len(unseeded_shuffles(dataset))
+    if count == 0 and not any(n._in_order() is not None for n in _walk(dataset)
+                              if hasattr(n, "_in_order")):
+        return dataset
+    seeds = np.random.default_rng(list(key)).integers(0, 2 ** 63, size=count).tolist()
+    return _in_agreed_order(dataset, seeds)[0]
+
+
+def same_order_everywhere(dataset: Dataset, workers) -> Dataset:
+    """The pipeline rewritten so that every worker reads the same elements in the same
+    order, as DATA needs: every unseeded shuffle gets worker 0's seed for it (one
+    ``allgather``, which every worker must call), each ``interleave``/``flat_map`` gets
+    an agreed seed from which the shuffles of the datasets its function returns are
+    seeded (:func:`seeded_like_every_worker`), and a parallel ``map`` with
+    ``deterministic=False`` keeps its input order (logged once).
+
+    Raises:
+        ValueError: on every worker, when the workers' pipelines have different numbers
+            of such nodes (the pipelines differ between workers).
+    """
+    nodes = unseeded_shuffles(dataset)
+    shared = workers.allgather([n._seed for n in nodes])
+    counts = [len(seeds) for seeds in shared]
+    if len(set(counts)) > 1:
+        named = ", ".join(f"worker {w}: {c}" for w, c in enumerate(counts))
+        raise ValueError(
+            f"under AutoShardPolicy.DATA every worker must build the same pipeline, but the "
+            f"workers' pipelines have different numbers of unseeded shuffles ({named}), "
+            "counting each interleave/flat_map as one: build the same pipeline on every "
+            "worker, or give each shuffle a seed")
+    out, unordered = _in_agreed_order(dataset, shared[0])
     if unordered and workers.rank == 0:
         log.info("under AutoShardPolicy.DATA every worker must read the same order: "
                  "%d parallel map(s) with deterministic=False keep their input order",
-                 len(unordered))
+                 unordered)
     return out

@@ -123,6 +123,21 @@ def test_unseeded_shuffles_take_worker_zeros_seeds():
     assert _epochs(mine, 1) != _epochs(theirs, 1)
 
 
+def test_shuffles_inside_interleave_functions_are_seeded_alike():
+    def build():
+        return Dataset.range(6).interleave(
+            lambda x: Dataset.range(10 * x, 10 * x + 10).shuffle(10), cycle_length=2)
+    mine, theirs = build(), build()
+    assert [int(v) for v in mine] != [int(v) for v in theirs]  # outside distribution
+    seeds0, seeds1 = ([n._seed for n in unseeded_shuffles(d)] for d in (mine, theirs))
+    assert len(seeds0) == 1                                    # the interleave node
+    agreed0 = same_order_everywhere(mine, _Workers(0, [None, seeds1]))
+    agreed1 = same_order_everywhere(theirs, _Workers(1, [seeds0, None]))
+    first = [[int(v) for v in agreed0] for _ in range(2)]
+    assert first == [[int(v) for v in agreed1] for _ in range(2)]
+    assert first[0] != first[1] and sorted(first[0]) == list(range(60))
+
+
 def test_different_numbers_of_unseeded_shuffles_name_each_workers_count():
     with pytest.raises(ValueError, match=r"unseeded shuffles \(worker 0: 3, worker 1: 1\)"):
         same_order_everywhere(_pipeline(), _Workers(0, [None, [5]]))

@@ -224,6 +224,12 @@ files = pol(Dataset.list_files(os.path.join(tmp, "*.txt"))
             .map(lambda line: np.int64(int(line))).batch(4), P.DATA)
 values, _ = delivered(s2, s2.experimental_distribute_dataset(files))
 assert values == list(range(30)), values
+# Shuffles inside an interleave function are seeded alike on every worker too.
+nested = Dataset.range(6).interleave(lambda x: Dataset.range(8 * x, 8 * x + 8).shuffle(8),
+                                     cycle_length=3).batch(4)
+dist = s2.experimental_distribute_dataset(nested)
+first, second = delivered(s2, dist), delivered(s2, dist)
+assert first[0] == second[0] == list(range(48)) and first[1] != second[1]
 # reshuffle_each_iteration=False keeps one agreed order for every epoch.
 fixed = s1.experimental_distribute_dataset(
     Dataset.range(20).shuffle(20, reshuffle_each_iteration=False).batch(2 * W))
