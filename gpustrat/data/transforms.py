@@ -23,12 +23,12 @@ import numpy as np
 
 from gpustrat import nest
 from gpustrat.data import parallel
+from gpustrat.data import spec as specs
 from gpustrat.data import structure as st
 from gpustrat.data.dataset import (AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY,
                                    Dataset, _check_int, _check_positive, _IterContext,
                                    autotune_parallelism, rows_of_batches)
 from gpustrat.data.options import Options
-from gpustrat.data import spec as specs
 from gpustrat.data.spec import TensorSpec, merge_specs, spec_of, zeros_like_spec
 
 _INT64 = np.dtype(np.int64)
