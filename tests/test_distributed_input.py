@@ -331,3 +331,86 @@ def test_concatenated_pieces_give_back_the_batches(case):
             assert all(len(p) <= -(-rows // n) for p in pieces)
             np.testing.assert_array_equal(np.concatenate(pieces), want)
             assert all(p.dtype == want.dtype and p.shape[1:] == want.shape[1:] for p in pieces)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 40), st.integers(1, 9), st.booleans(), st.integers(1, 4),
+       st.integers(1, 3))
+def test_data_policy_deals_pieces_round_robin_and_delivers_each_element_once(
+        size, batch, drop, workers, local):
+    # DATA over `workers` workers of `local` replicas, every worker's dealing worked out
+    # in one process: piece k of each global batch goes to worker k % workers, whose
+    # replicas take its pieces in order.
+    from gpustrat.distribute.splitting import Splitter, deal_steps
+    n = workers * local
+    ds = Dataset.range(size).batch(batch, drop_remainder=drop)
+    per_worker = [[[p.tolist() for p in step]
+                   for step in deal_steps(iter(ds), Splitter(n), w, workers, local, False)]
+                  for w in range(workers)]
+    batches = [b.tolist() for b in ds]
+    for w, got in enumerate(per_worker):
+        assert got == [rule(b, n)[w::workers] for b in batches]
+    delivered = sorted(v for got in per_worker for step in got for p in step for v in p)
+    assert delivered == sorted(v for b in batches for v in b)
+
+
+def test_per_replica_spec_of_a_mapped_batch_holds_for_every_piece():
+    # map's output spec comes from the input's spec: an unknown batch dimension stays
+    # unknown, so the pieces' spec does not claim rows the last step lacks.
+    s = mirrored(2)
+    dist = s.experimental_distribute_dataset(Dataset.range(5).batch(2).map(lambda x: x * 2))
+    assert dist.element_spec.shape == (None,)
+    assert steps(s, dist) == [[[0], [2]], [[4], [6]], [[8], []]]
+    static = s.experimental_distribute_dataset(
+        Dataset.range(5).batch(2, drop_remainder=True).map(lambda x: x * 2))
+    assert static.element_spec.shape == (1,)
+    assert all(np.asarray(p).shape == (1,) for step in static
+               for p in s.experimental_local_results(step))
+
+
+class _OtherWorker:
+    """Worker 0 of two, whose partner's data holds ``theirs`` steps (a scripted group:
+    what the partner sends in each collective follows from that count)."""
+
+    rank, size = 0, 2
+
+    def __init__(self, theirs, known):
+        self._theirs, self._known, self._read = theirs, known, 0
+
+    def allgather(self, obj):
+        if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[1], bool):
+            return [obj, (self._theirs, True)]      # naming the counts
+        return [obj, (self._theirs if self._known else -1, obj[1])]
+
+    def allreduce_ints(self, values, op):
+        block = max(1, int(values[0]))
+        ready = min(block, self._theirs - self._read)
+        self._read += ready
+        return np.maximum(values, np.array([ready, -ready]))
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_data_steps_that_differ_between_workers_raise_naming_each_count(known):
+    from gpustrat.distribute import end_of_data
+    mine = [[np.arange(2)] for _ in range(9)]
+    steps = end_of_data.agreed_steps(iter(mine), _OtherWorker(5, known), 1,
+                                     9 if known else None, lambda p: p[:0],
+                                     end_of_data.Agreement(), same_steps=True)
+    with pytest.raises(end_of_data.DataLengthMismatch,
+                       match="worker 0: (at least )?[0-9]+ steps, worker 1: 5 steps"):
+        list(steps)
+    # Without same_steps (OFF, FILE) the shorter worker is padded and nothing raises.
+    padded = end_of_data.agreed_steps(iter(mine[:5]), _OtherWorker(9, known), 1,
+                                      5 if known else None, lambda p: p[:0],
+                                      end_of_data.Agreement())
+    got = list(padded)
+    assert len(got) == 9 and all(len(s[0]) == 0 for s in got[5:])
+
+
+def test_a_worker_short_of_its_promised_steps_raises():
+    from gpustrat.distribute import end_of_data
+    steps = end_of_data.agreed_steps(iter([[np.arange(2)]] * 3), _OtherWorker(4, True), 1,
+                                     4, lambda p: p[:0], end_of_data.Agreement())
+    with pytest.raises(RuntimeError, match="worker 0 has 3 steps but its dataset's "
+                                           "cardinality promised 4"):
+        list(steps)

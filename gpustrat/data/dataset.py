@@ -15,10 +15,11 @@ Words:
     cardinality: the number of elements, or :data:`INFINITE_CARDINALITY` (-1) or
         :data:`UNKNOWN_CARDINALITY` (-2), as in ``tf.data``.
     peek: to compute an ``element_spec`` that cannot be derived statically (``map``
-        runs user code), a node iterates its own pipeline for one element with a peek
-        context: shuffles use their first-epoch order without counting an epoch,
-        parallel stages run serially. The function is therefore called once more than
-        the data needs.
+        runs user code), a node iterates its input for its first two elements with a
+        peek context: shuffles use their first-epoch order without counting an epoch,
+        parallel stages run serially. The function is called on those elements and on
+        copies of the first with its unknown dimensions resized (up to four calls, see
+        :func:`gpustrat.data.spec.probes`) before the data is iterated.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from gpustrat.data.options import Options
-from gpustrat.data.spec import spec_of
+from gpustrat.data.spec import spec_of, unknown_dims
 
 INFINITE_CARDINALITY = -1
 UNKNOWN_CARDINALITY = -2
@@ -160,7 +161,8 @@ class Dataset(abc.ABC):
         return UNKNOWN_CARDINALITY
 
     def _compute_spec(self) -> Any:
-        """The element spec; by default, that of the first element (a peek)."""
+        """The element spec; by default the first element's ranks and dtypes (a peek),
+        every dimension None: nothing says that later elements have its shape."""
         gen = self._iter(_IterContext(peek=True))
         try:
             first = next(gen)
@@ -170,7 +172,7 @@ class Dataset(abc.ABC):
                 "it has no element to look at") from None
         finally:
             gen.close()
-        return spec_of(first)
+        return unknown_dims(spec_of(first))
 
     def _batch_fused(self, batch_size: int, drop_remainder: bool) -> "Dataset | None":
         """A source that yields whole batches by slicing, or None if this node has none."""

@@ -234,6 +234,8 @@ class ListFilesDataset(Dataset):
             raise FileNotFoundError(f"list_files: no files match the pattern(s) {patterns}")
         self._files = sorted(files)
         self._shuffle = True if shuffle is None else bool(shuffle)
+        # Unseeded and shuffling: distributing under DATA agrees one seed across workers.
+        self._seeded = seed is not None or not self._shuffle
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little")
         self._seed = int(seed)
@@ -243,6 +245,12 @@ class ListFilesDataset(Dataset):
         new = copy.copy(self)
         new._files = list(files)
         new._epoch = 0
+        return new
+
+    def _with_seed(self, seed: int) -> "ListFilesDataset":
+        """The same file list with another shuffle seed, counting its epochs from 0."""
+        new = copy.copy(self)
+        new._seed, new._seeded, new._epoch = int(seed), True, 0
         return new
 
     def _iter(self, ctx):

@@ -17,14 +17,16 @@ the order of elements is unchanged, so ``deterministic`` has no effect on the re
 
 from __future__ import annotations
 
+import copy
+import itertools
 import os
 from typing import Callable
 
-from gpustrat.data import parallel
+from gpustrat.data import autoshard, parallel
 from gpustrat.data import structure as st
 from gpustrat.data.dataset import (AUTOTUNE, UNKNOWN_CARDINALITY, Dataset, _check_positive,
                                    _IterContext)
-from gpustrat.data.transforms import (UnaryDataset, _close, _first_or_zeros,
+from gpustrat.data.transforms import (UnaryDataset, _close, _function_spec,
                                       _resolve_parallelism)
 
 
@@ -49,12 +51,30 @@ class InterleaveDataset(UnaryDataset):
             "block_length", block_length, "interleave")
         self._parallelism = _resolve_parallelism(num_parallel_calls, "interleave")
         self._deterministic = deterministic
+        # The datasets map_func returns may shuffle without a seed. Distributing under
+        # the DATA policy gives this node a seed agreed by every worker (_with_seed),
+        # from which their shuffles are seeded alike on every worker; until then they
+        # draw their own, and _seed is only what worker 0 would offer.
+        self._seeded = False
+        self._seed = int.from_bytes(os.urandom(8), "little")
+        self._agreed_seed = None
+        self._epochs = itertools.count()
 
-    def _open(self, element, ctx: _IterContext):
+    def _with_seed(self, seed: int) -> "InterleaveDataset":
+        """This interleave seeding the shuffles of the datasets ``map_func`` returns from
+        ``seed``, its epoch and the element's index, counting its epochs from 0."""
+        new = copy.copy(self)
+        new._seed, new._seeded, new._agreed_seed = int(seed), True, int(seed)
+        new._epochs = itertools.count()
+        return new
+
+    def _open(self, element, ctx: _IterContext, key: tuple | None = None):
         ds = st.call_with_element(self._fn, element)
         if not isinstance(ds, Dataset):
             raise TypeError(f"interleave: map_func must return a Dataset, got "
                             f"{type(ds).__name__}")
+        if key is not None:
+            ds = autoshard.seeded_like_every_worker(ds, key)
         it = ds._iter(ctx)
         if self._parallelism is not None and not ctx.peek:
             return parallel.Prefetcher(it, max(2, self._block), name="gpustrat-interleave")
@@ -68,6 +88,9 @@ class InterleaveDataset(UnaryDataset):
         num_open = 0
         index = 0       # current slot
         taken = 0       # elements taken from the current slot in this block
+        opened = 0      # datasets opened so far this epoch
+        agreed = self._agreed_seed
+        epoch = None if agreed is None else (0 if ctx.peek else next(self._epochs))
         try:
             while not end_of_input or num_open > 0:
                 it = slots[index]
@@ -90,7 +113,9 @@ class InterleaveDataset(UnaryDataset):
                     except StopIteration:
                         end_of_input = True
                         continue
-                    slots[index] = self._open(x, ctx)
+                    slots[index] = self._open(
+                        x, ctx, None if agreed is None else (agreed, epoch, opened))
+                    opened += 1
                     num_open += 1
                 else:
                     index, taken = (index + 1) % cycle, 0
@@ -104,10 +129,12 @@ class InterleaveDataset(UnaryDataset):
         return UNKNOWN_CARDINALITY  # as tf.data, even for an empty input
 
     def _compute_spec(self):
-        # The spec of the dataset map_func returns for the first input element, or for
-        # zeros shaped like the input spec when the input is empty.
-        ds = st.call_with_element(self._fn, _first_or_zeros(self._input))
-        if not isinstance(ds, Dataset):
-            raise TypeError(f"interleave: map_func must return a Dataset, got "
-                            f"{type(ds).__name__}")
-        return ds.element_spec
+        # The specs of the datasets map_func returns for the first elements and probes
+        # of the input (see transforms._function_spec), merged.
+        def dataset_spec(element):
+            ds = st.call_with_element(self._fn, element)
+            if not isinstance(ds, Dataset):
+                raise TypeError(f"interleave: map_func must return a Dataset, got "
+                                f"{type(ds).__name__}")
+            return ds.element_spec
+        return _function_spec(self._input, dataset_spec)

@@ -8,6 +8,12 @@ Words:
     element spec: the nested structure (tuples, lists, dicts, namedtuples) of
         TensorSpecs that mirrors a dataset's elements, as ``tf.data``'s
         ``element_spec``.
+    function spec: the element spec of what a user function (``map``, ``interleave``)
+        returns. A function is not traced as TensorFlow traces it, so its output shapes
+        are learnt by calling it: a dimension is static only where it is the same for the
+        first two elements and for inputs whose unknown dimensions take other sizes
+        (:func:`probes`); everywhere else it is None, so that no later element contradicts
+        the spec.
     string: text lines, file names and TFRecord records are byte strings, as
         ``tf.string``. Like TensorFlow's ``.numpy()``, a scalar string is a Python
         ``bytes`` object and a batch of strings is a NumPy array of dtype ``object``
@@ -133,3 +139,42 @@ def zeros_like_spec(spec: Any) -> Any:
     """An element of zeros matching ``spec`` (unknown dimensions 0): what a function is
     called with to learn its output spec when its input dataset is empty."""
     return nest.map_structure(lambda s: np.zeros([d or 0 for d in s.shape], s.dtype), spec)
+
+
+def unknown_dims(spec: Any) -> Any:
+    """``spec`` with every dimension None (the ranks and dtypes kept)."""
+    return nest.map_structure(lambda s: TensorSpec((None,) * len(s.shape), s.dtype), spec)
+
+
+def has_unknown_dims(spec: Any) -> bool:
+    return any(d is None for s in nest.flatten(spec) for d in s.shape)
+
+
+def probes(element: Any, spec: Any) -> list:
+    """Elements like ``element`` (which ``spec`` describes) whose dimensions that are
+    None in ``spec`` take two other sizes: ``n + 1``, and 1 (or ``n + 2`` where ``n`` is
+    1 or less). Rows are repeated or dropped, so the values stay the element's own."""
+    flat_spec = nest.flatten(spec)
+    leaves = nest.flatten(element) if nest.is_nested(element) else [element]
+    out = []
+    for bigger in (True, False):
+        new = []
+        for leaf, s in zip(leaves, flat_spec):
+            for axis, d in enumerate(s.shape):
+                if d is None:
+                    n = leaf.shape[axis]
+                    leaf = _resized(leaf, axis, n + 1 if bigger else (1 if n > 1 else n + 2))
+            new.append(leaf)
+        out.append(nest.pack_sequence_as(element, new) if nest.is_nested(element) else new[0])
+    return out
+
+
+def _resized(leaf: Any, axis: int, size: int) -> Any:
+    xp = devices.array_module(leaf)
+    n = leaf.shape[axis]
+    if n == 0:
+        shape = list(leaf.shape)
+        shape[axis] = size
+        return np.full(shape, b"", dtype=object) if leaf.dtype == STRING else \
+            xp.zeros(shape, dtype=leaf.dtype)
+    return xp.take(leaf, xp.arange(size) % n, axis=axis)

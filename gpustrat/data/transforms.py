@@ -23,6 +23,7 @@ import numpy as np
 
 from gpustrat import nest
 from gpustrat.data import parallel
+from gpustrat.data import spec as specs
 from gpustrat.data import structure as st
 from gpustrat.data.dataset import (AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY,
                                    Dataset, _check_int, _check_positive, _IterContext,
@@ -114,20 +115,67 @@ class BatchDataset(UnaryDataset):
 _MISSING = object()
 
 
-def _first_or_zeros(dataset: Dataset) -> Any:
-    """The first element of ``dataset`` (a peek), or zeros like its spec when it is empty."""
+def _function_spec(dataset: Dataset, output_spec: Callable[[Any], Any]) -> Any:
+    """The spec of a function's outputs over ``dataset``'s elements, where
+    ``output_spec(element)`` calls the function and returns the spec of its output.
+
+    The function is called on the first element (zeros like the input spec when the
+    input is empty), on the second, and on the first with the input's unknown
+    dimensions resized (:func:`gpustrat.data.spec.probes`); a dimension that differs
+    between these outputs is None. Where a probe fails, or changes the structure, dtype
+    or rank, every dimension is None.
+    """
     gen = dataset._iter(_IterContext(peek=True))
     try:
         first = next(gen, _MISSING)
+        second = _MISSING if first is _MISSING else next(gen, _MISSING)
     finally:
         _close(gen)
-    return zeros_like_spec(dataset.element_spec) if first is _MISSING else first
+    in_spec = dataset.element_spec
+    if first is _MISSING:
+        first = zeros_like_spec(in_spec)
+    spec = output_spec(first)
+    others = [] if second is _MISSING else [second]
+    if specs.has_unknown_dims(in_spec):
+        others += specs.probes(first, in_spec)
+    for element in others:
+        try:
+            with np.errstate(all="ignore"):
+                spec = merge_specs(spec, output_spec(element))
+        except Exception:  # noqa: BLE001 - a probe the function cannot take tells nothing
+            return specs.unknown_dims(spec)
+    return spec
+
+
+def _check_unbatchable(spec: Any) -> None:
+    """Refuse to unbatch elements whose spec shows components with different leading
+    sizes (every element would fail, or an empty input would pass unnoticed)."""
+    sizes = []
+    for s in nest.flatten(spec):
+        if not s.shape:
+            raise ValueError(f"unbatch: component {s} is a scalar; unbatching needs a "
+                             f"leading dimension in every component (element_spec {spec})")
+        if s.shape[0] is not None and s.shape[0] not in sizes:
+            sizes.append(s.shape[0])
+    if len(sizes) > 1:
+        raise ValueError(f"unbatch: the components' leading dimensions are known to differ "
+                         f"({' and '.join(map(str, sizes))}, element_spec {spec}); every "
+                         "component must have the same number of rows")
 
 
 class UnbatchDataset(UnaryDataset):
     """``unbatch()``: every row of every element becomes an element."""
 
+    def _input_spec(self) -> Any:
+        try:
+            spec = self._input.element_spec
+        except ValueError:
+            return None  # an input too empty to have a spec has nothing to unbatch
+        _check_unbatchable(spec)
+        return spec
+
     def _iter(self, ctx):
+        self._input_spec()
         it = self._input._iter(ctx)
         try:
             flatten = pack = None
@@ -156,13 +204,15 @@ class UnbatchDataset(UnaryDataset):
             return n
         # As tf.data: known only when every component has the same known, non-zero
         # leading dimension (an empty input with an unknown batch dimension is unknown).
-        dims = {s.shape[0] for s in nest.flatten(self._input.element_spec) if s.shape}
+        dims = {s.shape[0] for s in nest.flatten(self._input_spec() or ()) if s.shape}
         if len(dims) == 1 and dims != {None} and dims != {0}:
             return n * dims.pop()
         return UNKNOWN_CARDINALITY
 
     def _compute_spec(self):
-        return nest.map_structure(lambda s: s._unbatched(), self._input.element_spec)
+        spec = self._input.element_spec
+        _check_unbatchable(spec)
+        return nest.map_structure(lambda s: s._unbatched(), spec)
 
 
 def _resolve_parallelism(num_parallel_calls, what: str) -> int | None:
@@ -195,6 +245,16 @@ class MapDataset(UnaryDataset):
             out = tuple(out)
         return st.normalize(out)
 
+    def _in_order(self) -> "MapDataset | None":
+        """This map keeping the input order, or None when it already does (a parallel
+        map with ``deterministic=False`` yields results as they complete)."""
+        if self._parallelism is None or self._parallelism == 1 or self._deterministic or (
+                self._deterministic is None and self.options().deterministic is not False):
+            return None
+        new = copy.copy(self)
+        new._deterministic = True
+        return new
+
     def _iter(self, ctx):
         it = self._input._iter(ctx)
         call = self._call
@@ -211,9 +271,8 @@ class MapDataset(UnaryDataset):
         yield from parallel.parallel_map(it, call, self._parallelism, deterministic)
 
     def _compute_spec(self):
-        # The function decides the spec: call it on the input's first element (a peek),
-        # or on zeros shaped like the input spec when the input is empty.
-        return spec_of(self._call(_first_or_zeros(self._input)))
+        # The function decides the spec (see _function_spec).
+        return _function_spec(self._input, lambda element: spec_of(self._call(element)))
 
 
 class FilterDataset(UnaryDataset):
@@ -251,6 +310,10 @@ class ShuffleDataset(UnaryDataset):
     def __init__(self, input_dataset, buffer_size: int, seed, reshuffle_each_iteration: bool):
         super().__init__(input_dataset)
         self._buffer_size = _check_positive("buffer_size", buffer_size, "shuffle")
+        # An unseeded shuffle draws a seed here; distributing the dataset under the DATA
+        # policy replaces it with one agreed by every worker
+        # (autoshard.same_order_everywhere).
+        self._seeded = seed is not None
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little")
         elif isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
@@ -261,6 +324,13 @@ class ShuffleDataset(UnaryDataset):
 
     def _with_inputs(self, inputs):
         new = super()._with_inputs(inputs)
+        new._epochs = itertools.count()
+        return new
+
+    def _with_seed(self, seed: int) -> "ShuffleDataset":
+        """The same shuffle with another seed, counting its epochs from 0."""
+        new = copy.copy(self)
+        new._seed, new._seeded = int(seed), True
         new._epochs = itertools.count()
         return new
 

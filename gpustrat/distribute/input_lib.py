@@ -192,6 +192,11 @@ class DistributedDataset(_DistributedBase):
         if policy is AutoShardPolicy.FILE:
             # Every rank runs the same check, so a too-few-files error is raised on all.
             dataset = autoshard.shard_files(dataset, workers.size, workers.rank)
+        elif policy is AutoShardPolicy.DATA:
+            # Every worker must read the same order: unseeded shuffles take worker 0's
+            # seeds (one allgather here, whether or not there are any), parallel maps
+            # keep their order.
+            dataset = autoshard.same_order_everywhere(dataset, workers)
         self.auto_shard_policy = policy
         self._stream = policy in (AutoShardPolicy.FILE, AutoShardPolicy.OFF)
         # Under FILE each worker reads other files, so step counts differ between workers.
@@ -249,10 +254,13 @@ class DistributedDataset(_DistributedBase):
         if workers.size == 1:
             return steps
         # Even under DATA and OFF, where every worker should run the same steps, the
-        # workers check: a rank-dependent or unseeded pipeline must not hang the job.
-        # With known step counts that is one allgather per epoch.
-        return end_of_data.agreed_steps(steps, workers, local, self._steps_per_epoch(),
-                                        splitter.empty_like, self._stats)
+        # workers check: a rank-dependent pipeline must not hang the job. With known step
+        # counts that is one allgather per epoch. Under DATA a worker with fewer steps
+        # would lose the others' pieces of the batches it lacks: an error on every rank.
+        from gpustrat.data import AutoShardPolicy  # noqa: PLC0415
+        return end_of_data.agreed_steps(
+            steps, workers, local, self._steps_per_epoch(), splitter.empty_like, self._stats,
+            same_steps=self.auto_shard_policy is AutoShardPolicy.DATA)
 
 
 class DistributedDatasetsFromFunction(_DistributedBase):

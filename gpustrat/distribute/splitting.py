@@ -65,17 +65,20 @@ class Splitter:
             start = stop
         return out
 
-    def pieces_range(self, element: Any, first: int, count: int) -> list:
-        """Pieces ``first .. first+count-1`` only (a worker's share under DATA)."""
+    def pieces_dealt(self, element: Any, first: int, stride: int, count: int) -> list:
+        """Pieces ``first, first+stride, ..., first+(count-1)*stride`` of ``element``:
+        a worker's share under DATA, where the pieces are dealt round-robin over
+        ``stride`` workers."""
         flat = self.flatten(element)
         n = self.rows(flat)
         sizes = split_sizes(n, self.num_pieces)
-        start = sum(sizes[:first])
+        starts = [0]
+        for size in sizes:
+            starts.append(starts[-1] + size)
         out = []
-        for size in sizes[first:first + count]:
-            stop = start + size
+        for k in range(first, first + stride * count, stride):
+            start, stop = starts[k], starts[k + 1]
             out.append(self.pack([leaf[start:stop] for leaf in flat]))
-            start = stop
         return out
 
     def empty_like(self, element: Any) -> Any:
@@ -88,17 +91,21 @@ def deal_steps(batches: Iterator, splitter: Splitter, worker: int, num_workers: 
                local: int, stream: bool) -> Iterator[list]:
     """Yield one list of ``local`` pieces per step.
 
-    ``stream=False`` (DATA, or one worker): worker ``w`` takes pieces
-    ``w*local .. (w+1)*local - 1`` of every global batch, so each step is one global
-    batch over all replicas in sync. ``stream=True`` (FILE and OFF across workers): each
-    worker cuts its own batches into ``N`` pieces and its replicas take them ``local``
-    at a time, ``num_workers`` steps per batch (fewer when a batch has empty pieces: see
-    :func:`stream_steps_per_batch`).
+    ``stream=False`` (DATA, or one worker): the ``N`` pieces of every global batch are
+    dealt round-robin over the workers and each worker hands its pieces to its replicas
+    in order, so worker ``w`` takes pieces ``w, w + W, ..., w + (local-1)*W`` (``W``
+    workers); a step is one global batch over all replicas in sync. ``stream=True``
+    (FILE and OFF across workers): each worker cuts its own batches into ``N`` pieces and
+    its replicas take them ``local`` at a time, ``num_workers`` steps per batch (fewer
+    when a batch has empty pieces: see :func:`stream_steps_per_batch`).
     """
-    if not stream or num_workers == 1:
-        first = worker * local
+    if num_workers == 1:
         for batch in batches:
-            yield splitter.pieces_range(batch, first, local)
+            yield splitter.pieces(batch)
+        return
+    if not stream:
+        for batch in batches:
+            yield splitter.pieces_dealt(batch, worker, num_workers, local)
         return
     for batch in batches:
         pieces = splitter.pieces(batch)

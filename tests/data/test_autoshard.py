@@ -1,11 +1,13 @@
-"""File-level sharding support for distributed input (gpustrat.data.autoshard)."""
+"""Pipeline rewriting for distributed input (gpustrat.data.autoshard): file-level
+sharding, and the same order on every worker under DATA."""
 
 import numpy as np
 import pytest
 
 from gpustrat.data import (AutoShardPolicy, Dataset, NpyDataset, Options, TextLineDataset,
                            TFRecordDataset, TFRecordWriter)
-from gpustrat.data.autoshard import file_sources, reads_files, shard_files
+from gpustrat.data.autoshard import (file_sources, reads_files, same_order_everywhere,
+                                     shard_files, unseeded_shuffles)
 
 
 def _files(tmp_path, n, per_file):
@@ -80,3 +82,77 @@ def test_zip_and_concatenate_of_file_sources_and_npy(tmp_path):
     cat = TFRecordDataset(rec).concatenate(TFRecordDataset(rec[::-1]))
     assert list(shard_files(cat, 2, 0)) == [b"rec0", b"rec1"]
     assert shard_files(npy, 2, 0).cardinality() == 2
+
+
+class _Workers:
+    """Worker ``rank`` of a group whose allgather answers with the given lists (what
+    each worker would send), recording what this one sent."""
+
+    def __init__(self, rank, others):
+        self.rank, self._others, self.sent = rank, others, []
+
+    def allgather(self, obj):
+        self.sent.append(obj)
+        return [obj if w == self.rank else o for w, o in enumerate(self._others)]
+
+
+def _pipeline():
+    # Each call builds the pipeline anew, as each worker does: new random seeds.
+    return (Dataset.range(40).shuffle(40).map(lambda x: x * 2).shuffle(8).batch(4)
+            .shuffle(3, reshuffle_each_iteration=True))
+
+
+def _epochs(ds, n=2):
+    return [[b.tolist() for b in ds] for _ in range(n)]
+
+
+def test_unseeded_shuffles_take_worker_zeros_seeds():
+    mine, theirs = _pipeline(), _pipeline()
+    # Built apart, unseeded shuffles differ: the behaviour outside distribution.
+    assert _epochs(mine, 1) != _epochs(theirs, 1)
+    seeds0, seeds1 = ([n._seed for n in unseeded_shuffles(d)] for d in (mine, theirs))
+    assert len(seeds0) == 3 and seeds0 != seeds1
+    g0 = _Workers(0, [None, seeds1])
+    agreed0 = same_order_everywhere(mine, g0)
+    assert g0.sent == [seeds0]
+    agreed1 = same_order_everywhere(theirs, _Workers(1, [seeds0, None]))
+    first, second = _epochs(agreed0), _epochs(agreed1)
+    assert first == second and first[0] != first[1]  # alike, and reshuffled per epoch
+    assert sorted(v for b in first[0] for v in b) == [2 * v for v in range(40)]
+    # The datasets passed in keep their own seeds and epochs.
+    assert _epochs(mine, 1) != _epochs(theirs, 1)
+
+
+def test_shuffles_inside_interleave_functions_are_seeded_alike():
+    def build():
+        return Dataset.range(6).interleave(
+            lambda x: Dataset.range(10 * x, 10 * x + 10).shuffle(10), cycle_length=2)
+    mine, theirs = build(), build()
+    assert [int(v) for v in mine] != [int(v) for v in theirs]  # outside distribution
+    seeds0, seeds1 = ([n._seed for n in unseeded_shuffles(d)] for d in (mine, theirs))
+    assert len(seeds0) == 1                                    # the interleave node
+    agreed0 = same_order_everywhere(mine, _Workers(0, [None, seeds1]))
+    agreed1 = same_order_everywhere(theirs, _Workers(1, [seeds0, None]))
+    first = [[int(v) for v in agreed0] for _ in range(2)]
+    assert first == [[int(v) for v in agreed1] for _ in range(2)]
+    assert first[0] != first[1] and sorted(first[0]) == list(range(60))
+
+
+def test_different_numbers_of_unseeded_shuffles_name_each_workers_count():
+    with pytest.raises(ValueError, match=r"unseeded shuffles \(worker 0: 3, worker 1: 1\)"):
+        same_order_everywhere(_pipeline(), _Workers(0, [None, [5]]))
+
+
+def test_seeded_pipelines_and_unordered_maps():
+    seeded = Dataset.range(10).shuffle(10, seed=3).batch(2)
+    g = _Workers(0, [None])
+    assert same_order_everywhere(seeded, g) is seeded and g.sent == [[]]
+    files = Dataset.list_files(__file__)
+    assert same_order_everywhere(files, _Workers(0, [None])) is not files
+    assert same_order_everywhere(Dataset.list_files(__file__, shuffle=False),
+                                 _Workers(0, [None]))._seeded
+    racy = Dataset.range(30).map(lambda x: x, num_parallel_calls=3, deterministic=False)
+    ordered = same_order_everywhere(racy, _Workers(0, [None]))
+    assert ordered is not racy and [int(v) for v in ordered] == list(range(30))
+    plain = Dataset.range(30).map(lambda x: x, num_parallel_calls=3)
+    assert same_order_everywhere(plain, _Workers(0, [None])) is plain

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from gpustrat.data import UNKNOWN_CARDINALITY, Dataset, TensorSpec
+from gpustrat.data.spec import STRING
 
 
 def ints(ds):
@@ -205,3 +206,78 @@ def test_dict_elements_keep_the_users_key_order():
     assert [list(e) for e in flat.batch(2)] == [["b", "a"]]
     nested = Dataset.from_tensor_slices({"b": [1, 2], "a": ([3, 4], [5, 6])})
     assert list(next(iter(nested))) == ["b", "a"]
+
+
+# --- element_spec of functions: no element may contradict it -----------------------------
+
+def _assert_every_element_fits(ds):
+    from gpustrat import nest
+    spec = ds.element_spec
+    for element in ds:
+        for s, leaf in zip(nest.flatten(spec), nest.flatten(element)):
+            assert s.is_compatible_with(leaf), (spec, element)
+
+
+@pytest.mark.parametrize("ds,want", [
+    # Recorded from TF 2.21 (element_spec of the same pipelines).
+    (Dataset.range(5).batch(2).map(lambda x: x * 2), TensorSpec((None,), np.int64)),
+    (Dataset.range(5).batch(2, drop_remainder=True).map(lambda x: x * 2),
+     TensorSpec((2,), np.int64)),
+    (Dataset.range(5).batch(2).map(lambda x: x.reshape(-1, 1)),
+     TensorSpec((None, 1), np.int64)),
+    (Dataset.range(5).batch(2).map(lambda x: (x, np.ones(3, np.float32))),
+     (TensorSpec((None,), np.int64), TensorSpec((3,), np.float32))),
+    (Dataset.range(4).interleave(lambda x: Dataset.from_tensors(np.arange(x)), cycle_length=2),
+     TensorSpec((None,), np.int64)),
+    (Dataset.range(4).flat_map(lambda x: Dataset.range(x).batch(2)),
+     TensorSpec((None,), np.int64)),
+], ids=["map-batch", "map-static-batch", "reshape", "tuple", "interleave", "flat_map"])
+def test_function_specs_claim_only_dimensions_every_element_has(ds, want):
+    assert ds.element_spec == want
+    _assert_every_element_fits(ds)
+
+
+def test_unbatch_of_a_mapped_batch_counts_what_it_yields():
+    # TF 2.21: cardinality -2 (unknown batch dimension); 4 with drop_remainder.
+    ds = Dataset.range(5).batch(2).map(lambda x: x * 2).unbatch()
+    assert ds.cardinality() == UNKNOWN_CARDINALITY and len(list(ds)) == 5
+    assert Dataset.range(5).batch(2, True).map(lambda x: x * 2).unbatch().cardinality() == 4
+
+
+def test_specs_of_values_that_vary_between_elements():
+    # Shapes that depend on the values, not on the input's shape.
+    ragged = Dataset.range(5).map(lambda x: np.arange(x))
+    assert ragged.element_spec == TensorSpec((None,), np.int64)
+    _assert_every_element_fits(ragged)
+    # An empty input: the function sees zeros, but its outputs' sizes are not known.
+    assert Dataset.range(0).batch(2).map(lambda x: x * 2).element_spec == \
+        TensorSpec((None,), np.int64)
+    # A generator without output_shapes says nothing about its shapes (TF 2.21: unknown).
+    gen = Dataset.from_generator(lambda: iter([np.zeros((2, 3)), np.zeros((1, 3))]))
+    assert gen.element_spec == TensorSpec((None, None), np.float64)
+    _assert_every_element_fits(gen)
+    # A function that fails on a resized probe: every dimension unknown, rank known.
+    picky = Dataset.range(6).batch(4).map(lambda x: x.reshape(2, 2) if len(x) == 4 else
+                                          x.reshape(1, 2))
+    assert picky.element_spec == TensorSpec((None, None), np.int64)
+    _assert_every_element_fits(picky)
+    # Strings keep their dtype through the probes.
+    words = Dataset.from_tensor_slices(["a", "bb", "ccc"]).batch(2).map(lambda w: w[::-1])
+    assert words.element_spec == TensorSpec((None,), STRING)
+
+
+def test_unbatch_refuses_components_whose_spec_shows_different_leading_sizes():
+    # TF 2.21 refuses it when the dataset is built: "`unbatch()` is only supported for
+    # datasets of elements whose components have a matching leading dimension.
+    # Encountered both 2 and 1." gpustrat refuses it when the spec is first needed (the
+    # first iteration, element_spec or cardinality), as concatenate checks its inputs.
+    ds = Dataset.from_tensor_slices((np.zeros((3, 2)), np.zeros((3, 1)))).take(0).unbatch()
+    for use in (list, lambda d: d.element_spec, lambda d: d.cardinality()):
+        with pytest.raises(ValueError, match=r"leading dimensions are known to differ \(2 and 1"):
+            use(ds)
+    # Unknown sizes are checked element by element, as before.
+    ragged = Dataset.range(3).map(lambda x: (np.zeros(int(x)), np.zeros(1))).unbatch()
+    with pytest.raises(ValueError, match=r"different leading dimensions \[0, 1\]"):
+        list(ragged)
+    same = Dataset.from_tensor_slices((np.zeros((3, 2)), np.ones((3, 2, 4)))).unbatch()
+    assert same.cardinality() == 6 and len(list(same)) == 6
