@@ -44,9 +44,8 @@ def ctrl_c_after(seconds):
 
 
 def local(s, out):
-    """Every replica's result (a result that is one object on every replica is plain)."""
-    vals = s.experimental_local_results(out)
-    return vals * s.num_replicas_in_sync if len(vals) == 1 else vals
+    """Every replica's result: ``run`` returns every leaf per replica."""
+    return s.experimental_local_results(out)
 
 
 def all_reduce_in_new_thread(ctx, errors, delay=0.0):
@@ -313,8 +312,8 @@ def test_fn_results_of_any_kind(strategy):
     gens = strategy.experimental_local_results(strategy.run(lambda: (i for i in range(rid() + 1))))
     assert [len(list(g)) for g in gens] == list(range(1, n + 1))
     out = strategy.run(lambda: {"x": [rid(), None, "s"], "y": (1, rid())})
-    assert out["x"][1] is None and out["x"][2] == "s" and out["y"][0] == 1
-    assert out["x"][0].values == tuple(range(n))
+    assert out["x"][1] is None and out["x"][2].values == ("s",) * n
+    assert out["y"][0].values == (1,) * n and out["x"][0].values == tuple(range(n))
 
 
 def test_replica_context_outside_run_and_in_user_threads():

@@ -37,8 +37,8 @@ def test_seed_all_reduce_of_replica_ids():
         lambda ctx: ctx.replica_id_in_sync_group)
     assert values.values == (0, 1)
     result = s.run(lambda v: gs.get_replica_context().all_reduce("sum", v), args=(values,))
-    # One object on every replica comes back plain, as run does for any identical result.
-    assert set(s.experimental_local_results(result)) == {1}
+    # Both replicas get 1 (TF 2.21: PerReplica {0: 1, 1: 1}).
+    assert isinstance(result, gs.PerReplica) and result.values == (1, 1)
 
 
 def test_single_replica_run_returns_plain_values():
@@ -170,7 +170,7 @@ def test_mismatched_collectives_are_reported():
 
 def test_old_name_experimental_run_v2():
     s = gs.MirroredStrategy(cpus(2))
-    assert s.experimental_run_v2(lambda: 5) == 5
+    assert s.experimental_run_v2(lambda: 5).values == (5, 5)
 
 
 # --- replica-context collectives -----------------------------------------------------
