@@ -109,7 +109,7 @@ def local_components(value: DistributedValues, devices: tuple, what: str) -> tup
                          f"components but the strategy has {len(devices)} local replicas "
                          f"({_names(devices)})")
     own = value._devices
-    if own is not None and own is not devices and own != devices:
+    if own is not None and own != devices:
         raise ValueError(
             f"{what} was given a {type(value).__name__} made on devices {_names(own)}, but "
             f"this strategy's local devices are {_names(devices)}: a distributed value "
@@ -144,9 +144,9 @@ def regroup(per_replica_results: Sequence[Any], devices: tuple | None = None,
     """
     if len(per_replica_results) == 1 and not always_wrap:
         return per_replica_results[0]
-    first = per_replica_results[0]
-    if not nest.is_nested(first) and not any(map(nest.is_nested, per_replica_results)):
+    if not any(map(nest.is_nested, per_replica_results)):
         return _merge_leaf(per_replica_results, devices, always_wrap)
+    first = per_replica_results[0]
     flats = []
     for i, r in enumerate(per_replica_results):
         try:

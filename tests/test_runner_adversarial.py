@@ -536,3 +536,19 @@ def test_replica_context_kept_past_run_cannot_issue_collectives():
     threads[0].join(5)
     assert isinstance(errors[0], RuntimeError) and "outside strategy.run" in str(errors[0])
     check_usable(s)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.002], ids=["short", "long"])
+def test_a_string_in_one_replicas_collective_is_a_type_error_naming_it(strategy, delay):
+    # Only the last replica gives a string; the others wait in the collective and are
+    # released, and the error names that replica and its leaf.
+    n = strategy.num_replicas_in_sync
+
+    def fn():
+        time.sleep(delay)
+        return all_reduce({"loss": 1.0, "tag": f"r{rid()}" if rid() == n - 1 else 0.0})
+    with pytest.raises(TypeError, match=rf"str 'r{n - 1}' \(replica {n - 1}\) is not a "
+                                        rf"number") as info:
+        strategy.run(fn)
+    assert f"(raised in replica {n - 1} on cpu:{n - 1})" in info.value.__notes__
+    check_usable(strategy)

@@ -49,7 +49,7 @@ def check_leaf(x: Any, op: ReduceOp | None, what: str, where: str) -> None:
         return
     elif hasattr(x, "__array__") or hasattr(x, "__cuda_array_interface__") or \
             hasattr(x, "__dlpack__"):
-        return  # another library's array: converted (and checked) by the device layer
+        return  # another library's array, whose dtype is not NumPy's: not inspected
     else:
         kind, shown = "O", f"{type(x).__name__} {_short_repr(x)}"
     if kind in "iufc" or (kind == "b" and op not in (ReduceOp.SUM, ReduceOp.MEAN)):

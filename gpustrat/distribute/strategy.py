@@ -102,10 +102,14 @@ class Strategy:
 
         Per-replica values among ``args``/``kwargs`` (at any depth of nesting) are
         unpacked to each replica's component; everything else goes to every replica as
-        is. Returns the results regrouped: per-replica values with the structure of
-        ``fn``'s result (a single replica's result as is).
+        is. Returns the results regrouped: the structure of ``fn``'s result with a
+        per-replica value at every leaf (whatever it is, a Python int or string too),
+        except a leaf that is None on every replica (None) or one distributed value
+        on every replica (that value); a single replica's result as is.
 
         Raises:
+            ValueError: a distributed argument made on other devices, or with another
+                number of components.
             The first replica's exception, with a note naming the replica.
         """
         kwargs = kwargs or {}
