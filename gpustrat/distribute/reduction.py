@@ -38,7 +38,8 @@ _NUMBER_NAMES = frozenset(
 
 def check_leaf(x: Any, op: ReduceOp | None, what: str, where: str) -> None:
     """Raise TypeError unless leaf ``x`` can be reduced with ``op`` (gathered when
-    ``op`` is None), saying what it is, ``where`` it came from and what to do."""
+    ``op`` is None) by the call ``what``, saying what it is, ``where`` it came from and
+    what to do."""
     dtype = getattr(x, "dtype", None)
     if isinstance(dtype, np.dtype):
         kind = "f" if dtype.name == "bfloat16" else dtype.kind  # ml_dtypes: kind "V"
@@ -54,6 +55,8 @@ def check_leaf(x: Any, op: ReduceOp | None, what: str, where: str) -> None:
         kind, shown = "O", f"{type(x).__name__} {_short_repr(x)}"
     if kind in "iufc" or (kind == "b" and op not in (ReduceOp.SUM, ReduceOp.MEAN)):
         return
+    if op is not None:
+        what = f"{what}({op.name})"
     if x is None:
         raise TypeError(f"{what}: a None leaf ({where}) cannot be reduced or gathered over "
                         "replicas; leave it out of the structure or give it a value")
@@ -104,7 +107,7 @@ def reduce_components(comm: Communicator, op: ReduceOp, comps: Sequence[Any],
                       axis: int | None) -> Any:
     """Reduce one leaf given as one component per local replica."""
     for i, c in enumerate(comps):
-        check_leaf(c, op, f"strategy.reduce({op.name})", f"component {i}")
+        check_leaf(c, op, "strategy.reduce", f"component {i}")
     arrays = [as_array(c, d) for c, d in zip(comps, comm.devices)]
     if axis is None:
         first = arrays[0]

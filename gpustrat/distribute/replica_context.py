@@ -45,7 +45,7 @@ class ReplicaContext:
         op = ReduceOp.from_value(reduce_op)
         comm = self._strategy.communicator
         sig = collective_ops.leaf_signature("all_reduce", op.name, value)
-        reduction.check_leaves(sig, value, op, f"all_reduce({op.name})", self._replica_id)
+        reduction.check_leaves(sig, value, op, "all_reduce", self._replica_id)
         return self._exchange(
             sig, value, lambda vals: collective_ops.all_reduce_structures(comm, vals, op))
 
