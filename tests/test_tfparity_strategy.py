@@ -181,17 +181,13 @@ def test_a_distributed_value_returned_by_every_replica_is_returned_as_is(two):
 @settings(max_examples=60, deadline=None)
 @given(st.one_of(st.integers(-2**62, 2**62 - 1), st.floats(-1e300, 1e300),
                  st.booleans(), st.text(max_size=3), st.binary(max_size=3)))
-def test_run_result_is_per_replica_for_any_python_value(value):
+def test_run_result_is_per_replica_for_any_python_value(two, value):
     # Every replica rebuilds the value, so whether the objects are one depends only on
     # CPython's caches (small ints, one-character strings, True/False).
-    s = PROPERTY_STRATEGY
-    r = s.run(lambda: type(value)(value))
+    r = two.run(lambda: type(value)(value))
     assert isinstance(r, gs.PerReplica) and r.values == (value, value)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        assert s.reduce("sum", r, axis=None) == 2 * value
-
-
-PROPERTY_STRATEGY = gs.MirroredStrategy(cpus(2))
+        assert two.reduce("sum", r, axis=None) == 2 * value
 
 
 # --- only numbers are reduced ------------------------------------------------------------
