@@ -44,9 +44,8 @@ def ctrl_c_after(seconds):
 
 
 def local(s, out):
-    """Every replica's result (a result that is one object on every replica is plain)."""
-    vals = s.experimental_local_results(out)
-    return vals * s.num_replicas_in_sync if len(vals) == 1 else vals
+    """Every replica's result: ``run`` returns every leaf per replica."""
+    return s.experimental_local_results(out)
 
 
 def all_reduce_in_new_thread(ctx, errors, delay=0.0):
@@ -313,8 +312,8 @@ def test_fn_results_of_any_kind(strategy):
     gens = strategy.experimental_local_results(strategy.run(lambda: (i for i in range(rid() + 1))))
     assert [len(list(g)) for g in gens] == list(range(1, n + 1))
     out = strategy.run(lambda: {"x": [rid(), None, "s"], "y": (1, rid())})
-    assert out["x"][1] is None and out["x"][2] == "s" and out["y"][0] == 1
-    assert out["x"][0].values == tuple(range(n))
+    assert out["x"][1] is None and out["x"][2].values == ("s",) * n
+    assert out["y"][0].values == (1,) * n and out["x"][0].values == tuple(range(n))
 
 
 def test_replica_context_outside_run_and_in_user_threads():
@@ -537,3 +536,19 @@ def test_replica_context_kept_past_run_cannot_issue_collectives():
     threads[0].join(5)
     assert isinstance(errors[0], RuntimeError) and "outside strategy.run" in str(errors[0])
     check_usable(s)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.002], ids=["short", "long"])
+def test_a_string_in_one_replicas_collective_is_a_type_error_naming_it(strategy, delay):
+    # Only the last replica gives a string; the others wait in the collective and are
+    # released, and the error names that replica and its leaf.
+    n = strategy.num_replicas_in_sync
+
+    def fn():
+        time.sleep(delay)
+        return all_reduce({"loss": 1.0, "tag": f"r{rid()}" if rid() == n - 1 else 0.0})
+    with pytest.raises(TypeError, match=rf"str 'r{n - 1}' \(replica {n - 1}\) is not a "
+                                        rf"number") as info:
+        strategy.run(fn)
+    assert f"(raised in replica {n - 1} on cpu:{n - 1})" in info.value.__notes__
+    check_usable(strategy)

@@ -1,6 +1,7 @@
 """Strategies on logical CPU devices: the seeds' examples, contexts, run, reductions."""
 
 import collections
+import re
 import threading
 
 import numpy as np
@@ -37,8 +38,8 @@ def test_seed_all_reduce_of_replica_ids():
         lambda ctx: ctx.replica_id_in_sync_group)
     assert values.values == (0, 1)
     result = s.run(lambda v: gs.get_replica_context().all_reduce("sum", v), args=(values,))
-    # One object on every replica comes back plain, as run does for any identical result.
-    assert set(s.experimental_local_results(result)) == {1}
+    # Both replicas get 1 (TF 2.21: PerReplica {0: 1, 1: 1}).
+    assert isinstance(result, gs.PerReplica) and result.values == (1, 1)
 
 
 def test_single_replica_run_returns_plain_values():
@@ -170,7 +171,7 @@ def test_mismatched_collectives_are_reported():
 
 def test_old_name_experimental_run_v2():
     s = gs.MirroredStrategy(cpus(2))
-    assert s.experimental_run_v2(lambda: 5) == 5
+    assert s.experimental_run_v2(lambda: 5).values == (5, 5)
 
 
 # --- replica-context collectives -----------------------------------------------------
@@ -311,3 +312,77 @@ def test_experimental_make_numpy_dataset_old_name():
     s = gs.MirroredStrategy(cpus(2))
     ds = s.experimental_make_numpy_dataset(np.arange(6.0).reshape(3, 2))
     assert [r.tolist() for r in ds.as_numpy_iterator()] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+
+
+# --- a distributed value belongs to the devices it was made on ------------------------
+
+def made_by(s):
+    """One value of each kind ``s`` makes, on its devices."""
+    ds = gs.data.Dataset.range(8).batch(4)
+    return {
+        "run": s.run(lambda: gs.get_replica_context().replica_id_in_sync_group * 1.0),
+        "dataset element": next(iter(s.experimental_distribute_dataset(ds))),
+        "values_from_function": s.experimental_distribute_values_from_function(
+            lambda ctx: np.full(1, ctx.replica_id_in_sync_group, np.float32)),
+        "Mirrored": gs.Mirrored([np.ones(1), np.ones(1)], devices=s.local_devices),
+    }
+
+
+@pytest.mark.parametrize("other_devices", [["cpu:2", "cpu:3"], ["cpu:1", "cpu:0"]])
+def test_values_made_on_other_devices_are_refused_naming_both_device_lists(other_devices):
+    # TF 2.21 (4 logical CPUs): a PerReplica from MirroredStrategy([cpu:0, cpu:1]), a
+    # distributed dataset element or a MirroredVariable given to a strategy on
+    # [cpu:2, cpu:3] (or [cpu:1, cpu:0]) is accepted by run, reduce and
+    # experimental_local_results, the components copied to the other devices silently.
+    a, b = gs.MirroredStrategy(cpus(2)), gs.MirroredStrategy(other_devices)
+    msg = (r"made on devices \['cpu:0', 'cpu:1'\], but this strategy's local devices are "
+           + re.escape(str(other_devices)))
+    for kind, v in made_by(a).items():
+        assert v.devices == a.local_devices, kind
+        calls = {
+            "run": lambda v=v: b.run(lambda x: x, args=(v,)),
+            "run, nested": lambda v=v: b.run(lambda x, k: x, args=({"a": [v]},), kwargs={"k": 1}),
+            "run, kwargs": lambda v=v: b.run(lambda x: x, kwargs={"x": v}),
+            "reduce": lambda v=v: b.reduce("mean", v, axis=None),
+            "reduce, nested": lambda v=v: b.reduce("max", (v,), axis=0),
+            "gather": lambda v=v: b.gather({"x": v}, 0),
+            "experimental_local_results": lambda v=v: b.experimental_local_results(v),
+            "experimental_local_results, nested":
+                lambda v=v: b.experimental_local_results([v, 1]),
+        }
+        for call, f in calls.items():
+            with pytest.raises(ValueError, match=msg):
+                f()
+                pytest.fail(f"{kind} accepted by {call}")
+    a.close()
+    b.close()
+
+
+def test_values_of_another_strategy_on_the_same_devices_and_hand_made_ones_are_accepted():
+    a, b = gs.MirroredStrategy(cpus(2)), gs.MirroredStrategy(cpus(2))
+    for v in made_by(a).values():
+        assert [float(np.sum(x)) for x in b.experimental_local_results(
+            b.run(lambda x: x * 2, args=(v,)))] == [float(np.sum(x)) * 2 for x in v.values]
+    hand = gs.PerReplica([1.0, 2.0])
+    assert hand.devices is None and b.reduce("sum", hand, axis=None) == 3.0
+    named = gs.PerReplica([1.0, 2.0], devices=["/gpu:0", "GPU:1"])
+    assert [d.name for d in named.devices] == ["gpu:0", "gpu:1"]
+    with pytest.raises(ValueError, match=r"was given 1 devices"):
+        gs.PerReplica([1.0, 2.0], devices=["cpu:0"])
+    a.close()
+    b.close()
+
+
+def test_component_count_is_checked_by_every_method():
+    # experimental_local_results of a nested 3-component value on 2 replicas dropped
+    # the third component.
+    s = gs.MirroredStrategy(cpus(2))
+    three = gs.PerReplica([1, 2, 3])
+    for f in (lambda: s.run(lambda x: x, args=({"k": three},)),
+              lambda: s.reduce("mean", three, axis=None), lambda: s.gather(three, 0),
+              lambda: s.experimental_local_results(three),
+              lambda: s.experimental_local_results({"k": three})):
+        with pytest.raises(ValueError, match=r"3 components but the strategy has 2 local "
+                                             r"replicas \(\['cpu:0', 'cpu:1'\]\)"):
+            f()
+    s.close()

@@ -5,6 +5,7 @@ import collections
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import gpustrat as gs
 from gpustrat import nest
@@ -59,9 +60,10 @@ def test_nest_keeps_dict_insertion_order_while_flattening_sorted():
 def test_run_result_and_dataset_elements_keep_dict_order(two):
     # observed from TF 2.21: run returning {'z': replica_id, 'a': 1} gives
     # {'z': PerReplica, 'a': 1} in that order, and a dataset of {'b': ..., 'a': ...}
-    # yields elements with 'b' first.
+    # yields elements with 'b' first. ('a' is plain in TF only because both replicas
+    # return the same cached int object; here every leaf is per replica.)
     r = two.run(lambda: {"z": gs.get_replica_context().replica_id_in_sync_group, "a": 1})
-    assert list(r) == ["z", "a"] and r["a"] == 1 and r["z"].values == (0, 1)
+    assert list(r) == ["z", "a"] and r["a"].values == (1, 1) and r["z"].values == (0, 1)
     assert [list(x) for x in two.experimental_local_results(r)] == [["z", "a"], ["z", "a"]]
     ds = Dataset.range(5).batch(3).map(lambda x: {"b": x, "a": x * 10})
     steps = [as_lists(e) for e in two.experimental_distribute_dataset(ds)]
@@ -129,6 +131,134 @@ def test_all_reduce_of_a_none_leaf_is_a_clear_error(two):
     # TF 2.21 fails here too, with "'NoneType' object has no attribute 'dtype'".
     with pytest.raises(TypeError, match="a None leaf"):
         two.run(lambda: gs.get_replica_context().all_reduce("sum", (np.float32(1), None)))
+
+
+# --- run's results are per replica, whatever the interpreter shares ---------------------
+
+def rid():
+    return gs.get_replica_context().replica_id_in_sync_group
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 32, 256, 257, 512])
+def test_a_size_computed_on_each_replica_is_per_replica_whatever_its_value(n, rows):
+    # TF 2.21 (2 replicas, a distributed range(2 * rows).batch(2 * rows)):
+    # run(lambda x: x.shape[0]) returns a plain int for 32 and 256 rows (CPython's
+    # cached small int, one object on both replicas), which reduce("SUM") refuses
+    # ("A non-DistributedValues value 32 cannot be reduced"), and PerReplica
+    # {0: 512, 1: 512} for 512 rows. Here it is per replica at every size.
+    s = gs.MirroredStrategy(cpus(n))
+    x = next(iter(s.experimental_distribute_dataset(Dataset.range(n * rows).batch(n * rows))))
+    r = s.run(lambda x: x.shape[0], args=(x,))
+    assert isinstance(r, gs.PerReplica) and r.values == (rows,) * n
+    assert int(s.reduce("sum", r, axis=None)) == n * rows
+    s.close()
+
+
+def test_python_constants_are_per_replica_and_none_stays_none(two):
+    # TF 2.21: run(lambda: 1) and run(lambda: "abc") return the plain object (both
+    # replicas return one object) and reduce("SUM") of it is refused; run(lambda: None)
+    # is None; (None, replica_id) gives (None, PerReplica); None on replica 0 and 1 on
+    # replica 1 give PerReplica {0: None, 1: 1}. Here a constant is per replica like
+    # any other result, so its SUM is 2 and its MEAN 1 (TF's MEAN: 1).
+    one = two.run(lambda: 1)
+    assert isinstance(one, gs.PerReplica) and one.values == (1, 1)
+    assert two.reduce("sum", one, axis=None) == 2 and two.reduce("mean", one, axis=None) == 1
+    assert two.run(lambda: "abc").values == ("abc", "abc")
+    assert two.run(lambda: None) is None
+    pair = two.run(lambda: (None, rid()))
+    assert pair[0] is None and pair[1].values == (0, 1)
+    assert two.run(lambda: None if rid() == 0 else 1).values == (None, 1)
+
+
+def test_a_distributed_value_returned_by_every_replica_is_returned_as_is(two):
+    pr, mirrored = by_replica(two, lambda r: r), gs.Mirrored([1.0, 1.0])
+    assert two.run(lambda: pr) is pr
+    out = two.run(lambda: {"m": mirrored, "pr": pr})
+    assert out["m"] is mirrored and out["pr"] is pr
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.one_of(st.integers(-2**62, 2**62 - 1), st.floats(-1e300, 1e300),
+                 st.booleans(), st.text(max_size=3), st.binary(max_size=3)))
+def test_run_result_is_per_replica_for_any_python_value(two, value):
+    # Every replica rebuilds the value, so whether the objects are one depends only on
+    # CPython's caches (small ints, one-character strings, True/False).
+    r = two.run(lambda: type(value)(value))
+    assert isinstance(r, gs.PerReplica) and r.values == (value, value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        assert two.reduce("sum", r, axis=None) == 2 * value
+
+
+# --- only numbers are reduced ------------------------------------------------------------
+
+NOT_NUMBERS = [
+    (["a", "bc"], r"str 'a' \(component 0\)"),
+    ([b"x", b"y"], r"bytes b'x' \(component 0\)"),
+    ([np.array(["a"]), np.array(["b"])], r"array of dtype <U1 \(component 0\)"),
+    ([np.array([object()]), np.array([1])], r"array of dtype object \(component 0\)"),
+    ([1.0, "b"], r"str 'b' \(component 1\)"),
+    ([None, 1.0], r"a None leaf \(component 0\)"),
+]
+
+
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min"])
+@pytest.mark.parametrize("comps,shown", NOT_NUMBERS)
+def test_reduce_and_gather_refuse_what_is_not_a_number(two, op, comps, shown):
+    # TF 2.21: reduce of string tensors fails (InvalidArgumentError: AddN has no string
+    # kernel), gather of strings too (TypeError: DataType string not in list of allowed
+    # values), and Python strs give AttributeError ('str' object has no attribute
+    # 'device'). gpustrat returned one replica's bytes for SUM and blamed the dtype
+    # lengths for strings.
+    v = gs.PerReplica(comps)
+    with pytest.raises(TypeError, match=rf"strategy.reduce\({op.upper()}\): .*{shown}"):
+        two.reduce(op, v, axis=None)
+    if isinstance(comps[0], np.ndarray):
+        with pytest.raises(TypeError, match=shown):
+            two.reduce(op, v, axis=0)
+        with pytest.raises(TypeError, match=rf"strategy.gather: .*{shown}"):
+            two.gather(v, 0)
+    with pytest.raises(TypeError, match=shown):
+        two.reduce(op, {"ok": by_replica(two, float), "bad": [v]}, axis=None)
+
+
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min"])
+def test_collectives_refuse_what_is_not_a_number(two, op):
+    # TF 2.21: all_reduce of a string tensor fails (InvalidArgumentError:
+    # CollectiveReduceV2 has no string kernel), of a Python str with AttributeError,
+    # all_gather of strings with TypeError. gpustrat returned one replica's string.
+    ctx = gs.get_replica_context
+    with pytest.raises(TypeError, match=rf"all_reduce\({op.upper()}\): str 's0' \(replica 0\)"):
+        two.run(lambda: ctx().all_reduce(op, f"s{rid()}"))
+    with pytest.raises(TypeError, match=r"str 'x' \(replica 0\) is not a number"):
+        two.run(lambda: ctx().all_reduce(op, {"a": 1.0, "b": [np.float32(2), "x"]}))
+    with pytest.raises(TypeError, match=r"all_gather: an array of dtype <U1 \(replica 0\)"):
+        two.run(lambda: ctx().all_gather(np.array(["a"]), 0))
+    assert two.run(lambda: ctx().all_reduce(op, 2.0)).values == (
+        {"sum": 4.0, "mean": 2.0, "max": 2.0, "min": 2.0}[op],) * 2
+
+
+def test_booleans_have_max_min_and_gather_but_no_sum_or_mean(two):
+    # TF 2.21 refuses bool tensors in reduce, all_reduce, gather and all_gather alike (its
+    # kernels have no bool; it has no MAX/MIN). Here MAX is any and MIN is all, and
+    # gathers concatenate; SUM and MEAN are refused: they gave a logical or, and MEAN of
+    # [True]/[True] gave 0.5.
+    b = gs.PerReplica([np.array([True, False]), np.array([True, True])])
+    assert two.reduce("max", b, axis=None).tolist() == [True, True]
+    assert two.reduce("min", b, axis=None).tolist() == [True, False]
+    assert bool(two.reduce("max", b, axis=0)) and not bool(two.reduce("min", b, axis=0))
+    assert two.gather(b, 0).tolist() == [True, False, True, True]
+    for op in ("sum", "mean"):
+        for axis in (None, 0):
+            with pytest.raises(TypeError, match=rf"{op.upper()} of booleans is not defined"):
+                two.reduce(op, b, axis=axis)
+        with pytest.raises(TypeError, match=r"\(the bool True, replica 0\)"):
+            two.run(lambda op=op: gs.get_replica_context().all_reduce(op, rid() == 0))
+    ctx = gs.get_replica_context
+    assert two.run(lambda: ctx().all_reduce("max", rid() == 1)).values == (True, True)
+    assert two.run(lambda: ctx().all_reduce("min", rid() == 1)).values == (False, False)
+    got = two.run(lambda: ctx().all_gather(np.array([rid() == 1]), 0))
+    assert [v.tolist() for v in got.values] == [[False, True]] * 2
 
 
 # --- one replica: values and input are not wrapped or cut --------------------------------
@@ -206,3 +336,41 @@ def test_reduce_of_a_plain_value_across_workers():
     from mpi_util import assert_mpi_ok  # noqa: PLC0415
     out = assert_mpi_ok(2, PLAIN_ACROSS_WORKERS, timeout=120, expect_lines=2)
     assert out.splitlines().count("OK 3.0 1.5 [0, 1]") == 2
+
+
+NOT_NUMBERS_ACROSS_WORKERS = r"""
+import sys
+import numpy as np
+import gpustrat as gs
+s = gs.MultiWorkerMirroredStrategy([f"cpu:{i}" for i in range(int(sys.argv[1]))])
+ctx = gs.get_replica_context
+rid = lambda: ctx().replica_id_in_sync_group
+refused = []
+for what, f in [
+        ("reduce of strings", lambda: s.reduce("max", s.run(lambda: f"r{rid()}"), axis=None)),
+        ("reduce of a plain string", lambda: s.reduce("mean", "abc", axis=None)),
+        ("SUM of booleans", lambda: s.reduce("sum", s.run(lambda: np.array([rid() == 0])), 0)),
+        ("gather of strings", lambda: s.gather(s.run(lambda: np.array([str(rid())])), 0)),
+        ("all_reduce of a string", lambda: s.run(lambda: ctx().all_reduce("max", "x")))]:
+    try:
+        f()
+    except TypeError:
+        refused.append(what)
+total = s.reduce("sum", s.run(lambda: float(rid())), axis=None)
+print(f"OK {len(refused)} {float(total)}", flush=True)
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks,local", [(2, 2), (3, 1)])
+def test_what_is_not_a_number_is_refused_on_every_worker(ranks, local):
+    # Every worker raises the TypeError (none waits in a collective for another), and
+    # the strategy then reduces numbers correctly.
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from mpi_util import assert_mpi_ok  # noqa: PLC0415
+    out = assert_mpi_ok(ranks, NOT_NUMBERS_ACROSS_WORKERS, timeout=120, args=(local,),
+                        expect_lines=ranks)
+    n = ranks * local
+    assert out.splitlines().count(f"OK 5 {float(n * (n - 1) // 2)}") == ranks

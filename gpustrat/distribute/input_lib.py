@@ -385,7 +385,7 @@ class DistributedIterator:
         step = self._placer.next()  # raises StopIteration at the end
         if self._single:
             return step[0]
-        return _regroup_pieces(step)
+        return _regroup_pieces(step, self._strategy.local_devices)
 
     def get_next(self):
         """The next step; raises :class:`gpustrat.errors.OutOfRangeError` at the end."""
@@ -416,9 +416,9 @@ class DistributedIterator:
             pass
 
 
-def _regroup_pieces(step: list) -> Any:
+def _regroup_pieces(step: list, devices: tuple) -> Any:
     first = step[0]
     if not nest.is_nested(first):
-        return PerReplica(step)
+        return PerReplica(step, devices)
     flats = [nest.flatten(p) for p in step]
-    return nest.pack_sequence_as(first, [PerReplica(col) for col in zip(*flats)])
+    return nest.pack_sequence_as(first, [PerReplica(col, devices) for col in zip(*flats)])

@@ -5,6 +5,10 @@
   MEAN divides the total sum by the total count of examples along ``k``, so a partial
   batch split 4 + 2 weighs every example the same. Empty per-replica batches add
   nothing (MAX and MIN skip them).
+
+Only numbers are combined: integer, floating and complex arrays and Python numbers.
+Strings, None and other objects are a TypeError naming the leaf; booleans can be
+gathered and reduced with MAX (any) and MIN (all), not with SUM or MEAN.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from gpustrat import nest
 from gpustrat.collectives.base import Communicator
 from gpustrat.devices import array_module as _xp, to_host
 from gpustrat.distribute.collective_ops import as_array
@@ -22,6 +27,62 @@ from gpustrat.reduce_util import ReduceOp
 _HINT_AXIS_NONE = ("A partial batch gives workers different row counts: pass axis=0 to "
                    "reduce over the batch dimension as well")
 _HINT_AXIS = "Sizes may differ only along the reduced axis (shown as '*')"
+
+
+#: dtype names (as ``collective_ops.leaf_signature`` gives them: a NumPy dtype name or
+#: a Python type name) of the leaves every collective takes.
+_NUMBER_NAMES = frozenset(
+    [np.dtype(c).name for c in np.typecodes["AllInteger"] + np.typecodes["AllFloat"]]
+    + ["int", "float", "complex", "bfloat16"])
+
+
+def check_leaf(x: Any, op: ReduceOp | None, what: str, where: str) -> None:
+    """Raise TypeError unless leaf ``x`` can be reduced with ``op`` (gathered when
+    ``op`` is None) by the call ``what``, saying what it is, ``where`` it came from and
+    what to do."""
+    dtype = getattr(x, "dtype", None)
+    if isinstance(dtype, np.dtype):
+        kind = "f" if dtype.name == "bfloat16" else dtype.kind  # ml_dtypes: kind "V"
+        shown = f"an array of dtype {dtype}"
+    elif isinstance(x, bool):
+        kind, shown = "b", f"the bool {x}"
+    elif isinstance(x, (int, float, complex)):
+        return
+    elif hasattr(x, "__array__") or hasattr(x, "__cuda_array_interface__") or \
+            hasattr(x, "__dlpack__"):
+        return  # another library's array, whose dtype is not NumPy's: not inspected
+    else:
+        kind, shown = "O", f"{type(x).__name__} {_short_repr(x)}"
+    if kind in "iufc" or (kind == "b" and op not in (ReduceOp.SUM, ReduceOp.MEAN)):
+        return
+    if op is not None:
+        what = f"{what}({op.name})"
+    if x is None:
+        raise TypeError(f"{what}: a None leaf ({where}) cannot be reduced or gathered over "
+                        "replicas; leave it out of the structure or give it a value")
+    if kind == "b":
+        raise TypeError(f"{what}: {op.name} of booleans is not defined ({shown}, {where}); "
+                        "cast to an integer dtype to count them (x.astype(np.int32)), or "
+                        "use MAX (any) or MIN (all)")
+    raise TypeError(f"{what}: {shown} ({where}) is not a number; only integer, floating "
+                    "and complex arrays and Python numbers can be reduced or gathered over "
+                    "replicas: leave it out of the structure, or pass the numbers it "
+                    "stands for")
+
+
+def check_leaves(signature: tuple, value: Any, op: ReduceOp | None, what: str,
+                 replica: int) -> None:
+    """:func:`check_leaf` for every leaf of one replica's ``value``, whose
+    ``leaf_signature`` is ``signature``; leaves of a number dtype cost one lookup."""
+    if all(dtype in _NUMBER_NAMES for _, dtype in signature[2]):
+        return
+    for leaf in nest.flatten(value):
+        check_leaf(leaf, op, what, f"replica {replica}")
+
+
+def _short_repr(x: Any, limit: int = 40) -> str:
+    r = repr(x)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
 
 
 def _shapes(arrays) -> str:
@@ -45,6 +106,8 @@ def _identity(op: ReduceOp, dtype) -> Any:
 def reduce_components(comm: Communicator, op: ReduceOp, comps: Sequence[Any],
                       axis: int | None) -> Any:
     """Reduce one leaf given as one component per local replica."""
+    for i, c in enumerate(comps):
+        check_leaf(c, op, "strategy.reduce", f"component {i}")
     arrays = [as_array(c, d) for c, d in zip(comps, comm.devices)]
     if axis is None:
         first = arrays[0]
@@ -108,6 +171,8 @@ def _mean_along_axis(comm: Communicator, arrays, ax: int):
 
 def gather_components(comm: Communicator, comps: Sequence[Any], axis: int) -> Any:
     """Concatenate one leaf's components from every replica in sync along ``axis``."""
+    for i, c in enumerate(comps):
+        check_leaf(c, None, "strategy.gather", f"component {i}")
     arrays = [as_array(c, d) for c, d in zip(comps, comm.devices)]
     if arrays[0].ndim == 0:
         raise ValueError("gather needs per-replica values with at least one dimension; "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpustrat.distribute import collective_ops
+from gpustrat.distribute import collective_ops, reduction
 from gpustrat.reduce_util import ReduceOp
 
 
@@ -45,6 +45,7 @@ class ReplicaContext:
         op = ReduceOp.from_value(reduce_op)
         comm = self._strategy.communicator
         sig = collective_ops.leaf_signature("all_reduce", op.name, value)
+        reduction.check_leaves(sig, value, op, "all_reduce", self._replica_id)
         return self._exchange(
             sig, value, lambda vals: collective_ops.all_reduce_structures(comm, vals, op))
 
@@ -53,6 +54,7 @@ class ReplicaContext:
         in replica order; shapes may differ only along ``axis``."""
         comm = self._strategy.communicator
         sig = collective_ops.leaf_signature("all_gather", str(axis), value, skip_axis=axis)
+        reduction.check_leaves(sig, value, None, "all_gather", self._replica_id)
         return self._exchange(
             sig, value, lambda vals: collective_ops.all_gather_structures(comm, vals, axis))
 

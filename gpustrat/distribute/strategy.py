@@ -17,7 +17,7 @@ from gpustrat.distribute import context, reduction
 from gpustrat.distribute.replica_context import ReplicaContext, ValueContext
 from gpustrat.distribute.runner import Rendezvous, ReplicaRunner
 from gpustrat.reduce_util import ReduceOp
-from gpustrat.values import DistributedValues, PerReplica, regroup
+from gpustrat.values import DistributedValues, local_components, regroup
 
 
 class Strategy:
@@ -102,10 +102,14 @@ class Strategy:
 
         Per-replica values among ``args``/``kwargs`` (at any depth of nesting) are
         unpacked to each replica's component; everything else goes to every replica as
-        is. Returns the results regrouped: per-replica values with the structure of
-        ``fn``'s result (a single replica's result as is).
+        is. Returns the results regrouped: the structure of ``fn``'s result with a
+        per-replica value at every leaf (whatever it is, a Python int or string too),
+        except a leaf that is None on every replica (None) or one distributed value
+        on every replica (that value); a single replica's result as is.
 
         Raises:
+            ValueError: a distributed argument made on other devices, or with another
+                number of components.
             The first replica's exception, with a note naming the replica.
         """
         kwargs = kwargs or {}
@@ -115,7 +119,7 @@ class Strategy:
         n = len(self._devices)
         if not isinstance(args, (tuple, list)):
             args = (args,)
-        per_args, per_kwargs = _split_arguments(args, kwargs, n)
+        per_args, per_kwargs = _split_arguments(args, kwargs, self._devices)
         if self._runner is None:
             with self._devices[0].activate():
                 self._enter(0)
@@ -125,7 +129,7 @@ class Strategy:
                     context.pop()
         else:
             results = self._runner.call(fn, per_args, per_kwargs, self._enter, context.pop)
-        return regroup(results)
+        return regroup(results, self._devices)
 
     experimental_run_v2 = run  # TensorFlow r1.15's name
 
@@ -136,12 +140,9 @@ class Strategy:
                                "not inside strategy.run; inside run use "
                                "get_replica_context().all_reduce / all_gather")
 
-    def _components(self, value: Any) -> tuple:
+    def _components(self, value: Any, what: str) -> tuple:
         if isinstance(value, DistributedValues):
-            if len(value.values) != len(self._devices):
-                raise ValueError(f"{type(value).__name__} has {len(value.values)} components "
-                                 f"but this strategy has {len(self._devices)} local replicas")
-            return value.values
+            return local_components(value, self._devices, what)
         return (value,) * len(self._devices)
 
     def reduce(self, reduce_op, value: Any, axis: int | None = None) -> Any:
@@ -162,7 +163,7 @@ class Strategy:
                 # Across workers a plain value is this worker's own (with one local
                 # replica, run returns plain values), so it is reduced over the workers.
             return reduction.reduce_components(self._communicator, op,
-                                               self._components(v), axis)
+                                               self._components(v, "strategy.reduce"), axis)
         return nest.map_structure(leaf, value)
 
     def _check_plain(self, op: ReduceOp, value: Any) -> None:
@@ -184,21 +185,20 @@ class Strategy:
         def leaf(v):
             if not isinstance(v, DistributedValues) and self.num_workers == 1:
                 return v
-            return reduction.gather_components(self._communicator, self._components(v),
-                                               axis)
+            return reduction.gather_components(
+                self._communicator, self._components(v, "strategy.gather"), axis)
         return nest.map_structure(leaf, value)
 
     def experimental_local_results(self, value: Any) -> tuple:
         """This worker's components in replica order; a plain value gives ``(value,)``."""
+        what = "strategy.experimental_local_results"
         if isinstance(value, DistributedValues):
-            return value.values
+            return local_components(value, self._devices, what)
         if nest.is_nested(value):
             flat = nest.flatten(value)
             if any(isinstance(v, DistributedValues) for v in flat):
-                per = [nest.pack_sequence_as(
-                    value, [v.values[i] if isinstance(v, DistributedValues) else v
-                            for v in flat]) for i in range(len(self._devices))]
-                return tuple(per)
+                return tuple(nest.pack_sequence_as(value, column) for column
+                             in zip(*[self._components(v, what) for v in flat]))
         return (value,)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable) -> Any:
@@ -212,7 +212,7 @@ class Strategy:
             out = value_fn(ctx)
             results.append(nest.map_structure(
                 lambda v, d=dev: to_device(v, d) if _is_arraylike(v) else v, out))
-        return regroup(results, PerReplica, always_wrap=not self._inline)
+        return regroup(results, self._devices, always_wrap=not self._inline)
 
     # --- distributed input -----------------------------------------------------------
     def experimental_distribute_dataset(self, dataset, options=None):
@@ -244,34 +244,29 @@ def _is_arraylike(v) -> bool:
     return hasattr(v, "__array__") or hasattr(v, "__cuda_array_interface__")
 
 
-def _split_arguments(args: Sequence, kwargs: dict, n: int):
-    """One (args, kwargs) per replica; shared as is when no argument is distributed."""
+def _split_arguments(args: Sequence, kwargs: dict, devices: tuple):
+    """One (args, kwargs) per replica of ``devices``; shared as is when no argument is
+    distributed."""
+    n = len(devices)
     if not kwargs and not any(nest.is_nested(a) for a in args):
         # The common step `run(fn, args=(x,))`: no structure to walk.
         if not any(isinstance(a, DistributedValues) for a in args):
             args = tuple(args)
             return [args] * n, [kwargs] * n
-        _check_component_counts(args, n)
-        per_args = [tuple(a.values[i] if isinstance(a, DistributedValues) else a for a in args)
-                    for i in range(n)]
-        return per_args, [kwargs] * n
+        return list(zip(*[_argument_components(a, devices) for a in args])), [kwargs] * n
     flat = nest.flatten((tuple(args), kwargs))
     if not any(isinstance(v, DistributedValues) for v in flat):
         args = tuple(args)
         return [args] * n, [kwargs] * n
-    _check_component_counts(flat, n)
     per_args, per_kwargs = [], []
-    for i in range(n):
-        a, k = nest.pack_sequence_as(
-            (tuple(args), kwargs),
-            [v.values[i] if isinstance(v, DistributedValues) else v for v in flat])
+    for column in zip(*[_argument_components(v, devices) for v in flat]):
+        a, k = nest.pack_sequence_as((tuple(args), kwargs), column)
         per_args.append(a)
         per_kwargs.append(k)
     return per_args, per_kwargs
 
 
-def _check_component_counts(values, n: int) -> None:
-    for v in values:
-        if isinstance(v, DistributedValues) and len(v.values) != n:
-            raise ValueError(f"an argument is a {type(v).__name__} with {len(v.values)} "
-                             f"components but the strategy has {n} local replicas")
+def _argument_components(v: Any, devices: tuple) -> tuple:
+    if isinstance(v, DistributedValues):
+        return local_components(v, devices, "strategy.run")
+    return (v,) * len(devices)
