@@ -55,7 +55,7 @@ def test_mirrored_basics_on_three_devices_from_the_command_line():
     proc = run_example("examples/mirrored_basics.py", "--devices", "cpu:0", "cpu:1", "cpu:2")
     assert proc.returncode == 0, proc.stderr
     assert "PerReplica:{0: 6.0, 1: 6.0, 2: 6.0}" in proc.stdout
-    assert "all_reduce(sum, replica ids): 3" in proc.stdout
+    assert "all_reduce(sum, replica ids): PerReplica:{0: 3, 1: 3, 2: 3}" in proc.stdout
 
 
 def test_examples_default_to_two_cpu_replicas_without_a_gpu():

@@ -83,7 +83,7 @@ def test_distribute_dataset():
 
 
 def test_run_constant_values_from_function_and_all_reduce():
-    assert run_port(PAIRS["run"][1]) == ["PerReplica:{0: 6.0, 1: 6.0}", "4",
+    assert run_port(PAIRS["run"][1]) == ["PerReplica:{0: 6.0, 1: 6.0}", "PerReplica:{0: 4, 1: 4}",
                                          "PerReplica:{0: 1, 1: 1}"]
 
 

@@ -128,7 +128,7 @@ def unseeded_shuffles(dataset: Dataset) -> list[Dataset]:
 def _in_agreed_order(dataset: Dataset, seeds: list[int]) -> tuple[Dataset, int]:
     """The pipeline with node ``j`` of :func:`unseeded_shuffles` given ``seeds[j]`` and
     every parallel ``map`` with ``deterministic=False`` keeping its order; also the
-    number of such maps. No collective: the seeds are already agreed."""
+    number of such maps. No collective: the shuffle seeds are already agreed."""
     agreed = {id(n): int(seed) for n, seed in zip(unseeded_shuffles(dataset), seeds)}
     unordered = []
 
@@ -145,7 +145,7 @@ def _in_agreed_order(dataset: Dataset, seeds: list[int]) -> tuple[Dataset, int]:
 
 def seeded_like_every_worker(dataset: Dataset, key: tuple) -> Dataset:
     """``dataset`` (one that an ``interleave``/``flat_map`` function returned while the
-    pipeline runs) with the seeds of its unseeded shuffles drawn from ``key`` (the
+    pipeline runs) with the shuffle seeds of its unseeded shuffles drawn from ``key`` (the
     interleave's agreed seed, its epoch and the element's index), so that every worker
     derives the same ones without a collective; parallel maps keep their order."""
     count = len(unseeded_shuffles(dataset))
