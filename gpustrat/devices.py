@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import re
 import sys
 import threading
@@ -86,9 +87,40 @@ _cupy_mod = None
 _cupy_error: Exception | None = None
 
 
+@dataclass
+class Backend:
+    """The GPU libraries gpustrat calls: ``cupy``, ``cupyx``, ``cupy.cuda.nccl`` and
+    ``numba.cuda``. :func:`use_backend` swaps them for a test backend (the stream-ordering
+    sanitizer of ``gpustrat.testing``) for every thread at once."""
+
+    cupy: object
+    cupyx: object = None
+    nccl: object = None
+    numba_cuda: object = None
+
+
+_backend: Backend | None = None
+
+
+@contextlib.contextmanager
+def use_backend(backend: Backend):
+    """Make ``backend`` the GPU libraries of this process inside the block (tests)."""
+    global _backend
+    previous = _backend
+    _backend = backend
+    gpu_count.cache_clear()
+    try:
+        yield backend
+    finally:
+        _backend = previous
+        gpu_count.cache_clear()
+
+
 def cupy():
     """The cupy module; raise a clear RuntimeError if it cannot be imported."""
     global _cupy_mod, _cupy_error
+    if _backend is not None:
+        return _backend.cupy
     if _cupy_mod is None and _cupy_error is None:
         with _cupy_lock:
             if _cupy_mod is None and _cupy_error is None:
@@ -103,6 +135,46 @@ def cupy():
             "install the cuda13 or cuda12 extra (pip install -e '.[cuda13]'), or use CPU "
             "devices") from _cupy_error
     return _cupy_mod
+
+
+def cupyx():
+    """The cupyx module (pinned host memory)."""
+    if _backend is not None:
+        return _backend.cupyx
+    cupy()
+    import cupyx as cx  # noqa: PLC0415
+    return cx
+
+
+def nccl_library():
+    """``cupy.cuda.nccl`` (raises ImportError where CuPy has none)."""
+    if _backend is not None:
+        if _backend.nccl is None:
+            raise ImportError("this backend has no NCCL")
+        return _backend.nccl
+    cupy()
+    return importlib.import_module("cupy.cuda.nccl")
+
+
+def numba_cuda():
+    """``numba.cuda``, imported on first use (the kernels' launch layer)."""
+    if _backend is not None and _backend.numba_cuda is not None:
+        return _backend.numba_cuda
+    from numba import cuda  # noqa: PLC0415 - numba is optional
+    return cuda
+
+
+def kernels_simulated() -> bool:
+    """True when Numba runs kernels in its CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``)."""
+    if _backend is not None and _backend.numba_cuda is not None:
+        return False
+    from numba import config  # noqa: PLC0415 - numba is optional
+    return bool(config.ENABLE_CUDASIM)
+
+
+def _loaded_cupy():
+    # The CuPy already in use, without importing it (host-only programs never do).
+    return _backend.cupy if _backend is not None else sys.modules.get("cupy")
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,7 +227,7 @@ def resolve_devices(devices) -> list[Device]:
 # --- arrays ---------------------------------------------------------------------------
 
 def is_gpu_array(x) -> bool:
-    cp = sys.modules.get("cupy")
+    cp = _loaded_cupy()
     return cp is not None and isinstance(x, cp.ndarray)
 
 
@@ -165,7 +237,7 @@ def is_array(x) -> bool:
 
 def array_module(x):
     """``cupy`` for CuPy arrays, else ``numpy``."""
-    return sys.modules["cupy"] if is_gpu_array(x) else np
+    return _loaded_cupy() if is_gpu_array(x) else np
 
 
 def device_of(x) -> Device | None:
@@ -283,5 +355,4 @@ def synchronize(device: Device, stream=None) -> None:
 
 def pinned_empty(shape, dtype) -> np.ndarray:
     """A page-locked host array (for fast asynchronous host-to-device copies)."""
-    from cupyx import empty_pinned  # noqa: PLC0415
-    return empty_pinned(shape, dtype)
+    return cupyx().empty_pinned(shape, dtype)

@@ -49,23 +49,31 @@ class LazyKernels:
         self._jitted: dict = {}
 
     def bind(self):
-        """``numba.cuda``, bound to the module's ``cuda`` name."""
-        if self._globals.get("cuda") is None:
-            from numba import cuda  # noqa: PLC0415 - numba is optional
+        """``numba.cuda`` (or the test backend's), bound to the module's ``cuda`` name
+        for the kernel bodies."""
+        cuda = _cuda()
+        if self._globals.get("cuda") is None and not getattr(cuda, "is_fake", False):
             self._globals["cuda"] = cuda
-        return self._globals["cuda"]
+        return cuda
 
     def __getitem__(self, name: str):
-        kernel = self._jitted.get(name)
+        cuda = self.bind()
+        key = (id(cuda), name)
+        kernel = self._jitted.get(key)
         if kernel is None:
-            kernel = self._jitted[name] = self.bind().jit(self._globals[name])
+            kernel = self._jitted[key] = cuda.jit(self._globals[name])
         return kernel
+
+
+def _cuda():
+    from gpustrat.devices import numba_cuda  # noqa: PLC0415
+    return numba_cuda()
 
 
 def simulating() -> bool:
     """True when Numba runs kernels in its CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``)."""
-    from numba import config  # noqa: PLC0415 - numba is optional
-    return bool(config.ENABLE_CUDASIM)
+    from gpustrat.devices import kernels_simulated  # noqa: PLC0415
+    return kernels_simulated()
 
 
 def next_pow2(n: int) -> int:
@@ -109,7 +117,7 @@ def numba_stream(stream=None, like=None):
             ``.ptr``), or a raw ``cudaStream_t`` integer.
         like: an array of the launch, to find the current CuPy stream.
     """
-    from numba import cuda  # noqa: PLC0415
+    cuda = _cuda()
     if simulating():
         # The simulator runs launches synchronously and has no external streams.
         return stream if _is_numba_stream(stream) else cuda.default_stream()
@@ -154,7 +162,7 @@ def device_context(*arrays):
                          f"{sorted(d.name for d in devs)}: copy them to one device first")
     if not devs or simulating():
         return contextlib.nullcontext()
-    from numba import cuda  # noqa: PLC0415
+    cuda = _cuda()
     device = devs.pop()
     stack = contextlib.ExitStack()
     stack.enter_context(cuda.gpus[device.index])
@@ -190,7 +198,7 @@ def empty(like, shape, dtype, stream=None):
             return cp.empty(shape, dtype)
     if isinstance(like, np.ndarray):
         return np.empty(shape, dtype)
-    from numba import cuda  # noqa: PLC0415
+    cuda = _cuda()
     return cuda.device_array(shape, dtype,
                              stream=stream if _is_numba_stream(stream) else 0)
 
@@ -276,7 +284,7 @@ def window(arrays, dtype):
                 FakeCUDAArray)
             win = FakeCUDAArray(win)
     else:
-        from numba import cuda  # noqa: PLC0415
+        cuda = _cuda()
         desc = {"shape": (n,), "strides": None, "typestr": dtype.str,
                 "data": (base, False), "version": 3}
         win = cuda.from_cuda_array_interface(desc, owner=None, sync=False)
@@ -309,7 +317,7 @@ def kernel_arg(x, nstream):
     """
     if not _is_cupy(x) or simulating():
         return x
-    from numba import cuda  # noqa: PLC0415
+    cuda = _cuda()
     cai = x.__cuda_array_interface__
     exported = cai.get("stream")
     sync = exported is not None and int(exported) != stream_handle(nstream)
@@ -324,6 +332,12 @@ def kernel_arg(x, nstream):
 TABLE_CACHE_SIZE = 64
 _tables: OrderedDict = OrderedDict()
 _tables_lock = threading.Lock()
+
+
+def clear_table_cache() -> None:
+    """Forget the cached tables (a new backend, or memory given back)."""
+    with _tables_lock:
+        _tables.clear()
 
 
 def to_kernel_array(host: np.ndarray, like, stream=None):
@@ -343,7 +357,7 @@ def to_kernel_array(host: np.ndarray, like, stream=None):
         return host
     cp = _cupy_of(like)
     if cp is None:
-        from numba import cuda  # noqa: PLC0415
+        cuda = _cuda()
         return cuda.to_device(host, stream=stream if stream is not None else 0)
     from gpustrat.devices import device_of  # noqa: PLC0415
     device = device_of(like)
@@ -362,7 +376,7 @@ def to_kernel_array(host: np.ndarray, like, stream=None):
             while len(_tables) > TABLE_CACHE_SIZE:
                 _tables.popitem(last=False)
     # Uploaded on the launch stream: ordered before the kernel, no host wait needed.
-    from numba import cuda  # noqa: PLC0415
+    cuda = _cuda()
     return cuda.from_cuda_array_interface(table.__cuda_array_interface__, owner=table,
                                           sync=False)
 

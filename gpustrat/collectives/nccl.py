@@ -28,7 +28,6 @@ raises.
 
 from __future__ import annotations
 
-import importlib
 import time
 from typing import Callable, Sequence
 
@@ -37,7 +36,8 @@ import numpy as np
 from gpustrat.collectives.base import (Communicator, LocalWorkerGroup, WorkerGroup,
                                        agree_layout_over)
 from gpustrat.collectives.host import check_same_layout
-from gpustrat.devices import Device, cupy, gpu_count, is_gpu_array, new_stream, to_device
+from gpustrat.devices import (Device, cupy, gpu_count, is_gpu_array, nccl_library, new_stream,
+                              to_device)
 from gpustrat.errors import CollectiveTimeout
 from gpustrat.reduce_util import ReduceOp
 
@@ -77,7 +77,7 @@ def nccl_module():
     """``cupy.cuda.nccl``, imported on first use (RuntimeError if unavailable)."""
     cupy()  # a clear error when CuPy itself is missing
     try:
-        mod = importlib.import_module("cupy.cuda.nccl")
+        mod = nccl_library()
     except Exception as e:
         raise RuntimeError(f"cupy.cuda.nccl cannot be imported ({e}): install NCCL "
                            "(pip install nvidia-nccl-cu12 or the CUDA 13 wheel)") from e
