@@ -146,8 +146,10 @@ class FakeCupy:
             data = host
             reads = [(blk, off, off + host.nbytes)]
 
+        out_np = out._raw()
+
         def run():
-            out._np()[...] = data
+            out_np()[...] = data
         self.san.enqueue(s._s, what, run, reads, [out._range()], count="copies")
         return out
 
@@ -161,7 +163,8 @@ class FakeCupy:
 
     def full(self, shape, fill_value, dtype=None):
         out = self._alloc(shape, dtype if dtype is not None else np.asarray(fill_value).dtype)
-        self._issue("fill", lambda: out._np().fill(fill_value), writes=[out])
+        out_np = out._raw()
+        self._issue("fill", lambda: out_np().fill(fill_value), writes=[out])
         return out
 
     def zeros(self, shape, dtype=float):
@@ -254,10 +257,12 @@ def _compute(fake, what, fn, operands, out=None):
     if out is None:
         out = fake._alloc(shaped.shape, shaped.dtype)
 
+    raws = [o._raw() if isinstance(o, fake.ndarray) else (lambda o=o: o) for o in operands]
+    out_np = out._raw()
+
     def run():
-        vals = [o._np() if isinstance(o, fake.ndarray) else o for o in operands]
         with np.errstate(all="ignore"):
-            out._np()[...] = fn(*vals)
+            out_np()[...] = fn(*[r() for r in raws])
     fake._issue(what, run, reads=arrays, writes=[out])
     return out
 
@@ -291,6 +296,14 @@ def _make_ndarray(fake: FakeCupy):
         def _np(self):
             return np.ndarray(self.shape, self.dtype, buffer=self._mem.blk.buf,
                               offset=self._off, strides=self.strides)
+
+        def _raw(self):
+            """A view factory holding the block, not the array: a queued op does not keep
+            the memory of its operands alive (CUDA does not either)."""
+            blk, off, shape, dtype, strides = (self._mem.blk, self._off, self.shape,
+                                               self.dtype, self.strides)
+            return lambda: np.ndarray(shape, dtype, buffer=blk.buf, offset=off,
+                                      strides=strides)
 
         def _view_of(self, fn, *args):
             v = fn(self._np(), *args)
@@ -352,10 +365,10 @@ def _make_ndarray(fake: FakeCupy):
         def get(self, stream=None, out=None, blocking=True):
             s = stream or fake.current_stream(self.device.id)
             host = np.empty(self.shape, self.dtype)
-            src = self
+            src = self._raw()
 
             def run():
-                host[...] = src._np()
+                host[...] = src()
             fake.san.enqueue(s._s, "device-to-host copy (get)", run, [self._range()],
                              count="copies")
             fake.san.synchronize_stream(s._s, "get")
@@ -386,9 +399,11 @@ def _make_ndarray(fake: FakeCupy):
         def __setitem__(self, key, value):
             target = self[key]
             vals = value if isinstance(value, ndarray) else np.asarray(value)
+            dst = target._raw()
+            src = vals._raw() if isinstance(vals, ndarray) else (lambda: vals)
 
             def run():
-                target._np()[...] = vals._np() if isinstance(vals, ndarray) else vals
+                dst()[...] = src()
             fake._check_device([vals], "setitem")
             fake._issue("setitem", run, reads=[vals] if isinstance(vals, ndarray) else [],
                         writes=[target])

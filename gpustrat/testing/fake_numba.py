@@ -96,10 +96,21 @@ def _vec(blk, lo, hi, dtype):
 
 # --- the kernels' effects: (reads, writes, run) from the launch arguments -------------------
 
+def _raw(a: "DeviceArray"):
+    """A view factory that holds the block, not the array: a queued op does not keep
+    its arguments' memory alive (CUDA does not either)."""
+    blk, lo, _ = a.rng()
+    shape, dtype = a.shape, a.dtype
+    return lambda: np.ndarray(shape, dtype, buffer=blk.buf, offset=lo)
+
+
 def _split(san, src, out, chunk, n, index=None):
+    src_np, out_np = _raw(src), _raw(out)
+    index_np = None if index is None else _raw(index)
+
     def run():
-        s, o = src.np(), out.np()
-        idx = None if index is None else index.np()
+        s, o = src_np(), out_np()
+        idx = None if index_np is None else index_np()
         pieces, rows = o.shape[0], o.shape[1]
         o[...] = 0
         for p in range(pieces):
@@ -130,12 +141,13 @@ def _sum(san, win, offsets, out):
     offs = np.asarray(offsets.host_values(), np.int64)
     count = int(np.prod(out.shape))
     parts = [_span(san, win, int(o), count) for o in offs]
+    out_np, dtype = _raw(out), win.dtype
 
     def run():
-        acc = _vec(*parts[0], win.dtype).copy()
+        acc = _vec(*parts[0], dtype).copy()
         for p in parts[1:]:
-            acc = (acc + _vec(*p, win.dtype)).astype(win.dtype)
-        out.np().reshape(-1)[...] = acc
+            acc = (acc + _vec(*p, dtype)).astype(dtype)
+        out_np().reshape(-1)[...] = acc
     return parts + [offsets.rng()], [out.rng()], run
 
 

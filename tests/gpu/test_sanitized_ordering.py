@@ -1,0 +1,144 @@
+"""GPU paths under the stream-ordering sanitizer (gpustrat.testing): ordering mistakes
+are reported, host synchronizations counted, on a machine without a GPU."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import gpustrat as gs
+from gpustrat import devices, testing
+from gpustrat.devices import Device
+
+SEEDS = (0, 1, 2)
+
+
+def _reports(san, kind):
+    return [r for r in san.reports if r.kind == kind]
+
+
+# --- the sanitizer itself ------------------------------------------------------------------
+
+def test_an_unordered_read_on_another_stream_is_a_race_and_an_event_orders_it():
+    with testing.sanitize(check=False) as san:
+        cp = devices.cupy()
+        with cp.cuda.Device(0):
+            a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+            with a:
+                x = cp.full((8,), 3.0, dtype=np.float32)
+            with b:
+                y = x * 2                                    # no wait: a race
+            assert len(_reports(san, "race")) == 1
+            b.wait_event(a.record())
+            with b:
+                z = x * 2                                    # ordered: no new report
+            assert len(san.reports) == 1
+            np.testing.assert_array_equal(z.get(stream=b), [6.0] * 8)
+            del y
+
+
+def test_a_block_reused_on_its_stream_while_another_stream_reads_it_is_reported():
+    with testing.sanitize(check=False, run_probability=0) as san:
+        cp = devices.cupy()
+        with cp.cuda.Device(1):
+            a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+            with a:
+                x = cp.full((64,), 1.0, dtype=np.float32)
+            b.wait_event(a.record())
+            with b:
+                y = x + 1                                    # b reads x
+            del x
+            gc.collect()
+            with a:
+                cp.empty((64,), np.float32)                  # x's block, while b may read
+            assert [r.kind for r in san.reports] == ["reuse"]
+            del y
+
+
+def test_host_synchronizations_are_counted_and_a_hang_is_reported():
+    with testing.sanitize(check=False) as san:
+        cp = devices.cupy()
+        with san.measure() as c:
+            x = cp.asarray(np.arange(4.0))
+            assert float(x.sum()) == 6.0
+            cp.cuda.get_current_stream().synchronize()
+        assert c["host_syncs"] == 2 and c["launches"] == 1 and c["copies"] == 2
+        nccl = devices.nccl_library()
+        comms = nccl.NcclCommunicator.initAll([0, 1])
+        s0 = cp.cuda.get_current_stream()
+        comms[0].allReduce(x.data.ptr, x.data.ptr, 4, nccl.NCCL_FLOAT64, nccl.NCCL_SUM, s0.ptr)
+        with pytest.raises(testing.SanitizerError, match="can never complete"):
+            s0.synchronize()                                 # rank 1 never called
+
+
+# --- findings: each caught before its fix -----------------------------------------------------
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_split_on_a_given_stream_waits_for_the_batchs_producer(seed):
+    from gpustrat.kernels.split import split, split_reference
+    host = np.arange(7 * 3, dtype=np.float32).reshape(7, 3)
+    index_h = np.array([6, 0, 5, 1, 4, 2, 3], np.int64)
+    with testing.sanitize(seed=seed) as san:
+        cp = devices.cupy()
+        with cp.cuda.Device(2):
+            producer, launch = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+            with producer:
+                batch = cp.asarray(host) * 1
+                index = cp.asarray(index_h) * 1
+                res = split(batch, 3, index=index, stream=launch)
+            got = [p.get(stream=launch) for p in res.pieces]
+        assert not san.reports, san.reports
+    want = split_reference(host, 3, index=index_h).pieces
+    assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+def test_a_launch_on_a_raw_stream_handle_allocates_from_that_streams_pool():
+    from gpustrat.kernels.split import split
+    with testing.sanitize(run_probability=0) as san:
+        cp = devices.cupy()
+        with cp.cuda.Device(0):
+            current, other = cp.cuda.get_current_stream(), cp.cuda.Stream(non_blocking=True)
+            batch = cp.asarray(np.ones((8, 4), np.float32))
+            other.wait_event(current.record())
+            for handle in (other.ptr, devices.numba_cuda().external_stream(other.ptr)):
+                res = split(batch, 2, pad_to=4, stream=handle)
+                del res
+                gc.collect()
+                # The split's output went back to the pool; the current stream allocating
+                # the same size must not get a block the other stream may still write.
+                cp.empty((2, 4, 4), np.float32)
+        assert not san.reports, san.reports
+
+
+def _two_gpu_step(strategy, cp):
+    def step(x):
+        ctx = gs.get_replica_context()
+        grads = [x * 2, x.sum(axis=0), x[:1] + 1]
+        return ctx.all_reduce("sum", grads)
+    return step
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_run_with_collectives_has_no_host_wait_and_no_race(seed):
+    with testing.sanitize(seed=seed) as san:
+        cp = devices.cupy()
+        s = gs.MirroredStrategy(["gpu:0", "gpu:1", "gpu:2"])
+        try:
+            x = s.experimental_distribute_values_from_function(
+                lambda ctx: np.full((4, 3), ctx.replica_id_in_sync_group + 1, np.float32))
+            step = _two_gpu_step(s, cp)
+            s.run(step, args=(x,))                        # warm up
+            with san.measure() as c:
+                out = s.run(step, args=(x,))
+            for i, v in enumerate(s.experimental_local_results(out)):
+                assert all(t.device.id == i for t in v)
+                np.testing.assert_array_equal(v[0].get(), np.full((4, 3), 12.0))
+                np.testing.assert_array_equal(v[1].get(), np.full((3,), 24.0))
+                np.testing.assert_array_equal(v[2].get(), np.full((1, 3), 9.0))
+        finally:
+            s.close()
+        assert c["host_syncs"] == 0, c["sync_sites"]
+        assert c["nccl_calls"] == 3 * 1                   # one fused bucket, 3 replicas
+    assert not san.reports
