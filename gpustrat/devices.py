@@ -346,6 +346,36 @@ def wait_for_current(device: Device, stream) -> None:
             stream.wait_event(current.record())
 
 
+def wait_on_current(device: Device, stream) -> None:
+    """Make the calling thread's current stream of GPU ``device`` wait, without a host
+    wait, for the work queued so far on ``stream`` (the reverse of
+    :func:`wait_for_current`)."""
+    if not device.is_gpu or stream is None:
+        return
+    cp = cupy()
+    with cp.cuda.Device(device.index):
+        current = cp.cuda.get_current_stream()
+        if current.ptr != stream.ptr:
+            current.wait_event(stream.record())
+
+
+@contextlib.contextmanager
+def current_stream(device: Device, stream):
+    """Make ``stream`` the calling thread's current stream of ``device`` inside the block,
+    whichever device is current (CuPy keeps one current stream per device and thread)."""
+    if not device.is_gpu or stream is None:
+        yield
+        return
+    cp = cupy()
+    with cp.cuda.Device(device.index):
+        stream.__enter__()
+    try:
+        yield
+    finally:
+        with cp.cuda.Device(device.index):
+            stream.__exit__(None, None, None)
+
+
 def synchronize(device: Device, stream=None) -> None:
     if device.is_gpu:
         cp = cupy()

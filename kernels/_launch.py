@@ -187,20 +187,38 @@ def check_kernel_input(x, what: str):
 
 
 def empty(like, shape, dtype, stream=None):
-    """An uninitialised array of the same kind and device as ``like``."""
+    """An uninitialised array of the same kind and device as ``like``, for a launch on
+    ``stream`` (any kind :func:`numba_stream` takes). CuPy arrays come from the pool
+    arena of the launch stream: CuPy hands a freed block out again only to work on the
+    stream it was allocated for, which then runs after the launch that wrote it."""
     shape = tuple(int(s) for s in shape)
     cp = _cupy_of(like)
     if cp is not None:
         from gpustrat.devices import device_of  # noqa: PLC0415
-        ctx = stream if (stream is not None and hasattr(stream, "ptr")
-                         and hasattr(stream, "__enter__")) else contextlib.nullcontext()
-        with device_of(like).activate(), ctx:
+        with device_of(like).activate(), _pool_stream(cp, stream):
             return cp.empty(shape, dtype)
     if isinstance(like, np.ndarray):
         return np.empty(shape, dtype)
     cuda = _cuda()
     return cuda.device_array(shape, dtype,
                              stream=stream if _is_numba_stream(stream) else 0)
+
+
+def _pool_stream(cp, stream):
+    """A context making ``stream`` (CuPy, Numba or a raw handle) CuPy's current stream."""
+    if stream is None:
+        return contextlib.nullcontext()
+    if hasattr(stream, "ptr") and hasattr(stream, "__enter__"):
+        return stream
+    return cupy_stream(cp, stream)
+
+
+def order_after_current(cp, nstream) -> None:
+    """Make the launch stream ``nstream`` wait (an event, no host wait) for CuPy's current
+    stream of the current device, where the launch's CuPy inputs were written."""
+    current = cp.cuda.get_current_stream()
+    if stream_handle(nstream) != stream_handle(current):
+        cp.cuda.ExternalStream(stream_handle(nstream)).wait_event(current.record())
 
 
 def _is_cupy(x) -> bool:

@@ -179,8 +179,12 @@ def _check_index_range(index, src_rows: int) -> None:
 def _prepare(batch, index, check_index: bool, nstream):
     """The batch made C-contiguous and the index range checked, on the launch stream
     ``nstream`` (inside the launch's device context): the kernel then runs after the
-    copy, and the copy's memory goes back to that stream's pool, reused only after it."""
+    copy, and the copy's memory goes back to that stream's pool, reused only after it.
+    A launch stream other than the current one first waits for the current stream,
+    where the batch and index were written."""
     cp = _launch._cupy_of(batch)
+    if cp is not None:
+        _launch.order_after_current(cp, nstream)
     with (_launch.cupy_stream(cp, nstream) if cp is not None
           else contextlib.nullcontext()):
         if not _launch.is_c_contiguous(batch):
@@ -234,7 +238,7 @@ def split(batch, num_replicas: int, index=None, pad_to: int | None = None,
         row_bytes = row_elems * dtype.itemsize
         word = _launch.word_dtype(row_bytes, _launch.data_ptr(batch))
         words = row_bytes // word.itemsize
-        out = _launch.empty(batch, (num_replicas, rows_out, words), word, stream)
+        out = _launch.empty(batch, (num_replicas, rows_out, words), word, nstream)
         if num_replicas * rows_out * words:
             src = batch.reshape(int(batch.shape[0]), row_elems).view(word)
             grid, block = _launch.launch_config_2d(

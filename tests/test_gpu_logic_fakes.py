@@ -183,7 +183,7 @@ def test_same_device_array_is_not_copied(fake_cupy):
     assert fake_cupy.log == []
 
 
-def test_a_collective_waits_for_every_replica_stream_and_the_combiner_streams(fake_cupy):
+def test_a_collective_is_combined_on_every_replicas_stream_without_a_host_wait(fake_cupy):
     from gpustrat.distribute.runner import ReplicaRunner
     cp = fake_cupy
     runner = ReplicaRunner([Device("gpu", 0), Device("gpu", 1)])
@@ -191,7 +191,11 @@ def test_a_collective_waits_for_every_replica_stream_and_the_combiner_streams(fa
     assert runner._streams[1].dev == 1
 
     def combine(values):
-        cp.log.append(("combine", threading.current_thread().name))
+        # The combining thread queues device i's work on replica i's stream, after
+        # replica i's own work (stream order: no event, no host wait).
+        for i in (0, 1):
+            with cp.cuda.Device(i):
+                cp.log.append(("combine-current", i, cp.cuda.get_current_stream().name))
         return values
 
     def fn(i):
@@ -205,15 +209,11 @@ def test_a_collective_waits_for_every_replica_stream_and_the_combiner_streams(fa
         runner.close()
     log = cp.log
     assert ("current", 0, names[0]) in log and ("current", 1, names[1]) in log
-    k = next(j for j, e in enumerate(log) if e[0] == "combine")
-    # Both replicas' streams were synchronized before the combine read their values...
-    assert {("sync", names[0]), ("sync", names[1])} <= set(log[:k])
-    # ...the combining thread's streams (its own replica's, the null stream of the
-    # other device) after it, and every replica stream before call returns.
-    combiner_is_0 = log[k][1] == threading.current_thread().name
-    own, other = (names[0], "null1") if combiner_is_0 else ("null0", names[1])
-    assert log[k + 1:k + 3] == [("sync", own), ("sync", other)]
-    assert log[-2:] == [("sync", names[0]), ("sync", names[1])]
+    assert ("combine-current", 0, names[0]) in log and ("combine-current", 1, names[1]) in log
+    assert not [e for e in log if e[0] == "sync"]
+    # The caller's streams wait for the replica streams before run returns.
+    assert log[-4:] == [("record", names[0], 0), ("wait", "null0", f"ev:{names[0]}", 0),
+                        ("record", names[1], 1), ("wait", "null1", f"ev:{names[1]}", 1)]
 
 
 # --- kernel launches: argument import and the table cache (kernels/_launch.py) -------------

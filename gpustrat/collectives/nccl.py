@@ -11,11 +11,18 @@ Words:
   0 and broadcast over MPI (``rendezvous.py``), and the cross-worker traffic goes
   through NCCL as well (NCCL picks rings and trees over NVLink, PCIe and the network
   itself), so there is no separate hierarchical NCCL-then-MPI path.
-- *deadline*: after issuing a collective, the calling thread polls an event recorded
-  on each NCCL stream (and ``ncclCommGetAsyncError``) until the work is done or
-  ``GPUSTRAT_TIMEOUT`` seconds (default 300) pass; then every local NCCL communicator
-  is aborted and :class:`~gpustrat.errors.CollectiveTimeout` is raised, instead of a
-  hang on a dead peer. An aborted communicator refuses further calls.
+- *ordering*: a collective's NCCL streams wait for each device's current stream (an
+  event), and each current stream then waits for its NCCL stream: the caller's later
+  work is ordered after the collective on the device, and the host never waits.
+- *deadline*: a watchdog thread (one per communicator, started with its first
+  collective, as PyTorch's NCCL watchdog) polls an event recorded on each NCCL stream,
+  and ``ncclCommGetAsyncError``, until the work is done or ``GPUSTRAT_TIMEOUT`` seconds
+  (default 300) pass; then every local NCCL communicator is aborted, which ends the
+  stuck NCCL kernels, and the next call on the communicator raises
+  :class:`~gpustrat.errors.CollectiveTimeout` instead of hanging on a dead peer. The
+  watchdog holds the collective's buffers until its events complete, so their memory
+  is not reused while NCCL may still read or write it. An aborted communicator refuses
+  further calls.
 
 Reductions use the dtype and op table below. MEAN is ``ncclAvg`` on floating dtypes
 when the NCCL library has it (2.10 and later), else SUM followed by a division on the
@@ -28,7 +35,10 @@ raises.
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
+import weakref
 from typing import Callable, Sequence
 
 import numpy as np
@@ -205,6 +215,7 @@ class NcclCommunicator(Communicator):
                 nccl.groupEnd()
             self._comms = comms
         self._streams = [new_stream(d) for d in self.devices]
+        self._watchdog: _Watchdog | None = None
 
     # --- plumbing ---------------------------------------------------------------------
 
@@ -224,6 +235,10 @@ class NcclCommunicator(Communicator):
         return dt, self._const(NCCL_OPS[ReduceOp.SUM]), "divide"
 
     def _prepare(self, buffers, what: str) -> list:
+        failure = self._watchdog.failure if self._watchdog is not None else None
+        if failure is not None:
+            raise type(failure)(f"{failure} (an earlier collective; this communicator "
+                                "is aborted: create a new strategy to continue)") from failure
         if self._aborted:
             raise RuntimeError(f"this NCCL communicator was aborted ({self._aborted}); "
                                "create a new strategy to continue")
@@ -245,9 +260,11 @@ class NcclCommunicator(Communicator):
         with cp.cuda.Device(self.devices[i].index):
             return cp.empty(shape, dtype)
 
-    def _run(self, what: Callable[[], str], issue: Callable[[int, object, int], None]) -> None:
+    def _run(self, what: Callable[[], str], issue: Callable[[int, object, int], None],
+             keep=()) -> None:
         """Order after each device's current stream, issue every local call in one
-        NCCL group, then wait with the deadline."""
+        NCCL group, order each current stream after it, and hand the deadline (and
+        ``keep``, the buffers) to the watchdog. No host wait."""
         cp = cupy()
         nccl = self._nccl
         for i, d in enumerate(self.devices):
@@ -263,15 +280,12 @@ class NcclCommunicator(Communicator):
         events = []
         for i, d in enumerate(self.devices):
             with cp.cuda.Device(d.index):
-                events.append(self._streams[i].record())
-
-        def check():
-            for c in self._comms:
-                c.check_async_error()
-
-        wait_for(lambda: all(e.done for e in events), self.timeout, what,
-                 on_timeout=lambda: self.abort(f"{what()} failed or timed out"),
-                 check=check)
+                done = self._streams[i].record()
+                cp.cuda.get_current_stream().wait_event(done)
+                events.append(done)
+        if self._watchdog is None:
+            self._watchdog = _Watchdog(self)
+        self._watchdog.watch(events, what, keep)
 
     def _post(self, outs: list, post: str | None) -> list:
         if post is None:
@@ -291,16 +305,25 @@ class NcclCommunicator(Communicator):
     # --- collectives ------------------------------------------------------------------
 
     def all_reduce(self, buffers, op):
+        return self._all_reduce(buffers, op, inplace=False)
+
+    def all_reduce_inplace(self, buffers, op):
+        """In place where the buffers are contiguous arrays on their devices (fusion
+        buffers): no result allocation."""
+        return self._all_reduce(buffers, op, inplace=True)
+
+    def _all_reduce(self, buffers, op, inplace: bool):
         op = ReduceOp.from_value(op)
         bufs = self._prepare(buffers, f"all_reduce({op.name})")
         check_same_layout(bufs, f"all_reduce({op.name})")
         dt, nop, post = self._reduce_args(bufs[0].dtype, op)
-        outs = [self._empty(i, b.shape, b.dtype) for i, b in enumerate(bufs)]
+        outs = bufs if inplace else [self._empty(i, b.shape, b.dtype)
+                                     for i, b in enumerate(bufs)]
         count = int(bufs[0].size)
         if count:
             self._run(lambda: f"NCCL all_reduce({op.name}) of {bufs[0].shape} {bufs[0].dtype}",
                       lambda i, c, s: c.allReduce(bufs[i].data.ptr, outs[i].data.ptr,
-                                                  count, dt, nop, s))
+                                                  count, dt, nop, s), (bufs, outs))
         return self._post(outs, post)
 
     def reduce_scatter(self, buffers, op):
@@ -319,7 +342,7 @@ class NcclCommunicator(Communicator):
         if recvcount:
             self._run(lambda: f"NCCL reduce_scatter({op.name}) of {shape} {bufs[0].dtype}",
                       lambda i, c, s: c.reduceScatter(bufs[i].data.ptr, outs[i].data.ptr,
-                                                      recvcount, dt, nop, s))
+                                                      recvcount, dt, nop, s), (bufs, outs))
         return self._post(outs, post)
 
     def broadcast(self, buffers, root=0):
@@ -335,7 +358,7 @@ class NcclCommunicator(Communicator):
             self._run(lambda: f"NCCL broadcast from replica {root} of {bufs[0].shape} "
                               f"{bufs[0].dtype}",
                       lambda i, c, s: c.broadcast(bufs[i].data.ptr, outs[i].data.ptr,
-                                                  nbytes, dt, root, s))
+                                                  nbytes, dt, root, s), (bufs, outs))
         return outs
 
     def all_gather(self, buffers, axis=0):
@@ -385,7 +408,7 @@ class NcclCommunicator(Communicator):
         if nbytes:
             self._run(lambda: f"NCCL all_gather(axis={ax}) of {x0.shape} {x0.dtype}",
                       lambda i, c, s: c.allGather(sends[i].data.ptr, recvs[i].data.ptr,
-                                                  nbytes, dt, s))
+                                                  nbytes, dt, s), (sends, recvs))
         outs = []
         for recv, d in zip(recvs, self.devices):
             with cp.cuda.Device(d.index):
@@ -410,6 +433,10 @@ class NcclCommunicator(Communicator):
         agree_layout_over(self._control, shape, dtype, what, hint)
 
     def close(self) -> None:
+        watchdog = getattr(self, "_watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()
+            self._watchdog = None
         for c in getattr(self, "_comms", []):
             try:
                 c.destroy()
@@ -420,3 +447,57 @@ class NcclCommunicator(Communicator):
         if control is not None and control is not self.workers:
             control.close()
         self._control = None
+
+
+class _Watchdog:
+    """Waits, in its own thread, for the collectives of one communicator to complete
+    (see *deadline* in the module docstring); ``failure`` is what went wrong, if
+    anything did. Holds no reference to the communicator between collectives."""
+
+    def __init__(self, comm: NcclCommunicator):
+        self.failure: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._timeout = comm.timeout
+        self._comms = list(comm._comms)
+        self._abort_method = weakref.WeakMethod(comm.abort)
+        self._thread = threading.Thread(target=self._loop, name="gpustrat-nccl-watchdog",
+                                        daemon=True)
+        self._thread.start()
+
+    def watch(self, events: list, what: Callable[[], str], keep) -> None:
+        self._queue.put((time.monotonic() + self._timeout, events, what, keep))
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def _abort(self, reason: str) -> None:
+        abort = self._abort_method()
+        if abort is not None:
+            abort(reason)
+        else:
+            for c in self._comms:
+                try:
+                    c.abort()
+                except Exception:  # an abort must reach every communicator
+                    pass
+
+    def _check(self) -> None:
+        for c in self._comms:
+            c.check_async_error()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if self.failure is not None:
+                continue
+            deadline, events, what, keep = item
+            try:
+                wait_for(lambda: all(e.done for e in events), deadline - time.monotonic(),
+                         what, on_timeout=lambda: self._abort(f"{what()} failed or timed out"),
+                         check=self._check)
+            except BaseException as e:  # raised by the communicator's next call
+                self.failure = e
+            del item, events, keep   # the buffers may be reused from here on
