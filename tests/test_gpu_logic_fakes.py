@@ -370,17 +370,18 @@ def test_a_piece_already_on_its_device_is_ordered_on_the_given_stream(fake_cupy,
     assert cp.log[n:] == []
 
 
-def test_placement_hands_over_a_gpu_piece_only_once_it_is_written(fake_cupy):
+def test_placement_orders_a_gpu_piece_by_an_event_on_its_copy_stream(fake_cupy):
     from gpustrat.distribute.placement import _Staging
     cp = fake_cupy
     staging = _Staging([Device("gpu", 0)])
     copy_stream = staging.streams[0].name
     x = cp.ndarray((2,), np.float32, device_id=0)
-    assert staging.place([x]) == [x]
-    # The copy stream waits for the producer (this thread's stream of device 0), and
-    # the host waits for the copy stream before the step is handed over.
+    placed, ready = staging.place([x])
+    assert placed == [x] and ready[0].name == f"ev:{copy_stream}"
+    # The copy stream waits for the producer (this thread's stream of device 0), then
+    # records the event the consumer will wait for: no host wait.
     assert cp.log[-3:] == [("record", "null0", 0), ("wait", copy_stream, "ev:null0", 0),
-                           ("sync", copy_stream)]
+                           ("record", copy_stream, 0)]
 
 
 def test_a_launch_uses_the_stream_of_the_arrays_device_not_the_callers(fake_cupy,

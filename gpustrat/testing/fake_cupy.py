@@ -49,7 +49,6 @@ class FakeCupy:
         self.san = san
         self._tls = threading.local()
         self._null = {}
-        self._host = san.new_stream(-1, "host")
         self._pinned: list = []
         fake = self
         self.ndarray = _make_ndarray(fake)
@@ -140,9 +139,8 @@ class FakeCupy:
             blk, off = found
             # The host wrote these bytes just before: that write must come after every
             # earlier device read of them.
-            self.san.enqueue(self._host, "host write of pinned memory", None,
-                             writes=[(blk, off, off + host.nbytes)], count=None)
-            self.san._tick()
+            self.san.host_access("host write of pinned memory",
+                                 writes=[(blk, off, off + host.nbytes)])
             data = host
             reads = [(blk, off, off + host.nbytes)]
 
@@ -221,7 +219,7 @@ class FakeCupy:
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         raw = np.zeros(max(n, 1), np.uint8)
         from gpustrat.testing.sanitizer import Block  # noqa: PLC0415
-        self._pinned.append(Block(0, raw.nbytes, -1, self._host, raw))
+        self._pinned.append(Block(0, raw.nbytes, -1, self.san.host, raw))
         return raw[:n].view(dtype).reshape(shape)
 
     def zeros_pinned(self, shape, dtype=float):

@@ -155,6 +155,10 @@ class Sanitizer:
         self.streams_list: list[Stream] = []
         self.by_ptr: dict = {}
         self._null = {d: Stream(self, d, 0, f"null{d}") for d in range(num_devices)}
+        #: The host, as a stream whose "ops" are its own accesses of pinned memory: they
+        #: are ordered after the device work it has seen complete, and everything
+        #: queued later is ordered after them.
+        self.host = Stream(self, -1, -1, "host")
         self._next_ptr = 0x1000
         self.done_vc: dict = {}
         self.blocks: list[Block] = []
@@ -217,6 +221,7 @@ class Sanitizer:
             if count:
                 self.counters[count] += 1
             stream.vc = _join(stream.vc, self.done_vc)
+            stream.vc[self.host.id] = self.host.seq
             if order_after:
                 stream.vc = _join(stream.vc, order_after)
             stream.seq += 1
@@ -229,6 +234,20 @@ class Sanitizer:
             stream.queue.append(op)
             self._tick()
             return op
+
+    def host_access(self, what: str, reads=(), writes=()) -> None:
+        """The host reads or writes (pinned) memory now."""
+        with self.lock:
+            h = self.host
+            h.vc = _join(h.vc, self.done_vc)
+            h.seq += 1
+            h.vc[h.id] = h.seq
+            h.executed = h.seq
+            op = Op(h, h.seq, dict(h.vc), what, _site())
+            for blk, lo, hi in reads:
+                self._access(blk, lo, hi, False, op)
+            for blk, lo, hi in writes:
+                self._access(blk, lo, hi, True, op)
 
     def _ordered(self, earlier: Op, later_vc: dict, later_stream: Stream) -> bool:
         return earlier.stream is later_stream or later_vc.get(earlier.stream.id, 0) >= earlier.seq

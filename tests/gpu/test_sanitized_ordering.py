@@ -142,3 +142,53 @@ def test_run_with_collectives_has_no_host_wait_and_no_race(seed):
         assert c["host_syncs"] == 0, c["sync_sites"]
         assert c["nccl_calls"] == 3 * 1                   # one fused bucket, 3 replicas
     assert not san.reports
+
+
+# --- a training step: distributed input, run with all_reduce of gradients, reduce ---------
+
+def _train(strategy, steps: int, san, measure_from: int = 2):
+    """A data-parallel step as users write it; returns the losses and the counts of the
+    steps from ``measure_from`` on (the steady state)."""
+    from gpustrat.data import Dataset
+    cp = devices.cupy()
+    n = strategy.num_replicas_in_sync
+    rows = 4 * n
+    data = np.arange(steps * rows * 3, dtype=np.float32).reshape(steps * rows, 3)
+    weights = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.ones((3,), np.float32))
+
+    def step(x, w):
+        ctx = gs.get_replica_context()
+        y = x * w
+        grads = [y.sum(axis=0), y.mean(axis=0) * 2, (y * 0 + 1).sum(axis=0)]
+        reduced = ctx.all_reduce("sum", grads)
+        return reduced[0].sum() + reduced[1].sum() * 0 + reduced[2].sum() * 0
+
+    losses, counts = [], []
+    dist = strategy.experimental_distribute_dataset(Dataset.from_tensor_slices(data).batch(rows))
+    for k, x in enumerate(dist):
+        with san.measure() as c:
+            loss = strategy.reduce("sum", strategy.run(step, args=(x, weights)), axis=None)
+        losses.append(loss)
+        if k >= measure_from:
+            counts.append(c)
+    assert all(isinstance(l, cp.ndarray) for l in losses)
+    return [float(l.get()) for l in losses], counts, data
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_steady_training_step_has_no_host_synchronization(seed):
+    with testing.sanitize(seed=seed) as san:
+        s = gs.MirroredStrategy(["gpu:0", "gpu:1"])
+        try:
+            losses, counts, data = _train(s, 6, san)
+        finally:
+            s.close()
+    rows = 8
+    want = [float(data[k * rows:(k + 1) * rows].sum()) * 2 for k in range(6)]
+    assert losses == want
+    for c in counts:
+        steps_threads = [t for t, _, _ in c["sync_sites"] if t != "gpustrat-placer"]
+        assert steps_threads == [], c["sync_sites"]
+        assert c["nccl_calls"] == 2 * 2     # one fused bucket and the loss, 2 replicas
+    assert not san.reports
