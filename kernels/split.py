@@ -286,7 +286,9 @@ def scatter(batch, devices, index=None, pad_to: int | None = None, streams=None,
             check_index: bool = True) -> Split:
     """Split ``batch`` and place piece ``i`` on ``devices[i]``.
 
-    A batch on a GPU is split by the kernel on its own device, on that device's current
+    A C-contiguous GPU batch with neither ``index`` nor ``pad_to`` is cut into views,
+    and each piece moves with one device-to-device (peer) copy; a piece for the batch's
+    own device stays a view. Otherwise a batch on a GPU is split by the kernel on its own device, on that device's current
     CuPy stream (where the batch was produced), then each piece is copied to its
     replica's device, on ``streams[i]`` when given (else that device's current stream);
     every copy waits for the split first (``devices.to_device`` orders it after the
@@ -298,7 +300,14 @@ def scatter(batch, devices, index=None, pad_to: int | None = None, streams=None,
     if streams is not None and len(streams) != len(devices):
         raise ValueError(f"scatter got {len(streams)} streams for {len(devices)} devices: "
                          "pass one stream per device, or None")
-    if is_gpu_array(batch):
+    if is_gpu_array(batch) and index is None and pad_to is None and batch.flags.c_contiguous:
+        # A contiguous cut needs no kernel: the pieces are views, each moved with one
+        # copy (device to device, or peer) ordered after the batch's producer.
+        sizes = split_sizes(int(batch.shape[0]), len(devices))
+        starts = np.cumsum([0] + sizes[:-1])
+        with device_of(batch).activate():
+            res = Split([batch[int(a):int(a) + c] for a, c in zip(starts, sizes)], sizes)
+    elif is_gpu_array(batch):
         # The split and the copies' wait are both on this device's current stream.
         with device_of(batch).activate():
             res = split(batch, len(devices), index, pad_to, check_index=check_index)

@@ -42,6 +42,9 @@ from typing import Callable
 
 import numpy as np
 
+#: What :meth:`Sanitizer.counts` counts.
+COUNTERS = ("host_syncs", "launches", "copies", "nccl_calls", "event_records",
+            "event_waits", "event_queries", "allocations")
 #: Pool granularity, as CuPy's (allocations are rounded up to 512 bytes).
 ROUND = 512
 
@@ -166,7 +169,7 @@ class Sanitizer:
         self._top = {d: (d + 1) << 40 for d in range(num_devices)}
         self._free: dict = collections.defaultdict(list)   # (arena id, size) -> blocks
         self.reports: list[Report] = []
-        self.counters = collections.Counter()
+        self.counters = collections.Counter({k: 0 for k in COUNTERS})
         self.sync_sites: list[tuple[str, str, str]] = []   # (thread, what, site)
         self._serial = 0
 

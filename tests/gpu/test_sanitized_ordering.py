@@ -192,3 +192,73 @@ def test_a_steady_training_step_has_no_host_synchronization(seed):
         assert steps_threads == [], c["sync_sites"]
         assert c["nccl_calls"] == 2 * 2     # one fused bucket and the loss, 2 replicas
     assert not san.reports
+
+
+# --- split, scatter, pack and unpack, the staged path -------------------------------------
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_scatter_of_a_contiguous_batch_is_views_and_one_copy_per_piece(seed):
+    from gpustrat.kernels.split import scatter, split_reference
+    host = np.arange(7 * 2, dtype=np.int32).reshape(7, 2)
+    with testing.sanitize(seed=seed) as san:
+        cp = devices.cupy()
+        with cp.cuda.Device(1):
+            batch = cp.asarray(host) + 0          # written on gpu:1's current stream
+            streams = []
+            for d in (0, 1, 2):
+                with cp.cuda.Device(d):
+                    streams.append(cp.cuda.Stream(non_blocking=True))
+            with san.measure() as c:
+                res = scatter(batch, ["gpu:0", "gpu:1", "gpu:2"], streams=streams)
+        assert c["launches"] == 0 and c["copies"] == 2 and c["host_syncs"] == 0
+        assert res.pieces[1].data.ptr == batch[3:].data.ptr        # a view on its device
+        got = [p.get(stream=s) for p, s in zip(res.pieces, streams)]
+    want = split_reference(host, 3).pieces
+    assert [g.tolist() for g in got] == [w.tolist() for w in want]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_pack_unpack_and_sum_kernels_match_their_references(seed):
+    from gpustrat.kernels.pack import pack, pack_reference, unpack
+    from gpustrat.kernels.sum_buffers import sum_buffers, sum_buffers_reference
+    rng = np.random.default_rng(seed)
+    hosts = [rng.standard_normal(s).astype(np.float32) for s in ((3,), (5, 2), (1,), (130,))]
+    with testing.sanitize(seed=seed) as san:
+        cp = devices.cupy()
+        with cp.cuda.Device(3):
+            s = cp.cuda.Stream(non_blocking=True)
+            tensors = [cp.asarray(h) for h in hosts]
+            s.wait_event(cp.cuda.get_current_stream().record())
+            buf = pack(tensors, scale=0.5, stream=s)
+            outs = unpack(buf, [h.shape for h in hosts], stream=s)
+            total = sum_buffers([outs[3], tensors[3]], stream=s)
+            got = buf.get(stream=s), [o.get(stream=s) for o in outs], total.get(stream=s)
+        assert not san.reports
+    np.testing.assert_array_equal(got[0], pack_reference(hosts, scale=0.5))
+    for o, h in zip(got[1], hosts):
+        np.testing.assert_array_equal(o, h * np.float32(0.5))
+    np.testing.assert_array_equal(got[2], sum_buffers_reference([hosts[3] * np.float32(0.5),
+                                                                 hosts[3]]))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_host_staged_path_and_gathers_under_the_sanitizer(seed):
+    with testing.sanitize(seed=seed, nccl=False) as san:
+        s = gs.MirroredStrategy(["gpu:0", "gpu:1"])
+        try:
+            from gpustrat.collectives.staged import StagedCommunicator
+            assert isinstance(s.communicator, StagedCommunicator)
+            x = s.experimental_distribute_values_from_function(
+                lambda ctx: np.full((2, 2), ctx.replica_id_in_sync_group, np.float32))
+
+            def step(v):
+                ctx = gs.get_replica_context()
+                return ctx.all_reduce("mean", [v + 1, v * 2]), ctx.all_gather(v, 0)
+            out = s.run(step, args=(x,))
+            (mean, doubled), gathered = s.experimental_local_results(out)[1]
+            np.testing.assert_array_equal(mean.get(), np.full((2, 2), 1.5))
+            np.testing.assert_array_equal(doubled.get(), np.full((2, 2), 1.0))
+            np.testing.assert_array_equal(gathered.get()[:, 0], [0, 0, 1, 1])
+        finally:
+            s.close()
+    assert not san.reports
