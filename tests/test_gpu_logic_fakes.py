@@ -305,7 +305,8 @@ def test_scatter_splits_on_the_batch_devices_stream_that_the_copies_wait_for(
     with cp.cuda.Device(2), cp.Stream("producer", 2):
         streams = [cp.Stream("r0", 0), cp.Stream("r1", 1)]
         with cp.cuda.Device(0):   # the caller's current device is another one
-            res = split_mod.scatter(batch, ["gpu:0", "gpu:1"], streams=streams)
+            # pad_to: the kernel path (a plain contiguous cut is views and copies).
+            res = split_mod.scatter(batch, ["gpu:0", "gpu:1"], pad_to=2, streams=streams)
     assert [p.device.id for p in res.pieces] == [0, 1]
     # The kernel ran on the batch's device and its current stream (no stream forced)...
     assert cp.log[0] == ("split", 2, None, "producer")
@@ -315,7 +316,7 @@ def test_scatter_splits_on_the_batch_devices_stream_that_the_copies_wait_for(
     assert ("record", "producer", 2) in cp.log
     assert all(e[0] != "record" or e[1] in ("producer", "r0", "r1") for e in cp.log)
     with pytest.raises(ValueError, match="2 streams for 3 devices"):
-        split_mod.scatter(batch, ["gpu:0", "gpu:1", "gpu:2"], streams=streams)
+        split_mod.scatter(batch, ["gpu:0", "gpu:1", "gpu:2"], pad_to=2, streams=streams)
 
 
 # --- second review: input ordering and the launch device --------------------------------------
@@ -357,7 +358,7 @@ def test_a_piece_already_on_its_device_is_ordered_on_the_given_stream(fake_cupy,
     batch = cp.ndarray((4, 3), np.float32, device_id=0)
     streams = [cp.Stream("r0", 0), cp.Stream("r1", 1)]
     with cp.cuda.Device(0), cp.Stream("producer", 0):
-        res = split_mod.scatter(batch, ["gpu:0", "gpu:1"], streams=streams)
+        res = split_mod.scatter(batch, ["gpu:0", "gpu:1"], pad_to=2, streams=streams)
     assert res.pieces[0].device.id == 0
     k = cp.log.index(("split", 0, "producer"))
     # Piece 0 is not copied, but its consumer stream r0 still waits for the split.

@@ -331,6 +331,8 @@ def _make_ndarray(fake: FakeCupy):
 
         # --- views
         def __getitem__(self, key):
+            if isinstance(key, ndarray):      # a gather: one device op
+                return _compute(fake, "take", lambda a, i: a[i], [self, key])
             return self._view_of(lambda a: a[key])
 
         def reshape(self, *shape):
