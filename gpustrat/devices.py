@@ -247,6 +247,13 @@ def device_of(x) -> Device | None:
     return None
 
 
+def on_device_of(x):
+    """Context manager making ``x``'s device current (nothing for host data): array
+    operations on ``x`` then run on that device, on its current stream."""
+    d = device_of(x)
+    return d.activate() if d is not None else contextlib.nullcontext()
+
+
 def to_host(x) -> np.ndarray:
     """Any array-like (CuPy, NumPy, scalar, ``__dlpack__``, CUDA array interface) to NumPy."""
     if isinstance(x, np.ndarray):
@@ -289,7 +296,10 @@ def to_device(x, device: Device, stream=None, copy: bool = False):
                     and _dlpack_on_gpu(x)):
                 return to_device(cp.asarray(x) if hasattr(x, "__cuda_array_interface__")
                                  else cp.from_dlpack(x), device, stream, copy)
-            host = np.ascontiguousarray(to_host(x))
+            host = to_host(x)
+            if not host.flags.c_contiguous:
+                # (ascontiguousarray alone would turn a 0-d value into shape (1,))
+                host = np.ascontiguousarray(host).reshape(host.shape)
             out = cp.empty(host.shape, host.dtype)
             out.set(host, stream=stream)
             return out

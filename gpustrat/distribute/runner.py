@@ -215,8 +215,9 @@ class _ReplicaThread(threading.Thread):
         # thread's frame while it waits for the next task.
         try:
             # Device and stream are entered per task, not for the thread's life: the
-            # caller may run this replica inline in another call, and a CuPy stream
-            # object must not be entered by two threads at once.
+            # caller may run this replica inline in another call. (CuPy keeps the
+            # stream stack per thread, so the thread combining a collective may enter
+            # this stream too.)
             with _replica_context(self.device, self.stream):
                 enter(self.index)
                 try:

@@ -307,7 +307,9 @@ def _make_ndarray(fake: FakeCupy):
             v = fn(self._np(), *args)
             base = self._mem.blk.buf.__array_interface__["data"][0]
             off = v.__array_interface__["data"][0] - base
-            if not np.shares_memory(v, self._mem.blk.buf):
+            if v.size == 0:
+                off = min(max(off, 0), self._mem.blk.nbytes)
+            elif not np.shares_memory(v, self._mem.blk.buf):
                 raise SanitizerError("advanced indexing is not modelled by the fake CuPy")
             return ndarray(self._mem, off, v.shape, v.dtype, v.strides)
 

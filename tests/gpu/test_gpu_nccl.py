@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_skip import require_gpus, require_nccl  # noqa: E402
+from gpu_skip import require_gpus, require_nccl, require_real_gpus  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mpi_util import assert_mpi_ok  # noqa: E402
@@ -36,7 +36,8 @@ def host_values(n, shape, dtype, seed=0):
 
 
 def on_devices(values):
-    import cupy
+    from gpustrat.devices import cupy as _cupy
+    cupy = _cupy()
     out = []
     for i, v in enumerate(values):
         with cupy.cuda.Device(i):
@@ -120,5 +121,6 @@ print(f"OK rank {g.rank}", flush=True)
 
 @pytest.mark.mpi
 def test_nccl_across_two_workers():
+    require_real_gpus(2)
     require_nccl(2)
     assert_mpi_ok(2, NCCL_ACROSS_WORKERS, timeout=300, expect_lines=2)
