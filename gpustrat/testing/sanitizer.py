@@ -10,7 +10,7 @@ Words:
 - *happens-before*: vector clocks, as in PyTorch's CUDA sanitizer. Every stream counts
   its ops; a stream's clock holds, for every stream, how many of that stream's ops are
   ordered before its next op: by stream order, by event waits, and by completion the
-  host has observed (a synchronize, an event that was queried done).
+  issuing thread has observed (a synchronize, an event that was queried done).
 - *access*: a read or a write of a byte range of a memory block by an op.
 - *block*: an allocation of the memory pool. As CuPy's pool, the pool keeps one arena
   per stream: a freed block is handed out again only to work on the stream it was
@@ -124,6 +124,7 @@ class Block:
     accesses: list = field(default_factory=list)
     free: bool = False
     serial: int = 0
+    freed_vc: dict = field(default_factory=dict)   # what the freeing thread had seen done
 
 
 class EventState:
@@ -163,7 +164,7 @@ class Sanitizer:
         #: queued later is ordered after them.
         self.host = Stream(self, -1, -1, "host")
         self._next_ptr = 0x1000
-        self.done_vc: dict = {}
+        self._observed = threading.local()
         self.blocks: list[Block] = []
         self._addrs: list[int] = []
         self._top = {d: (d + 1) << 40 for d in range(num_devices)}
@@ -172,6 +173,21 @@ class Sanitizer:
         self.counters = collections.Counter({k: 0 for k in COUNTERS})
         self.sync_sites: list[tuple[str, str, str]] = []   # (thread, what, site)
         self._serial = 0
+
+    @property
+    def done_vc(self) -> dict:
+        """The device work the calling thread has seen complete (a synchronize, an event
+        that was queried done). Per thread: what another thread saw orders nothing here,
+        since how threads hand work to each other is not modelled (so code must not rely
+        on another thread's host wait)."""
+        vc = getattr(self._observed, "vc", None)
+        if vc is None:
+            vc = self._observed.vc = {}
+        return vc
+
+    @done_vc.setter
+    def done_vc(self, vc: dict) -> None:
+        self._observed.vc = vc
 
     # --- streams and events --------------------------------------------------------------
 
@@ -398,7 +414,8 @@ class Sanitizer:
             return blk
 
     def _check_reuse(self, blk: Block, stream: Stream) -> None:
-        vc = _join(stream.vc, self.done_vc)
+        # Work the freeing thread had seen complete before it freed the block is over.
+        vc = _join(_join(stream.vc, self.done_vc), blk.freed_vc)
         for a in blk.accesses:
             if not self._ordered(a.op, vc, stream):
                 self.report("reuse", f"block #{blk.serial} (gpu:{blk.device}, {stream.name}'s "
@@ -412,6 +429,7 @@ class Sanitizer:
     def free(self, blk: Block) -> None:
         with self.lock:
             blk.free = True
+            blk.freed_vc = dict(self.done_vc)
             self._free[(blk.arena.id, blk.nbytes)].append(blk)
 
     def block_at(self, addr: int, nbytes: int = 1) -> tuple[Block, int]:

@@ -262,3 +262,61 @@ def test_the_host_staged_path_and_gathers_under_the_sanitizer(seed):
         finally:
             s.close()
     assert not san.reports
+
+
+# --- the sanitizer notices when an ordering mechanism is taken away ---------------------------
+
+def _input_steps(san, steps=6):
+    """Distributed input consumed by run; every step's pieces are freed at once."""
+    from gpustrat.data import Dataset
+    s = gs.MirroredStrategy(["gpu:0", "gpu:1"])
+    try:
+        data = np.arange(steps * 8 * 3, dtype=np.float32).reshape(steps * 8, 3)
+        sums = []     # read back at the end: a host read per step would order everything
+        for x in s.experimental_distribute_dataset(Dataset.from_tensor_slices(data).batch(8)):
+            sums.extend(s.experimental_local_results(s.run(lambda v: (v * 2).sum(), args=(x,))))
+            del x
+            gc.collect()
+        return sum(float(v.get()) for v in sums), float(data.sum() * 2)
+    finally:
+        s.close()
+
+
+def test_placement_keeps_pieces_alive_and_waits_and_the_sanitizer_checks_both(monkeypatch):
+    from gpustrat.distribute import placement
+    with testing.sanitize(seed=0) as san:
+        got, want = _input_steps(san)
+    assert got == want and not san.reports
+
+    def no_keep_alive(self, placed, ready):          # order the consumer, hold nothing
+        cp = devices.cupy()
+        for dev, ev in zip(self._devices, ready):
+            with cp.cuda.Device(dev.index):
+                cp.cuda.get_current_stream().wait_event(ev)
+    monkeypatch.setattr(placement.Placer, "_hand_over", no_keep_alive)
+    with testing.sanitize(seed=0, check=False) as san:
+        _input_steps(san)
+    assert _reports(san, "reuse")
+    monkeypatch.setattr(placement.Placer, "_hand_over", lambda self, placed, ready: None)
+    with testing.sanitize(seed=0, check=False) as san:
+        _input_steps(san)
+    assert _reports(san, "race")
+
+
+def test_combining_off_the_replica_streams_would_race(monkeypatch):
+    from gpustrat.distribute import runner
+    init = runner.ReplicaRunner.__init__
+
+    def without_streams(self, devs):
+        init(self, devs)
+        self.rendezvous.streams = None
+    monkeypatch.setattr(runner.ReplicaRunner, "__init__", without_streams)
+    with testing.sanitize(seed=0, check=False) as san:
+        s = gs.MirroredStrategy(["gpu:0", "gpu:1"])
+        try:
+            x = s.experimental_distribute_values_from_function(
+                lambda ctx: np.ones((4, 3), np.float32))
+            s.run(_two_gpu_step(s, None), args=(x,))
+        finally:
+            s.close()
+    assert _reports(san, "race")
