@@ -132,14 +132,15 @@ def async_error_text(e: BaseException) -> str:
 
 def wait_for(done: Callable[[], bool], timeout: float, describe: Callable[[], str],
              on_timeout: Callable[[], None], check: Callable[[], None] | None = None,
-             clock=time.monotonic, sleep=time.sleep) -> None:
+             clock=time.monotonic, sleep=time.sleep, started: float | None = None) -> None:
     """Poll ``done()`` until it is true, or abort and raise after ``timeout`` seconds.
 
     ``check()`` (if given) runs between polls and raises on an asynchronous error; then
     ``on_timeout()`` (the abort) runs too and the error is re-raised as RuntimeError.
     The poll spins for the first ~100 checks, then sleeps from 10 us doubling to 1 ms.
+    ``started`` (a ``clock()`` value) is when the work was issued; default: now.
     """
-    deadline = clock() + timeout
+    deadline = (clock() if started is None else started) + timeout
     polls = 0
     delay = 1e-5
     while not done():
@@ -237,8 +238,8 @@ class NcclCommunicator(Communicator):
     def _prepare(self, buffers, what: str) -> list:
         failure = self._watchdog.failure if self._watchdog is not None else None
         if failure is not None:
-            raise type(failure)(f"{failure} (an earlier collective; this communicator "
-                                "is aborted: create a new strategy to continue)") from failure
+            raise type(failure)(f"{failure} [found by the watchdog after an earlier "
+                                "collective]") from failure
         if self._aborted:
             raise RuntimeError(f"this NCCL communicator was aborted ({self._aborted}); "
                                "create a new strategy to continue")
@@ -465,7 +466,7 @@ class _Watchdog:
         self._thread.start()
 
     def watch(self, events: list, what: Callable[[], str], keep) -> None:
-        self._queue.put((time.monotonic() + self._timeout, events, what, keep))
+        self._queue.put((time.monotonic(), events, what, keep))
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -493,11 +494,11 @@ class _Watchdog:
                 return
             if self.failure is not None:
                 continue
-            deadline, events, what, keep = item
+            issued, events, what, keep = item
             try:
-                wait_for(lambda: all(e.done for e in events), deadline - time.monotonic(),
-                         what, on_timeout=lambda: self._abort(f"{what()} failed or timed out"),
-                         check=self._check)
+                wait_for(lambda: all(e.done for e in events), self._timeout, what,
+                         on_timeout=lambda: self._abort(f"{what()} failed or timed out"),
+                         check=self._check, started=issued)
             except BaseException as e:  # raised by the communicator's next call
                 self.failure = e
             del item, events, keep   # the buffers may be reused from here on

@@ -322,7 +322,8 @@ class FakeNccl:
                 if s.device != self.dev:
                     san.report("device", f"NCCL {kind} of the gpu:{self.dev} communicator "
                                f"issued on {s!r}")
-                call = self.clique["calls"].setdefault(self.calls, _Collective(self.n, kind))
+                call = self.clique["calls"].setdefault(self.calls,
+                                                       _Collective(self.n, kind, self.clique))
                 self.calls += 1
                 reads = [san.block_at(send, sbytes)] if sbytes else []
                 writes = [san.block_at(recv, rbytes)] if rbytes else []
@@ -355,7 +356,10 @@ class FakeNccl:
                 pass
 
             def abort(self):
+                # ncclCommAbort ends the clique's pending kernels (their results are
+                # garbage): queued calls whose peers never came may run now.
                 self.aborted = True
+                self.clique["aborted"] = True
 
             def destroy(self):
                 self.aborted = True
@@ -388,15 +392,15 @@ class FakeNccl:
 class _Collective:
     """One collective call of a clique: one op per rank, run together."""
 
-    def __init__(self, n: int, kind: str):
-        self.n, self.kind = n, kind
+    def __init__(self, n: int, kind: str, clique: dict):
+        self.n, self.kind, self.clique = n, kind, clique
         self.parts: dict = {}
 
     def add(self, rank, op, reads, writes, params):
         self.parts[rank] = (op, reads, writes, params)
 
     def ready(self) -> bool:
-        return (len(self.parts) == self.n and
+        return ((len(self.parts) == self.n or self.clique.get("aborted")) and
                 all(op.stream.queue and op.stream.queue[0] is op
                     for op, _, _, _ in self.parts.values()))
 
@@ -404,6 +408,9 @@ class _Collective:
         return [self.parts[r][0] for r in sorted(self.parts)]
 
     def run(self) -> None:
+        if self.clique.get("aborted"):
+            self.parts.clear()
+            return
         ranks = sorted(self.parts)
         p0 = self.parts[ranks[0]][3]
         dtype = np.dtype(FakeNccl._DTYPES[p0["dtype"]])

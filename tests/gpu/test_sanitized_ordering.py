@@ -320,3 +320,32 @@ def test_combining_off_the_replica_streams_would_race(monkeypatch):
         finally:
             s.close()
     assert _reports(san, "race")
+
+
+def test_a_collective_whose_peer_never_comes_times_out_in_the_watchdog():
+    import time
+    from gpustrat.collectives.nccl import NcclCommunicator
+    from gpustrat.errors import CollectiveTimeout
+    with testing.sanitize(seed=0, check=False) as san:
+        cp = devices.cupy()
+        comm = NcclCommunicator([Device("gpu", 0), Device("gpu", 1)], timeout=0.3)
+        try:
+            bufs = []
+            for i in (0, 1):
+                with cp.cuda.Device(i):
+                    bufs.append(cp.ones((5,), np.float32))
+            with san.measure() as c:
+                comm.all_reduce(bufs, "sum")                # fine: returns without a wait
+            assert c["host_syncs"] == 0 and c["nccl_calls"] == 2
+            comm._comms[1].allReduce = lambda *a: None      # replica 1's peer is gone
+            t0 = time.monotonic()
+            comm.all_reduce(bufs, "sum")                    # still returns at once
+            assert time.monotonic() - t0 < 0.3
+            while comm._watchdog.failure is None and time.monotonic() - t0 < 10:
+                time.sleep(0.02)
+            with pytest.raises(CollectiveTimeout, match="did not complete within 0.3 s"):
+                comm.all_reduce(bufs, "sum")
+            assert all(c.aborted for c in comm._comms)
+            san.drain()                                     # the abort ended the stuck call
+        finally:
+            comm.close()
