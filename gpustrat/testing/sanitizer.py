@@ -35,8 +35,8 @@ import bisect
 import collections
 import contextlib
 import random
+import sys
 import threading
-import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -64,9 +64,12 @@ class Report:
 
 def _site() -> str:
     """The innermost caller outside the sanitizer and the fakes (where the op was issued)."""
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        if "/gpustrat/testing/" not in frame.filename and "contextlib" not in frame.filename:
-            return f"{frame.filename.rsplit('/', 2)[-2:][-1]}:{frame.lineno} ({frame.name})"
+    f = sys._getframe(1)
+    while f is not None:
+        name = f.f_code.co_filename
+        if "/gpustrat/testing/" not in name and "contextlib" not in name:
+            return f"{name.rsplit('/', 1)[-1]}:{f.f_lineno} ({f.f_code.co_name})"
+        f = f.f_back
     return "?"
 
 
