@@ -328,18 +328,25 @@ def kernel_arg(x, nstream):
     Numba imports a CuPy (``__cuda_array_interface__``) argument with
     ``from_cuda_array_interface(sync=True)``: under version 3 of the interface it then
     synchronizes the stream the exporter names, CuPy's current stream, so the host
-    would wait for the GPU to drain at every launch, once per array argument. When the
-    launch goes on that same stream, stream order already runs the kernel after the
-    work that produced ``x``, and the array is imported without the wait. On another
-    stream the synchronization is kept: it is what orders the two streams.
+    would wait for the GPU at every launch, once per array argument. The launchers
+    order the launch stream after that stream with an event instead
+    (:func:`launch_stream`), so arguments are imported without the wait.
     """
     if not _is_cupy(x) or simulating():
         return x
     cuda = _cuda()
-    cai = x.__cuda_array_interface__
-    exported = cai.get("stream")
-    sync = exported is not None and int(exported) != stream_handle(nstream)
-    return cuda.from_cuda_array_interface(cai, owner=x, sync=sync)
+    return cuda.from_cuda_array_interface(x.__cuda_array_interface__, owner=x, sync=False)
+
+
+def launch_stream(stream=None, like=None):
+    """The Numba stream to launch on (:func:`numba_stream`), ordered after CuPy's current
+    stream where ``like`` is a CuPy array: that is where a launch's CuPy inputs were
+    written, and what a synchronizing import would have waited for."""
+    nstream = numba_stream(stream, like)
+    cp = _cupy_of(like)
+    if cp is not None and not simulating():
+        order_after_current(cp, nstream)
+    return nstream
 
 
 #: Device copies of recent host tables, by (device, stream, dtype, shape, bytes): a

@@ -180,11 +180,9 @@ def _prepare(batch, index, check_index: bool, nstream):
     """The batch made C-contiguous and the index range checked, on the launch stream
     ``nstream`` (inside the launch's device context): the kernel then runs after the
     copy, and the copy's memory goes back to that stream's pool, reused only after it.
-    A launch stream other than the current one first waits for the current stream,
-    where the batch and index were written."""
+    (The launch stream was ordered after the current stream, where the batch and
+    index were written, by ``_launch.launch_stream``.)"""
     cp = _launch._cupy_of(batch)
-    if cp is not None:
-        _launch.order_after_current(cp, nstream)
     with (_launch.cupy_stream(cp, nstream) if cp is not None
           else contextlib.nullcontext()):
         if not _launch.is_c_contiguous(batch):
@@ -232,7 +230,7 @@ def split(batch, num_replicas: int, index=None, pad_to: int | None = None,
         raise ValueError(f"batch of shape {tuple(batch.shape)} is not C-contiguous: "
                          "make it contiguous first")
     with _launch.device_context(batch, *(() if index is None else (index,))):
-        nstream = _launch.numba_stream(stream, like=batch)
+        nstream = _launch.launch_stream(stream, like=batch)
         batch = _prepare(batch, index, check_index, nstream)
         row_elems = int(np.prod(trailing, dtype=np.int64))
         row_bytes = row_elems * dtype.itemsize

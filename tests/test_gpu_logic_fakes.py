@@ -231,15 +231,15 @@ def imports(monkeypatch):
     return calls
 
 
-def test_a_cupy_argument_on_its_own_stream_is_imported_without_a_host_wait(fake_cupy,
-                                                                             imports):
+def test_a_cupy_argument_is_imported_without_a_host_wait(fake_cupy, imports):
     from gpustrat.kernels import _launch
     cp = fake_cupy
     with cp.cuda.Device(1), cp.Stream("s", 1) as s:
         x = cp.ndarray((8,), np.float32, device_id=1)
         assert _launch.kernel_arg(x, s) == ("numba view of", x)
-        _launch.kernel_arg(x, s.ptr + 7)      # a launch on some other stream
-    assert imports == [(x, s.ptr, False), (x, s.ptr, True)]
+        # A launch on some other stream: launch_stream ordered it by an event.
+        _launch.kernel_arg(x, s.ptr + 7)
+    assert imports == [(x, s.ptr, False), (x, s.ptr, False)]
     # CuPy's null stream is exported as 1, the legacy default stream's handle.
     x0 = cp.ndarray((8,), np.float32, device_id=0)
     with cp.cuda.Device(0), cp.Stream("null-like", 0) as null:

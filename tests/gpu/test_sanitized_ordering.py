@@ -349,3 +349,27 @@ def test_a_collective_whose_peer_never_comes_times_out_in_the_watchdog():
             san.drain()                                     # the abort ended the stuck call
         finally:
             comm.close()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_launch_on_another_stream_is_ordered_by_an_event_not_a_host_wait(seed):
+    from gpustrat.kernels.pack import pack, unpack
+    from gpustrat.kernels.split import split
+    from gpustrat.kernels.sum_buffers import sum_buffers
+    hosts = [np.arange(k + 2, dtype=np.float64) for k in range(3)]
+    with testing.sanitize(seed=seed) as san:
+        cp = devices.cupy()
+        with cp.cuda.Device(1):
+            other = cp.cuda.Stream(non_blocking=True)
+            tensors = [cp.asarray(h) * 1 for h in hosts]        # on the current stream
+            with san.measure() as c:
+                buf = pack(tensors, stream=other)
+                outs = unpack(buf, [h.shape for h in hosts], stream=other)
+                total = sum_buffers([tensors[0], outs[0]], stream=other)
+                pieces = split(tensors[2].reshape(4, 1), 2, pad_to=3, stream=other).pieces
+            assert c["host_syncs"] == 0, c["sync_sites"]
+            got = ([o.get(stream=other) for o in outs], total.get(stream=other),
+                   [p.get(stream=other) for p in pieces])
+    assert [g.tolist() for g in got[0]] == [h.tolist() for h in hosts]
+    assert got[1].tolist() == (hosts[0] * 2).tolist()
+    assert [p.ravel().tolist() for p in got[2]] == [[0, 1, 0], [2, 3, 0]]
