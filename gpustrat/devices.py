@@ -296,13 +296,10 @@ def to_device(x, device: Device, stream=None, copy: bool = False):
                     and _dlpack_on_gpu(x)):
                 return to_device(cp.asarray(x) if hasattr(x, "__cuda_array_interface__")
                                  else cp.from_dlpack(x), device, stream, copy)
-            host = to_host(x)
-            if not host.flags.c_contiguous:
-                # (ascontiguousarray alone would turn a 0-d value into shape (1,))
-                host = np.ascontiguousarray(host).reshape(host.shape)
-            out = cp.empty(host.shape, host.dtype)
-            out.set(host, stream=stream)
-            return out
+            # CuPy stages the bytes through its pinned buffers and copies asynchronously
+            # on the current stream; ndarray.set from pageable memory would make the
+            # host wait for the stream first.
+            return cp.asarray(to_host(x))
 
 
 def _peer_copy(cp, x, device: Device, stream):

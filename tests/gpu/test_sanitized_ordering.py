@@ -373,3 +373,13 @@ def test_a_launch_on_another_stream_is_ordered_by_an_event_not_a_host_wait(seed)
     assert [g.tolist() for g in got[0]] == [h.tolist() for h in hosts]
     assert got[1].tolist() == (hosts[0] * 2).tolist()
     assert [p.ravel().tolist() for p in got[2]] == [[0, 1, 0], [2, 3, 0]]
+
+
+def test_host_values_go_to_a_gpu_without_a_host_wait():
+    with testing.sanitize(seed=0) as san:
+        with san.measure() as c:
+            x = devices.to_device(np.arange(6.0).reshape(2, 3), Device("gpu", 1))
+            y = devices.to_device(np.float32(2.5), Device("gpu", 2))    # 0-d stays 0-d
+        assert c["host_syncs"] == 0, c["sync_sites"]
+        assert x.device.id == 1 and y.shape == () and y.dtype == np.float32
+        assert x.get().tolist() == [[0, 1, 2], [3, 4, 5]] and float(y) == 2.5
