@@ -259,7 +259,10 @@ def to_host(x) -> np.ndarray:
     if isinstance(x, np.ndarray):
         return x
     if is_gpu_array(x):
-        return x.get()
+        # CuPy copies on the current device's current stream: make x's device current,
+        # so the copy is ordered after the work queued there on x.
+        with cupy().cuda.Device(x.device.id):
+            return x.get()
     if hasattr(x, "__cuda_array_interface__"):
         return cupy().asarray(x).get()
     if hasattr(x, "__dlpack__") and not np.isscalar(x):
@@ -353,17 +356,41 @@ def wait_for_current(device: Device, stream) -> None:
             stream.wait_event(current.record())
 
 
-def wait_on_current(device: Device, stream) -> None:
-    """Make the calling thread's current stream of GPU ``device`` wait, without a host
-    wait, for the work queued so far on ``stream`` (the reverse of
-    :func:`wait_for_current`)."""
-    if not device.is_gpu or stream is None:
-        return
+def current_gpu() -> Device | None:
+    """CuPy's current device of the calling thread, if CuPy is in use."""
+    cp = _loaded_cupy()
+    return Device("gpu", int(cp.cuda.Device().id)) if cp is not None else None
+
+
+def join_streams_into_current(devices, streams, into_current_device: bool = True) -> list:
+    """Make the calling thread's current stream of each GPU ``devices[i]`` wait for
+    ``streams[i]``, and (``into_current_device``) its current stream of the current
+    device wait for all of them: CuPy's ``get()`` copies on the current device's stream,
+    whichever device the array is on. Events only: no host wait.
+
+    Returns:
+        The event recorded on each stream (None for CPU devices).
+    """
+    pairs = [(d, s) for d, s in zip(devices, streams) if d.is_gpu and s is not None]
+    if not pairs:
+        return [None] * len(devices)
     cp = cupy()
-    with cp.cuda.Device(device.index):
-        current = cp.cuda.get_current_stream()
-        if current.ptr != stream.ptr:
-            current.wait_event(stream.record())
+    here = int(cp.cuda.Device().id)
+    events = []
+    for d, s in pairs:
+        with cp.cuda.Device(d.index):
+            ev = s.record()
+            current = cp.cuda.get_current_stream()
+            if current.ptr != s.ptr:
+                current.wait_event(ev)
+            events.append((d, ev))
+    current = cp.cuda.get_current_stream()
+    for d, ev in events:
+        if into_current_device and d.index != here:
+            current.wait_event(ev)
+    recorded = dict((id(s), ev) for (_, s), (_, ev) in zip(pairs, events))
+    return [recorded.get(id(s)) if d.is_gpu and s is not None else None
+            for d, s in zip(devices, streams)]
 
 
 @contextlib.contextmanager

@@ -82,8 +82,9 @@ class FakeCupy:
                 fake._streams()[fake.current_device()].pop()
 
         class DeviceCtx:
-            def __init__(self, index):
-                self.index = index
+            def __init__(self, index=None):
+                self.index = fake.current_device() if index is None else index
+                self.id = self.index
 
             def __enter__(self):
                 fake._devs().append(self.index)
@@ -211,9 +212,11 @@ def test_a_collective_is_combined_on_every_replicas_stream_without_a_host_wait(f
     assert ("current", 0, names[0]) in log and ("current", 1, names[1]) in log
     assert ("combine-current", 0, names[0]) in log and ("combine-current", 1, names[1]) in log
     assert not [e for e in log if e[0] == "sync"]
-    # The caller's streams wait for the replica streams before run returns.
-    assert log[-4:] == [("record", names[0], 0), ("wait", "null0", f"ev:{names[0]}", 0),
-                        ("record", names[1], 1), ("wait", "null1", f"ev:{names[1]}", 1)]
+    # The caller's streams wait for the replica streams before run returns, and its
+    # current device's stream (where CuPy's get() copies) for every replica stream.
+    assert log[-5:] == [("record", names[0], 0), ("wait", "null0", f"ev:{names[0]}", 0),
+                        ("record", names[1], 1), ("wait", "null1", f"ev:{names[1]}", 1),
+                        ("wait", "null0", f"ev:{names[1]}", 0)]
 
 
 # --- kernel launches: argument import and the table cache (kernels/_launch.py) -------------

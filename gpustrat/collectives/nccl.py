@@ -13,7 +13,10 @@ Words:
   itself), so there is no separate hierarchical NCCL-then-MPI path.
 - *ordering*: a collective's NCCL streams wait for each device's current stream (an
   event), and each current stream then waits for its NCCL stream: the caller's later
-  work is ordered after the collective on the device, and the host never waits.
+  work on each device is ordered after the collective, and the host never waits. A
+  result is ordered on its own device's current stream; read it with that device
+  current (``gpustrat.devices.to_host`` does), since CuPy's ``get()`` copies on the
+  current device's stream.
 - *deadline*: a watchdog thread (one per communicator, started with its first
   collective, as PyTorch's NCCL watchdog) polls an event recorded on each NCCL stream,
   and ``ncclCommGetAsyncError``, until the work is done or ``GPUSTRAT_TIMEOUT`` seconds
@@ -46,8 +49,8 @@ import numpy as np
 from gpustrat.collectives.base import (Communicator, LocalWorkerGroup, WorkerGroup,
                                        agree_layout_over)
 from gpustrat.collectives.host import check_same_layout
-from gpustrat.devices import (Device, cupy, gpu_count, is_gpu_array, nccl_library, new_stream,
-                              to_device)
+from gpustrat.devices import (Device, cupy, gpu_count, is_gpu_array, join_streams_into_current,
+                              nccl_library, new_stream, to_device)
 from gpustrat.errors import CollectiveTimeout
 from gpustrat.reduce_util import ReduceOp
 
@@ -278,12 +281,8 @@ class NcclCommunicator(Communicator):
                     issue(i, comm, self._streams[i].ptr)
         finally:
             nccl.groupEnd()
-        events = []
-        for i, d in enumerate(self.devices):
-            with cp.cuda.Device(d.index):
-                done = self._streams[i].record()
-                cp.cuda.get_current_stream().wait_event(done)
-                events.append(done)
+        events = join_streams_into_current(self.devices, self._streams,
+                                           into_current_device=False)
         if self._watchdog is None:
             self._watchdog = _Watchdog(self)
         self._watchdog.watch(events, what, keep)

@@ -9,7 +9,8 @@
 
 Ordering, with no host wait in the consumer: a step is handed over with an event per
 device recorded after its copies, and the consumer's current stream of each device
-waits for it (``run`` then orders the replica streams after that stream). The pieces'
+waits for it (``run`` then orders the replica streams after that stream), as does its
+current stream of the current device, where CuPy's ``get()`` copies. The pieces'
 memory comes from the copy stream's pool arena, so it must not be handed out again
 while the consumer may still read it: each handover records an event on the
 consumer's streams, the placer keeps the previous step's pieces alive until that event
@@ -85,6 +86,7 @@ class Placer:
         pieces alive until the consumer's work queued so far has completed."""
         cp = cupy()
         released = []
+        here = int(cp.cuda.Device().id)
         for dev, ev in zip(self._devices, ready):
             if ev is None:
                 released.append(None)
@@ -92,6 +94,11 @@ class Placer:
             with cp.cuda.Device(dev.index):
                 current = cp.cuda.get_current_stream()
                 released.append(current.record())   # after everything queued before
+                current.wait_event(ev)
+        # CuPy's get() copies on the current device's stream, whichever the array's.
+        current = cp.cuda.get_current_stream()
+        for dev, ev in zip(self._devices, ready):
+            if ev is not None and dev.index != here:
                 current.wait_event(ev)
         # The previous step's pieces were consumed by work queued before ``released``.
         if self._last is not None:

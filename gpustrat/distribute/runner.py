@@ -22,7 +22,8 @@ current (``Rendezvous.streams``): replica ``i``'s contribution was queued on str
 ``i`` continues after it, in stream order, with no host wait and no event. Outputs are
 allocated from the pool arena of the stream that uses them. At the end of ``run`` the
 caller's current stream of each device waits (an event, not the host) for the replica
-stream, so the caller reads results, and frees inputs, in order. If a replica raises, the rendezvous is broken so that
+stream, and its current stream of the current device for every replica stream (CuPy's
+``get()`` copies there), so the caller reads results, and frees inputs, in order. If a replica raises, the rendezvous is broken so that
 replicas waiting in a collective stop instead of hanging, and the caller re-raises the
 first error with a note naming the replica. Likewise when a replica's function returns,
 a collective that waits for it (or is issued after it) can never meet, and raises.
@@ -42,8 +43,8 @@ import time
 import weakref
 from typing import Any, Callable, Sequence
 
-from gpustrat.devices import (Device, current_stream, new_stream, wait_for_current,
-                              wait_on_current)
+from gpustrat.devices import (Device, current_stream, join_streams_into_current, new_stream,
+                              wait_for_current)
 
 #: A replica-0 step shorter than this runs the other replicas inline, in the caller.
 INLINE_STEP_LIMIT_S = 200e-6
@@ -402,8 +403,7 @@ class ReplicaRunner:
                 raise _primary_error(errors, self.devices)
             # The caller reads the results (and frees the inputs) on its own streams:
             # they wait for the replica streams on the device, not the host.
-            for d, s in zip(self.devices, self._streams):
-                wait_on_current(d, s)
+            join_streams_into_current(self.devices, self._streams)
             return results
 
     def close(self) -> None:

@@ -129,7 +129,7 @@ class FakeCupy:
         first."""
         host = np.ascontiguousarray(host, dtype=out.dtype).reshape(out.shape)
         found = None if staged else self._host_block(host)
-        s = stream or self.current_stream(out.device.id)
+        s = stream or self.current_stream()     # as CuPy: the current device's
         if found is None:
             if not staged:
                 self.san.synchronize_stream(s._s, f"pageable host-to-device copy ({what})")
@@ -365,7 +365,8 @@ def _make_ndarray(fake: FakeCupy):
                             [self])
 
         def get(self, stream=None, out=None, blocking=True):
-            s = stream or fake.current_stream(self.device.id)
+            # As CuPy: the current stream of the *current* device, whatever the array's.
+            s = stream or fake.current_stream()
             host = np.empty(self.shape, self.dtype)
             src = self._raw()
 
