@@ -398,12 +398,12 @@ class ReplicaRunner:
                 rv.clear_outcome()
             self._task = None
             rv.returned = NO_STEP
+            # The caller reads the results (and frees the inputs, after an error too) on
+            # its own streams: they wait for the replica streams on the device.
+            join_streams_into_current(self.devices, self._streams)
             if errors:
                 rv.reset()
                 raise _primary_error(errors, self.devices)
-            # The caller reads the results (and frees the inputs) on its own streams:
-            # they wait for the replica streams on the device, not the host.
-            join_streams_into_current(self.devices, self._streams)
             return results
 
     def close(self) -> None:

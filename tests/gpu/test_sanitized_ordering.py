@@ -385,3 +385,27 @@ def test_host_values_go_to_a_gpu_without_a_host_wait():
         # Read on their own devices (CuPy's get() copies on the current device's stream).
         assert devices.to_host(x).tolist() == [[0, 1, 2], [3, 4, 5]]
         assert devices.to_host(y) == 2.5
+
+
+def test_inputs_freed_after_a_failed_step_are_not_reused_under_a_running_replica():
+    with testing.sanitize(seed=0, run_probability=0) as san:
+        cp = devices.cupy()
+        s = gs.MirroredStrategy(["gpu:0", "gpu:1"])
+        try:
+            x = s.experimental_distribute_values_from_function(
+                lambda ctx: np.ones((64,), np.float32))
+
+            def step(v):
+                y = v * 2                                   # reads v on the replica stream
+                if gs.get_replica_context().replica_id_in_sync_group == 1:
+                    raise ValueError("replica 1 fails")
+                return y
+            with pytest.raises(ValueError, match="replica 1 fails"):
+                s.run(step, args=(x,))
+            del x
+            gc.collect()
+            with cp.cuda.Device(1):
+                cp.full((64,), 3.0, dtype=np.float32)       # the caller reuses v's block
+        finally:
+            s.close()
+    assert not san.reports
