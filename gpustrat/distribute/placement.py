@@ -123,6 +123,8 @@ class Placer:
             self._put_final(_END)
         except BaseException as e:  # re-raised in the consumer with its traceback
             self._put_final(e)
+        finally:
+            staging.finish()
 
     def _put_final(self, item) -> None:
         while not self._stop.is_set():
@@ -169,6 +171,14 @@ class _Staging:
         if a is None or a.nbytes < nbytes:
             a = slot[0] = pinned_empty((max(nbytes, 1 << 20),), np.uint8)
         return a
+
+    def finish(self) -> None:
+        """Wait (in the placer's thread, once at the end) for the copies still reading
+        the pinned buffers, which go back to CuPy's pinned pool when dropped."""
+        for slots in self.arenas:
+            for slot in slots:
+                if slot[1] is not None and not slot[1].done:
+                    slot[1].synchronize()
 
     def place(self, step: list, release: list | None = None) -> tuple[list, list]:
         """Queue the copies of one step; returns the placed pieces and, per device, the
