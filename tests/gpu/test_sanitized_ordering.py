@@ -409,3 +409,18 @@ def test_inputs_freed_after_a_failed_step_are_not_reused_under_a_running_replica
         finally:
             s.close()
     assert not san.reports
+
+
+def test_bench_gpu_runs_on_the_sanitizer_and_counts_no_host_wait_per_step(capsys):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--sanitizer"])
+    out = capsys.readouterr().out
+    assert "cupy: batch[index]: ok" in out and "pack (1000 tensors): ok" in out
+    counts = result["step_counts"]
+    assert len(counts) == 6
+    assert all(c["host_syncs_step_threads"] == 0 and c["nccl_calls"] == 4 for c in counts)
