@@ -31,7 +31,8 @@ def sanitize(seed: int = 0, num_devices: int = 4, run_probability: float = 0.5,
     from gpustrat import devices  # noqa: PLC0415
     from gpustrat.kernels import _launch  # noqa: PLC0415
     from gpustrat.testing.fake_cupy import FakeCupy  # noqa: PLC0415
-    from gpustrat.testing.fake_numba import FakeNccl, FakeNumbaCuda  # noqa: PLC0415
+    from gpustrat.testing.fake_nccl import FakeNccl  # noqa: PLC0415
+    from gpustrat.testing.fake_numba import FakeNumbaCuda  # noqa: PLC0415
     san = Sanitizer(seed=seed, run_probability=run_probability, strict=strict,
                     num_devices=num_devices)
     cp = FakeCupy(san)
