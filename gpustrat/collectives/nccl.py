@@ -463,6 +463,8 @@ class _Watchdog:
         self._thread = threading.Thread(target=self._loop, name="gpustrat-nccl-watchdog",
                                         daemon=True)
         self._thread.start()
+        # A communicator dropped without close() stops its watchdog too.
+        weakref.finalize(comm, self._queue.put, None)
 
     def watch(self, events: list, what: Callable[[], str], keep) -> None:
         self._queue.put((time.monotonic(), events, what, keep))

@@ -424,3 +424,23 @@ def test_bench_gpu_runs_on_the_sanitizer_and_counts_no_host_wait_per_step(capsys
     counts = result["step_counts"]
     assert len(counts) == 6
     assert all(c["host_syncs_step_threads"] == 0 and c["nccl_calls"] == 4 for c in counts)
+
+
+def test_the_watchdog_stops_with_its_communicator():
+    import time
+    from gpustrat.collectives.nccl import NcclCommunicator
+    with testing.sanitize(seed=0):
+        cp = devices.cupy()
+        comm = NcclCommunicator([Device("gpu", 0), Device("gpu", 1)])
+        bufs = []
+        for i in (0, 1):
+            with cp.cuda.Device(i):
+                bufs.append(cp.ones((3,), np.float32))
+        out = comm.all_reduce(bufs, "sum")
+        assert devices.to_host(out[1]).tolist() == [2, 2, 2]
+        thread = comm._watchdog._thread
+        assert thread.is_alive()
+        del comm, out
+        gc.collect()
+        thread.join(timeout=5)
+        assert not thread.is_alive()
