@@ -356,12 +356,6 @@ def wait_for_current(device: Device, stream) -> None:
             stream.wait_event(current.record())
 
 
-def current_gpu() -> Device | None:
-    """CuPy's current device of the calling thread, if CuPy is in use."""
-    cp = _loaded_cupy()
-    return Device("gpu", int(cp.cuda.Device().id)) if cp is not None else None
-
-
 def join_streams_into_current(devices, streams, into_current_device: bool = True) -> list:
     """Make the calling thread's current stream of each GPU ``devices[i]`` wait for
     ``streams[i]``, and (``into_current_device``) its current stream of the current
@@ -371,26 +365,24 @@ def join_streams_into_current(devices, streams, into_current_device: bool = True
     Returns:
         The event recorded on each stream (None for CPU devices).
     """
-    pairs = [(d, s) for d, s in zip(devices, streams) if d.is_gpu and s is not None]
-    if not pairs:
-        return [None] * len(devices)
+    events: list = [None] * len(devices)
+    if not any(d.is_gpu and s is not None for d, s in zip(devices, streams)):
+        return events
     cp = cupy()
-    here = int(cp.cuda.Device().id)
-    events = []
-    for d, s in pairs:
-        with cp.cuda.Device(d.index):
-            ev = s.record()
-            current = cp.cuda.get_current_stream()
-            if current.ptr != s.ptr:
+    for i, (d, s) in enumerate(zip(devices, streams)):
+        if d.is_gpu and s is not None:
+            with cp.cuda.Device(d.index):
+                events[i] = s.record()
+                current = cp.cuda.get_current_stream()
+                if current.ptr != s.ptr:
+                    current.wait_event(events[i])
+    if into_current_device:
+        here = int(cp.cuda.Device().id)
+        current = cp.cuda.get_current_stream()
+        for d, ev in zip(devices, events):
+            if ev is not None and d.index != here:
                 current.wait_event(ev)
-            events.append((d, ev))
-    current = cp.cuda.get_current_stream()
-    for d, ev in events:
-        if into_current_device and d.index != here:
-            current.wait_event(ev)
-    recorded = dict((id(s), ev) for (_, s), (_, ev) in zip(pairs, events))
-    return [recorded.get(id(s)) if d.is_gpu and s is not None else None
-            for d, s in zip(devices, streams)]
+    return events
 
 
 @contextlib.contextmanager

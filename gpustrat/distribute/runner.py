@@ -23,7 +23,9 @@ current (``Rendezvous.streams``): replica ``i``'s contribution was queued on str
 allocated from the pool arena of the stream that uses them. At the end of ``run`` the
 caller's current stream of each device waits (an event, not the host) for the replica
 stream, and its current stream of the current device for every replica stream (CuPy's
-``get()`` copies there), so the caller reads results, and frees inputs, in order. If a replica raises, the rendezvous is broken so that
+``get()`` copies there), so the caller reads results, and frees inputs, in order.
+
+If a replica raises, the rendezvous is broken so that
 replicas waiting in a collective stop instead of hanging, and the caller re-raises the
 first error with a note naming the replica. Likewise when a replica's function returns,
 a collective that waits for it (or is issued after it) can never meet, and raises.
