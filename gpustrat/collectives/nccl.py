@@ -502,4 +502,4 @@ class _Watchdog:
                          check=self._check, started=issued)
             except BaseException as e:  # raised by the communicator's next call
                 self.failure = e
-            del item, events, keep   # the buffers may be reused from here on
+            del item, events, keep, what   # the buffers may be reused from here on

@@ -69,13 +69,13 @@ class Placer:
                 raise
             return [_host_piece(p) for p in step] if _any_gpu(step) else step
         item = self._queue.get()
-        if item is _END:
+        if item is _END or isinstance(item, BaseException):
+            # The copy stream does no more work: its pool blocks are not handed out again.
             self._done = True
             self._held.clear()
-            raise StopIteration
-        if isinstance(item, BaseException):
-            self._done = True
-            self._held.clear()
+            self._last = None
+            if item is _END:
+                raise StopIteration
             raise item
         placed, ready = item
         self._hand_over(placed, ready)
