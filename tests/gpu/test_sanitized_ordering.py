@@ -73,7 +73,7 @@ def test_host_synchronizations_are_counted_and_a_hang_is_reported():
             s0.synchronize()                                 # rank 1 never called
 
 
-# --- findings: each caught before its fix -----------------------------------------------------
+# --- ordering mistakes the sanitizer reported in the GPU paths, fixed ---------------------
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_split_on_a_given_stream_waits_for_the_batchs_producer(seed):
