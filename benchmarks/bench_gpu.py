@@ -10,9 +10,19 @@
    count, dtype, time, algbw, busbw (busbw factors as in nccl-tests: all_reduce
    2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast 1).
 
-Without a GPU (or CuPy) it prints why and exits 0.
+Each kernel row has a CuPy-native row beside it (``cupy: ...``): the one CuPy call
+that does the same (fancy indexing, ``concatenate``, a sum), so a kernel is kept only
+where it wins.
 
-    python benchmarks/bench_gpu.py [--quick] [--staged] [--json out.json]
+3. Per training step (distributed input, ``run`` with an all-reduce of gradients,
+   ``reduce`` of the loss), the stream-ordering sanitizer's counts: host
+   synchronizations, launches, copies, NCCL calls. ``--sanitizer`` runs the whole
+   benchmark on the sanitizer's fake GPUs (no timings: correctness and counts only),
+   which is what a machine without a GPU can run.
+
+Without a GPU (or CuPy) and without ``--sanitizer`` it prints why and exits 0.
+
+    python benchmarks/bench_gpu.py [--quick] [--staged] [--sanitizer] [--json out.json]
 """
 
 from __future__ import annotations
@@ -82,8 +92,9 @@ def bench_kernels(cp, nbytes: int, repeats: int) -> list[dict]:
         batch.data, batch.nbytes), repeats)
 
     def row(name, seconds, moved):
+        seconds, copy = max(seconds, 1e-12), max(copy_s, 1e-12)   # 0 on fake GPUs
         bw = moved / seconds / 1e9
-        copy_bw = 2 * batch.nbytes / copy_s / 1e9
+        copy_bw = 2 * batch.nbytes / copy / 1e9
         rows.append({"kernel": name, "bytes": int(moved // 2), "time_us": seconds * 1e6,
                      "GB_s": bw, "copy_GB_s": copy_bw, "vs_copy": bw / copy_bw})
 
@@ -92,6 +103,10 @@ def bench_kernels(cp, nbytes: int, repeats: int) -> list[dict]:
     res = split(batch, replicas)
     _check("split", res.pieces, split_reference(host, replicas).pieces)
     row("split", time_gpu(cp, lambda: split(batch, replicas), repeats), 2 * batch.nbytes)
+    row("cupy: split = views + copy", time_gpu(cp, lambda: [
+        batch[a:a + c].copy() for a, c in zip(
+            np.cumsum([0] + split_reference(host[:, :1], replicas).counts[:-1]),
+            split_reference(host[:, :1], replicas).counts)], repeats), 2 * batch.nbytes)
     index_h = rng.permutation(n_rows)
     index = cp.asarray(index_h)
     _check("gather split", split(batch, replicas, index=index).pieces,
@@ -99,6 +114,7 @@ def bench_kernels(cp, nbytes: int, repeats: int) -> list[dict]:
     row("split+gather", time_gpu(cp, lambda: split(batch, replicas, index=index,
                                                    check_index=False), repeats),
         2 * batch.nbytes)
+    row("cupy: batch[index]", time_gpu(cp, lambda: batch[index], repeats), 2 * batch.nbytes)
     pad = -(-n_rows // replicas) + 1
     _check("fixed-shape split", split(batch, replicas, pad_to=pad).pieces,
            split_reference(host, replicas, pad_to=pad).pieces)
@@ -114,6 +130,8 @@ def bench_kernels(cp, nbytes: int, repeats: int) -> list[dict]:
     out = cp.empty_like(buf)
     row("pack (1000 tensors)", time_gpu(cp, lambda: pack(tensors, out=out), repeats),
         2 * buf.nbytes)
+    row("cupy: concatenate", time_gpu(cp, lambda: cp.concatenate(
+        [t.ravel() for t in tensors]), repeats), 2 * buf.nbytes)
     shapes = [t.shape for t in tensors_h]
     outs = [cp.empty_like(t) for t in tensors]
     _check("unpack", unpack(buf, shapes), unpack_reference(pack_reference(tensors_h), shapes))
@@ -126,7 +144,46 @@ def bench_kernels(cp, nbytes: int, repeats: int) -> list[dict]:
     _check("sum_buffers", sum_buffers(parts), sum_buffers_reference(parts_h))
     row(f"sum of {k} buffers", time_gpu(cp, lambda: sum_buffers(parts, out=total), repeats),
         (k + 1) * parts[0].nbytes)
+    row("cupy: a + b + ...", time_gpu(cp, lambda: sum(parts[1:], parts[0]), repeats),
+        (k + 1) * parts[0].nbytes)
     return rows
+
+
+def step_counts(steps: int = 6, replicas: int = 2) -> list[dict]:
+    """The sanitizer's counts for each step of a small training loop on fake GPUs."""
+    import gpustrat as gs
+    from gpustrat import testing
+    from gpustrat.data import Dataset
+    out = []
+    with testing.sanitize(seed=0) as san:
+        s = gs.MirroredStrategy([f"gpu:{i}" for i in range(replicas)])
+        rows = 4 * replicas
+        data = np.arange(steps * rows * 8, dtype=np.float32).reshape(steps * rows, 8)
+        w = s.experimental_distribute_values_from_function(
+            lambda ctx: np.ones((8,), np.float32))
+
+        def step(x, w):
+            y = x * w
+            grads = [y.sum(axis=0), y.mean(axis=0), y.max(axis=0)]
+            reduced = gs.get_replica_context().all_reduce("mean", grads)
+            return reduced[0].sum()
+        for x in s.experimental_distribute_dataset(Dataset.from_tensor_slices(data).batch(rows)):
+            with san.measure() as c:
+                s.reduce("mean", s.run(step, args=(x, w)), axis=None)
+            sites = c.pop("sync_sites")
+            c["host_syncs_step_threads"] = sum(t != "gpustrat-placer" for t, _, _ in sites)
+            out.append(c)
+        s.close()
+    return out
+
+
+def print_step_counts(counts: list[dict]) -> None:
+    print(f"\nper training step ({len(counts)} steps, 2 replicas; sanitizer counts)")
+    keys = ("host_syncs_step_threads", "host_syncs", "launches", "copies", "nccl_calls",
+            "event_waits", "allocations")
+    print("step " + " ".join(f"{k:>24}" for k in keys))
+    for i, c in enumerate(counts):
+        print(f"{i:>4} " + " ".join(f"{c.get(k, 0):>24}" for k in keys))
 
 
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -183,14 +240,28 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     ap.add_argument("--staged", action="store_true",
                     help="time the host-staged communicator instead of NCCL")
+    ap.add_argument("--sanitizer", action="store_true",
+                    help="run on the stream-ordering sanitizer's fake GPUs (no timings)")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args(argv)
+    counts = step_counts()
+    if args.sanitizer:
+        from gpustrat import testing
+        with testing.sanitize(seed=0):
+            from gpustrat.devices import cupy
+            kernels = bench_kernels(cupy(), 1 << 16, 1)
+        print("kernels on the sanitizer (checked against their references; no timings):")
+        for r in kernels:
+            print(f"  {r['kernel']}: ok")
+        print_step_counts(counts)
+        return {"suite": "gpu", "sanitizer": True, "step_counts": counts}
     cp, reason = _gpu_or_reason()
     if cp is None:
-        print(f"bench_gpu: skipped: {reason}")
+        print(f"bench_gpu: skipped: {reason} (--sanitizer runs it on fake GPUs)")
+        print_step_counts(counts)
         verdicts = [targets.not_measured(f"{k} vs device-to-device copy", COPY_TARGET * 100,
                                          reason, "%") for k in ("split", "pack (1000 tensors)")]
-        return {"suite": "gpu", "skipped": reason, "verdicts": verdicts}
+        return {"suite": "gpu", "skipped": reason, "verdicts": verdicts, "step_counts": counts}
     repeats = 5 if args.quick else 20
     nbytes = (16 << 20) if args.quick else (256 << 20)
     kernels = bench_kernels(cp, nbytes, repeats)
@@ -212,7 +283,9 @@ def main(argv=None) -> dict:
         for r in colls:
             print(f"{r['op']:<15} {r['size']:>12} {r['count']:>11} {r['dtype']:>8} "
                   f"{r['time_us']:>10.1f} {r['algbw']:>8.2f} {r['busbw']:>8.2f}")
-    result = {"suite": "gpu", "kernels": kernels, "collectives": colls, "verdicts": verdicts}
+    print_step_counts(counts)
+    result = {"suite": "gpu", "kernels": kernels, "collectives": colls, "verdicts": verdicts,
+              "step_counts": counts}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import re
 import sys
 import threading
@@ -86,9 +87,40 @@ _cupy_mod = None
 _cupy_error: Exception | None = None
 
 
+@dataclass
+class Backend:
+    """The GPU libraries gpustrat calls: ``cupy``, ``cupyx``, ``cupy.cuda.nccl`` and
+    ``numba.cuda``. :func:`use_backend` swaps them for a test backend (the stream-ordering
+    sanitizer of ``gpustrat.testing``) for every thread at once."""
+
+    cupy: object
+    cupyx: object = None
+    nccl: object = None
+    numba_cuda: object = None
+
+
+_backend: Backend | None = None
+
+
+@contextlib.contextmanager
+def use_backend(backend: Backend):
+    """Make ``backend`` the GPU libraries of this process inside the block (tests)."""
+    global _backend
+    previous = _backend
+    _backend = backend
+    gpu_count.cache_clear()
+    try:
+        yield backend
+    finally:
+        _backend = previous
+        gpu_count.cache_clear()
+
+
 def cupy():
     """The cupy module; raise a clear RuntimeError if it cannot be imported."""
     global _cupy_mod, _cupy_error
+    if _backend is not None:
+        return _backend.cupy
     if _cupy_mod is None and _cupy_error is None:
         with _cupy_lock:
             if _cupy_mod is None and _cupy_error is None:
@@ -103,6 +135,46 @@ def cupy():
             "install the cuda13 or cuda12 extra (pip install -e '.[cuda13]'), or use CPU "
             "devices") from _cupy_error
     return _cupy_mod
+
+
+def cupyx():
+    """The cupyx module (pinned host memory)."""
+    if _backend is not None:
+        return _backend.cupyx
+    cupy()
+    import cupyx as cx  # noqa: PLC0415
+    return cx
+
+
+def nccl_library():
+    """``cupy.cuda.nccl`` (raises ImportError where CuPy has none)."""
+    if _backend is not None:
+        if _backend.nccl is None:
+            raise ImportError("this backend has no NCCL")
+        return _backend.nccl
+    cupy()
+    return importlib.import_module("cupy.cuda.nccl")
+
+
+def numba_cuda():
+    """``numba.cuda``, imported on first use (the kernels' launch layer)."""
+    if _backend is not None and _backend.numba_cuda is not None:
+        return _backend.numba_cuda
+    from numba import cuda  # noqa: PLC0415 - numba is optional
+    return cuda
+
+
+def kernels_simulated() -> bool:
+    """True when Numba runs kernels in its CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``)."""
+    if _backend is not None and _backend.numba_cuda is not None:
+        return False
+    from numba import config  # noqa: PLC0415 - numba is optional
+    return bool(config.ENABLE_CUDASIM)
+
+
+def _loaded_cupy():
+    # The CuPy already in use, without importing it (host-only programs never do).
+    return _backend.cupy if _backend is not None else sys.modules.get("cupy")
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,7 +227,7 @@ def resolve_devices(devices) -> list[Device]:
 # --- arrays ---------------------------------------------------------------------------
 
 def is_gpu_array(x) -> bool:
-    cp = sys.modules.get("cupy")
+    cp = _loaded_cupy()
     return cp is not None and isinstance(x, cp.ndarray)
 
 
@@ -165,7 +237,7 @@ def is_array(x) -> bool:
 
 def array_module(x):
     """``cupy`` for CuPy arrays, else ``numpy``."""
-    return sys.modules["cupy"] if is_gpu_array(x) else np
+    return _loaded_cupy() if is_gpu_array(x) else np
 
 
 def device_of(x) -> Device | None:
@@ -175,12 +247,22 @@ def device_of(x) -> Device | None:
     return None
 
 
+def on_device_of(x):
+    """Context manager making ``x``'s device current (nothing for host data): array
+    operations on ``x`` then run on that device, on its current stream."""
+    d = device_of(x)
+    return d.activate() if d is not None else contextlib.nullcontext()
+
+
 def to_host(x) -> np.ndarray:
     """Any array-like (CuPy, NumPy, scalar, ``__dlpack__``, CUDA array interface) to NumPy."""
     if isinstance(x, np.ndarray):
         return x
     if is_gpu_array(x):
-        return x.get()
+        # CuPy copies on the current device's current stream: make x's device current,
+        # so the copy is ordered after the work queued there on x.
+        with cupy().cuda.Device(x.device.id):
+            return x.get()
     if hasattr(x, "__cuda_array_interface__"):
         return cupy().asarray(x).get()
     if hasattr(x, "__dlpack__") and not np.isscalar(x):
@@ -217,10 +299,10 @@ def to_device(x, device: Device, stream=None, copy: bool = False):
                     and _dlpack_on_gpu(x)):
                 return to_device(cp.asarray(x) if hasattr(x, "__cuda_array_interface__")
                                  else cp.from_dlpack(x), device, stream, copy)
-            host = np.ascontiguousarray(to_host(x))
-            out = cp.empty(host.shape, host.dtype)
-            out.set(host, stream=stream)
-            return out
+            # CuPy stages the bytes through its pinned buffers and copies asynchronously
+            # on the current stream; ndarray.set from pageable memory would make the
+            # host wait for the stream first.
+            return cp.asarray(to_host(x))
 
 
 def _peer_copy(cp, x, device: Device, stream):
@@ -274,6 +356,52 @@ def wait_for_current(device: Device, stream) -> None:
             stream.wait_event(current.record())
 
 
+def join_streams_into_current(devices, streams, into_current_device: bool = True) -> list:
+    """Make the calling thread's current stream of each GPU ``devices[i]`` wait for
+    ``streams[i]``, and (``into_current_device``) its current stream of the current
+    device wait for all of them: CuPy's ``get()`` copies on the current device's stream,
+    whichever device the array is on. Events only: no host wait.
+
+    Returns:
+        The event recorded on each stream (None for CPU devices).
+    """
+    events: list = [None] * len(devices)
+    if not any(d.is_gpu and s is not None for d, s in zip(devices, streams)):
+        return events
+    cp = cupy()
+    for i, (d, s) in enumerate(zip(devices, streams)):
+        if d.is_gpu and s is not None:
+            with cp.cuda.Device(d.index):
+                events[i] = s.record()
+                current = cp.cuda.get_current_stream()
+                if current.ptr != s.ptr:
+                    current.wait_event(events[i])
+    if into_current_device:
+        here = int(cp.cuda.Device().id)
+        current = cp.cuda.get_current_stream()
+        for d, ev in zip(devices, events):
+            if ev is not None and d.index != here:
+                current.wait_event(ev)
+    return events
+
+
+@contextlib.contextmanager
+def current_stream(device: Device, stream):
+    """Make ``stream`` the calling thread's current stream of ``device`` inside the block,
+    whichever device is current (CuPy keeps one current stream per device and thread)."""
+    if not device.is_gpu or stream is None:
+        yield
+        return
+    cp = cupy()
+    with cp.cuda.Device(device.index):
+        stream.__enter__()
+    try:
+        yield
+    finally:
+        with cp.cuda.Device(device.index):
+            stream.__exit__(None, None, None)
+
+
 def synchronize(device: Device, stream=None) -> None:
     if device.is_gpu:
         cp = cupy()
@@ -283,5 +411,4 @@ def synchronize(device: Device, stream=None) -> None:
 
 def pinned_empty(shape, dtype) -> np.ndarray:
     """A page-locked host array (for fast asynchronous host-to-device copies)."""
-    from cupyx import empty_pinned  # noqa: PLC0415
-    return empty_pinned(shape, dtype)
+    return cupyx().empty_pinned(shape, dtype)

@@ -56,26 +56,34 @@ class LazyKernels:
         self._jitted: dict = {}
 
     def bind(self):
-        """``numba.cuda``, bound to the module's ``cuda`` name."""
-        if self._globals.get("cuda") is None:
-            from numba import cuda  # noqa: PLC0415 - numba is optional
+        """``numba.cuda`` (or the test backend's), bound to the module's ``cuda`` name
+        for the kernel bodies, with the module's device functions compiled inline."""
+        cuda = _cuda()
+        if self._globals.get("cuda") is None and not getattr(cuda, "is_fake", False):
             for name in self._device_functions:
                 self._globals[name] = cuda.jit(device=True, inline="always")(
                     self._globals[name])
             self._globals["cuda"] = cuda
-        return self._globals["cuda"]
+        return cuda
 
     def __getitem__(self, name: str):
-        kernel = self._jitted.get(name)
+        cuda = self.bind()
+        key = (id(cuda), name)
+        kernel = self._jitted.get(key)
         if kernel is None:
-            kernel = self._jitted[name] = self.bind().jit(self._globals[name])
+            kernel = self._jitted[key] = cuda.jit(self._globals[name])
         return kernel
+
+
+def _cuda():
+    from gpustrat.devices import numba_cuda  # noqa: PLC0415
+    return numba_cuda()
 
 
 def simulating() -> bool:
     """True when Numba runs kernels in its CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``)."""
-    from numba import config  # noqa: PLC0415 - numba is optional
-    return bool(config.ENABLE_CUDASIM)
+    from gpustrat.devices import kernels_simulated  # noqa: PLC0415
+    return kernels_simulated()
 
 
 def next_pow2(n: int) -> int:
@@ -119,7 +127,7 @@ def numba_stream(stream=None, like=None):
             ``.ptr``), or a raw ``cudaStream_t`` integer.
         like: an array of the launch, to find the current CuPy stream.
     """
-    from numba import cuda  # noqa: PLC0415
+    cuda = _cuda()
     if simulating():
         # The simulator runs launches synchronously and has no external streams.
         return stream if _is_numba_stream(stream) else cuda.default_stream()
@@ -164,7 +172,7 @@ def device_context(*arrays):
                          f"{sorted(d.name for d in devs)}: copy them to one device first")
     if not devs or simulating():
         return contextlib.nullcontext()
-    from numba import cuda  # noqa: PLC0415
+    cuda = _cuda()
     device = devs.pop()
     stack = contextlib.ExitStack()
     stack.enter_context(cuda.gpus[device.index])
@@ -189,20 +197,38 @@ def check_kernel_input(x, what: str):
 
 
 def empty(like, shape, dtype, stream=None):
-    """An uninitialised array of the same kind and device as ``like``."""
+    """An uninitialised array of the same kind and device as ``like``, for a launch on
+    ``stream`` (any kind :func:`numba_stream` takes). CuPy arrays come from the pool
+    arena of the launch stream: CuPy hands a freed block out again only to work on the
+    stream it was allocated for, which then runs after the launch that wrote it."""
     shape = tuple(int(s) for s in shape)
     cp = _cupy_of(like)
     if cp is not None:
         from gpustrat.devices import device_of  # noqa: PLC0415
-        ctx = stream if (stream is not None and hasattr(stream, "ptr")
-                         and hasattr(stream, "__enter__")) else contextlib.nullcontext()
-        with device_of(like).activate(), ctx:
+        with device_of(like).activate(), _pool_stream(cp, stream):
             return cp.empty(shape, dtype)
     if isinstance(like, np.ndarray):
         return np.empty(shape, dtype)
-    from numba import cuda  # noqa: PLC0415
+    cuda = _cuda()
     return cuda.device_array(shape, dtype,
                              stream=stream if _is_numba_stream(stream) else 0)
+
+
+def _pool_stream(cp, stream):
+    """A context making ``stream`` (CuPy, Numba or a raw handle) CuPy's current stream."""
+    if stream is None:
+        return contextlib.nullcontext()
+    if hasattr(stream, "ptr") and hasattr(stream, "__enter__"):
+        return stream
+    return cupy_stream(cp, stream)
+
+
+def order_after_current(cp, nstream) -> None:
+    """Make the launch stream ``nstream`` wait (an event, no host wait) for CuPy's current
+    stream of the current device, where the launch's CuPy inputs were written."""
+    current = cp.cuda.get_current_stream()
+    if stream_handle(nstream) != stream_handle(current):
+        cp.cuda.ExternalStream(stream_handle(nstream)).wait_event(current.record())
 
 
 def _is_cupy(x) -> bool:
@@ -286,7 +312,7 @@ def window(arrays, dtype):
                 FakeCUDAArray)
             win = FakeCUDAArray(win)
     else:
-        from numba import cuda  # noqa: PLC0415
+        cuda = _cuda()
         desc = {"shape": (n,), "strides": None, "typestr": dtype.str,
                 "data": (base, False), "version": 3}
         win = cuda.from_cuda_array_interface(desc, owner=None, sync=False)
@@ -312,18 +338,25 @@ def kernel_arg(x, nstream):
     Numba imports a CuPy (``__cuda_array_interface__``) argument with
     ``from_cuda_array_interface(sync=True)``: under version 3 of the interface it then
     synchronizes the stream the exporter names, CuPy's current stream, so the host
-    would wait for the GPU to drain at every launch, once per array argument. When the
-    launch goes on that same stream, stream order already runs the kernel after the
-    work that produced ``x``, and the array is imported without the wait. On another
-    stream the synchronization is kept: it is what orders the two streams.
+    would wait for the GPU at every launch, once per array argument. The launchers
+    order the launch stream after that stream with an event instead
+    (:func:`launch_stream`), so arguments are imported without the wait.
     """
     if not _is_cupy(x) or simulating():
         return x
-    from numba import cuda  # noqa: PLC0415
-    cai = x.__cuda_array_interface__
-    exported = cai.get("stream")
-    sync = exported is not None and int(exported) != stream_handle(nstream)
-    return cuda.from_cuda_array_interface(cai, owner=x, sync=sync)
+    cuda = _cuda()
+    return cuda.from_cuda_array_interface(x.__cuda_array_interface__, owner=x, sync=False)
+
+
+def launch_stream(stream=None, like=None):
+    """The Numba stream to launch on (:func:`numba_stream`), ordered after CuPy's current
+    stream where ``like`` is a CuPy array: that is where a launch's CuPy inputs were
+    written, and what a synchronizing import would have waited for."""
+    nstream = numba_stream(stream, like)
+    cp = _cupy_of(like)
+    if cp is not None and not simulating():
+        order_after_current(cp, nstream)
+    return nstream
 
 
 #: Device copies of recent host tables, by (device, stream, dtype, shape, bytes): a
@@ -334,6 +367,12 @@ def kernel_arg(x, nstream):
 TABLE_CACHE_SIZE = 64
 _tables: OrderedDict = OrderedDict()
 _tables_lock = threading.Lock()
+
+
+def clear_table_cache() -> None:
+    """Forget the cached tables (a new backend, or memory given back)."""
+    with _tables_lock:
+        _tables.clear()
 
 
 def to_kernel_array(host: np.ndarray, like, stream=None):
@@ -353,7 +392,7 @@ def to_kernel_array(host: np.ndarray, like, stream=None):
         return host
     cp = _cupy_of(like)
     if cp is None:
-        from numba import cuda  # noqa: PLC0415
+        cuda = _cuda()
         return cuda.to_device(host, stream=stream if stream is not None else 0)
     from gpustrat.devices import device_of  # noqa: PLC0415
     device = device_of(like)
@@ -372,7 +411,7 @@ def to_kernel_array(host: np.ndarray, like, stream=None):
             while len(_tables) > TABLE_CACHE_SIZE:
                 _tables.popitem(last=False)
     # Uploaded on the launch stream: ordered before the kernel, no host wait needed.
-    from numba import cuda  # noqa: PLC0415
+    cuda = _cuda()
     return cuda.from_cuda_array_interface(table.__cuda_array_interface__, owner=table,
                                           sync=False)
 

@@ -187,7 +187,7 @@ def pack(tensors, out=None, scale=None, stream=None, threads=None):
             _check_buffer(out, total, "out")
         if total:
             win, offsets = _launch.window(tensors, dtype)
-            nstream = _launch.numba_stream(stream, like=tensors[0])
+            nstream = _launch.launch_stream(stream, like=tensors[0])
             table = _launch.to_kernel_array(np.stack([offsets, sizes, starts]),
                                             tensors[0], nstream)
             grid, block = launch_config(total, threads)
@@ -229,7 +229,7 @@ def unpack(buffer, shapes, out=None, scale=None, stream=None, threads=None):
                 _launch.check_kernel_input(o, f"out[{k}]")
         if total:
             win, offsets = _launch.window(out, dtype)
-            nstream = _launch.numba_stream(stream, like=buffer)
+            nstream = _launch.launch_stream(stream, like=buffer)
             table = _launch.to_kernel_array(np.stack([offsets, sizes, starts]),
                                             buffer, nstream)
             grid, block = launch_config(total, threads)

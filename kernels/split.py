@@ -179,7 +179,9 @@ def _check_index_range(index, src_rows: int) -> None:
 def _prepare(batch, index, check_index: bool, nstream):
     """The batch made C-contiguous and the index range checked, on the launch stream
     ``nstream`` (inside the launch's device context): the kernel then runs after the
-    copy, and the copy's memory goes back to that stream's pool, reused only after it."""
+    copy, and the copy's memory goes back to that stream's pool, reused only after it.
+    (The launch stream was ordered after the current stream, where the batch and
+    index were written, by ``_launch.launch_stream``.)"""
     cp = _launch._cupy_of(batch)
     with (_launch.cupy_stream(cp, nstream) if cp is not None
           else contextlib.nullcontext()):
@@ -228,13 +230,13 @@ def split(batch, num_replicas: int, index=None, pad_to: int | None = None,
         raise ValueError(f"batch of shape {tuple(batch.shape)} is not C-contiguous: "
                          "make it contiguous first")
     with _launch.device_context(batch, *(() if index is None else (index,))):
-        nstream = _launch.numba_stream(stream, like=batch)
+        nstream = _launch.launch_stream(stream, like=batch)
         batch = _prepare(batch, index, check_index, nstream)
         row_elems = int(np.prod(trailing, dtype=np.int64))
         row_bytes = row_elems * dtype.itemsize
         word = _launch.word_dtype(row_bytes, _launch.data_ptr(batch))
         words = row_bytes // word.itemsize
-        out = _launch.empty(batch, (num_replicas, rows_out, words), word, stream)
+        out = _launch.empty(batch, (num_replicas, rows_out, words), word, nstream)
         if num_replicas * rows_out * words:
             src = batch.reshape(int(batch.shape[0]), row_elems).view(word)
             grid, block = _launch.launch_config_2d(
@@ -282,7 +284,9 @@ def scatter(batch, devices, index=None, pad_to: int | None = None, streams=None,
             check_index: bool = True) -> Split:
     """Split ``batch`` and place piece ``i`` on ``devices[i]``.
 
-    A batch on a GPU is split by the kernel on its own device, on that device's current
+    A C-contiguous GPU batch with neither ``index`` nor ``pad_to`` is cut into views,
+    and each piece moves with one device-to-device (peer) copy; a piece for the batch's
+    own device stays a view. Otherwise a batch on a GPU is split by the kernel on its own device, on that device's current
     CuPy stream (where the batch was produced), then each piece is copied to its
     replica's device, on ``streams[i]`` when given (else that device's current stream);
     every copy waits for the split first (``devices.to_device`` orders it after the
@@ -294,7 +298,14 @@ def scatter(batch, devices, index=None, pad_to: int | None = None, streams=None,
     if streams is not None and len(streams) != len(devices):
         raise ValueError(f"scatter got {len(streams)} streams for {len(devices)} devices: "
                          "pass one stream per device, or None")
-    if is_gpu_array(batch):
+    if is_gpu_array(batch) and index is None and pad_to is None and batch.flags.c_contiguous:
+        # A contiguous cut needs no kernel: the pieces are views, each moved with one
+        # copy (device to device, or peer) ordered after the batch's producer.
+        sizes = split_sizes(int(batch.shape[0]), len(devices))
+        starts = np.cumsum([0] + sizes[:-1])
+        with device_of(batch).activate():
+            res = Split([batch[int(a):int(a) + c] for a, c in zip(starts, sizes)], sizes)
+    elif is_gpu_array(batch):
         # The split and the copies' wait are both on this device's current stream.
         with device_of(batch).activate():
             res = split(batch, len(devices), index, pad_to, check_index=check_index)

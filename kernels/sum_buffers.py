@@ -93,7 +93,7 @@ def sum_buffers(buffers, out=None, stream=None, threads=None):
             target = _launch.empty(out, shape, dtype, stream)
         if count:
             win, offsets = _launch.window(buffers, dtype)
-            nstream = _launch.numba_stream(stream, like=buffers[0])
+            nstream = _launch.launch_stream(stream, like=buffers[0])
             table = _launch.to_kernel_array(offsets, buffers[0], nstream)
             grid, block = _launch.launch_config_1d(count, threads or _launch.env_threads())
             flat = _launch.kernel_arg(target.reshape(count), nstream)

@@ -82,8 +82,9 @@ class FakeCupy:
                 fake._streams()[fake.current_device()].pop()
 
         class DeviceCtx:
-            def __init__(self, index):
-                self.index = index
+            def __init__(self, index=None):
+                self.index = fake.current_device() if index is None else index
+                self.id = self.index
 
             def __enter__(self):
                 fake._devs().append(self.index)
@@ -183,7 +184,7 @@ def test_same_device_array_is_not_copied(fake_cupy):
     assert fake_cupy.log == []
 
 
-def test_a_collective_waits_for_every_replica_stream_and_the_combiner_streams(fake_cupy):
+def test_a_collective_is_combined_on_every_replicas_stream_without_a_host_wait(fake_cupy):
     from gpustrat.distribute.runner import ReplicaRunner
     cp = fake_cupy
     runner = ReplicaRunner([Device("gpu", 0), Device("gpu", 1)])
@@ -191,7 +192,11 @@ def test_a_collective_waits_for_every_replica_stream_and_the_combiner_streams(fa
     assert runner._streams[1].dev == 1
 
     def combine(values):
-        cp.log.append(("combine", threading.current_thread().name))
+        # The combining thread queues device i's work on replica i's stream, after
+        # replica i's own work (stream order: no event, no host wait).
+        for i in (0, 1):
+            with cp.cuda.Device(i):
+                cp.log.append(("combine-current", i, cp.cuda.get_current_stream().name))
         return values
 
     def fn(i):
@@ -205,15 +210,13 @@ def test_a_collective_waits_for_every_replica_stream_and_the_combiner_streams(fa
         runner.close()
     log = cp.log
     assert ("current", 0, names[0]) in log and ("current", 1, names[1]) in log
-    k = next(j for j, e in enumerate(log) if e[0] == "combine")
-    # Both replicas' streams were synchronized before the combine read their values...
-    assert {("sync", names[0]), ("sync", names[1])} <= set(log[:k])
-    # ...the combining thread's streams (its own replica's, the null stream of the
-    # other device) after it, and every replica stream before call returns.
-    combiner_is_0 = log[k][1] == threading.current_thread().name
-    own, other = (names[0], "null1") if combiner_is_0 else ("null0", names[1])
-    assert log[k + 1:k + 3] == [("sync", own), ("sync", other)]
-    assert log[-2:] == [("sync", names[0]), ("sync", names[1])]
+    assert ("combine-current", 0, names[0]) in log and ("combine-current", 1, names[1]) in log
+    assert not [e for e in log if e[0] == "sync"]
+    # The caller's streams wait for the replica streams before run returns, and its
+    # current device's stream (where CuPy's get() copies) for every replica stream.
+    assert log[-5:] == [("record", names[0], 0), ("wait", "null0", f"ev:{names[0]}", 0),
+                        ("record", names[1], 1), ("wait", "null1", f"ev:{names[1]}", 1),
+                        ("wait", "null0", f"ev:{names[1]}", 0)]
 
 
 # --- kernel launches: argument import and the table cache (kernels/_launch.py) -------------
@@ -238,15 +241,15 @@ def imports(monkeypatch):
     return calls
 
 
-def test_a_cupy_argument_on_its_own_stream_is_imported_without_a_host_wait(fake_cupy,
-                                                                             imports):
+def test_a_cupy_argument_is_imported_without_a_host_wait(fake_cupy, imports):
     from gpustrat.kernels import _launch
     cp = fake_cupy
     with cp.cuda.Device(1), cp.Stream("s", 1) as s:
         x = cp.ndarray((8,), np.float32, device_id=1)
         assert _launch.kernel_arg(x, s) == ("numba view of", x)
-        _launch.kernel_arg(x, s.ptr + 7)      # a launch on some other stream
-    assert imports == [(x, s.ptr, False), (x, s.ptr, True)]
+        # A launch on some other stream: launch_stream ordered it by an event.
+        _launch.kernel_arg(x, s.ptr + 7)
+    assert imports == [(x, s.ptr, False), (x, s.ptr, False)]
     # CuPy's null stream is exported as 1, the legacy default stream's handle.
     x0 = cp.ndarray((8,), np.float32, device_id=0)
     with cp.cuda.Device(0), cp.Stream("null-like", 0) as null:
@@ -312,7 +315,8 @@ def test_scatter_splits_on_the_batch_devices_stream_that_the_copies_wait_for(
     with cp.cuda.Device(2), cp.Stream("producer", 2):
         streams = [cp.Stream("r0", 0), cp.Stream("r1", 1)]
         with cp.cuda.Device(0):   # the caller's current device is another one
-            res = split_mod.scatter(batch, ["gpu:0", "gpu:1"], streams=streams)
+            # pad_to: the kernel path (a plain contiguous cut is views and copies).
+            res = split_mod.scatter(batch, ["gpu:0", "gpu:1"], pad_to=2, streams=streams)
     assert [p.device.id for p in res.pieces] == [0, 1]
     # The kernel ran on the batch's device and its current stream (no stream forced)...
     assert cp.log[0] == ("split", 2, None, "producer")
@@ -322,7 +326,7 @@ def test_scatter_splits_on_the_batch_devices_stream_that_the_copies_wait_for(
     assert ("record", "producer", 2) in cp.log
     assert all(e[0] != "record" or e[1] in ("producer", "r0", "r1") for e in cp.log)
     with pytest.raises(ValueError, match="2 streams for 3 devices"):
-        split_mod.scatter(batch, ["gpu:0", "gpu:1", "gpu:2"], streams=streams)
+        split_mod.scatter(batch, ["gpu:0", "gpu:1", "gpu:2"], pad_to=2, streams=streams)
 
 
 # --- second review: input ordering and the launch device --------------------------------------
@@ -364,7 +368,7 @@ def test_a_piece_already_on_its_device_is_ordered_on_the_given_stream(fake_cupy,
     batch = cp.ndarray((4, 3), np.float32, device_id=0)
     streams = [cp.Stream("r0", 0), cp.Stream("r1", 1)]
     with cp.cuda.Device(0), cp.Stream("producer", 0):
-        res = split_mod.scatter(batch, ["gpu:0", "gpu:1"], streams=streams)
+        res = split_mod.scatter(batch, ["gpu:0", "gpu:1"], pad_to=2, streams=streams)
     assert res.pieces[0].device.id == 0
     k = cp.log.index(("split", 0, "producer"))
     # Piece 0 is not copied, but its consumer stream r0 still waits for the split.
@@ -377,17 +381,18 @@ def test_a_piece_already_on_its_device_is_ordered_on_the_given_stream(fake_cupy,
     assert cp.log[n:] == []
 
 
-def test_placement_hands_over_a_gpu_piece_only_once_it_is_written(fake_cupy):
+def test_placement_orders_a_gpu_piece_by_an_event_on_its_copy_stream(fake_cupy):
     from gpustrat.distribute.placement import _Staging
     cp = fake_cupy
     staging = _Staging([Device("gpu", 0)])
     copy_stream = staging.streams[0].name
     x = cp.ndarray((2,), np.float32, device_id=0)
-    assert staging.place([x]) == [x]
-    # The copy stream waits for the producer (this thread's stream of device 0), and
-    # the host waits for the copy stream before the step is handed over.
+    placed, ready = staging.place([x])
+    assert placed == [x] and ready[0].name == f"ev:{copy_stream}"
+    # The copy stream waits for the producer (this thread's stream of device 0), then
+    # records the event the consumer will wait for: no host wait.
     assert cp.log[-3:] == [("record", "null0", 0), ("wait", copy_stream, "ev:null0", 0),
-                           ("sync", copy_stream)]
+                           ("record", copy_stream, 0)]
 
 
 def test_a_launch_uses_the_stream_of_the_arrays_device_not_the_callers(fake_cupy,

@@ -146,9 +146,9 @@ def fused_all_reduce(comm: Communicator, tensors: Sequence[Sequence], op,
         bucket_bytes: bucket size; None reads ``GPUSTRAT_FUSION_BUCKET_BYTES``.
     Returns:
         ``out[j][i]``: the reduction of tensor ``j`` on local replica ``i`` (what
-        ``comm.all_reduce([tensors[j][i] for i ...], op)[i]`` returns). Host results
-        are views of the bucket's reduced buffer (disjoint, so one can be updated in
-        place without touching another); GPU results are separate arrays.
+        ``comm.all_reduce([tensors[j][i] for i ...], op)[i]`` returns): views of the
+        bucket's reduced buffer (disjoint, so one can be updated in place without
+        touching another), on the host and on GPUs alike.
     Raises:
         ValueError: a tensor with the wrong number of replica values, or replicas
             disagreeing on its shape or dtype.
@@ -204,9 +204,7 @@ def fused_all_reduce(comm: Communicator, tensors: Sequence[Sequence], op,
         # are views of them.
         reduced = comm.all_reduce_inplace(buffers, op)
         bucket_shapes = shapes[lo:hi] if contiguous else [shapes[j] for j in bucket]
-        per_replica = [_unpack_gpu(r, bucket_shapes) if is_gpu_array(r)
-                       else _unpack_host(r, bucket_shapes)
-                       for r in reduced]
+        per_replica = [_unpack_views(r, bucket_shapes) for r in reduced]
         # map/zip run in C: one list per tensor without a Python-level loop body.
         per_tensor = list(map(list, zip(*per_replica)))
         if contiguous:
@@ -257,8 +255,8 @@ def _pack_host(tensors, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def _unpack_host(buffer: np.ndarray, shapes) -> list:
-    """Views of ``buffer``; runs of one shape are cut in one reshape (fast for the
+def _unpack_views(buffer, shapes) -> list:
+    """Views of ``buffer`` (NumPy or CuPy), one per shape; runs of one shape are cut in one reshape (fast for the
     common case of many same-shaped tensors)."""
     parts: list = []
     start = 0
@@ -292,8 +290,3 @@ def _pack_gpu(tensors):
         tensors = [t if t.flags.c_contiguous else xp.ascontiguousarray(t) for t in tensors]
         return pack(tensors)
 
-
-def _unpack_gpu(buffer, shapes) -> list:
-    from gpustrat.kernels.pack import unpack  # noqa: PLC0415 - imports Numba
-    with device_of(buffer).activate():
-        return unpack(buffer, shapes)

@@ -11,11 +11,21 @@ Words:
   0 and broadcast over MPI (``rendezvous.py``), and the cross-worker traffic goes
   through NCCL as well (NCCL picks rings and trees over NVLink, PCIe and the network
   itself), so there is no separate hierarchical NCCL-then-MPI path.
-- *deadline*: after issuing a collective, the calling thread polls an event recorded
-  on each NCCL stream (and ``ncclCommGetAsyncError``) until the work is done or
-  ``GPUSTRAT_TIMEOUT`` seconds (default 300) pass; then every local NCCL communicator
-  is aborted and :class:`~gpustrat.errors.CollectiveTimeout` is raised, instead of a
-  hang on a dead peer. An aborted communicator refuses further calls.
+- *ordering*: a collective's NCCL streams wait for each device's current stream (an
+  event), and each current stream then waits for its NCCL stream: the caller's later
+  work on each device is ordered after the collective, and the host never waits. A
+  result is ordered on its own device's current stream; read it with that device
+  current (``gpustrat.devices.to_host`` does), since CuPy's ``get()`` copies on the
+  current device's stream.
+- *deadline*: a watchdog thread (one per communicator, started with its first
+  collective, as PyTorch's NCCL watchdog) polls an event recorded on each NCCL stream,
+  and ``ncclCommGetAsyncError``, until the work is done or ``GPUSTRAT_TIMEOUT`` seconds
+  (default 300) pass; then every local NCCL communicator is aborted, which ends the
+  stuck NCCL kernels, and the next call on the communicator raises
+  :class:`~gpustrat.errors.CollectiveTimeout` instead of hanging on a dead peer. The
+  watchdog holds the collective's buffers until its events complete, so their memory
+  is not reused while NCCL may still read or write it. An aborted communicator refuses
+  further calls.
 
 Reductions use the dtype and op table below. MEAN is ``ncclAvg`` on floating dtypes
 when the NCCL library has it (2.10 and later), else SUM followed by a division on the
@@ -28,8 +38,10 @@ raises.
 
 from __future__ import annotations
 
-import importlib
+import queue
+import threading
 import time
+import weakref
 from typing import Callable, Sequence
 
 import numpy as np
@@ -37,7 +49,8 @@ import numpy as np
 from gpustrat.collectives.base import (Communicator, LocalWorkerGroup, WorkerGroup,
                                        agree_layout_over)
 from gpustrat.collectives.host import check_same_layout
-from gpustrat.devices import Device, cupy, gpu_count, is_gpu_array, new_stream, to_device
+from gpustrat.devices import (Device, cupy, gpu_count, is_gpu_array, join_streams_into_current,
+                              nccl_library, new_stream, to_device)
 from gpustrat.errors import CollectiveTimeout
 from gpustrat.reduce_util import ReduceOp
 
@@ -77,7 +90,7 @@ def nccl_module():
     """``cupy.cuda.nccl``, imported on first use (RuntimeError if unavailable)."""
     cupy()  # a clear error when CuPy itself is missing
     try:
-        mod = importlib.import_module("cupy.cuda.nccl")
+        mod = nccl_library()
     except Exception as e:
         raise RuntimeError(f"cupy.cuda.nccl cannot be imported ({e}): install NCCL "
                            "(pip install nvidia-nccl-cu12 or the CUDA 13 wheel)") from e
@@ -122,14 +135,15 @@ def async_error_text(e: BaseException) -> str:
 
 def wait_for(done: Callable[[], bool], timeout: float, describe: Callable[[], str],
              on_timeout: Callable[[], None], check: Callable[[], None] | None = None,
-             clock=time.monotonic, sleep=time.sleep) -> None:
+             clock=time.monotonic, sleep=time.sleep, started: float | None = None) -> None:
     """Poll ``done()`` until it is true, or abort and raise after ``timeout`` seconds.
 
     ``check()`` (if given) runs between polls and raises on an asynchronous error; then
     ``on_timeout()`` (the abort) runs too and the error is re-raised as RuntimeError.
     The poll spins for the first ~100 checks, then sleeps from 10 us doubling to 1 ms.
+    ``started`` (a ``clock()`` value) is when the work was issued; default: now.
     """
-    deadline = clock() + timeout
+    deadline = (clock() if started is None else started) + timeout
     polls = 0
     delay = 1e-5
     while not done():
@@ -206,6 +220,7 @@ class NcclCommunicator(Communicator):
                 nccl.groupEnd()
             self._comms = comms
         self._streams = [new_stream(d) for d in self.devices]
+        self._watchdog: _Watchdog | None = None
 
     # --- plumbing ---------------------------------------------------------------------
 
@@ -225,6 +240,10 @@ class NcclCommunicator(Communicator):
         return dt, self._const(NCCL_OPS[ReduceOp.SUM]), "divide"
 
     def _prepare(self, buffers, what: str) -> list:
+        failure = self._watchdog.failure if self._watchdog is not None else None
+        if failure is not None:
+            raise type(failure)(f"{failure} [found by the watchdog after an earlier "
+                                "collective]") from failure
         if self._aborted:
             raise RuntimeError(f"this NCCL communicator was aborted ({self._aborted}); "
                                "create a new strategy to continue")
@@ -246,9 +265,11 @@ class NcclCommunicator(Communicator):
         with cp.cuda.Device(self.devices[i].index):
             return cp.empty(shape, dtype)
 
-    def _run(self, what: Callable[[], str], issue: Callable[[int, object, int], None]) -> None:
+    def _run(self, what: Callable[[], str], issue: Callable[[int, object, int], None],
+             keep=()) -> None:
         """Order after each device's current stream, issue every local call in one
-        NCCL group, then wait with the deadline."""
+        NCCL group, order each current stream after it, and hand the deadline (and
+        ``keep``, the buffers) to the watchdog. No host wait."""
         cp = cupy()
         nccl = self._nccl
         for i, d in enumerate(self.devices):
@@ -261,18 +282,11 @@ class NcclCommunicator(Communicator):
                     issue(i, comm, self._streams[i].ptr)
         finally:
             nccl.groupEnd()
-        events = []
-        for i, d in enumerate(self.devices):
-            with cp.cuda.Device(d.index):
-                events.append(self._streams[i].record())
-
-        def check():
-            for c in self._comms:
-                c.check_async_error()
-
-        wait_for(lambda: all(e.done for e in events), self.timeout, what,
-                 on_timeout=lambda: self.abort(f"{what()} failed or timed out"),
-                 check=check)
+        events = join_streams_into_current(self.devices, self._streams,
+                                           into_current_device=False)
+        if self._watchdog is None:
+            self._watchdog = _Watchdog(self)
+        self._watchdog.watch(events, what, keep)
 
     def _post(self, outs: list, post: str | None) -> list:
         if post is None:
@@ -292,16 +306,25 @@ class NcclCommunicator(Communicator):
     # --- collectives ------------------------------------------------------------------
 
     def all_reduce(self, buffers, op):
+        return self._all_reduce(buffers, op, inplace=False)
+
+    def all_reduce_inplace(self, buffers, op):
+        """In place where the buffers are contiguous arrays on their devices (fusion
+        buffers): no result allocation."""
+        return self._all_reduce(buffers, op, inplace=True)
+
+    def _all_reduce(self, buffers, op, inplace: bool):
         op = ReduceOp.from_value(op)
         bufs = self._prepare(buffers, f"all_reduce({op.name})")
         check_same_layout(bufs, f"all_reduce({op.name})")
         dt, nop, post = self._reduce_args(bufs[0].dtype, op)
-        outs = [self._empty(i, b.shape, b.dtype) for i, b in enumerate(bufs)]
+        outs = bufs if inplace else [self._empty(i, b.shape, b.dtype)
+                                     for i, b in enumerate(bufs)]
         count = int(bufs[0].size)
         if count:
             self._run(lambda: f"NCCL all_reduce({op.name}) of {bufs[0].shape} {bufs[0].dtype}",
                       lambda i, c, s: c.allReduce(bufs[i].data.ptr, outs[i].data.ptr,
-                                                  count, dt, nop, s))
+                                                  count, dt, nop, s), (bufs, outs))
         return self._post(outs, post)
 
     def reduce_scatter(self, buffers, op):
@@ -320,7 +343,7 @@ class NcclCommunicator(Communicator):
         if recvcount:
             self._run(lambda: f"NCCL reduce_scatter({op.name}) of {shape} {bufs[0].dtype}",
                       lambda i, c, s: c.reduceScatter(bufs[i].data.ptr, outs[i].data.ptr,
-                                                      recvcount, dt, nop, s))
+                                                      recvcount, dt, nop, s), (bufs, outs))
         return self._post(outs, post)
 
     def broadcast(self, buffers, root=0):
@@ -336,7 +359,7 @@ class NcclCommunicator(Communicator):
             self._run(lambda: f"NCCL broadcast from replica {root} of {bufs[0].shape} "
                               f"{bufs[0].dtype}",
                       lambda i, c, s: c.broadcast(bufs[i].data.ptr, outs[i].data.ptr,
-                                                  nbytes, dt, root, s))
+                                                  nbytes, dt, root, s), (bufs, outs))
         return outs
 
     def all_gather(self, buffers, axis=0):
@@ -386,7 +409,7 @@ class NcclCommunicator(Communicator):
         if nbytes:
             self._run(lambda: f"NCCL all_gather(axis={ax}) of {x0.shape} {x0.dtype}",
                       lambda i, c, s: c.allGather(sends[i].data.ptr, recvs[i].data.ptr,
-                                                  nbytes, dt, s))
+                                                  nbytes, dt, s), (sends, recvs))
         outs = []
         for recv, d in zip(recvs, self.devices):
             with cp.cuda.Device(d.index):
@@ -411,6 +434,10 @@ class NcclCommunicator(Communicator):
         agree_layout_over(self._control, shape, dtype, what, hint)
 
     def close(self) -> None:
+        watchdog = getattr(self, "_watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()
+            self._watchdog = None
         for c in getattr(self, "_comms", []):
             try:
                 c.destroy()
@@ -421,3 +448,59 @@ class NcclCommunicator(Communicator):
         if control is not None and control is not self.workers:
             control.close()
         self._control = None
+
+
+class _Watchdog:
+    """Waits, in its own thread, for the collectives of one communicator to complete
+    (see *deadline* in the module docstring); ``failure`` is what went wrong, if
+    anything did. Holds no reference to the communicator between collectives."""
+
+    def __init__(self, comm: NcclCommunicator):
+        self.failure: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._timeout = comm.timeout
+        self._comms = list(comm._comms)
+        self._abort_method = weakref.WeakMethod(comm.abort)
+        self._thread = threading.Thread(target=self._loop, name="gpustrat-nccl-watchdog",
+                                        daemon=True)
+        self._thread.start()
+        # A communicator dropped without close() stops its watchdog too.
+        weakref.finalize(comm, self._queue.put, None)
+
+    def watch(self, events: list, what: Callable[[], str], keep) -> None:
+        self._queue.put((time.monotonic(), events, what, keep))
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def _abort(self, reason: str) -> None:
+        abort = self._abort_method()
+        if abort is not None:
+            abort(reason)
+        else:
+            for c in self._comms:
+                try:
+                    c.abort()
+                except Exception:  # an abort must reach every communicator
+                    pass
+
+    def _check(self) -> None:
+        for c in self._comms:
+            c.check_async_error()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if self.failure is not None:
+                continue
+            issued, events, what, keep = item
+            try:
+                wait_for(lambda: all(e.done for e in events), self._timeout, what,
+                         on_timeout=lambda: self._abort(f"{what()} failed or timed out"),
+                         check=self._check, started=issued)
+            except BaseException as e:  # raised by the communicator's next call
+                self.failure = e
+            del item, events, keep, what   # the buffers may be reused from here on

@@ -37,7 +37,12 @@ class StagedCommunicator(Communicator):
     def _down(self, buffers) -> list:
         if len(buffers) != self.num_local:
             raise ValueError(f"got {len(buffers)} buffers for {self.num_local} local replicas")
-        return [to_host(b) for b in buffers]
+        # A buffer is read on its own device's current stream (where it was written).
+        out = []
+        for b, d in zip(buffers, self.devices):
+            with d.activate():
+                out.append(to_host(b))
+        return out
 
     def _up(self, results) -> list:
         return [to_device(r, d) for r, d in zip(results, self.devices)]

@@ -3,9 +3,21 @@
 - CPU devices: pieces are host arrays already; a contiguous cut is a view (no copy).
 - GPU devices: a background thread stages host pieces through page-locked (pinned)
   memory and issues asynchronous host-to-device copies on one copy stream per device,
-  ``buffer_size`` steps ahead, so copies overlap the replicas' compute. A step is handed
-  over only when its copies are complete. Pieces already on a GPU stay there if it is
-  the replica's device and are copied device-to-device otherwise.
+  ``buffer_size`` steps ahead, so copies overlap the replicas' compute. Pieces already
+  on a GPU stay there if it is the replica's device and are copied device-to-device
+  otherwise.
+
+Ordering, with no host wait in the consumer: a step is handed over with an event per
+device recorded after its copies, and the consumer's current stream of each device
+waits for it (``run`` then orders the replica streams after that stream), as does its
+current stream of the current device, where CuPy's ``get()`` copies. The pieces'
+memory comes from the copy stream's pool arena, so it must not be handed out again
+while the consumer may still read it: each handover records an event on the
+consumer's streams, the placer keeps the previous step's pieces alive until that event
+has completed, and the copy stream waits for the latest such event before copying.
+Pinned staging buffers are a ring of ``buffer_size + 2`` per device, each reused once
+the copies that read it are complete (a wait in the background thread only when the
+GPU is that far behind).
 """
 
 from __future__ import annotations
@@ -32,7 +44,13 @@ class Placer:
         self._steps = steps
         self._gpu = fetch_to_device and any(d.is_gpu for d in self._devices)
         self._thread = None
+        #: Consumer side: steps handed over and still possibly in use (see the module
+        #: docstring), and the events the copy streams wait for before the next copies.
+        self._held: list = []
+        self._last = None
+        self._release: list | None = None
         if self._gpu:
+            self._buffer_size = buffer_size
             self._queue: queue.Queue = queue.Queue(maxsize=buffer_size)
             self._stop = threading.Event()
             self._thread = threading.Thread(target=self._produce, name="gpustrat-placer",
@@ -51,19 +69,49 @@ class Placer:
                 raise
             return [_host_piece(p) for p in step] if _any_gpu(step) else step
         item = self._queue.get()
-        if item is _END:
+        if item is _END or isinstance(item, BaseException):
+            # The copy stream does no more work: its pool blocks are not handed out again.
             self._done = True
-            raise StopIteration
-        if isinstance(item, BaseException):
-            self._done = True
+            self._held.clear()
+            self._last = None
+            if item is _END:
+                raise StopIteration
             raise item
-        return item
+        placed, ready = item
+        self._hand_over(placed, ready)
+        return placed
 
+    def _hand_over(self, placed: list, ready: list) -> None:
+        """Order the consumer's streams after the step's copies; keep earlier steps'
+        pieces alive until the consumer's work queued so far has completed."""
+        cp = cupy()
+        released = []
+        here = int(cp.cuda.Device().id)
+        for dev, ev in zip(self._devices, ready):
+            if ev is None:
+                released.append(None)
+                continue
+            with cp.cuda.Device(dev.index):
+                current = cp.cuda.get_current_stream()
+                released.append(current.record())   # after everything queued before
+                current.wait_event(ev)
+        # CuPy's get() copies on the current device's stream, whichever the array's.
+        current = cp.cuda.get_current_stream()
+        for dev, ev in zip(self._devices, ready):
+            if ev is not None and dev.index != here:
+                current.wait_event(ev)
+        # The previous step's pieces were consumed by work queued before ``released``.
+        if self._last is not None:
+            self._held.append((released, self._last))
+        self._last = placed
+        self._held = [(evs, p) for evs, p in self._held
+                      if not all(e is None or e.done for e in evs)]
+        self._release = released
     def _produce(self) -> None:
-        staging = _Staging(self._devices)
+        staging = _Staging(self._devices, self._buffer_size)
         try:
             for step in self._steps:
-                placed = staging.place(step)
+                placed = staging.place(step, self._release)
                 while not self._stop.is_set():
                     try:
                         self._queue.put(placed, timeout=0.1)
@@ -75,6 +123,8 @@ class Placer:
             self._put_final(_END)
         except BaseException as e:  # re-raised in the consumer with its traceback
             self._put_final(e)
+        finally:
+            staging.finish()
 
     def _put_final(self, item) -> None:
         while not self._stop.is_set():
@@ -102,45 +152,67 @@ def _host_piece(piece):
 
 
 class _Staging:
-    """Per-device copy streams and a growing pinned arena per device."""
+    """Per-device copy streams and a ring of growing pinned buffers per device."""
 
-    def __init__(self, devices: Sequence[Device]):
+    def __init__(self, devices: Sequence[Device], buffer_size: int = 1):
         self.devices = list(devices)
         self.streams = [new_stream(d) for d in self.devices]
-        self.arenas: list[np.ndarray | None] = [None] * len(self.devices)
+        self.ring = max(int(buffer_size), 1) + 2
+        #: arenas[i][k]: ``[pinned buffer, event after the copies that read it]``
+        self.arenas: list[list] = [[[None, None] for _ in range(self.ring)]
+                                   for _ in self.devices]
+        self.step = 0
 
     def _arena(self, i: int, nbytes: int) -> np.ndarray:
-        a = self.arenas[i]
+        slot = self.arenas[i][self.step % self.ring]
+        if slot[1] is not None and not slot[1].done:
+            slot[1].synchronize()   # the GPU is a ring behind: wait, in this thread
+        a = slot[0]
         if a is None or a.nbytes < nbytes:
-            a = self.arenas[i] = pinned_empty((max(nbytes, 1 << 20),), np.uint8)
+            a = slot[0] = pinned_empty((max(nbytes, 1 << 20),), np.uint8)
         return a
 
-    def place(self, step: list) -> list:
-        out = []
+    def finish(self) -> None:
+        """Wait (in the placer's thread, once at the end) for the copies still reading
+        the pinned buffers, which go back to CuPy's pinned pool when dropped."""
+        for slots in self.arenas:
+            for slot in slots:
+                if slot[1] is not None and not slot[1].done:
+                    slot[1].synchronize()
+
+    def place(self, step: list, release: list | None = None) -> tuple[list, list]:
+        """Queue the copies of one step; returns the placed pieces and, per device, the
+        event their copies complete at (None for CPU devices)."""
+        out, ready = [], []
         for i, (dev, piece) in enumerate(zip(self.devices, step)):
             if not dev.is_gpu:
                 out.append(_host_piece(piece))
+                ready.append(None)
                 continue
             leaves = nest.flatten(piece)
             host = [np.ascontiguousarray(x) for x in leaves if not is_gpu_array(x)]
             arena = self._arena(i, sum(h.nbytes for h in host)) if host else None
             placed, offset = [], 0
+            stream = self.streams[i]
             with dev.activate():
+                if release is not None and release[i] is not None:
+                    stream.wait_event(release[i])
                 for x in leaves:
                     if is_gpu_array(x):
-                        placed.append(to_device(x, dev, stream=self.streams[i]))
+                        placed.append(to_device(x, dev, stream=stream))
                         continue
                     h = np.ascontiguousarray(x)
                     view = arena[offset:offset + h.nbytes].view(h.dtype).reshape(h.shape)
                     np.copyto(view, h)
                     offset += h.nbytes
-                    with self.streams[i]:  # the copy stream's own pool arena
+                    with stream:  # the copy stream's own pool arena
                         arr = cupy().empty(h.shape, h.dtype)
-                    arr.set(view, stream=self.streams[i])
+                    arr.set(view, stream=stream)
                     placed.append(arr)
+                done = stream.record()
+            self.arenas[i][self.step % self.ring][1] = done
+            ready.append(done)
             out.append(placed[0] if not nest.is_nested(piece) else
                        nest.pack_sequence_as(piece, placed))
-        for dev, stream in zip(self.devices, self.streams):
-            if stream is not None:
-                stream.synchronize()  # the arena is reused by the next step
-        return out
+        self.step += 1
+        return out, ready

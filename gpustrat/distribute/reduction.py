@@ -19,7 +19,7 @@ import numpy as np
 
 from gpustrat import nest
 from gpustrat.collectives.base import Communicator
-from gpustrat.devices import array_module as _xp, to_host
+from gpustrat.devices import array_module as _xp, on_device_of, to_host
 from gpustrat.distribute.collective_ops import as_array
 from gpustrat.reduce_util import ReduceOp
 
@@ -137,16 +137,21 @@ def reduce_components(comm: Communicator, op: ReduceOp, comps: Sequence[Any],
     if op is ReduceOp.SUM:
         # NumPy widens small integers in sum(); TensorFlow's reduce_sum keeps the dtype.
         dtype = arrays[0].dtype if np.issubdtype(arrays[0].dtype, np.integer) else None
-        return comm.reduce([a.sum(axis=ax, dtype=dtype) for a in arrays], ReduceOp.SUM)
+        parts = []
+        for a in arrays:
+            with on_device_of(a):   # on the array's device and its current stream
+                parts.append(a.sum(axis=ax, dtype=dtype))
+        return comm.reduce(parts, ReduceOp.SUM)
     if op is ReduceOp.MEAN:
         return _mean_along_axis(comm, arrays, ax)
     parts = []
     for a in arrays:
         xp = _xp(a)
-        if a.shape[ax] == 0:
-            parts.append(xp.full(rest[0], _identity(op, a.dtype), dtype=a.dtype))
-        else:
-            parts.append(a.max(axis=ax) if op is ReduceOp.MAX else a.min(axis=ax))
+        with on_device_of(a):
+            if a.shape[ax] == 0:
+                parts.append(xp.full(rest[0], _identity(op, a.dtype), dtype=a.dtype))
+            else:
+                parts.append(a.max(axis=ax) if op is ReduceOp.MAX else a.min(axis=ax))
     return comm.reduce(parts, op)
 
 
@@ -158,15 +163,16 @@ def _mean_along_axis(comm: Communicator, arrays, ax: int):
     parts = []
     for a in arrays:
         xp = _xp(a)
-        s = a.sum(axis=ax, dtype=dtype).reshape(-1)
-        parts.append(xp.concatenate([s, xp.asarray([a.shape[ax]], dtype=dtype)]))
+        with on_device_of(a):
+            s = a.sum(axis=ax, dtype=dtype).reshape(-1)
+            parts.append(xp.concatenate([s, xp.asarray([a.shape[ax]], dtype=dtype)]))
     total = comm.reduce(parts, ReduceOp.SUM)
     out_shape = arrays[0].shape[:ax] + arrays[0].shape[ax + 1:]
     count = float(to_host(total[-1:])[0])
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mean = total[:-1] / count
     out_dtype = arrays[0].dtype if np.issubdtype(arrays[0].dtype, np.inexact) else np.float64
-    return mean.reshape(out_shape).astype(out_dtype, copy=False)
+    with np.errstate(invalid="ignore", divide="ignore"), on_device_of(total):
+        mean = total[:-1] / count
+        return mean.reshape(out_shape).astype(out_dtype, copy=False)
 
 
 def gather_components(comm: Communicator, comps: Sequence[Any], axis: int) -> Any:

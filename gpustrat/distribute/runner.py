@@ -16,7 +16,16 @@ scheduler picks an idle vCPU, so a call decides per step how to run:
    at once, where TensorFlow would hang.
 
 Collectives meet in a :class:`Rendezvous`: the last replica to arrive computes the
-collective for everybody. If a replica raises, the rendezvous is broken so that
+collective for everybody. On GPUs it does so with every device's replica stream made
+current (``Rendezvous.streams``): replica ``i``'s contribution was queued on stream
+``i``, the collective's work for device ``i`` is queued after it there, and replica
+``i`` continues after it, in stream order, with no host wait and no event. Outputs are
+allocated from the pool arena of the stream that uses them. At the end of ``run`` the
+caller's current stream of each device waits (an event, not the host) for the replica
+stream, and its current stream of the current device for every replica stream (CuPy's
+``get()`` copies there), so the caller reads results, and frees inputs, in order.
+
+If a replica raises, the rendezvous is broken so that
 replicas waiting in a collective stop instead of hanging, and the caller re-raises the
 first error with a note naming the replica. Likewise when a replica's function returns,
 a collective that waits for it (or is issued after it) can never meet, and raises.
@@ -36,7 +45,8 @@ import time
 import weakref
 from typing import Any, Callable, Sequence
 
-from gpustrat.devices import Device, new_stream, synchronize, wait_for_current
+from gpustrat.devices import (Device, current_stream, join_streams_into_current, new_stream,
+                              wait_for_current)
 
 #: A replica-0 step shorter than this runs the other replicas inline, in the caller.
 INLINE_STEP_LIMIT_S = 200e-6
@@ -73,17 +83,14 @@ class Rendezvous:
         #: after that can never meet (replicas issue the same collectives), so it raises.
         #: ``NO_STEP`` between a runner's steps, None during one before any returned.
         self.returned: int | None = None
-        #: On GPUs: ``settle(index)`` waits for replica ``index``'s queued work before
-        #: its value is handed to another thread, ``settle(None)`` for the work the
-        #: combining thread queued before the results are handed back.
-        self.settle: Callable[[int | None], None] | None = None
+        #: On GPUs: a context manager making every replica's stream the current stream
+        #: of its device, entered by the thread that combines a collective.
+        self.streams: Callable[[], Any] | None = None
 
     def exchange(self, index: int, signature: Any, value: Any,
                  combine: Callable[[list], list]) -> Any:
         if self.returned is not None:
             raise self._unmatched(index, signature)
-        if self.settle is not None:
-            self.settle(index)
         if self._count + 1 < self.n and self.on_wait is not None:
             self.on_wait()
         with self._cond:
@@ -106,9 +113,11 @@ class Rendezvous:
                 self._slots, self._sigs, self._count = [None] * self.n, [None] * self.n, 0
                 try:
                     _check_signatures(sigs)
-                    self._outcome = (combine(values), None)
-                    if self.settle is not None:
-                        self.settle(None)
+                    if self.streams is None:
+                        self._outcome = (combine(values), None)
+                    else:
+                        with self.streams():
+                            self._outcome = (combine(values), None)
                 except BaseException as e:  # every replica gets the same error
                     self._outcome = (None, e)
                 self._generation += 1
@@ -209,8 +218,9 @@ class _ReplicaThread(threading.Thread):
         # thread's frame while it waits for the next task.
         try:
             # Device and stream are entered per task, not for the thread's life: the
-            # caller may run this replica inline in another call, and a CuPy stream
-            # object must not be entered by two threads at once.
+            # caller may run this replica inline in another call. (CuPy keeps the
+            # stream stack per thread, so the thread combining a collective may enter
+            # this stream too.)
             with _replica_context(self.device, self.stream):
                 enter(self.index)
                 try:
@@ -234,15 +244,15 @@ def _replica_context(device: Device, stream):
     return stack
 
 
-def _settle(devices, streams, index: int | None) -> None:
-    # CuPy's current stream is per thread and per device: a replica's work is on its own
-    # stream, the combining thread's on its current stream of each device.
-    if index is not None:
-        if streams[index] is not None:
-            streams[index].synchronize()
-        return
-    for d in devices:
-        synchronize(d)
+@contextlib.contextmanager
+def _replica_streams(devices, streams):
+    # CuPy's current stream is per thread and per device: the combining thread makes
+    # each replica's stream its current stream of that replica's device.
+    with contextlib.ExitStack() as stack:
+        for d, s in zip(devices, streams):
+            if s is not None:
+                stack.enter_context(current_stream(d, s))
+        yield
 
 
 class ReplicaRunner:
@@ -256,7 +266,8 @@ class ReplicaRunner:
         self._streams = [new_stream(d) for d in self.devices]
         if any(s is not None for s in self._streams):
             # Not a bound method: the threads reach the rendezvous, not the runner.
-            self.rendezvous.settle = functools.partial(_settle, self.devices, self._streams)
+            self.rendezvous.streams = functools.partial(_replica_streams, self.devices,
+                                                        self._streams)
         self._threads = [_ReplicaThread(self.rendezvous, i, d, st) for i, (d, st)
                          in enumerate(zip(self.devices, self._streams))][1:]
         self._call_lock = threading.Lock()
@@ -389,13 +400,12 @@ class ReplicaRunner:
                 rv.clear_outcome()
             self._task = None
             rv.returned = NO_STEP
+            # The caller reads the results (and frees the inputs, after an error too) on
+            # its own streams: they wait for the replica streams on the device.
+            join_streams_into_current(self.devices, self._streams)
             if errors:
                 rv.reset()
                 raise _primary_error(errors, self.devices)
-            # The caller reads the results (and frees the inputs) on its own streams.
-            for s in self._streams:
-                if s is not None:
-                    s.synchronize()
             return results
 
     def close(self) -> None:

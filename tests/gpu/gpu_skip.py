@@ -20,6 +20,36 @@ def _missing(reason: str):
     pytest.skip(f"{reason} (set {ENV}=1 to make this a failure)")
 
 
+def real_gpu_count() -> int:
+    """GPUs real CuPy sees (0 without CuPy or a driver)."""
+    try:
+        import cupy
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+def use_sanitizer() -> bool:
+    """Run the ``gpu`` tests on the sanitizer's fake GPUs: no real GPU, none demanded."""
+    return not gpu_required() and real_gpu_count() == 0
+
+
+def sanitized() -> bool:
+    """True inside a test running on the sanitizer's fake GPUs."""
+    from gpustrat.devices import numba_cuda
+    try:
+        return bool(getattr(numba_cuda(), "is_fake", False))
+    except ImportError:
+        return False
+
+
+def require_real_gpus(n: int = 1) -> int:
+    """Like :func:`require_gpus`, for tests the sanitizer cannot run (other processes)."""
+    if sanitized():
+        pytest.skip("needs real GPUs: it starts processes the sanitizer does not reach")
+    return require_gpus(n)
+
+
 def require_gpus(n: int = 1) -> int:
     """The number of visible GPUs, or skip/fail when fewer than ``n``."""
     from gpustrat.devices import gpu_count
@@ -39,7 +69,8 @@ def require_numba_cuda():
     """numba.cuda with a working driver, or skip/fail."""
     require_gpus(1)
     try:
-        from numba import cuda
+        from gpustrat.devices import numba_cuda
+        cuda = numba_cuda()
         if not cuda.is_available():
             _missing("numba.cuda finds no usable CUDA driver")
     except ImportError as e:

@@ -22,8 +22,8 @@ DTYPES = (np.float16, np.float32, np.float64, np.int32, np.int64)
 @pytest.fixture(scope="module")
 def cp():
     require_numba_cuda()
-    import cupy
-    return cupy
+    from gpustrat.devices import cupy
+    return cupy()
 
 
 def data(shape, dtype, seed):

@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_skip import require_gpus, require_nccl  # noqa: E402
+from gpu_skip import require_gpus, require_nccl, require_real_gpus  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mpi_util import assert_mpi_ok  # noqa: E402
 
-from gpustrat.devices import Device  # noqa: E402
+# Results are ordered on their own device's stream: read them there (to_host).
+from gpustrat.devices import Device, to_host  # noqa: E402
 from gpustrat.reduce_util import ReduceOp  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -36,7 +37,8 @@ def host_values(n, shape, dtype, seed=0):
 
 
 def on_devices(values):
-    import cupy
+    from gpustrat.devices import cupy as _cupy
+    cupy = _cupy()
     out = []
     for i, v in enumerate(values):
         with cupy.cuda.Device(i):
@@ -54,7 +56,7 @@ def test_all_reduce_matches_host(comm, dtype, op):
     got = comm.all_reduce(on_devices(vals), op)
     for i, g in enumerate(got):
         assert g.device.id == i and g.dtype == want.dtype
-        np.testing.assert_allclose(g.get(), want, rtol=1e-3 if dtype == np.float16 else 1e-6)
+        np.testing.assert_allclose(to_host(g), want, rtol=1e-3 if dtype == np.float16 else 1e-6)
 
 
 def test_gather_broadcast_reduce_scatter(comm):
@@ -62,14 +64,14 @@ def test_gather_broadcast_reduce_scatter(comm):
     parts = [np.arange(i + 1, dtype=np.float32) + 10 * i for i in range(n)]  # sizes differ
     want = np.concatenate(parts)
     for g in comm.all_gather(on_devices(parts), axis=0):
-        np.testing.assert_array_equal(g.get(), want)
+        np.testing.assert_array_equal(to_host(g), want)
     vals = host_values(n, (4, 3), np.float32, seed=3)
     for g in comm.broadcast(on_devices(vals), root=n - 1):
-        np.testing.assert_array_equal(g.get(), vals[n - 1])
+        np.testing.assert_array_equal(to_host(g), vals[n - 1])
     vals = host_values(n, (2 * n, 3), np.float32, seed=4)
     total = sum(vals)
     for i, g in enumerate(comm.reduce_scatter(on_devices(vals), "sum")):
-        np.testing.assert_array_equal(g.get(), total[2 * i:2 * i + 2])
+        np.testing.assert_array_equal(to_host(g), total[2 * i:2 * i + 2])
 
 
 def test_unsupported_dtype_is_a_clear_error(comm):
@@ -86,7 +88,7 @@ def test_fusion_through_nccl(comm):
     fused = fused_all_reduce(comm, tensors, "sum", bucket_bytes=1024)
     for row, f in zip(tensors, fused):
         for g, w in zip(f, comm.all_reduce(row, "sum")):
-            np.testing.assert_array_equal(g.get(), w.get())
+            np.testing.assert_array_equal(to_host(g), to_host(w))
 
 
 def test_staged_communicator_on_gpus():
@@ -98,7 +100,7 @@ def test_staged_communicator_on_gpus():
     vals = host_values(n, (5,), np.float32)
     for i, g in enumerate(comm.all_reduce(on_devices(vals), "mean")):
         assert g.device.id == i
-        np.testing.assert_allclose(g.get(), sum(vals) / n)
+        np.testing.assert_allclose(to_host(g), sum(vals) / n)
 
 
 NCCL_ACROSS_WORKERS = r"""
@@ -120,5 +122,6 @@ print(f"OK rank {g.rank}", flush=True)
 
 @pytest.mark.mpi
 def test_nccl_across_two_workers():
+    require_real_gpus(2)
     require_nccl(2)
     assert_mpi_ok(2, NCCL_ACROSS_WORKERS, timeout=300, expect_lines=2)

@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_skip import require_gpus  # noqa: E402
 
 import gpustrat as gs  # noqa: E402
+from gpustrat import devices  # noqa: E402
 from gpustrat.data import Dataset  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.gpu
 
 def test_default_devices_are_every_gpu_and_run_places_values():
     n = require_gpus(1)
-    import cupy as cp
+    cp = devices.cupy()
     s = gs.MirroredStrategy()
     assert [d.name for d in s.local_devices] == [f"gpu:{i}" for i in range(n)]
     ids = s.experimental_distribute_values_from_function(
@@ -42,7 +43,7 @@ def test_default_devices_are_every_gpu_and_run_places_values():
 
 def test_distributed_dataset_from_host_lands_on_each_gpu():
     n = require_gpus(1)
-    import cupy as cp
+    cp = devices.cupy()
     s = gs.MirroredStrategy()
     data = np.arange(4 * n * 6, dtype=np.float32).reshape(4 * n, 6)
     got = []
@@ -58,7 +59,7 @@ def test_distributed_dataset_from_host_lands_on_each_gpu():
 
 def test_device_resident_batches_and_no_fetch_option():
     n = require_gpus(1)
-    import cupy as cp
+    cp = devices.cupy()
     s = gs.MirroredStrategy()
     with cp.cuda.Device(0):
         data = cp.arange(8 * n, dtype=cp.float64).reshape(4 * n, 2)

@@ -1,0 +1,52 @@
+"""Test backends for code that runs on GPUs, usable on machines without one.
+
+:func:`sanitize` swaps CuPy, ``cupy.cuda.nccl`` and ``numba.cuda`` for the stream-ordering
+sanitizer's fakes (see :mod:`gpustrat.testing.sanitizer`) inside a ``with`` block::
+
+    with gpustrat.testing.sanitize(seed=3) as san:
+        strategy = gs.MirroredStrategy(["gpu:0", "gpu:1"])
+        ...
+    # san.reports: the races found; san.counts(): host syncs, launches, ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from gpustrat.testing.sanitizer import Report, Sanitizer, SanitizerError
+
+__all__ = ["Report", "Sanitizer", "SanitizerError", "sanitize"]
+
+
+@contextlib.contextmanager
+def sanitize(seed: int = 0, num_devices: int = 4, run_probability: float = 0.5,
+             strict: bool = False, nccl: bool = True, check: bool = True):
+    """Run the block on ``num_devices`` fake GPUs of a new :class:`Sanitizer`.
+
+    Args:
+        seed: the randomized scheduler's seed (run several to vary the interleavings).
+        nccl: offer ``cupy.cuda.nccl`` (False: the host-staged path is chosen).
+        check: on leaving, run every queued op and raise if anything was reported.
+    """
+    from gpustrat import devices  # noqa: PLC0415
+    from gpustrat.kernels import _launch  # noqa: PLC0415
+    from gpustrat.testing.fake_cupy import FakeCupy  # noqa: PLC0415
+    from gpustrat.testing.fake_nccl import FakeNccl  # noqa: PLC0415
+    from gpustrat.testing.fake_numba import FakeNumbaCuda  # noqa: PLC0415
+    san = Sanitizer(seed=seed, run_probability=run_probability, strict=strict,
+                    num_devices=num_devices)
+    cp = FakeCupy(san)
+    backend = devices.Backend(cupy=cp, cupyx=cp.cupyx,
+                              nccl=FakeNccl(san, cp) if nccl else None,
+                              numba_cuda=FakeNumbaCuda(san, cp))
+    san.cupy = cp
+    _launch.clear_table_cache()
+    try:
+        with devices.use_backend(backend):
+            yield san
+            if check:
+                san.drain()
+    finally:
+        _launch.clear_table_cache()
+    if check:
+        san.check()

@@ -1,0 +1,133 @@
+"""``cupy.cuda`` of the sanitizer's CuPy: devices, streams, events, the runtime.
+
+As in CuPy, the current device and the current stream of each device are per thread;
+entering a stream requires its device to be current; ``Stream.record``,
+``wait_event``, ``synchronize`` and ``Event.done``/``synchronize`` map onto the
+sanitizer's record, wait, host synchronization and query.
+"""
+
+from __future__ import annotations
+
+import types
+
+from gpustrat.testing.sanitizer import EventState
+
+
+def make_cuda(fake):
+    """The ``cupy.cuda`` namespace of ``fake`` (a :class:`~gpustrat.testing.fake_cupy.FakeCupy`)."""
+    san = fake.san
+
+    class Device:
+        def __init__(self, device=None):
+            self.id = fake.current_device() if device is None else int(device)
+            if not 0 <= self.id < san.num_devices:
+                raise RuntimeError(f"cudaErrorInvalidDevice: gpu:{self.id} does not exist")
+
+        def __enter__(self):
+            fake._devs().append(self.id)
+            return self
+
+        def __exit__(self, *exc):
+            fake._devs().pop()
+
+        def use(self):
+            fake._devs()[-1] = self.id
+
+        def synchronize(self):
+            san.synchronize_device(self.id)
+
+        def __eq__(self, other):
+            return isinstance(other, Device) and other.id == self.id
+
+        def __hash__(self):
+            return self.id
+
+    class Event:
+        def __init__(self, block=False, disable_timing=False, interprocess=False):
+            self._state = EventState()
+            self.ptr = id(self._state)
+
+        def record(self, stream=None):
+            san.record((stream or fake.current_stream())._s, self._state)
+
+        @property
+        def done(self):
+            return san.query_event(self._state)
+
+        def synchronize(self):
+            san.synchronize_event(self._state)
+
+    class Stream:
+        def __init__(self, null=False, non_blocking=False, ptr=0, _device=None):
+            dev = fake.current_device() if _device is None else _device
+            self._s = san.null_stream(dev) if null else san.new_stream(dev)
+            self.ptr, self.device_id = self._s.ptr, dev
+
+        def _check_device(self):
+            cur = fake.current_device()
+            if cur != self.device_id:
+                raise RuntimeError(f"The device that the stream is created on "
+                                   f"({self.device_id}) and the current device ({cur}) differ")
+
+        def __enter__(self):
+            self._check_device()
+            fake._stacks().setdefault(self.device_id, []).append(self)
+            return self
+
+        def __exit__(self, *exc):
+            fake._stacks()[self.device_id].pop()
+
+        def use(self):
+            self._check_device()
+            stack = fake._stacks().setdefault(self.device_id, [])
+            if stack:
+                stack[-1] = self
+            else:
+                stack.append(self)
+            return self
+
+        def record(self, event=None):
+            event = event or Event()
+            event.record(self)
+            return event
+
+        def wait_event(self, event):
+            san.wait(self._s, event._state)
+
+        def synchronize(self):
+            san.synchronize_stream(self._s)
+
+        @property
+        def done(self):
+            ev = EventState()
+            san.record(self._s, ev)
+            return san.query_event(ev)
+
+        def __eq__(self, other):
+            return getattr(other, "_s", None) is self._s
+
+        def __hash__(self):
+            return hash(self._s.id)
+
+        def __repr__(self):
+            return f"<fake Stream {self._s.name} (device {self.device_id})>"
+
+    class ExternalStream(Stream):
+        def __init__(self, ptr, device_id=-1):
+            dev = fake.current_device() if device_id < 0 else device_id
+            self._s = san.stream_of_handle(int(ptr), dev)
+            self.ptr, self.device_id = self._s.ptr, self._s.device
+
+    def get_current_stream(device_id=-1):
+        return fake.current_stream(device_id)
+
+    runtime = types.SimpleNamespace(
+        getDeviceCount=lambda: san.num_devices,
+        getDevice=fake.current_device,
+        getDeviceProperties=lambda i: {"name": b"gpustrat sanitizer (no device)"},
+        deviceSynchronize=lambda: san.synchronize_device(fake.current_device()))
+    return types.SimpleNamespace(
+        Device=Device, Stream=Stream, ExternalStream=ExternalStream, Event=Event,
+        get_current_stream=get_current_stream, runtime=runtime,
+        get_elapsed_time=lambda start, stop: 0.0,
+        is_available=lambda: True)

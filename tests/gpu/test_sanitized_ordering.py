@@ -1,0 +1,446 @@
+"""GPU paths under the stream-ordering sanitizer (gpustrat.testing): ordering mistakes
+are reported, host synchronizations counted, on a machine without a GPU."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import gpustrat as gs
+from gpustrat import devices, testing
+from gpustrat.devices import Device
+
+SEEDS = (0, 1, 2)
+
+
+def _reports(san, kind):
+    return [r for r in san.reports if r.kind == kind]
+
+
+# --- the sanitizer itself ------------------------------------------------------------------
+
+def test_an_unordered_read_on_another_stream_is_a_race_and_an_event_orders_it():
+    with testing.sanitize(check=False) as san:
+        cp = devices.cupy()
+        with cp.cuda.Device(0):
+            a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+            with a:
+                x = cp.full((8,), 3.0, dtype=np.float32)
+            with b:
+                y = x * 2                                    # no wait: a race
+            assert len(_reports(san, "race")) == 1
+            b.wait_event(a.record())
+            with b:
+                z = x * 2                                    # ordered: no new report
+            assert len(san.reports) == 1
+            np.testing.assert_array_equal(z.get(stream=b), [6.0] * 8)
+            del y
+
+
+def test_a_block_reused_on_its_stream_while_another_stream_reads_it_is_reported():
+    with testing.sanitize(check=False, run_probability=0) as san:
+        cp = devices.cupy()
+        with cp.cuda.Device(1):
+            a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+            with a:
+                x = cp.full((64,), 1.0, dtype=np.float32)
+            b.wait_event(a.record())
+            with b:
+                y = x + 1                                    # b reads x
+            del x
+            gc.collect()
+            with a:
+                cp.empty((64,), np.float32)                  # x's block, while b may read
+            assert [r.kind for r in san.reports] == ["reuse"]
+            del y
+
+
+def test_host_synchronizations_are_counted_and_a_hang_is_reported():
+    with testing.sanitize(check=False) as san:
+        cp = devices.cupy()
+        with san.measure() as c:
+            x = cp.asarray(np.arange(4.0))
+            assert float(x.sum()) == 6.0
+            cp.cuda.get_current_stream().synchronize()
+        assert c["host_syncs"] == 2 and c["launches"] == 1 and c["copies"] == 2
+        nccl = devices.nccl_library()
+        comms = nccl.NcclCommunicator.initAll([0, 1])
+        s0 = cp.cuda.get_current_stream()
+        comms[0].allReduce(x.data.ptr, x.data.ptr, 4, nccl.NCCL_FLOAT64, nccl.NCCL_SUM, s0.ptr)
+        with pytest.raises(testing.SanitizerError, match="can never complete"):
+            s0.synchronize()                                 # rank 1 never called
+
+
+# --- ordering mistakes the sanitizer reported in the GPU paths, fixed ---------------------
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_split_on_a_given_stream_waits_for_the_batchs_producer(seed):
+    from gpustrat.kernels.split import split, split_reference
+    host = np.arange(7 * 3, dtype=np.float32).reshape(7, 3)
+    index_h = np.array([6, 0, 5, 1, 4, 2, 3], np.int64)
+    with testing.sanitize(seed=seed) as san:
+        cp = devices.cupy()
+        with cp.cuda.Device(2):
+            producer, launch = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+            with producer:
+                batch = cp.asarray(host) * 1
+                index = cp.asarray(index_h) * 1
+                res = split(batch, 3, index=index, stream=launch)
+            got = [p.get(stream=launch) for p in res.pieces]
+        assert not san.reports, san.reports
+    want = split_reference(host, 3, index=index_h).pieces
+    assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+def test_a_launch_on_a_raw_stream_handle_allocates_from_that_streams_pool():
+    from gpustrat.kernels.split import split
+    with testing.sanitize(run_probability=0) as san:
+        cp = devices.cupy()
+        with cp.cuda.Device(0):
+            current, other = cp.cuda.get_current_stream(), cp.cuda.Stream(non_blocking=True)
+            batch = cp.asarray(np.ones((8, 4), np.float32))
+            other.wait_event(current.record())
+            for handle in (other.ptr, devices.numba_cuda().external_stream(other.ptr)):
+                res = split(batch, 2, pad_to=4, stream=handle)
+                del res
+                gc.collect()
+                # The split's output went back to the pool; the current stream allocating
+                # the same size must not get a block the other stream may still write.
+                cp.empty((2, 4, 4), np.float32)
+        assert not san.reports, san.reports
+
+
+def _two_gpu_step(strategy, cp):
+    def step(x):
+        ctx = gs.get_replica_context()
+        grads = [x * 2, x.sum(axis=0), x[:1] + 1]
+        return ctx.all_reduce("sum", grads)
+    return step
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_run_with_collectives_has_no_host_wait_and_no_race(seed):
+    with testing.sanitize(seed=seed) as san:
+        cp = devices.cupy()
+        s = gs.MirroredStrategy(["gpu:0", "gpu:1", "gpu:2"])
+        try:
+            x = s.experimental_distribute_values_from_function(
+                lambda ctx: np.full((4, 3), ctx.replica_id_in_sync_group + 1, np.float32))
+            step = _two_gpu_step(s, cp)
+            s.run(step, args=(x,))                        # warm up
+            with san.measure() as c:
+                out = s.run(step, args=(x,))
+            for i, v in enumerate(s.experimental_local_results(out)):
+                assert all(t.device.id == i for t in v)
+                np.testing.assert_array_equal(v[0].get(), np.full((4, 3), 12.0))
+                np.testing.assert_array_equal(v[1].get(), np.full((3,), 24.0))
+                np.testing.assert_array_equal(v[2].get(), np.full((1, 3), 9.0))
+        finally:
+            s.close()
+        assert c["host_syncs"] == 0, c["sync_sites"]
+        assert c["nccl_calls"] == 3 * 1                   # one fused bucket, 3 replicas
+    assert not san.reports
+
+
+# --- a training step: distributed input, run with all_reduce of gradients, reduce ---------
+
+def _train(strategy, steps: int, san, measure_from: int = 2):
+    """A data-parallel step as users write it; returns the losses and the counts of the
+    steps from ``measure_from`` on (the steady state)."""
+    from gpustrat.data import Dataset
+    cp = devices.cupy()
+    n = strategy.num_replicas_in_sync
+    rows = 4 * n
+    data = np.arange(steps * rows * 3, dtype=np.float32).reshape(steps * rows, 3)
+    weights = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.ones((3,), np.float32))
+
+    def step(x, w):
+        ctx = gs.get_replica_context()
+        y = x * w
+        grads = [y.sum(axis=0), y.mean(axis=0) * 2, (y * 0 + 1).sum(axis=0)]
+        reduced = ctx.all_reduce("sum", grads)
+        return reduced[0].sum() + reduced[1].sum() * 0 + reduced[2].sum() * 0
+
+    losses, counts = [], []
+    dist = strategy.experimental_distribute_dataset(Dataset.from_tensor_slices(data).batch(rows))
+    for k, x in enumerate(dist):
+        with san.measure() as c:
+            loss = strategy.reduce("sum", strategy.run(step, args=(x, weights)), axis=None)
+        losses.append(loss)
+        if k >= measure_from:
+            counts.append(c)
+    assert all(isinstance(l, cp.ndarray) for l in losses)
+    return [float(l.get()) for l in losses], counts, data
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_steady_training_step_has_no_host_synchronization(seed):
+    with testing.sanitize(seed=seed) as san:
+        s = gs.MirroredStrategy(["gpu:0", "gpu:1"])
+        try:
+            losses, counts, data = _train(s, 6, san)
+        finally:
+            s.close()
+    rows = 8
+    want = [float(data[k * rows:(k + 1) * rows].sum()) * 2 for k in range(6)]
+    assert losses == want
+    for c in counts:
+        steps_threads = [t for t, _, _ in c["sync_sites"] if t != "gpustrat-placer"]
+        assert steps_threads == [], c["sync_sites"]
+        assert c["nccl_calls"] == 2 * 2     # one fused bucket and the loss, 2 replicas
+    assert not san.reports
+
+
+# --- split, scatter, pack and unpack, the staged path -------------------------------------
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_scatter_of_a_contiguous_batch_is_views_and_one_copy_per_piece(seed):
+    from gpustrat.kernels.split import scatter, split_reference
+    host = np.arange(7 * 2, dtype=np.int32).reshape(7, 2)
+    with testing.sanitize(seed=seed) as san:
+        cp = devices.cupy()
+        with cp.cuda.Device(1):
+            batch = cp.asarray(host) + 0          # written on gpu:1's current stream
+            streams = []
+            for d in (0, 1, 2):
+                with cp.cuda.Device(d):
+                    streams.append(cp.cuda.Stream(non_blocking=True))
+            with san.measure() as c:
+                res = scatter(batch, ["gpu:0", "gpu:1", "gpu:2"], streams=streams)
+        assert c["launches"] == 0 and c["copies"] == 2 and c["host_syncs"] == 0
+        assert res.pieces[1].data.ptr == batch[3:].data.ptr        # a view on its device
+        got = [p.get(stream=s) for p, s in zip(res.pieces, streams)]
+    want = split_reference(host, 3).pieces
+    assert [g.tolist() for g in got] == [w.tolist() for w in want]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_pack_unpack_and_sum_kernels_match_their_references(seed):
+    from gpustrat.kernels.pack import pack, pack_reference, unpack
+    from gpustrat.kernels.sum_buffers import sum_buffers, sum_buffers_reference
+    rng = np.random.default_rng(seed)
+    hosts = [rng.standard_normal(s).astype(np.float32) for s in ((3,), (5, 2), (1,), (130,))]
+    with testing.sanitize(seed=seed) as san:
+        cp = devices.cupy()
+        with cp.cuda.Device(3):
+            s = cp.cuda.Stream(non_blocking=True)
+            tensors = [cp.asarray(h) for h in hosts]
+            s.wait_event(cp.cuda.get_current_stream().record())
+            buf = pack(tensors, scale=0.5, stream=s)
+            outs = unpack(buf, [h.shape for h in hosts], stream=s)
+            total = sum_buffers([outs[3], tensors[3]], stream=s)
+            got = buf.get(stream=s), [o.get(stream=s) for o in outs], total.get(stream=s)
+        assert not san.reports
+    np.testing.assert_array_equal(got[0], pack_reference(hosts, scale=0.5))
+    for o, h in zip(got[1], hosts):
+        np.testing.assert_array_equal(o, h * np.float32(0.5))
+    np.testing.assert_array_equal(got[2], sum_buffers_reference([hosts[3] * np.float32(0.5),
+                                                                 hosts[3]]))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_host_staged_path_and_gathers_under_the_sanitizer(seed):
+    with testing.sanitize(seed=seed, nccl=False) as san:
+        s = gs.MirroredStrategy(["gpu:0", "gpu:1"])
+        try:
+            from gpustrat.collectives.staged import StagedCommunicator
+            assert isinstance(s.communicator, StagedCommunicator)
+            x = s.experimental_distribute_values_from_function(
+                lambda ctx: np.full((2, 2), ctx.replica_id_in_sync_group, np.float32))
+
+            def step(v):
+                ctx = gs.get_replica_context()
+                return ctx.all_reduce("mean", [v + 1, v * 2]), ctx.all_gather(v, 0)
+            out = s.run(step, args=(x,))
+            (mean, doubled), gathered = s.experimental_local_results(out)[1]
+            np.testing.assert_array_equal(mean.get(), np.full((2, 2), 1.5))
+            np.testing.assert_array_equal(doubled.get(), np.full((2, 2), 1.0))
+            np.testing.assert_array_equal(gathered.get()[:, 0], [0, 0, 1, 1])
+        finally:
+            s.close()
+    assert not san.reports
+
+
+# --- the sanitizer notices when an ordering mechanism is taken away ---------------------------
+
+def _input_steps(san, steps=6):
+    """Distributed input consumed by run; every step's pieces are freed at once."""
+    from gpustrat.data import Dataset
+    s = gs.MirroredStrategy(["gpu:0", "gpu:1"])
+    try:
+        data = np.arange(steps * 8 * 3, dtype=np.float32).reshape(steps * 8, 3)
+        sums = []     # read back at the end: a host read per step would order everything
+        for x in s.experimental_distribute_dataset(Dataset.from_tensor_slices(data).batch(8)):
+            sums.extend(s.experimental_local_results(s.run(lambda v: (v * 2).sum(), args=(x,))))
+            del x
+            gc.collect()
+        return sum(float(v.get()) for v in sums), float(data.sum() * 2)
+    finally:
+        s.close()
+
+
+def test_placement_keeps_pieces_alive_and_waits_and_the_sanitizer_checks_both(monkeypatch):
+    from gpustrat.distribute import placement
+    with testing.sanitize(seed=0) as san:
+        got, want = _input_steps(san)
+    assert got == want and not san.reports
+
+    def no_keep_alive(self, placed, ready):          # order the consumer, hold nothing
+        cp = devices.cupy()
+        for dev, ev in zip(self._devices, ready):
+            with cp.cuda.Device(dev.index):
+                cp.cuda.get_current_stream().wait_event(ev)
+    monkeypatch.setattr(placement.Placer, "_hand_over", no_keep_alive)
+    with testing.sanitize(seed=0, check=False) as san:
+        _input_steps(san)
+    assert _reports(san, "reuse")
+    monkeypatch.setattr(placement.Placer, "_hand_over", lambda self, placed, ready: None)
+    with testing.sanitize(seed=0, check=False) as san:
+        _input_steps(san)
+    assert _reports(san, "race")
+
+
+def test_combining_off_the_replica_streams_would_race(monkeypatch):
+    from gpustrat.distribute import runner
+    init = runner.ReplicaRunner.__init__
+
+    def without_streams(self, devs):
+        init(self, devs)
+        self.rendezvous.streams = None
+    monkeypatch.setattr(runner.ReplicaRunner, "__init__", without_streams)
+    with testing.sanitize(seed=0, check=False) as san:
+        s = gs.MirroredStrategy(["gpu:0", "gpu:1"])
+        try:
+            x = s.experimental_distribute_values_from_function(
+                lambda ctx: np.ones((4, 3), np.float32))
+            s.run(_two_gpu_step(s, None), args=(x,))
+        finally:
+            s.close()
+    assert _reports(san, "race")
+
+
+def test_a_collective_whose_peer_never_comes_times_out_in_the_watchdog():
+    import time
+    from gpustrat.collectives.nccl import NcclCommunicator
+    from gpustrat.errors import CollectiveTimeout
+    with testing.sanitize(seed=0, check=False) as san:
+        cp = devices.cupy()
+        comm = NcclCommunicator([Device("gpu", 0), Device("gpu", 1)], timeout=0.3)
+        try:
+            bufs = []
+            for i in (0, 1):
+                with cp.cuda.Device(i):
+                    bufs.append(cp.ones((5,), np.float32))
+            with san.measure() as c:
+                comm.all_reduce(bufs, "sum")                # fine: returns without a wait
+            assert c["host_syncs"] == 0 and c["nccl_calls"] == 2
+            comm._comms[1].allReduce = lambda *a: None      # replica 1's peer is gone
+            t0 = time.monotonic()
+            comm.all_reduce(bufs, "sum")                    # still returns at once
+            assert time.monotonic() - t0 < 0.3
+            while comm._watchdog.failure is None and time.monotonic() - t0 < 10:
+                time.sleep(0.02)
+            with pytest.raises(CollectiveTimeout, match="did not complete within 0.3 s"):
+                comm.all_reduce(bufs, "sum")
+            assert all(c.aborted for c in comm._comms)
+            san.drain()                                     # the abort ended the stuck call
+        finally:
+            comm.close()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_launch_on_another_stream_is_ordered_by_an_event_not_a_host_wait(seed):
+    from gpustrat.kernels.pack import pack, unpack
+    from gpustrat.kernels.split import split
+    from gpustrat.kernels.sum_buffers import sum_buffers
+    hosts = [np.arange(k + 2, dtype=np.float64) for k in range(3)]
+    with testing.sanitize(seed=seed) as san:
+        cp = devices.cupy()
+        with cp.cuda.Device(1):
+            other = cp.cuda.Stream(non_blocking=True)
+            tensors = [cp.asarray(h) * 1 for h in hosts]        # on the current stream
+            with san.measure() as c:
+                buf = pack(tensors, stream=other)
+                outs = unpack(buf, [h.shape for h in hosts], stream=other)
+                total = sum_buffers([tensors[0], outs[0]], stream=other)
+                pieces = split(tensors[2].reshape(4, 1), 2, pad_to=3, stream=other).pieces
+            assert c["host_syncs"] == 0, c["sync_sites"]
+            got = ([o.get(stream=other) for o in outs], total.get(stream=other),
+                   [p.get(stream=other) for p in pieces])
+    assert [g.tolist() for g in got[0]] == [h.tolist() for h in hosts]
+    assert got[1].tolist() == (hosts[0] * 2).tolist()
+    assert [p.ravel().tolist() for p in got[2]] == [[0, 1, 0], [2, 3, 0]]
+
+
+def test_host_values_go_to_a_gpu_without_a_host_wait():
+    with testing.sanitize(seed=0) as san:
+        with san.measure() as c:
+            x = devices.to_device(np.arange(6.0).reshape(2, 3), Device("gpu", 1))
+            y = devices.to_device(np.float32(2.5), Device("gpu", 2))    # 0-d stays 0-d
+        assert c["host_syncs"] == 0, c["sync_sites"]
+        assert x.device.id == 1 and y.shape == () and y.dtype == np.float32
+        # Read on their own devices (CuPy's get() copies on the current device's stream).
+        assert devices.to_host(x).tolist() == [[0, 1, 2], [3, 4, 5]]
+        assert devices.to_host(y) == 2.5
+
+
+def test_inputs_freed_after_a_failed_step_are_not_reused_under_a_running_replica():
+    with testing.sanitize(seed=0, run_probability=0) as san:
+        cp = devices.cupy()
+        s = gs.MirroredStrategy(["gpu:0", "gpu:1"])
+        try:
+            x = s.experimental_distribute_values_from_function(
+                lambda ctx: np.ones((64,), np.float32))
+
+            def step(v):
+                y = v * 2                                   # reads v on the replica stream
+                if gs.get_replica_context().replica_id_in_sync_group == 1:
+                    raise ValueError("replica 1 fails")
+                return y
+            with pytest.raises(ValueError, match="replica 1 fails"):
+                s.run(step, args=(x,))
+            del x
+            gc.collect()
+            with cp.cuda.Device(1):
+                cp.full((64,), 3.0, dtype=np.float32)       # the caller reuses v's block
+        finally:
+            s.close()
+    assert not san.reports
+
+
+def test_bench_gpu_runs_on_the_sanitizer_and_counts_no_host_wait_per_step(capsys):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--sanitizer"])
+    out = capsys.readouterr().out
+    assert "cupy: batch[index]: ok" in out and "pack (1000 tensors): ok" in out
+    counts = result["step_counts"]
+    assert len(counts) == 6
+    assert all(c["host_syncs_step_threads"] == 0 and c["nccl_calls"] == 4 for c in counts)
+
+
+def test_the_watchdog_stops_with_its_communicator():
+    import time
+    from gpustrat.collectives.nccl import NcclCommunicator
+    with testing.sanitize(seed=0):
+        cp = devices.cupy()
+        comm = NcclCommunicator([Device("gpu", 0), Device("gpu", 1)])
+        bufs = []
+        for i in (0, 1):
+            with cp.cuda.Device(i):
+                bufs.append(cp.ones((3,), np.float32))
+        out = comm.all_reduce(bufs, "sum")
+        assert devices.to_host(out[1]).tolist() == [2, 2, 2]
+        thread = comm._watchdog._thread
+        assert thread.is_alive()
+        del comm, out
+        gc.collect()
+        thread.join(timeout=5)
+        assert not thread.is_alive()
