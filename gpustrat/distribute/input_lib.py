@@ -120,7 +120,9 @@ class Optional:
 
 _TRANSFORMS = ("map", "batch", "unbatch", "filter", "shuffle", "repeat", "take", "skip",
                "shard", "enumerate", "zip", "concatenate", "interleave", "prefetch",
-               "with_options", "cache", "padded_batch", "rebatch", "flat_map", "apply")
+               "with_options", "cache", "padded_batch", "rebatch", "flat_map", "apply",
+               "window", "scan", "unique", "ignore_errors", "group_by_window",
+               "bucket_by_sequence_length")
 
 
 class _DistributedBase:
@@ -179,6 +181,7 @@ class DistributedDataset(_DistributedBase):
         # One replica in sync: as tf.distribute, elements pass through uncut (unbatched
         # data is fine, and element_spec is the dataset's own).
         self._whole = strategy.num_replicas_in_sync == 1
+        _refuse_dataset_elements(dataset)
         if not self._whole:
             _check_batched_spec(dataset)
         workers = strategy.workers
@@ -190,7 +193,8 @@ class DistributedDataset(_DistributedBase):
                 log.info("auto-shard policy AUTO chose %s (the dataset %s files)", policy.name,
                          "reads" if policy is AutoShardPolicy.FILE else "reads no")
         if policy is AutoShardPolicy.FILE:
-            # Every rank runs the same check, so a too-few-files error is raised on all.
+            # Every rank runs the same checks, so their errors are raised on all.
+            _refuse_file_cache_under_file_sharding(dataset)
             dataset = autoshard.shard_files(dataset, workers.size, workers.rank)
         self.auto_shard_policy = policy
         self._stream = policy in (AutoShardPolicy.FILE, AutoShardPolicy.OFF)
@@ -273,6 +277,7 @@ class DistributedDatasetsFromFunction(_DistributedBase):
         # One replica in sync takes the batches as they are (no empty batches to make,
         # so unbatched data is fine); several need batches to pad the last step with.
         self._whole = strategy.num_replicas_in_sync == 1
+        _refuse_dataset_elements(self._dataset, "distribute_datasets_from_function")
         if self._whole:
             self.element_spec = _spec_or_none(self._dataset)
         else:
@@ -341,6 +346,32 @@ def _batch_rows(dataset, card: int) -> tuple[int, int] | None:
     if card < 1 or not 0 < last <= full:
         return None
     return full, last
+
+
+def _refuse_dataset_elements(dataset, what: str = "experimental_distribute_dataset") -> None:
+    """Elements that are datasets (``window``) cannot be cut over replicas nor placed on
+    devices: a clear error instead of one from deep inside the splitting."""
+    from gpustrat.data.windowing import contains_datasets  # noqa: PLC0415
+    spec = _spec_or_none(dataset)
+    if spec is not None and contains_datasets(spec):
+        raise ValueError(
+            f"{what}: the dataset's elements are datasets (element_spec {spec}), made by "
+            "window(); a distributed dataset needs arrays. Turn each window into a batch "
+            "before distributing, e.g. ds.window(n).flat_map(lambda w: w.batch(n))")
+
+
+def _refuse_file_cache_under_file_sharding(dataset) -> None:
+    """A file cache filled from files that FILE sharding splits between workers would
+    hold another worker's data under the same name (or, filled before, all the data)."""
+    from gpustrat.data.caching import file_cache_names  # noqa: PLC0415
+    names = file_cache_names(dataset)
+    if names:
+        raise ValueError(
+            f"the dataset caches files it reads into {names}, but the FILE auto-shard "
+            "policy gives each worker other files, so every worker would read or write "
+            "the same cache with different data. Cache in memory (cache()), use "
+            "AutoShardPolicy.DATA or OFF, or build each worker's pipeline with "
+            "distribute_datasets_from_function and a filename per input_pipeline_id")
 
 
 def _check_batched_spec(dataset, what: str = "experimental_distribute_dataset") -> None:
