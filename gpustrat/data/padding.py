@@ -171,6 +171,8 @@ class PaddedBatchDataset(UnaryDataset):
         specs, _, shapes, values = self._plan()
         fused = self._input._batch_fused(self._batch_size, self._drop)
         if fused is not None:
+            if self._padded_shapes_arg is None:
+                return fused._iter(ctx)  # rows of one shape: nothing to pad
             return self._iter_fused(fused, ctx, shapes, values)
         return self._iter_elements(ctx, specs, shapes, values)
 
@@ -178,14 +180,19 @@ class PaddedBatchDataset(UnaryDataset):
         """Whole batches sliced by the source, padded with one copy per component."""
         it = fused._iter(ctx)
         try:
-            for batch in it:
-                if not nest.is_nested(batch):
-                    yield _pad_batch(batch, shapes[0], values[0], "the elements")
-                    continue
-                flatten, pack = st.make_plan(batch)
-                leaves = flatten(batch)
-                yield pack([_pad_batch(v, p, c, f"component {i}")
-                            for i, (v, p, c) in enumerate(zip(leaves, shapes, values))])
+            first = next(it, None)
+            if first is None:
+                return
+            # A slicing source's rows have one shape per component: one target each.
+            flatten, pack = st.make_plan(first)
+            leaves = flatten(first)
+            where = [f"component {i}" if len(leaves) > 1 else "the elements"
+                     for i in range(len(leaves))]
+            targets = [_target([tuple(v.shape[1:])], p, w)
+                       for v, p, w in zip(leaves, shapes, where)]
+            for batch in itertools.chain((first,), it):
+                yield pack([_pad_batch(v, t, c)
+                            for v, t, c in zip(flatten(batch), targets, values)])
         finally:
             _close(it)
 
@@ -254,10 +261,9 @@ def _pad_stack(leaves: list, padded: tuple, value, spec: TensorSpec, index: int,
     return out
 
 
-def _pad_batch(batch: Any, padded: tuple, value, where: str) -> Any:
-    """A batch whose rows all share one shape, padded to ``padded`` (None: as is)."""
+def _pad_batch(batch: Any, target: tuple, value) -> Any:
+    """A batch whose rows all share one shape, padded to the shape ``target``."""
     rows = tuple(batch.shape[1:])
-    target = _target([rows], padded, where)
     if target == rows:
         return batch
     xp = devices.array_module(batch)

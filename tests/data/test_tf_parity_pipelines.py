@@ -509,7 +509,7 @@ def test_group_by_window_errors():
         list(r.group_by_window(lambda x: x, lambda k, w: w, window_size_func=lambda k: k))
 
 
-SEQS = [1, 2, 3, 4, 5, 6, 1, 2]  # TF 2.21's test used [0], [1,1], ... [7,7]; same lengths
+SEQS = [1, 2, 3, 4, 5, 6, 1, 2]  # element i is [i] * SEQS[i]: [0], [1, 1], ..., [7, 7]
 
 
 def seqs():
