@@ -38,6 +38,11 @@ class DatasetSpec:
     def __init__(self, element_spec: Any):
         self.element_spec = element_spec
 
+    @property
+    def shape(self) -> tuple:
+        """``()``: a dataset component is one value (as TensorFlow's DatasetSpec)."""
+        return ()
+
     def __eq__(self, other):
         return isinstance(other, DatasetSpec) and other.element_spec == self.element_spec
 
