@@ -221,13 +221,3 @@ class IgnoreErrorsDataset(UnaryDataset):
                 yield element
         finally:
             _close(it)
-
-
-def unique() -> Callable[[Dataset], Dataset]:
-    """``tf.data.experimental.unique``: a function for :meth:`Dataset.apply`."""
-    return lambda dataset: dataset.unique()
-
-
-def ignore_errors(log_warning: bool = False) -> Callable[[Dataset], Dataset]:
-    """``tf.data.experimental.ignore_errors``: a function for :meth:`Dataset.apply`."""
-    return lambda dataset: dataset.ignore_errors(log_warning)

@@ -240,21 +240,3 @@ def _pack_leaves(spec: Any, leaves: list) -> Any:
             return type(s)(build(v) for v in s)
         return next(it)
     return build(spec)
-
-
-def group_by_window(key_func: Callable, reduce_func: Callable, window_size: int | None = None,
-                    window_size_func: Callable | None = None) -> Callable[[Dataset], Dataset]:
-    """``tf.data.experimental.group_by_window``: a function for :meth:`Dataset.apply`."""
-    return lambda dataset: dataset.group_by_window(key_func, reduce_func, window_size,
-                                                   window_size_func)
-
-
-def bucket_by_sequence_length(element_length_func: Callable, bucket_boundaries,
-                              bucket_batch_sizes, padded_shapes=None, padding_values=None,
-                              pad_to_bucket_boundary: bool = False, no_padding: bool = False,
-                              drop_remainder: bool = False) -> Callable[[Dataset], Dataset]:
-    """``tf.data.experimental.bucket_by_sequence_length``: a function for
-    :meth:`Dataset.apply`."""
-    return lambda dataset: dataset.bucket_by_sequence_length(
-        element_length_func, bucket_boundaries, bucket_batch_sizes, padded_shapes,
-        padding_values, pad_to_bucket_boundary, no_padding, drop_remainder)

@@ -82,8 +82,3 @@ class ScanDataset(UnaryDataset):
         for v in outputs[1:]:
             spec = merge_specs(spec, spec_of(v))
         return spec
-
-
-def scan(initial_state: Any, scan_func: Callable) -> Callable[[Dataset], Dataset]:
-    """``tf.data.experimental.scan``: a function for :meth:`Dataset.apply`."""
-    return lambda dataset: dataset.scan(initial_state, scan_func)

@@ -594,9 +594,7 @@ def test_scan_as_tf():
     grow = Dataset.range(3).scan(np.array([0]), lambda st, x: (np.append(st, x), st.size))
     assert vals(grow) == [1, 2, 3]
     assert Dataset.range(3).repeat().scan(0, lambda st, x: (st, x)).cardinality() == -1
-    # The experimental spelling: apply(scan(...)).
-    from gpustrat.data.scanning import scan
-    assert vals(Dataset.range(5).apply(scan(np.int64(0), lambda st, x: (st + x, st)))) == \
+    assert vals(Dataset.range(5).scan(np.int64(0), lambda st, x: (st + x, st))) == \
         [0, 0, 1, 3, 6]
 
 
@@ -659,5 +657,3 @@ def test_ignore_errors_as_tf():
     assert vals(Dataset.range(3).ignore_errors()) == [0, 1, 2]
     assert Dataset.range(3).ignore_errors().cardinality() == -2
     assert vals(Dataset.range(3).ignore_errors(log_warning=True)) == [0, 1, 2]
-    from gpustrat.data.filtering import ignore_errors
-    assert vals(ds.apply(ignore_errors())) == [1.0, 0.5, 0.25]
