@@ -128,6 +128,9 @@ class ChooseDataset(_DirectedDataset):
     def _inputs(self):
         return (self._choice, *self._datasets)
 
+    def _selector_inputs(self):
+        return (self._choice,)
+
     def _with_inputs(self, inputs):
         return ChooseDataset(list(inputs[1:]), inputs[0], self._stop)
 
@@ -163,6 +166,9 @@ class SampleDataset(_DirectedDataset):
     def _inputs(self):
         extra = (self._weights,) if isinstance(self._weights, Dataset) else ()
         return (*extra, *self._datasets)
+
+    def _selector_inputs(self):
+        return (self._weights,) if isinstance(self._weights, Dataset) else ()
 
     def _with_inputs(self, inputs):
         if isinstance(self._weights, Dataset):

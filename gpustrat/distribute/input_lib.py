@@ -188,12 +188,17 @@ class DistributedDataset(_DistributedBase):
         policy = AutoShardPolicy.OFF if workers.size == 1 else \
             dataset.options().experimental_distribute.auto_shard_policy
         if policy is AutoShardPolicy.AUTO:
-            policy = AutoShardPolicy.FILE if autoshard.reads_files(dataset) else AutoShardPolicy.DATA
+            # As tf.data: FILE when the pipeline reads files and has no source that
+            # FILE sharding would leave whole on every worker, else DATA.
+            policy = AutoShardPolicy.FILE if autoshard.reads_files(dataset) and not \
+                autoshard.unshardable_sources(dataset) else AutoShardPolicy.DATA
             if workers.rank == 0:
                 log.info("auto-shard policy AUTO chose %s (the dataset %s files)", policy.name,
-                         "reads" if policy is AutoShardPolicy.FILE else "reads no")
+                         "reads" if policy is AutoShardPolicy.FILE else
+                         "reads no or not only")
         if policy is AutoShardPolicy.FILE:
             # Every rank runs the same checks, so their errors are raised on all.
+            _refuse_unshardable_sources(dataset, autoshard)
             _refuse_file_cache_under_file_sharding(dataset)
             dataset = autoshard.shard_files(dataset, workers.size, workers.rank)
         self.auto_shard_policy = policy
@@ -358,6 +363,19 @@ def _refuse_dataset_elements(dataset, what: str = "experimental_distribute_datas
             f"{what}: the dataset's elements are datasets (element_spec {spec}), made by "
             "window(); a distributed dataset needs arrays. Turn each window into a batch "
             "before distributing, e.g. ds.window(n).flat_map(lambda w: w.batch(n))")
+
+
+def _refuse_unshardable_sources(dataset, autoshard) -> None:
+    """FILE sharding of a pipeline that also reads data from no file would give that
+    data whole to every worker (TensorFlow: "Found an unshardable source dataset")."""
+    whole = autoshard.unshardable_sources(dataset)
+    if whole and autoshard.reads_files(dataset):
+        names = sorted({type(n).__name__ for n in whole})
+        raise ValueError(
+            f"the FILE auto-shard policy gives each worker some of the files, but the "
+            f"dataset also reads data from sources that are not files ({', '.join(names)}),"
+            " which every worker would read whole: use AutoShardPolicy.DATA (or AUTO, "
+            "which picks DATA here) or OFF, or read every input from files")
 
 
 def _refuse_file_cache_under_file_sharding(dataset) -> None:

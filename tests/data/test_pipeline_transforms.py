@@ -223,6 +223,23 @@ def test_rebuilt_memory_cache_starts_empty(tmp_path):
     assert len(list(c)) == 6  # the original keeps its own cache
 
 
+def test_unshardable_sources_leave_out_selectors(tmp_path):
+    p = tmp_path / "a.txt"
+    p.write_text("1\n2\n")
+    lines = TextLineDataset([str(p)])
+    zipped = Dataset.zip((lines, Dataset.range(2)))
+    assert [type(n).__name__ for n in autoshard.unshardable_sources(zipped)] == \
+        ["RangeDataset"]
+    chosen = Dataset.choose_from_datasets([lines, lines], Dataset.range(2).repeat())
+    assert autoshard.unshardable_sources(chosen) == []
+    weights = Dataset.from_tensor_slices(np.ones((4, 2)))
+    sampled = Dataset.sample_from_datasets([lines, lines], weights=weights, seed=1)
+    assert autoshard.unshardable_sources(sampled) == []
+    mixed = Dataset.sample_from_datasets([lines, Dataset.range(3)], seed=1)
+    assert [type(n).__name__ for n in autoshard.unshardable_sources(mixed)] == \
+        ["RangeDataset"]
+
+
 # --- sampling -------------------------------------------------------------------------
 
 def test_sampling_follows_the_weights_and_the_seed():

@@ -48,6 +48,22 @@ except ValueError as e:
 else:
     raise AssertionError("a file cache under FILE sharding must raise")
 
+# A source read from no file beside files: FILE refuses it on every rank (every worker
+# would read it whole); AUTO picks DATA, as TensorFlow does.
+mixed = Dataset.zip((lines(paths), Dataset.range(100, 112))).batch(4)
+try:
+    s.experimental_distribute_dataset(with_policy(mixed, AutoShardPolicy.FILE))
+except ValueError as e:
+    assert "RangeDataset" in str(e) and "AutoShardPolicy.DATA" in str(e), str(e)
+else:
+    raise AssertionError("FILE with a source that reads no file must raise")
+dist = s.experimental_distribute_dataset(mixed)
+assert dist.auto_shard_policy == AutoShardPolicy.DATA
+got = [[(int(a), int(b)) for a, b in zip(np.asarray(x[0]), np.asarray(x[1]))] for x in dist]
+lo = [0, 1] if r == 0 else [2, 3]
+assert got == [[(v, 100 + i) for i, v in enumerate([0, 1, 2, 10, 11, 12, 20, 21, 22, 30, 31, 32])
+                if i % 4 in lo][k * 2:k * 2 + 2] for k in range(3)], got
+
 # Windows cannot be distributed: the same error on every rank.
 try:
     s.experimental_distribute_dataset(Dataset.range(8).window(2))
