@@ -260,6 +260,7 @@ class _Reader:
 
 def _read(path: str, spec: Any) -> Iterator:
     pack = st.make_plan(spec)[1]
+    count = len(nest.flatten(spec))
     with open(path, "rb") as f:
         r = _Reader(f, path)
         if f.read(len(_MAGIC)) != _MAGIC:
@@ -269,6 +270,10 @@ def _read(path: str, spec: Any) -> Iterator:
             mark = r.exact(1)
             if mark == _END:
                 return
-            leaves = [r.leaf() for _ in range(r.int())]
-            yield pack(leaves)
+            n = r.int()
+            if n != count:
+                raise ValueError(f"cache: {path!r} holds elements of {n} components, but "
+                                 f"this dataset's have {count} ({spec}): it was written by "
+                                 "another pipeline; delete it or choose another filename")
+            yield pack([r.leaf() for _ in range(n)])
 

@@ -6,8 +6,9 @@ Words:
         int32, int64 and string). A 1-D integer ``from_tensor_slices`` source is done in
         one ``numpy.unique`` call per epoch instead of a set lookup per element.
     ignore_errors: an element whose ``map`` function or ``filter`` predicate raises
-        (anywhere upstream, parallel maps included) is dropped where it failed, and
-        the rest of the input flows on. An error that ends a stage (a generator or a
+        (anywhere in the pipeline above, parallel maps included; not inside the
+        datasets an ``interleave``/``flat_map`` function makes, nor below a ``cache``)
+        is dropped where it failed, and the rest of the input flows on. An error that ends a stage (a generator or a
         file reader raising) ends the input quietly. With ``log_warning=True`` each
         dropped element is logged (logger ``gpustrat``) with its exception.
 """

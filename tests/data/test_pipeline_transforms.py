@@ -201,6 +201,10 @@ def test_file_cache_round_trips_every_kind_of_leaf(tmp_path):
         assert a["t"][0].dtype == b["t"][0].dtype == np.uint8
         assert type(b["t"]) is tuple and (a["t"][1] == b["t"][1]).all()
     assert second[0]["s"].tolist() == [b"a\x00b", b""]
+    other = Dataset.range(3).cache(str(tmp_path / "k"))  # same file, another structure
+    with pytest.raises(ValueError, match="holds elements of 4 components, but this "
+                                         "dataset's have 1"):
+        list(other)
     path = str(tmp_path / "k") + ".gpustrat-cache"
     with open(path, "r+b") as f:  # a damaged cache file is an error naming it
         f.truncate(40)
