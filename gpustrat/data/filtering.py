@@ -64,15 +64,17 @@ class UniqueDataset(UnaryDataset):
         return arr[np.sort(first)]
 
     def _iter(self, ctx):
-        self.element_spec  # unsupported dtypes are an error before any element
         values = self._unique_array()
         if values is not None:
+            self.element_spec  # unsupported dtypes are an error before any element
             yield from values
             return
         seen: set = set()
         it = self._input._iter(ctx)
         try:
             for element in it:
+                if not seen:
+                    self.element_spec  # as above, once there is an element
                 key = _key(element)
                 if key not in seen:
                     seen.add(key)

@@ -53,7 +53,7 @@ class GroupByWindowDataset(UnaryDataset):
 
     def __init__(self, input_dataset: Dataset, key_func: Callable, reduce_func: Callable,
                  window_size: int | None = None, window_size_func: Callable | None = None,
-                 element_spec: Any = None):
+                 spec_func: Callable[[], Any] | None = None):
         super().__init__(input_dataset)
         if (window_size is None) == (window_size_func is None):
             raise ValueError("group_by_window: give exactly one of window_size and "
@@ -70,17 +70,8 @@ class GroupByWindowDataset(UnaryDataset):
                             f"{type(window_size_func).__name__}")
         self._key_func, self._reduce_func = key_func, reduce_func
         self._size_func = window_size_func
-        if element_spec is not None:  # the caller knows better (bucket_by_sequence_length)
-            self.__dict__["_spec_cache"] = element_spec
-            self._given_spec = element_spec
-        else:
-            self._given_spec = None
-
-    def _with_inputs(self, inputs):
-        new = super()._with_inputs(inputs)
-        if self._given_spec is not None:
-            new.__dict__["_spec_cache"] = self._given_spec
-        return new
+        # The caller may know the spec better (bucket_by_sequence_length).
+        self._spec_func = spec_func
 
     def _cardinality(self):
         n = self._input._cardinality()
@@ -94,18 +85,17 @@ class GroupByWindowDataset(UnaryDataset):
         return out
 
     def _compute_spec(self):
-        if self._given_spec is not None:
-            return self._given_spec
+        if self._spec_func is not None:
+            return self._spec_func()
         return self._reduce(0, [], self._input.element_spec).element_spec
 
     def _iter(self, ctx):
-        spec = self._input.element_spec
         groups: dict[int, list] = {}
         sizes: dict[int, int] = {}
         it = self._input._iter(ctx)
 
         def flush(key):
-            out = self._reduce(key, groups.pop(key), spec)._iter(ctx)
+            out = self._reduce(key, groups.pop(key), self._input.element_spec)._iter(ctx)
             try:
                 yield from out
             finally:
@@ -174,8 +164,8 @@ def bucket_by_sequence_length_dataset(dataset: Dataset, element_length_func: Cal
         spec = dataset.element_spec
         shapes = padded_shapes
         if shapes is None:
-            shapes = nest.map_structure(lambda s: s.shape, spec)
-            shapes = _shapes_structure(spec, shapes)
+            shapes = _pack_leaves(spec, [s.shape for s in nest.flatten(spec)]) \
+                if nest.is_nested(spec) else spec.shape
         if not pad_to_bucket_boundary or key is None:
             return shapes
         if key == len(boundaries):
@@ -199,22 +189,16 @@ def bucket_by_sequence_length_dataset(dataset: Dataset, element_length_func: Cal
 
     # As tf.data: the batch size depends on the bucket, so the batch dimension is None,
     # and so are dimensions padded to a bucket's boundary.
-    template = ElementsDataset([], dataset.element_spec)
-    if no_padding:
-        spec = template.batch(1).element_spec
-    else:
-        spec = template.padded_batch(1, shapes_for(None), padding_values).element_spec
-    spec = nest.map_structure(lambda s: TensorSpec((None,) + s.shape[1:], s.dtype), spec)
+    def spec_func():
+        template = ElementsDataset([], dataset.element_spec)
+        if no_padding:
+            spec = template.batch(1).element_spec
+        else:
+            spec = template.padded_batch(1, shapes_for(None), padding_values).element_spec
+        return nest.map_structure(lambda s: TensorSpec((None,) + s.shape[1:], s.dtype), spec)
+
     return GroupByWindowDataset(dataset, key_func, reduce_func,
-                                window_size_func=window_size_func, element_spec=spec)
-
-
-def _shapes_structure(spec: Any, shapes: Any) -> Any:
-    """Shapes (tuples) in ``spec``'s structure, kept as leaves: a padded_shapes value."""
-    if not nest.is_nested(spec):
-        return shapes
-    flat = [s.shape for s in nest.flatten(spec)]
-    return _pack_leaves(spec, flat)
+                                window_size_func=window_size_func, spec_func=spec_func)
 
 
 def _map_shapes(spec: Any, shapes: Any, fn: Callable) -> Any:

@@ -168,57 +168,47 @@ class PaddedBatchDataset(UnaryDataset):
         return nest.pack_sequence_as(self._input.element_spec, flat)
 
     def _iter(self, ctx):
-        specs, _, shapes, values = self._plan()
         fused = self._input._batch_fused(self._batch_size, self._drop)
-        if fused is not None:
-            if self._padded_shapes_arg is None:
-                return fused._iter(ctx)  # rows of one shape: nothing to pad
-            return self._iter_fused(fused, ctx, shapes, values)
-        return self._iter_elements(ctx, specs, shapes, values)
+        if fused is not None and self._padded_shapes_arg is None:
+            return fused._iter(ctx)  # a slicing source's rows have one shape: no padding
+        return self._iter_padded(fused, ctx)
 
-    def _iter_fused(self, fused: Dataset, ctx, shapes, values):
-        """Whole batches sliced by the source, padded with one copy per component."""
-        it = fused._iter(ctx)
+    def _iter_padded(self, fused: Dataset | None, ctx):
+        it = (fused or self._input)._iter(ctx)
         try:
             first = next(it, None)
             if first is None:
-                return
-            # A slicing source's rows have one shape per component: one target each.
+                return  # an empty input has no spec to check, and nothing to pad
+            specs, _, shapes, values = self._plan()
             flatten, pack = st.make_plan(first)
-            leaves = flatten(first)
-            where = [f"component {i}" if len(leaves) > 1 else "the elements"
-                     for i in range(len(leaves))]
-            targets = [_target([tuple(v.shape[1:])], p, w)
-                       for v, p, w in zip(leaves, shapes, where)]
-            for batch in itertools.chain((first,), it):
-                yield pack([_pad_batch(v, t, c)
-                            for v, t, c in zip(flatten(batch), targets, values)])
-        finally:
-            _close(it)
-
-    def _iter_elements(self, ctx, specs, shapes, values):
-        b, drop = self._batch_size, self._drop
-        it = self._input._iter(ctx)
-        try:
-            first = next(it, None)
-            if first is None:
+            rest = itertools.chain((first,), it)
+            if fused is not None:
+                # Whole batches sliced by the source, one shape per component: one
+                # target each, and one copy per component and batch.
+                where = [f"component {i}" if len(specs) > 1 else "the elements"
+                         for i in range(len(specs))]
+                targets = [_target([tuple(v.shape[1:])], p, w)
+                           for v, p, w in zip(flatten(first), shapes, where)]
+                for batch in rest:
+                    yield pack([_pad_batch(v, t, c)
+                                for v, t, c in zip(flatten(batch), targets, values)])
                 return
-            flatten, pack = st.make_plan(first)
             chunk = []
-            for element in itertools.chain((first,), it):
+            for element in rest:
                 chunk.append(flatten(element))
-                if len(chunk) == b:
-                    columns, chunk = list(zip(*chunk)), []
-                    yield pack([_pad_stack(list(c), p, v, s, i, len(specs))
-                                for i, (c, p, v, s) in enumerate(zip(columns, shapes,
-                                                                     values, specs))])
-            if chunk and not drop:
-                columns = list(zip(*chunk))
-                yield pack([_pad_stack(list(c), p, v, s, i, len(specs))
-                            for i, (c, p, v, s) in enumerate(zip(columns, shapes, values,
-                                                                 specs))])
+                if len(chunk) == self._batch_size:
+                    yield pack(_pad_columns(chunk, specs, shapes, values))
+                    chunk = []
+            if chunk and not self._drop:
+                yield pack(_pad_columns(chunk, specs, shapes, values))
         finally:
             _close(it)
+
+
+def _pad_columns(rows: list, specs: list, shapes: list, values: list) -> list:
+    """The padded, stacked components of a batch given as rows of flat leaves."""
+    return [_pad_stack(list(c), p, v, s, i, len(specs))
+            for i, (c, p, v, s) in enumerate(zip(zip(*rows), shapes, values, specs))]
 
 
 def _target(shapes: list[tuple], padded: tuple, where: str) -> tuple:

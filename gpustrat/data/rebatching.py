@@ -77,7 +77,6 @@ class RebatchDataset(UnaryDataset):
         return nest.map_structure(lambda s: TensorSpec((new,) + s.shape[1:], s.dtype), spec)
 
     def _iter(self, ctx):
-        self.element_spec  # a clear error for unbatched input, before any data moves
         it = self._input._iter(ctx)
         pending: collections.deque = collections.deque()  # [leaves, start row]
         state = {"rows": 0, "template": None, "done": False, "plan": None}
@@ -88,6 +87,7 @@ class RebatchDataset(UnaryDataset):
                 state["done"] = True
                 return False
             if state["plan"] is None:
+                self.element_spec  # a clear error for unbatched input, before any batch
                 state["plan"] = st.make_plan(element)
             leaves = list(state["plan"][0](element))
             rows = {st.leading_dim(v) for v in leaves}

@@ -78,7 +78,10 @@ class _DirectedDataset(Dataset):
         raise NotImplementedError
 
     def _iter(self, ctx):
-        self.element_spec  # incompatible inputs are an error before any element
+        try:
+            self.element_spec  # incompatible inputs are an error before any element
+        except ValueError:
+            pass  # an input too empty to have a spec conflicts with nothing
         n = len(self._datasets)
         its: list = [None] * n
         active = [True] * n

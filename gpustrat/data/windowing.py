@@ -117,7 +117,7 @@ class WindowDataset(UnaryDataset):
     def _iter(self, ctx):
         size, shift, stride = self._size, self._shift, self._stride
         span = (size - 1) * stride + 1  # input elements one full window covers
-        spec = self._input.element_spec
+        spec = None  # known once there is an element (an empty input may have none)
         it = self._input._iter(ctx)
         buf: collections.deque = collections.deque()
         ended = False
@@ -133,6 +133,8 @@ class WindowDataset(UnaryDataset):
                     return
                 if len(buf) < span and self._drop:
                     return
+                if spec is None:
+                    spec = self._input.element_spec
                 yield self._window(list(itertools.islice(buf, 0, span, stride)), spec)
                 # Drop `shift` elements: those buffered, then unread ones of the input.
                 drop = shift

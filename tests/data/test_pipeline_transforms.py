@@ -141,6 +141,26 @@ def test_unique_fast_path_matches_the_element_path(values, b):
         [expected[i:i + b] for i in range(0, len(expected), b)]
 
 
+def test_empty_inputs_without_a_spec_give_nothing_and_iter_runs_no_code():
+    def empty():
+        return Dataset.from_generator(lambda: iter(()))  # no element, so no spec
+    for make in (lambda d: d.padded_batch(2), lambda d: d.rebatch(2),
+                 lambda d: d.window(2), lambda d: d.unique(), lambda d: d.cache(),
+                 lambda d: d.group_by_window(lambda x: x, lambda k, w: w, window_size=2),
+                 lambda d: d.bucket_by_sequence_length(len, [2], [1, 1]),
+                 lambda d: Dataset.sample_from_datasets([d, d], seed=1),
+                 lambda d: d.scan(0, lambda s, x: (s, x)), lambda d: d.ignore_errors()):
+        assert list(make(empty())) == []
+    calls = []
+    src = Dataset.range(4).map(lambda x: calls.append(x) or np.arange(int(x)))
+    for ds in (src.padded_batch(2), src.padded_batch(2).rebatch(1), src.window(2)):
+        it = iter(ds)
+        assert calls == []  # nothing runs before the first next
+        next(it)
+        it.close()
+        calls.clear()
+
+
 # --- vectorised paths -----------------------------------------------------------------
 
 def test_padded_batch_of_fixed_rows_slices_the_source():
