@@ -11,9 +11,10 @@ Words:
         (sampling draws among the inputs left, with their weights renormalised), and
         the result ends when every input has ended or the picks run out.
     seed: sampling draws from NumPy's generator seeded with ``(seed, epoch)``, where
-        ``epoch`` is 0 unless ``rerandomize_each_iteration`` is true (then it counts
-        this node's iterations). A fixed seed gives the same order in every process;
-        ``seed=None`` draws one when the dataset is built.
+        ``epoch`` counts this node's iterations when ``rerandomize_each_iteration`` is
+        true or no seed was given, and is 0 otherwise (every epoch the same order, as
+        ``tf.data``). A fixed seed gives the same order in every process; ``seed=None``
+        draws one when the dataset is built.
 
 Cardinality follows ``tf.data``: infinite when an input is infinite, else unknown.
 """
@@ -163,7 +164,8 @@ class SampleDataset(_DirectedDataset):
         self._weights = weights
         self._seeded = seed is not None
         self._seed = int.from_bytes(os.urandom(8), "little") if seed is None else seed
-        self._rerandomize = bool(rerandomize_each_iteration)
+        # As tf.data: without a seed every epoch draws anew; with one, only on request.
+        self._rerandomize = bool(rerandomize_each_iteration) or seed is None
         self._epochs = itertools.count()
 
     def _inputs(self):
@@ -179,7 +181,7 @@ class SampleDataset(_DirectedDataset):
         else:
             weights, datasets = self._weights, list(inputs)
         new = SampleDataset(datasets, weights, self._seed, self._stop, self._rerandomize)
-        new._seeded = self._seeded
+        new._seeded, new._rerandomize = self._seeded, self._rerandomize
         return new
 
     def _with_seed(self, seed: int) -> "SampleDataset":
