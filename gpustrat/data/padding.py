@@ -35,9 +35,8 @@ from gpustrat.data.transforms import UnaryDataset, _close
 
 def _as_shape(shape: Any, where: str) -> tuple:
     """A padded shape given by the user as a tuple of ints / None (-1 means None)."""
-    dims = getattr(shape, "shape", None) if isinstance(shape, TensorSpec) else None
-    if dims is not None:
-        shape = dims
+    if isinstance(shape, TensorSpec):
+        shape = shape.shape
     if isinstance(shape, np.ndarray):
         shape = shape.tolist()
     if isinstance(shape, (int, np.integer)) or not isinstance(shape, (tuple, list)):

@@ -161,6 +161,33 @@ def test_empty_inputs_without_a_spec_give_nothing_and_iter_runs_no_code():
         calls.clear()
 
 
+@SETTINGS
+@given(n=st.integers(0, 12), stops=st.lists(st.integers(0, 12), max_size=3),
+       in_file=st.booleans())
+def test_cache_fills_only_from_a_complete_pass(tmp_path_factory, n, stops, in_file):
+    reads = []
+
+    def gen():
+        for i in range(n):
+            reads.append(i)
+            yield i
+    src = Dataset.from_generator(gen, output_signature=TensorSpec((), np.int64))
+    c = src.cache(str(tmp_path_factory.mktemp("c") / "x") if in_file else "")
+    for k in stops:  # passes stopped after k elements (a complete one when k >= n)
+        it = iter(c)
+        got = [int(v) for _, v in zip(range(k), it)]
+        it.close()
+        assert got == list(range(min(k, n)))
+    reads.clear()
+    assert ints(c) == list(range(n))
+    # A pass is complete only when it saw the end of the input: reading exactly n
+    # elements and stopping does not.
+    filled = any(k > n for k in stops)
+    assert reads == ([] if filled else list(range(n)))
+    reads.clear()
+    assert ints(c) == list(range(n)) and reads == []
+
+
 # --- vectorised paths -----------------------------------------------------------------
 
 def test_padded_batch_of_fixed_rows_slices_the_source():
