@@ -382,6 +382,22 @@ def test_distributed_rebatch_scan_unique_sampling_cache():
     assert pieces(s, dist) == first
 
 
+def test_distributed_ignore_errors_choose_and_zip_of_dicts():
+    s = mirrored()
+    ig = Dataset.range(8).map(_fails_on_3).ignore_errors().batch(4)
+    assert pieces(s, s.experimental_distribute_dataset(ig)) == \
+        [[[0, 10], [20, 40]], [[50, 60], [70]]]
+    ch = Dataset.choose_from_datasets([Dataset.range(3), Dataset.range(10, 13)],
+                                      Dataset.range(2).repeat()).batch(2)
+    assert pieces(s, s.experimental_distribute_dataset(ch)) == \
+        [[[0], [10]], [[1], [11]], [[2], [12]]]
+    z = Dataset.zip({"b": Dataset.range(4), "a": Dataset.range(10, 14)}).batch(4)
+    (step,) = list(s.experimental_distribute_dataset(z))
+    assert list(step) == ["b", "a"]
+    assert [np.asarray(p).tolist() for p in s.experimental_local_results(step["a"])] == \
+        [[10, 11], [12, 13]]
+
+
 def test_distributed_dataset_refuses_windows_and_new_transforms():
     s = mirrored()
     with pytest.raises(ValueError, match=r"elements are datasets .*made by window\(\)"):
