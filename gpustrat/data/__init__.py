@@ -16,7 +16,8 @@ from gpustrat.data.windowing import DatasetSpec
 from gpustrat.data import autoshard, interleave, sources, transforms  # noqa: E402,F401
 
 __all__ = [
+    "DatasetSpec",
     "AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset", "DatasetIterator",
     "TextLineDataset", "TFRecordDataset", "TFRecordWriter", "DataLossError", "NpyDataset",
-    "Options", "AutoShardPolicy", "DistributeOptions", "TensorSpec", "DatasetSpec", "STRING",
+    "Options", "AutoShardPolicy", "DistributeOptions", "TensorSpec", "STRING",
 ]
