@@ -104,4 +104,3 @@ def shard_files(dataset: Dataset, num_shards: int, index: int) -> Dataset:
         return new
 
     return rebuild(dataset)
-
