@@ -10,12 +10,14 @@ from gpustrat.data.npy import NpyDataset
 from gpustrat.data.options import AutoShardPolicy, DistributeOptions, Options
 from gpustrat.data.spec import STRING, TensorSpec
 from gpustrat.data.tfrecord import DataLossError, TFRecordDataset, TFRecordWriter
+from gpustrat.data.windowing import DatasetSpec
 
 # Import the modules that the Dataset methods load lazily, so that they are ready.
 from gpustrat.data import autoshard, interleave, sources, transforms  # noqa: E402,F401
 from gpustrat.data import experimental  # noqa: E402,F401 - gs.data.experimental
 
 __all__ = [
+    "DatasetSpec",
     "AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset", "DatasetIterator",
     "TextLineDataset", "TFRecordDataset", "TFRecordWriter", "DataLossError", "NpyDataset",
     "Options", "AutoShardPolicy", "DistributeOptions", "TensorSpec", "STRING", "experimental",

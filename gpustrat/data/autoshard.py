@@ -59,6 +59,28 @@ def reads_files(dataset: Dataset) -> bool:
     return any(n._files is not None for n in _walk(dataset))
 
 
+def unshardable_sources(dataset: Dataset) -> list[Dataset]:
+    """The sources that FILE sharding would leave whole on every worker: sources that
+    read no files in a pipeline that does (``Dataset.zip((lines, Dataset.range(n)))``,
+    ``sample_from_datasets([lines, Dataset.from_tensor_slices(x)])``), whose data every
+    worker would then read in full. A node's selector inputs (the choices of
+    ``choose_from_datasets``, the weights of ``sample_from_datasets``) are not data and
+    are not counted. TensorFlow calls these unshardable sources: FILE fails on them and
+    AUTO falls back to DATA."""
+    out, seen, stack = [], set(), [dataset]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        inputs = node._inputs()
+        if not inputs and node._files is None:
+            out.append(node)
+        selectors = getattr(node, "_selector_inputs", tuple)()
+        stack.extend(i for i in inputs if not any(i is s for s in selectors))
+    return out
+
+
 def shard_files(dataset: Dataset, num_shards: int, index: int) -> Dataset:
     """The same pipeline with each file source reading only files ``index::num_shards``.
 

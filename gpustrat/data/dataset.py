@@ -292,6 +292,24 @@ class Dataset(abc.ABC):
             structure = tuple(args)
         return ZipDataset(structure)
 
+    @staticmethod
+    def sample_from_datasets(datasets, weights=None, seed: int | None = None,
+                             stop_on_empty_dataset: bool = False,
+                             rerandomize_each_iteration: bool | None = None) -> "Dataset":
+        """Elements drawn at random from ``datasets`` with probabilities proportional
+        to ``weights`` (a list, or a dataset of weight vectors; default uniform)."""
+        from gpustrat.data.sampling import sample_from_datasets
+        return sample_from_datasets(datasets, weights, seed, stop_on_empty_dataset,
+                                    rerandomize_each_iteration)
+
+    @staticmethod
+    def choose_from_datasets(datasets, choice_dataset: "Dataset",
+                             stop_on_empty_dataset: bool = True) -> "Dataset":
+        """Element ``j`` taken from ``datasets[c_j]``, ``c_j`` the ``j``-th element of
+        ``choice_dataset`` (int64 scalars)."""
+        from gpustrat.data.sampling import choose_from_datasets
+        return choose_from_datasets(datasets, choice_dataset, stop_on_empty_dataset)
+
     # --- transformations -------------------------------------------------------------
 
     def batch(self, batch_size: int, drop_remainder: bool = False,
@@ -372,6 +390,76 @@ class Dataset(abc.ABC):
     def flat_map(self, map_func: Callable) -> "Dataset":
         """Map elements to datasets and concatenate them in order."""
         return self.interleave(map_func, cycle_length=1, block_length=1)
+
+    def padded_batch(self, batch_size: int, padded_shapes=None, padding_values=None,
+                     drop_remainder: bool = False, name: str | None = None) -> "Dataset":
+        """Batch elements of differing shapes, padding each component to
+        ``padded_shapes`` (None entries, or no ``padded_shapes``: the batch's largest)
+        with ``padding_values`` (default 0, or ``b""`` for strings)."""
+        batch_size = _check_positive("batch_size", batch_size, "padded_batch")
+        from gpustrat.data.padding import PaddedBatchDataset
+        return PaddedBatchDataset(self, batch_size, padded_shapes, padding_values,
+                                  drop_remainder)
+
+    def rebatch(self, batch_size, drop_remainder: bool = False,
+                name: str | None = None) -> "Dataset":
+        """The rows of the batches regrouped into batches of ``batch_size`` (an int, or
+        a list of sizes used in turn), as ``unbatch().batch(...)`` without unbatching."""
+        from gpustrat.data.rebatching import RebatchDataset
+        return RebatchDataset(self, batch_size, drop_remainder)
+
+    def cache(self, filename: str = "", name: str | None = None) -> "Dataset":
+        """Keep the elements of the first complete pass, in memory (``""``) or in the
+        file ``filename + ".gpustrat-cache"``; an incomplete pass is never reused."""
+        from gpustrat.data.caching import CacheDataset
+        return CacheDataset(self, filename)
+
+    def window(self, size: int, shift: int | None = None, stride: int = 1,
+               drop_remainder: bool = False, name: str | None = None) -> "Dataset":
+        """Windows of ``size`` elements ``stride`` apart, one starting every ``shift``
+        elements; each window is a dataset (one per component for structured elements)."""
+        from gpustrat.data.windowing import WindowDataset
+        return WindowDataset(self, size, shift, stride, drop_remainder)
+
+    def scan(self, initial_state: Any, scan_func: Callable, name: str | None = None) -> "Dataset":
+        """``state, out = scan_func(state, element)`` for every element; yields ``out``."""
+        from gpustrat.data.scanning import ScanDataset
+        return ScanDataset(self, initial_state, scan_func)
+
+    def unique(self, name: str | None = None) -> "Dataset":
+        """Each distinct element (integer or string) once, at its first occurrence."""
+        from gpustrat.data.filtering import UniqueDataset
+        return UniqueDataset(self)
+
+    def ignore_errors(self, log_warning: bool = False, name: str | None = None) -> "Dataset":
+        """Drop the elements whose ``map`` function or ``filter`` predicate raises."""
+        from gpustrat.data.filtering import IgnoreErrorsDataset
+        return IgnoreErrorsDataset(self, log_warning)
+
+    def group_by_window(self, key_func: Callable, reduce_func: Callable,
+                        window_size: int | None = None,
+                        window_size_func: Callable | None = None,
+                        name: str | None = None) -> "Dataset":
+        """Group elements by ``key_func``; each group of ``window_size`` (or
+        ``window_size_func(key)``) goes to ``reduce_func(key, dataset)``, whose
+        elements are the output."""
+        from gpustrat.data.grouping import group_by_window_dataset
+        return group_by_window_dataset(self, key_func, reduce_func, window_size,
+                                       window_size_func)
+
+    def bucket_by_sequence_length(self, element_length_func: Callable, bucket_boundaries,
+                                  bucket_batch_sizes, padded_shapes=None,
+                                  padding_values=None, pad_to_bucket_boundary: bool = False,
+                                  no_padding: bool = False, drop_remainder: bool = False,
+                                  name: str | None = None) -> "Dataset":
+        """Batch elements of similar length together: bucket ``i`` holds lengths in
+        ``[bucket_boundaries[i-1], bucket_boundaries[i])`` and is padded and batched
+        by ``bucket_batch_sizes[i]``."""
+        from gpustrat.data.grouping import bucket_by_sequence_length_dataset
+        return bucket_by_sequence_length_dataset(
+            self, element_length_func, bucket_boundaries, bucket_batch_sizes,
+            padded_shapes, padding_values, pad_to_bucket_boundary, no_padding,
+            drop_remainder)
 
     def prefetch(self, buffer_size: int) -> "Dataset":
         """Compute up to ``buffer_size`` elements ahead in a background thread."""

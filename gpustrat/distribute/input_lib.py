@@ -120,7 +120,9 @@ class Optional:
 
 _TRANSFORMS = ("map", "batch", "unbatch", "filter", "shuffle", "repeat", "take", "skip",
                "shard", "enumerate", "zip", "concatenate", "interleave", "prefetch",
-               "with_options", "cache", "padded_batch", "rebatch", "flat_map", "apply")
+               "with_options", "cache", "padded_batch", "rebatch", "flat_map", "apply",
+               "window", "scan", "unique", "ignore_errors", "group_by_window",
+               "bucket_by_sequence_length")
 
 
 class _DistributedBase:
@@ -179,18 +181,25 @@ class DistributedDataset(_DistributedBase):
         # One replica in sync: as tf.distribute, elements pass through uncut (unbatched
         # data is fine, and element_spec is the dataset's own).
         self._whole = strategy.num_replicas_in_sync == 1
+        _refuse_dataset_elements(dataset)
         if not self._whole:
             _check_batched_spec(dataset)
         workers = strategy.workers
         policy = AutoShardPolicy.OFF if workers.size == 1 else \
             dataset.options().experimental_distribute.auto_shard_policy
         if policy is AutoShardPolicy.AUTO:
-            policy = AutoShardPolicy.FILE if autoshard.reads_files(dataset) else AutoShardPolicy.DATA
+            # As tf.data: FILE when the pipeline reads files and has no source that
+            # FILE sharding would leave whole on every worker, else DATA.
+            policy = AutoShardPolicy.FILE if autoshard.reads_files(dataset) and not \
+                autoshard.unshardable_sources(dataset) else AutoShardPolicy.DATA
             if workers.rank == 0:
                 log.info("auto-shard policy AUTO chose %s (the dataset %s files)", policy.name,
-                         "reads" if policy is AutoShardPolicy.FILE else "reads no")
+                         "reads" if policy is AutoShardPolicy.FILE else
+                         "reads no or not only")
         if policy is AutoShardPolicy.FILE:
-            # Every rank runs the same check, so a too-few-files error is raised on all.
+            # Every rank runs the same checks, so their errors are raised on all.
+            _refuse_unshardable_sources(dataset, autoshard)
+            _refuse_file_cache_under_file_sharding(dataset)
             dataset = autoshard.shard_files(dataset, workers.size, workers.rank)
         elif policy is AutoShardPolicy.DATA:
             # Every worker must read the same order: unseeded shuffles take worker 0's
@@ -281,6 +290,7 @@ class DistributedDatasetsFromFunction(_DistributedBase):
         # One replica in sync takes the batches as they are (no empty batches to make,
         # so unbatched data is fine); several need batches to pad the last step with.
         self._whole = strategy.num_replicas_in_sync == 1
+        _refuse_dataset_elements(self._dataset, "distribute_datasets_from_function")
         if self._whole:
             self.element_spec = _spec_or_none(self._dataset)
         else:
@@ -349,6 +359,45 @@ def _batch_rows(dataset, card: int) -> tuple[int, int] | None:
     if card < 1 or not 0 < last <= full:
         return None
     return full, last
+
+
+def _refuse_dataset_elements(dataset, what: str = "experimental_distribute_dataset") -> None:
+    """Elements that are datasets (``window``) cannot be cut over replicas nor placed on
+    devices: a clear error instead of one from deep inside the splitting."""
+    from gpustrat.data.windowing import contains_datasets  # noqa: PLC0415
+    spec = _spec_or_none(dataset)
+    if spec is not None and contains_datasets(spec):
+        raise ValueError(
+            f"{what}: the dataset's elements are datasets (element_spec {spec}), made by "
+            "window(); a distributed dataset needs arrays. Turn each window into a batch "
+            "before distributing, e.g. ds.window(n).flat_map(lambda w: w.batch(n))")
+
+
+def _refuse_unshardable_sources(dataset, autoshard) -> None:
+    """FILE sharding of a pipeline that also reads data from no file would give that
+    data whole to every worker (TensorFlow: "Found an unshardable source dataset")."""
+    whole = autoshard.unshardable_sources(dataset)
+    if whole and autoshard.reads_files(dataset):
+        names = sorted({type(n).__name__ for n in whole})
+        raise ValueError(
+            f"the FILE auto-shard policy gives each worker some of the files, but the "
+            f"dataset also reads data from sources that are not files ({', '.join(names)}),"
+            " which every worker would read whole: use AutoShardPolicy.DATA (or AUTO, "
+            "which picks DATA here) or OFF, or read every input from files")
+
+
+def _refuse_file_cache_under_file_sharding(dataset) -> None:
+    """A file cache filled from files that FILE sharding splits between workers would
+    hold another worker's data under the same name (or, filled before, all the data)."""
+    from gpustrat.data.caching import file_cache_names  # noqa: PLC0415
+    names = file_cache_names(dataset)
+    if names:
+        raise ValueError(
+            f"the dataset caches files it reads into {names}, but the FILE auto-shard "
+            "policy gives each worker other files, so every worker would read or write "
+            "the same cache with different data. Cache in memory (cache()), use "
+            "AutoShardPolicy.DATA or OFF, or build each worker's pipeline with "
+            "distribute_datasets_from_function and a filename per input_pipeline_id")
 
 
 def _check_batched_spec(dataset, what: str = "experimental_distribute_dataset") -> None:
