@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, Callable
 
-from gpustrat.distribute import collective_ops
+from gpustrat.distribute import collective_ops, context
 from gpustrat.reduce_util import ReduceOp
+from gpustrat.values import regroup, select_replica
+
+_merge = threading.local()
+
+
+def in_merge_call() -> bool:
+    """True while this thread runs a ``merge_call`` function."""
+    return getattr(_merge, "depth", 0) > 0
 
 
 class ReplicaContext:
@@ -55,6 +64,43 @@ class ReplicaContext:
         sig = collective_ops.leaf_signature("all_gather", str(axis), value, skip_axis=axis)
         return self._exchange(
             sig, value, lambda vals: collective_ops.all_gather_structures(comm, vals, axis))
+
+    def merge_call(self, merge_fn: Callable, args: tuple = (), kwargs: dict | None = None
+                   ) -> Any:
+        """Call ``merge_fn(strategy, *args, **kwargs)`` once, in cross-replica context,
+        with every local replica's arguments merged.
+
+        Every replica must call it (it is a collective). Each argument that differs
+        between replicas reaches ``merge_fn`` as a :class:`~gpustrat.PerReplica` of the
+        replicas' values; one that is the same object on every replica (a variable, a
+        constant) as itself. Replica 0's ``merge_fn`` is the one called. Each replica
+        gets ``merge_fn``'s result, with distributed values replaced by that replica's
+        component. Inside ``merge_fn``, ``strategy.reduce``, ``strategy.extended`` and
+        variable updates work as in cross-replica context; ``strategy.run`` does not.
+        """
+        if not callable(merge_fn):
+            raise TypeError(f"merge_call needs a callable merge_fn, got {merge_fn!r}")
+        if not isinstance(args, (tuple, list)):
+            args = (args,)
+        name = getattr(merge_fn, "__qualname__", type(merge_fn).__name__)
+        sig = ("merge_call", name, ())
+        return self._exchange(sig, (merge_fn, tuple(args), dict(kwargs or {})),
+                              self._merge_combine)
+
+    def _merge_combine(self, items: list) -> list:
+        # Runs once per worker, in the thread of the last replica to arrive.
+        strategy = self._strategy
+        merge_fn = items[0][0]
+        args = regroup([a for _, a, _ in items])
+        kwargs = regroup([k for _, _, k in items])
+        context.push(strategy, None)
+        _merge.depth = getattr(_merge, "depth", 0) + 1
+        try:
+            result = merge_fn(strategy, *args, **kwargs)
+        finally:
+            _merge.depth -= 1
+            context.pop()
+        return [select_replica(i, result) for i in range(len(items))]
 
     def __repr__(self) -> str:
         return (f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "
