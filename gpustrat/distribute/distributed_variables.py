@@ -318,3 +318,21 @@ def as_components(value: Any):
 
 def replica_reduce_op(agg: VariableAggregation) -> ReduceOp:
     return _AGG_OPS[agg]
+
+
+def zeros(strategy, shape, dtype, name: str, sync=VariableSynchronization.ON_WRITE,
+          agg=VariableAggregation.NONE, trainable: bool = False) -> Variable:
+    """A variable of zeros made without communication (zeros are equal everywhere):
+    distributed under ``strategy``, plain when ``strategy`` is None. For state that
+    optimizers and metrics own (slots, counters, totals)."""
+    arr = np.zeros(shape, dtype)
+    if strategy is None:
+        return Variable._plain(arr, trainable, name, sync, agg)
+    comps = [to_device(arr, d, copy=True) for d in strategy.local_devices]
+    cls = SyncOnReadVariable if sync is _ON_READ else MirroredVariable
+    return cls._from_components(strategy, comps, trainable, name, sync, agg)
+
+
+def strategy_of(v: Variable):
+    """The strategy that made ``v``, None for a plain variable."""
+    return v._strategy if isinstance(v, DistributedVariable) else None

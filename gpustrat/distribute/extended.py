@@ -108,7 +108,6 @@ class StrategyExtended:
             return ctx.merge_call(lambda s, pairs: s.extended.batch_reduce_to(op, pairs),
                                   args=(list(value_destination_pairs),))
         strategy = self._strategy
-        comm = strategy.communicator
         devices = strategy.local_devices
         tensors = []
         for value, _ in value_destination_pairs:
@@ -117,9 +116,8 @@ class StrategyExtended:
         if not tensors:
             return []
         agree_tensors(strategy, tensors, f"batch_reduce_to({op.name})")
-        reduced = fused_all_reduce(comm, tensors, op) if len(tensors) > 1 else \
-            [comm.all_reduce(tensors[0], op)]
-        return [r[0] if len(r) == 1 else Mirrored(r) for r in reduced]
+        return [r[0] if len(r) == 1 else Mirrored(r)
+                for r in fused_reduce(strategy.communicator, tensors, op)]
 
 
 def _components(strategy, value: Any, op: ReduceOp) -> tuple:
@@ -130,13 +128,28 @@ def _components(strategy, value: Any, op: ReduceOp) -> tuple:
     return strategy._components(value)
 
 
-def agree_tensors(strategy, tensors: list, what: str) -> None:
+def fused_reduce(comm, tensors: list, op: ReduceOp) -> list:
+    """``tensors[j][i]`` (tensor j of local replica i) reduced over every replica in
+    sync: one collective per fusion bucket. Returns ``out[j][i]``."""
+    if len(tensors) == 1:
+        return [comm.all_reduce(tensors[0], op)]
+    return fused_all_reduce(comm, tensors, op)
+
+
+def describe_layouts(tensors: list, names=None) -> tuple:
+    """One short string per tensor: ``[name:]shape:dtype``."""
+    return tuple((f"{names[j]}:" if names else "")
+                 + f"{'x'.join(map(str, t[0].shape)) or 'scalar'}:{t[0].dtype}"
+                 for j, t in enumerate(tensors))
+
+
+def agree_tensors(strategy, tensors: list, what: str, names=None) -> None:
     """Across workers, one small collective: every worker reduces the same list of
-    shapes and dtypes (else every worker raises). Nothing on one worker."""
+    shapes and dtypes (and ``names``, when given), else every worker raises. Nothing on
+    one worker."""
     if strategy.num_workers == 1:
         return
-    layout = tuple(f"{'x'.join(map(str, t[0].shape)) or 'scalar'}:{t[0].dtype}"
-                   for t in tensors)
-    strategy.communicator.agree_layout(layout, tensors[0][0].dtype, what,
+    strategy.communicator.agree_layout(describe_layouts(tensors, names),
+                                       tensors[0][0].dtype, what,
                                        "every worker must reduce the same values, in the "
                                        "same order, with the same shapes and dtypes")
