@@ -81,3 +81,29 @@ s.close()
 
 def test_disagreements_raise_on_every_rank_and_leave_variables_equal():
     assert_mpi_ok(2, DISAGREE, timeout=120, expect_lines=2)
+
+
+METRICS = r"""
+import numpy as np
+import gpustrat as gs
+from gpustrat.data import Dataset
+s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"])
+with s.scope():
+    mean, acc = gs.metrics.Mean(), gs.metrics.SparseCategoricalAccuracy()
+data = np.arange(11.0, dtype=np.float32)          # 11 rows: the last batch is partial
+labels = (np.arange(11) % 3).astype(np.int64)
+scores = np.eye(3, dtype=np.float32)[np.arange(11) % 2 * 2]   # predicts 0, 2, 0, 2, ...
+ds = Dataset.from_tensor_slices((data, labels, scores)).batch(4)
+for x, y, p in s.experimental_distribute_dataset(ds):
+    s.run(lambda x, y, p: (mean.update_state(x), acc.update_state(y, p)), args=(x, y, p))
+with s.scope():
+    got = float(mean.result()), float(acc.result())
+want_acc = float(np.mean(labels == np.arange(11) % 2 * 2))
+assert got == (5.0, np.float32(want_acc)), got
+print(f"OK rank {s.worker_index}", flush=True)
+s.close()
+"""
+
+
+def test_metrics_aggregate_over_every_worker():
+    assert_mpi_ok(2, METRICS, timeout=120, expect_lines=2)
