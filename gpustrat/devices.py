@@ -217,7 +217,9 @@ def to_device(x, device: Device, stream=None, copy: bool = False):
                     and _dlpack_on_gpu(x)):
                 return to_device(cp.asarray(x) if hasattr(x, "__cuda_array_interface__")
                                  else cp.from_dlpack(x), device, stream, copy)
-            host = np.ascontiguousarray(to_host(x))
+            host = to_host(x)
+            # np.ascontiguousarray would turn a 0-d array into shape (1,).
+            host = host if host.flags.c_contiguous else np.ascontiguousarray(host)
             out = cp.empty(host.shape, host.dtype)
             out.set(host, stream=stream)
             return out

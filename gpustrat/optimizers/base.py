@@ -176,9 +176,10 @@ class Optimizer:
                     self.update_step(c._array, tensors[j][i],
                                      {s: _component(slots[s], i) for s in slots}, lr, step,
                                      v.name)
+        one = np.ones((), np.int64)
         for c in (self._iterations.values if isinstance(self._iterations, DistributedVariable)
                   else (self._iterations,)):
-            c._array += 1
+            c._write("assign_add", one)
 
     def _gradient_tensors(self, owner, grads: list, variables: list) -> list:
         """``out[j][i]``: gradient j on local replica i's device, in variable j's dtype."""
