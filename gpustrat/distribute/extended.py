@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 from gpustrat.collectives.fusion import fused_all_reduce
 from gpustrat.distribute import context
 from gpustrat.distribute.collective_ops import as_array
+from gpustrat.distribute.distributed_variables import DistributedVariable, as_components
 from gpustrat.reduce_util import ReduceOp
 from gpustrat.values import DistributedValues, Mirrored, regroup, select_replica
 
@@ -60,7 +61,6 @@ class StrategyExtended:
         if ctx is not None:
             return ctx.merge_call(
                 lambda s, a, k: s.extended.update(var, fn, a, k, group), args=(args, kwargs))
-        from gpustrat.distribute.distributed_variables import DistributedVariable  # noqa
         if isinstance(var, DistributedVariable):
             if var.distribute_strategy is not self._strategy:
                 raise ValueError(f"extended.update: variable {var.name!r} belongs to "
@@ -121,7 +121,6 @@ class StrategyExtended:
 
 
 def _components(strategy, value: Any, op: ReduceOp) -> tuple:
-    from gpustrat.distribute.distributed_variables import as_components  # noqa: PLC0415
     value = as_components(value)
     if not isinstance(value, DistributedValues):
         strategy._check_plain(op, value)
@@ -143,13 +142,14 @@ def describe_layouts(tensors: list, names=None) -> tuple:
                  for j, t in enumerate(tensors))
 
 
-def agree_tensors(strategy, tensors: list, what: str, names=None) -> None:
+def agree_tensors(strategy, tensors: list, what: str, names=None, layouts=None) -> None:
     """Across workers, one small collective: every worker reduces the same list of
-    shapes and dtypes (and ``names``, when given), else every worker raises. Nothing on
-    one worker."""
+    shapes and dtypes (and ``names``, when given; ``layouts`` is
+    ``describe_layouts(tensors, names)`` when the caller keeps it), else every worker
+    raises. Nothing on one worker."""
     if strategy.num_workers == 1:
         return
-    strategy.communicator.agree_layout(describe_layouts(tensors, names),
+    strategy.communicator.agree_layout(layouts or describe_layouts(tensors, names),
                                        tensors[0][0].dtype, what,
                                        "every worker must reduce the same values, in the "
                                        "same order, with the same shapes and dtypes")

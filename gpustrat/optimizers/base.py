@@ -19,6 +19,7 @@ on plain arrays (NumPy, or CuPy on a GPU replica), in place.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable
 
 import numpy as np
@@ -27,7 +28,7 @@ from gpustrat.devices import to_host
 from gpustrat.distribute import context
 from gpustrat.distribute.collective_ops import as_array
 from gpustrat.distribute.distributed_variables import DistributedVariable, strategy_of, zeros
-from gpustrat.distribute.extended import agree_tensors, fused_reduce
+from gpustrat.distribute.extended import agree_tensors, describe_layouts, fused_reduce
 from gpustrat.distribute.variables import Variable, VariableAggregation
 from gpustrat.reduce_util import ReduceOp
 from gpustrat.values import DistributedValues
@@ -79,6 +80,7 @@ class Optimizer:
                                  agg=VariableAggregation.ONLY_FIRST_REPLICA)
         self._slots: dict = {}
         self._slot_list: list = []
+        self._plans: dict = {}
 
     # --- state ----------------------------------------------------------------------
     @property
@@ -154,65 +156,51 @@ class Optimizer:
         return self._iterations
 
     def _apply_merged(self, strategy, grads: list, variables: list, reduce: bool) -> None:
-        owner = strategy_of(variables[0])
-        for v in variables:
-            if strategy_of(v) is not owner or (strategy is not None and owner is not None
-                                               and owner is not strategy):
-                raise ValueError(
-                    f"{type(self).__name__}.apply_gradients: variable {v.name!r} belongs to "
-                    f"{strategy_of(v)!r} but the step runs under {strategy or owner!r}: "
-                    "train the variables of one strategy, under that strategy")
-        tensors = self._gradient_tensors(owner, grads, variables)
-        if reduce and owner is not None and owner.num_replicas_in_sync > 1:
-            tensors = self._reduce(owner, tensors, variables)
-        self._build(variables)
+        plan = self._plan(variables)
+        if strategy is not None and plan.owner is not None and plan.owner is not strategy:
+            raise ValueError(
+                f"{type(self).__name__}.apply_gradients: the variables belong to "
+                f"{plan.owner!r} but the step runs under {strategy!r}: train the variables "
+                "of one strategy, under that strategy")
+        tensors = plan.gradients(grads)
+        if reduce and plan.owner is not None and plan.owner.num_replicas_in_sync > 1:
+            tensors = self._reduce(plan, tensors)
         lr = self.learning_rate
         step = self._step_count() + 1
-        for j, v in enumerate(variables):
-            comps = v.values if isinstance(v, DistributedVariable) else (v,)
-            slots = self._slots[v]
-            for i, c in enumerate(comps):
-                with c._device.activate():
-                    self.update_step(c._array, tensors[j][i],
-                                     {s: _component(slots[s], i) for s in slots}, lr, step,
-                                     v.name)
+        update = self.update_step
+        names = plan.names
+        for i, (params, slots) in enumerate(zip(plan.params, plan.slots)):
+            devs = plan.devices[i]
+            with devs[0].activate() if plan.gpu else _NO_CONTEXT:
+                for j, (param, slot) in enumerate(zip(params, slots)):
+                    if plan.gpu and devs[j] != devs[0]:
+                        with devs[j].activate():
+                            update(param, tensors[j][i], slot, lr, step, names[j])
+                    else:
+                        update(param, tensors[j][i], slot, lr, step, names[j])
         one = np.ones((), np.int64)
         for c in (self._iterations.values if isinstance(self._iterations, DistributedVariable)
                   else (self._iterations,)):
             c._write("assign_add", one)
 
-    def _gradient_tensors(self, owner, grads: list, variables: list) -> list:
-        """``out[j][i]``: gradient j on local replica i's device, in variable j's dtype."""
-        out = []
-        for g, v in zip(grads, variables):
-            if isinstance(v, DistributedVariable):
-                devices = [c._device for c in v.values]
-            else:
-                devices = [v._device]
-            if isinstance(g, DistributedValues):
-                if len(g.values) != len(devices):
-                    raise ValueError(f"the gradient of {v.name!r} has {len(g.values)} "
-                                     f"components for {len(devices)} local replicas")
-                parts = g.values
-            else:
-                # The same gradient on every replica (each replica passed this value).
-                parts = (g,) * len(devices)
-            row = [as_array(p, d) for p, d in zip(parts, devices)]
-            for a in row:
-                if tuple(a.shape) != v.shape:
-                    raise ValueError(f"the gradient of variable {v.name!r} has shape "
-                                     f"{tuple(a.shape)} but the variable has {v.shape}")
-                if a.dtype.kind not in "fc":
-                    raise TypeError(f"the gradient of variable {v.name!r} has dtype "
-                                    f"{a.dtype}: gradients must be floating point")
-            if row[0].dtype != v.dtype:
-                row = [a.astype(v.dtype) for a in row]
-            out.append(row)
-        return out
+    def _plan(self, variables: list) -> "_Plan":
+        # Training loops pass the same variables every step: the bookkeeping is done once.
+        key = tuple(map(id, variables))
+        plan = self._plans.get(key)
+        if plan is None:
+            self._build(variables)
+            plan = _Plan(self, variables)
+            if len(self._plans) >= 64:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
 
-    def _reduce(self, strategy, tensors: list, variables: list) -> list:
-        names = [v._key for v in variables]
-        agree_tensors(strategy, tensors, f"{type(self).__name__}.apply_gradients", names)
+    def _reduce(self, plan: "_Plan", tensors: list) -> list:
+        strategy = plan.owner
+        if plan.layouts is None:
+            plan.layouts = describe_layouts(tensors, plan.keys)
+        agree_tensors(strategy, tensors, f"{type(self).__name__}.apply_gradients",
+                      layouts=plan.layouts)
         wire = self.compression
         if wire is None:
             return fused_reduce(strategy.communicator, tensors, ReduceOp.SUM)
@@ -237,6 +225,69 @@ class Optimizer:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "name")
         return f"{type(self).__name__}({args})"
+
+
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+class _Plan:
+    """What one list of variables needs each step, worked out on its first step: their
+    owner, devices, component and slot arrays per replica, names and shapes."""
+
+    def __init__(self, optimizer: Optimizer, variables: list):
+        owners = {id(strategy_of(v)) for v in variables}
+        if len(owners) > 1:
+            bad = next(v for v in variables if strategy_of(v) is not strategy_of(variables[0]))
+            raise ValueError(
+                f"{type(optimizer).__name__}.apply_gradients: variable {bad.name!r} belongs "
+                f"to {strategy_of(bad)!r} but {variables[0].name!r} to "
+                f"{strategy_of(variables[0])!r}: train the variables of one strategy, "
+                "under that strategy")
+        self.owner = strategy_of(variables[0])
+        comps = [v.values if isinstance(v, DistributedVariable) else (v,) for v in variables]
+        self.n_local = len(comps[0])
+        #: devices[i][j], params[i][j], slots[i][j]: replica i, variable j.
+        self.devices = [[c[i]._device for c in comps] for i in range(self.n_local)]
+        self.params = [[c[i]._array for c in comps] for i in range(self.n_local)]
+        self.slots = [[{s: _component(slot, i) for s, slot in optimizer._slots[v].items()}
+                       for v in variables] for i in range(self.n_local)]
+        self.gpu = any(d.is_gpu for row in self.devices for d in row)
+        self.names = [v.name for v in variables]
+        self.keys = [v._key if isinstance(v, DistributedVariable) else v.name
+                     for v in variables]
+        self.shapes = [v.shape for v in variables]
+        self.dtypes = [v.dtype for v in variables]
+        #: What the workers agree on each step (made on the first reduction).
+        self.layouts = None
+
+    def gradients(self, grads: list) -> list:
+        """``out[j][i]``: gradient j on local replica i's device, in variable j's dtype."""
+        n = self.n_local
+        out = []
+        for j, g in enumerate(grads):
+            if isinstance(g, DistributedValues):
+                parts = g.values
+                if len(parts) != n:
+                    raise ValueError(f"the gradient of {self.names[j]!r} has {len(parts)} "
+                                     f"components for {n} local replicas")
+            else:
+                # The same gradient on every replica (each replica passed this value).
+                parts = (g,) * n
+            row = list(parts)
+            shape, dtype = self.shapes[j], self.dtypes[j]
+            for i, a in enumerate(row):
+                if type(a) is not np.ndarray or self.gpu:
+                    a = row[i] = as_array(a, self.devices[i][j])
+                if a.shape != shape:
+                    raise ValueError(f"the gradient of variable {self.names[j]!r} has shape "
+                                     f"{tuple(a.shape)} but the variable has {shape}")
+                if a.dtype != dtype:
+                    if a.dtype.kind not in "fc":
+                        raise TypeError(f"the gradient of variable {self.names[j]!r} has "
+                                        f"dtype {a.dtype}: gradients must be floating point")
+                    row[i] = a.astype(dtype)
+            out.append(row)
+        return out
 
 
 def _component(v: Variable, i: int):
