@@ -90,7 +90,14 @@ class Metric:
         for v, a in zip(self._variables, amounts):
             comps = _components(v)
             target = comps[0]
-            if isinstance(v, DistributedVariable):
+            if not isinstance(v, DistributedVariable):
+                strategy, replica_ctx = context.current()
+                if replica_ctx is not None and len(strategy.local_devices) > 1:
+                    raise ValueError(
+                        f"metric {self.name!r} was made outside strategy.scope(), so its "
+                        f"state has one copy that {len(strategy.local_devices)} replicas "
+                        "would update at once: make the metric inside strategy.scope()")
+            else:
                 strategy, replica_ctx = context.current()
                 if strategy is not None and strategy is not v.distribute_strategy:
                     v.value()  # raises the error that names both strategies

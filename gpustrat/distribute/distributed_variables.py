@@ -256,10 +256,10 @@ class SyncOnReadVariable(DistributedVariable):
         agg = self._agg
         strategy = self._strategy
         if agg is VariableAggregation.ONLY_FIRST_REPLICA:
-            comps = [c._array for c in self._values]
             if strategy.num_workers == 1:
-                return comps[0]
-            return strategy.communicator.broadcast(comps, root=0)[0]
+                return self._values[0].value()
+            return strategy.communicator.broadcast([c._array for c in self._values],
+                                                   root=0)[0]
         if agg is VariableAggregation.NONE:
             raise ValueError(self._no_aggregation("read"))
         from gpustrat.distribute import reduction  # noqa: PLC0415
@@ -270,8 +270,10 @@ class SyncOnReadVariable(DistributedVariable):
         ctx = self._context("read")
         if ctx is not None:
             return self._values[ctx._local_index].read_value()
-        value = self._cross_replica_value()
-        return value.copy() if any(value is c._array for c in self._values) else value
+        if self._agg is VariableAggregation.ONLY_FIRST_REPLICA and \
+                self._strategy.num_workers == 1:
+            return self._values[0].read_value()
+        return self._cross_replica_value()  # a new array: the reduction's result
 
     def _no_aggregation(self, what: str) -> str:
         return (f"sync-on-read variable {self._name!r} has aggregation NONE, so it cannot "

@@ -162,6 +162,11 @@ class Optimizer:
                 f"{type(self).__name__}.apply_gradients: the variables belong to "
                 f"{plan.owner!r} but the step runs under {strategy!r}: train the variables "
                 "of one strategy, under that strategy")
+        if plan.owner is None and strategy is not None and strategy.num_replicas_in_sync > 1:
+            raise ValueError(
+                f"{type(self).__name__}.apply_gradients under {strategy!r}: variable "
+                f"{plan.names[0]!r} was made outside strategy.scope(), so it has one copy "
+                "for all replicas; make the variables inside strategy.scope()")
         tensors = plan.gradients(grads)
         if reduce and plan.owner is not None and plan.owner.num_replicas_in_sync > 1:
             tensors = self._reduce(plan, tensors)

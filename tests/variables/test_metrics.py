@@ -97,3 +97,9 @@ def test_metric_of_one_strategy_under_another_is_an_error(two):
             other.run(lambda: m.update_state(np.ones(2)))
     finally:
         other.close()
+
+
+def test_a_metric_made_outside_the_scope_is_refused_inside_run(two):
+    m = gs.metrics.Sum()
+    with pytest.raises(ValueError, match="made outside strategy.scope"):
+        two.run(lambda: m.update_state(np.ones(2)))

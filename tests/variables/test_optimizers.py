@@ -150,3 +150,16 @@ def test_compression_sends_16_bit_values_and_rounds_each_share(monkeypatch, comp
         strategy.close()
     assert seen == [np.dtype(wire)]
     np.testing.assert_array_equal(np.asarray(v), [-2.0, -6.0])
+
+
+def test_variables_made_outside_the_scope_are_refused_inside_run():
+    strategy = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    try:
+        v = gs.Variable(np.zeros(2, np.float32), name="outside")
+        with strategy.scope():
+            opt = gs.optimizers.SGD(0.1)
+        with pytest.raises(ValueError, match="'outside' was made outside"):
+            strategy.run(lambda: opt.apply_gradients([(np.ones(2, np.float32), v)]))
+        assert np.all(v.numpy() == 0)
+    finally:
+        strategy.close()

@@ -238,3 +238,13 @@ def test_one_device_and_default_strategies():
         assert comps(one, v) == [[3.0]]
     finally:
         one.close()
+
+
+def test_cross_replica_value_of_a_first_replica_variable_is_read_only(two):
+    with two.scope():
+        v = gs.Variable([1.0], synchronization="on_read", aggregation="only_first_replica")
+        with pytest.raises(ValueError):
+            v.value()[0] = 5.0
+        kept = v.read_value()
+        kept[0] = 7.0
+    assert comps(two, v) == [[1.0], [1.0]]
