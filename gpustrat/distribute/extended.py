@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from gpustrat.collectives.fusion import fused_all_reduce
 from gpustrat.distribute import context
 from gpustrat.distribute.collective_ops import as_array
@@ -109,10 +111,20 @@ class StrategyExtended:
                                   args=(list(value_destination_pairs),))
         strategy = self._strategy
         devices = strategy.local_devices
+        on_host = not any(d.is_gpu for d in devices)
+        single = len(devices) == 1
         tensors = []
         for value, _ in value_destination_pairs:
+            # The common cases (host arrays: one per replica, or one replica's own) need
+            # no placement: a gradient step passes a hundred of them.
+            if on_host and single and type(value) is np.ndarray:
+                tensors.append([value])
+                continue
             comps = _components(strategy, value, op)
-            tensors.append([as_array(c, d) for c, d in zip(comps, devices)])
+            if on_host and all(type(c) is np.ndarray for c in comps):
+                tensors.append(list(comps))
+            else:
+                tensors.append([as_array(c, d) for c, d in zip(comps, devices)])
         if not tensors:
             return []
         agree_tensors(strategy, tensors, f"batch_reduce_to({op.name})")
@@ -135,8 +147,23 @@ def fused_reduce(comm, tensors: list, op: ReduceOp) -> list:
     return fused_all_reduce(comm, tensors, op)
 
 
+_described: dict = {}
+
+
 def describe_layouts(tensors: list, names=None) -> tuple:
-    """One short string per tensor: ``[name:]shape:dtype``."""
+    """One short string per tensor: ``[name:]shape:dtype`` (remembered: a training loop
+    reduces the same layouts every step)."""
+    key = (tuple([(t[0].shape, t[0].dtype) for t in tensors]),
+           tuple(names) if names else None)
+    hit = _described.get(key)
+    if hit is None:
+        hit = _describe(tensors, names)
+        if len(_described) < 256:
+            _described[key] = hit
+    return hit
+
+
+def _describe(tensors: list, names=None) -> tuple:
     return tuple((f"{names[j]}:" if names else "")
                  + f"{'x'.join(map(str, t[0].shape)) or 'scalar'}:{t[0].dtype}"
                  for j, t in enumerate(tensors))
