@@ -10,12 +10,6 @@ import gpustrat as gs
 from gpustrat.data import Dataset
 
 
-@pytest.fixture
-def two():
-    s = gs.MirroredStrategy(["cpu:0", "cpu:1"])
-    yield s
-    s.close()
-
 
 def test_mean_and_sum_over_an_epoch_with_a_partial_batch(two):
     with two.scope():

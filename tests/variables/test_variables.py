@@ -9,18 +9,6 @@ import gpustrat as gs
 from gpustrat.values import Mirrored, PerReplica
 
 
-@pytest.fixture
-def two():
-    s = gs.MirroredStrategy(["cpu:0", "cpu:1"])
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def three():
-    s = gs.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
-    yield s
-    s.close()
 
 
 def rid():

@@ -22,12 +22,6 @@ def test_every_update_matches_tensorflow(n, table):
     assert bad == []
 
 
-@pytest.fixture
-def two():
-    s = gs.MirroredStrategy(["cpu:0", "cpu:1"])
-    yield s
-    s.close()
-
 
 def test_creation_defaults_match_tensorflow(two):
     with two.scope():
