@@ -7,7 +7,8 @@ from typing import Any, Callable
 
 from gpustrat.distribute import collective_ops, context
 from gpustrat.reduce_util import ReduceOp
-from gpustrat.values import regroup, select_replica
+from gpustrat import nest
+from gpustrat.values import PerReplica, regroup, select_replica
 
 _merge = threading.local()
 
@@ -91,8 +92,11 @@ class ReplicaContext:
         # Runs once per worker, in the thread of the last replica to arrive.
         strategy = self._strategy
         merge_fn = items[0][0]
-        args = regroup([a for _, a, _ in items])
-        kwargs = regroup([k for _, _, k in items])
+        if len(items) == 1:
+            args, kwargs = items[0][1], items[0][2]
+        else:
+            args = _merge_args([a for _, a, _ in items])
+            kwargs = regroup([k for _, _, k in items])
         context.push(strategy, None)
         _merge.depth = getattr(_merge, "depth", 0) + 1
         try:
@@ -105,6 +109,30 @@ class ReplicaContext:
     def __repr__(self) -> str:
         return (f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "
                 f"num_replicas_in_sync={self.num_replicas_in_sync})")
+
+
+def _merge_args(per_replica: list) -> tuple:
+    """The replicas' argument tuples merged (as ``regroup`` does), with a fast path for
+    the common arguments of a merge: the same object everywhere, or flat lists of
+    leaves (an optimizer's gradients and variables), walked without ``nest``."""
+    if any(len(a) != len(per_replica[0]) for a in per_replica):
+        return regroup(per_replica)
+    merged = []
+    for values in zip(*per_replica):
+        first = values[0]
+        if all(v is first for v in values):
+            merged.append(first)
+            continue
+        kind = type(first)
+        if kind in (list, tuple) and all(type(v) is kind and len(v) == len(first)
+                                         for v in values):
+            columns = list(zip(*values))
+            if not any(nest.is_nested(c[0]) for c in columns):
+                merged.append(kind(c[0] if all(x is c[0] for x in c) else PerReplica(c)
+                                   for c in columns))
+                continue
+        merged.append(regroup(list(values)))
+    return tuple(merged)
 
 
 class ValueContext:

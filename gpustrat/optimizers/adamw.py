@@ -33,8 +33,12 @@ class AdamW(Adam):
                                                 for p in self.exclude_from_weight_decay)
         return hit
 
+    def flat_ok(self, names) -> bool:
+        # Variables excluded from the decay need their own update.
+        return all(self._decays(n) for n in names)
+
     def update_step(self, param, grad, slots, lr, step, name):
-        if self.weight_decay and self._decays(name):
+        if self.weight_decay and (name is None or self._decays(name)):
             param -= param * (self.weight_decay * lr)
         super().update_step(param, grad, slots, lr, step, name)
 

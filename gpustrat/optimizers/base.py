@@ -19,19 +19,19 @@ on plain arrays (NumPy, or CuPy on a GPU replica), in place.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Iterable
 
 import numpy as np
 
 from gpustrat.devices import to_host
 from gpustrat.distribute import context
-from gpustrat.distribute.collective_ops import as_array
 from gpustrat.distribute.distributed_variables import DistributedVariable, strategy_of, zeros
+from gpustrat.collectives.fusion import fused_all_reduce_flat
 from gpustrat.distribute.extended import agree_tensors, describe_layouts, fused_reduce
 from gpustrat.distribute.variables import Variable, VariableAggregation
 from gpustrat.reduce_util import ReduceOp
-from gpustrat.values import DistributedValues
+from gpustrat.optimizers import bfloat16
+from gpustrat.optimizers.plan import StepPlan
 
 #: Wire types for ``compression``.
 COMPRESSIONS = {"float16": np.dtype(np.float16)}
@@ -44,7 +44,6 @@ def compression_dtype(compression) -> np.dtype | None:
     key = str(np.dtype(compression)) if not isinstance(compression, str) else compression
     key = key.strip().lower()
     if key == "bfloat16":
-        from gpustrat.optimizers import bfloat16  # noqa: PLC0415
         return bfloat16.BFLOAT16
     if key not in COMPRESSIONS:
         raise ValueError(f"compression={compression!r} is not supported: use None, "
@@ -168,59 +167,77 @@ class Optimizer:
                 f"{plan.names[0]!r} was made outside strategy.scope(), so it has one copy "
                 "for all replicas; make the variables inside strategy.scope()")
         tensors = plan.gradients(grads)
-        if reduce and plan.owner is not None and plan.owner.num_replicas_in_sync > 1:
-            tensors = self._reduce(plan, tensors)
+        reduce = reduce and plan.owner is not None and plan.owner.num_replicas_in_sync > 1
+        if reduce and plan.layouts is None:
+            plan.layouts = describe_layouts(tensors, plan.keys)
+        if reduce:
+            agree_tensors(plan.owner, tensors, f"{type(self).__name__}.apply_gradients",
+                          layouts=plan.layouts)
         lr = self.learning_rate
         step = self._step_count() + 1
-        update = self.update_step
-        names = plan.names
-        for i, (params, slots) in enumerate(zip(plan.params, plan.slots)):
-            devs = plan.devices[i]
-            with devs[0].activate() if plan.gpu else _NO_CONTEXT:
-                for j, (param, slot) in enumerate(zip(params, slots)):
-                    if plan.gpu and devs[j] != devs[0]:
-                        with devs[j].activate():
-                            update(param, tensors[j][i], slot, lr, step, names[j])
-                    else:
-                        update(param, tensors[j][i], slot, lr, step, names[j])
+        if plan.flat is not None:
+            plan.flat.step(self, self._flat_gradients(plan, tensors, reduce), lr, step)
+        else:
+            if reduce:
+                tensors = self._reduce(plan, tensors)
+            plan.step_each(self, tensors, lr, step)
         one = np.ones((), np.int64)
         for c in (self._iterations.values if isinstance(self._iterations, DistributedVariable)
                   else (self._iterations,)):
             c._write("assign_add", one)
 
-    def _plan(self, variables: list) -> "_Plan":
+    def _plan(self, variables: list) -> StepPlan:
         # Training loops pass the same variables every step: the bookkeeping is done once.
         key = tuple(map(id, variables))
         plan = self._plans.get(key)
         if plan is None:
             self._build(variables)
-            plan = _Plan(self, variables)
+            plan = StepPlan(self, variables)
             if len(self._plans) >= 64:
                 self._plans.clear()
             self._plans[key] = plan
         return plan
 
-    def _reduce(self, plan: "_Plan", tensors: list) -> list:
-        strategy = plan.owner
-        if plan.layouts is None:
-            plan.layouts = describe_layouts(tensors, plan.keys)
-        agree_tensors(strategy, tensors, f"{type(self).__name__}.apply_gradients",
-                      layouts=plan.layouts)
+    def _reduce(self, plan: StepPlan, tensors: list) -> list:
+        """Per-tensor sums over every replica in sync (``out[j][i]``), on the wire in
+        the compression dtype."""
+        comm = plan.owner.communicator
         wire = self.compression
         if wire is None:
-            return fused_reduce(strategy.communicator, tensors, ReduceOp.SUM)
-        from gpustrat.optimizers import bfloat16  # noqa: PLC0415
+            return fused_reduce(comm, tensors, ReduceOp.SUM)
         if wire is bfloat16.BFLOAT16:
-            return bfloat16.reduce_sum(strategy.communicator, tensors)
+            return bfloat16.reduce_sum(comm, tensors)
         packed = [[t.astype(wire) for t in row] for row in tensors]
-        reduced = fused_reduce(strategy.communicator, packed, ReduceOp.SUM)
+        reduced = fused_reduce(comm, packed, ReduceOp.SUM)
         return [[r.astype(tensors[j][0].dtype) for r in row] for j, row in enumerate(reduced)]
 
-    def update_step(self, param, grad, slots: dict, lr: float, step: int, name: str
+    def _flat_gradients(self, plan: StepPlan, tensors: list, reduce: bool) -> list:
+        """``[(tensor indices, [flat summed gradients per replica]), ...]`` per bucket:
+        one fused reduction, straight from the fusion buffers."""
+        if reduce and self.compression is not bfloat16.BFLOAT16:
+            wire = self.compression
+            packed = tensors if wire is None else [[t.astype(wire) for t in row]
+                                                   for row in tensors]
+            buckets = fused_all_reduce_flat(plan.owner.communicator, packed, ReduceOp.SUM)
+            if wire is not None:
+                buckets = [(b, [x.astype(plan.dtypes[0]) for x in bufs])
+                           for b, bufs in buckets]
+            return buckets
+        if reduce:
+            tensors = bfloat16.reduce_sum(plan.owner.communicator, tensors)
+        return [(list(range(len(tensors))), plan.flat.concatenate(tensors))]
+
+    def flat_ok(self, names: list) -> bool:
+        """Whether one update of all these variables' flattened values at once is the
+        same as updating each (True unless an algorithm treats variables by name)."""
+        return True
+
+    def update_step(self, param, grad, slots: dict, lr: float, step: int, name: str | None
                     ) -> None:
         """Update ``param`` (of the variable called ``name``) in place from the summed
         ``grad``; ``slots`` maps slot names to this replica's slot arrays (updated in
-        place too); ``step`` counts from 1."""
+        place too); ``step`` counts from 1. ``param`` may be the flattened values of
+        several variables at once (``name`` None; see :meth:`flat_ok`)."""
         raise NotImplementedError
 
     def get_config(self) -> dict:
@@ -230,73 +247,6 @@ class Optimizer:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "name")
         return f"{type(self).__name__}({args})"
-
-
-_NO_CONTEXT = contextlib.nullcontext()
-
-
-class _Plan:
-    """What one list of variables needs each step, worked out on its first step: their
-    owner, devices, component and slot arrays per replica, names and shapes."""
-
-    def __init__(self, optimizer: Optimizer, variables: list):
-        owners = {id(strategy_of(v)) for v in variables}
-        if len(owners) > 1:
-            bad = next(v for v in variables if strategy_of(v) is not strategy_of(variables[0]))
-            raise ValueError(
-                f"{type(optimizer).__name__}.apply_gradients: variable {bad.name!r} belongs "
-                f"to {strategy_of(bad)!r} but {variables[0].name!r} to "
-                f"{strategy_of(variables[0])!r}: train the variables of one strategy, "
-                "under that strategy")
-        self.owner = strategy_of(variables[0])
-        comps = [v.values if isinstance(v, DistributedVariable) else (v,) for v in variables]
-        self.n_local = len(comps[0])
-        #: devices[i][j], params[i][j], slots[i][j]: replica i, variable j.
-        self.devices = [[c[i]._device for c in comps] for i in range(self.n_local)]
-        self.params = [[c[i]._array for c in comps] for i in range(self.n_local)]
-        self.slots = [[{s: _component(slot, i) for s, slot in optimizer._slots[v].items()}
-                       for v in variables] for i in range(self.n_local)]
-        self.gpu = any(d.is_gpu for row in self.devices for d in row)
-        self.names = [v.name for v in variables]
-        self.keys = [v._key if isinstance(v, DistributedVariable) else v.name
-                     for v in variables]
-        self.shapes = [v.shape for v in variables]
-        self.dtypes = [v.dtype for v in variables]
-        #: What the workers agree on each step (made on the first reduction).
-        self.layouts = None
-
-    def gradients(self, grads: list) -> list:
-        """``out[j][i]``: gradient j on local replica i's device, in variable j's dtype."""
-        n = self.n_local
-        out = []
-        for j, g in enumerate(grads):
-            if isinstance(g, DistributedValues):
-                parts = g.values
-                if len(parts) != n:
-                    raise ValueError(f"the gradient of {self.names[j]!r} has {len(parts)} "
-                                     f"components for {n} local replicas")
-            else:
-                # The same gradient on every replica (each replica passed this value).
-                parts = (g,) * n
-            row = list(parts)
-            shape, dtype = self.shapes[j], self.dtypes[j]
-            for i, a in enumerate(row):
-                if type(a) is not np.ndarray or self.gpu:
-                    a = row[i] = as_array(a, self.devices[i][j])
-                if a.shape != shape:
-                    raise ValueError(f"the gradient of variable {self.names[j]!r} has shape "
-                                     f"{tuple(a.shape)} but the variable has {shape}")
-                if a.dtype != dtype:
-                    if a.dtype.kind not in "fc":
-                        raise TypeError(f"the gradient of variable {self.names[j]!r} has "
-                                        f"dtype {a.dtype}: gradients must be floating point")
-                    row[i] = a.astype(dtype)
-            out.append(row)
-        return out
-
-
-def _component(v: Variable, i: int):
-    return (v.values[i] if isinstance(v, DistributedVariable) else v)._array
 
 
 def _check_positive(what: str, value) -> None:

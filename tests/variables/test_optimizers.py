@@ -163,3 +163,34 @@ def test_variables_made_outside_the_scope_are_refused_inside_run():
         assert np.all(v.numpy() == 0)
     finally:
         strategy.close()
+
+
+def test_variables_move_into_one_arena_and_a_second_optimizer_still_updates_them():
+    strategy = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    try:
+        with strategy.scope():
+            a = gs.Variable(np.ones(3, np.float32), name="a")
+            b = gs.Variable(np.ones((2, 2), np.float32), name="b")
+            first = gs.optimizers.SGD(0.1, momentum=0.5)
+            second = gs.optimizers.SGD(1.0)
+        grads = [np.full(3, 1.0, np.float32), np.full((2, 2), 2.0, np.float32)]
+        strategy.run(lambda: first.apply_gradients(zip(grads, [a, b])))
+        # Both variables' components (and the momentum slots) now share one buffer per
+        # replica, so that the step is a few whole-buffer operations.
+        for i in range(2):
+            ca = strategy.experimental_local_results(a)[i]._array
+            cb = strategy.experimental_local_results(b)[i]._array
+            assert np.shares_memory(ca.base, cb.base)
+        strategy.run(lambda: second.apply_gradients([(grads[1], b)]))   # not in its arena
+        strategy.run(lambda: first.apply_gradients(zip(grads, [a, b])))
+    finally:
+        strategy.close()
+    # Summed over 2 replicas: g = 2, 4.  first: m = -0.1 g; second: -1.0 * 4;
+    # first again: m = 0.5 m - 0.1 g.
+    m_a, m_b = -0.2, -0.4
+    want_a = 1 + m_a + (0.5 * m_a - 0.2)
+    want_b = 1 + m_b - 4.0 + (0.5 * m_b - 0.4)
+    for c in strategy.experimental_local_results(a):
+        np.testing.assert_allclose(np.asarray(c), want_a, rtol=1e-6)
+    for c in strategy.experimental_local_results(b):
+        np.testing.assert_allclose(np.asarray(c), want_b, rtol=1e-6)
