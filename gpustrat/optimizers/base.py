@@ -19,6 +19,7 @@ on plain arrays (NumPy, or CuPy on a GPU replica), in place.
 
 from __future__ import annotations
 
+import operator
 from typing import Iterable
 
 import numpy as np
@@ -30,6 +31,7 @@ from gpustrat.collectives.fusion import fused_all_reduce_flat
 from gpustrat.distribute.extended import agree_tensors, describe_layouts, fused_reduce
 from gpustrat.distribute.variables import Variable, VariableAggregation
 from gpustrat.reduce_util import ReduceOp
+from gpustrat.values import PerReplica
 from gpustrat.optimizers import bfloat16
 from gpustrat.optimizers.plan import StepPlan
 
@@ -148,13 +150,26 @@ class Optimizer:
         grads, variables = _check_pairs(grads_and_vars)
         strategy, replica_ctx = context.current()
         if replica_ctx is not None and strategy is not None:
+            # One leaf per replica: the merge hands over the replicas' lists as they are
+            # (a PerReplica of them), without walking a hundred gradients.
             replica_ctx.merge_call(self._apply_merged,
-                                   args=(grads, variables, not skip_gradients_aggregation))
+                                   args=(_StepArgs(grads, variables),
+                                         not skip_gradients_aggregation))
         else:
-            self._apply_merged(strategy, grads, variables, False)
+            self._apply_merged(strategy, _StepArgs(grads, variables), False)
         return self._iterations
 
-    def _apply_merged(self, strategy, grads: list, variables: list, reduce: bool) -> None:
+    def _apply_merged(self, strategy, step_args, reduce: bool) -> None:
+        per_replica = step_args.values if isinstance(step_args, PerReplica) else (step_args,)
+        variables = per_replica[0].variables
+        for i, other in enumerate(per_replica[1:], 1):
+            if len(other.variables) != len(variables) or \
+                    not all(map(operator.is_, other.variables, variables)):
+                raise ValueError(
+                    f"{type(self).__name__}.apply_gradients: replica {i} passed other "
+                    f"variables ({[v.name for v in other.variables]}) than replica 0 "
+                    f"({[v.name for v in variables]}); every replica must train the same "
+                    "variables, in the same order")
         plan = self._plan(variables)
         if strategy is not None and plan.owner is not None and plan.owner is not strategy:
             raise ValueError(
@@ -166,7 +181,11 @@ class Optimizer:
                 f"{type(self).__name__}.apply_gradients under {strategy!r}: variable "
                 f"{plan.names[0]!r} was made outside strategy.scope(), so it has one copy "
                 "for all replicas; make the variables inside strategy.scope()")
-        tensors = plan.gradients(grads)
+        if len(per_replica) == 1:
+            tensors = plan.gradients(per_replica[0].grads)
+        else:
+            tensors = plan.gradients(list(zip(*[a.grads for a in per_replica])),
+                                     per_replica=True)
         reduce = reduce and plan.owner is not None and plan.owner.num_replicas_in_sync > 1
         if reduce and plan.layouts is None:
             plan.layouts = describe_layouts(tensors, plan.keys)
@@ -247,6 +266,16 @@ class Optimizer:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "name")
         return f"{type(self).__name__}({args})"
+
+
+class _StepArgs:
+    """One replica's gradients and variables, passed to the merge as one value."""
+
+    __slots__ = ("grads", "variables")
+
+    def __init__(self, grads: list, variables: list):
+        self.grads = grads
+        self.variables = variables
 
 
 def _check_positive(what: str, value) -> None:

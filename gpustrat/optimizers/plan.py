@@ -18,14 +18,26 @@ Words:
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import numpy as np
 
 from gpustrat.distribute.collective_ops import as_array
 from gpustrat.distribute.distributed_variables import DistributedVariable, strategy_of
-from gpustrat.values import DistributedValues
+from gpustrat.values import DistributedValues, PerReplica
 
 _NO_CONTEXT = contextlib.nullcontext()
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_ITEM = [operator.itemgetter(i) for i in range(64)]
+
+
+def _IS_NDARRAY(a) -> bool:
+    return type(a) is np.ndarray
+
+
+def _is_n(row, n) -> bool:
+    return len(row) == n
 
 
 def _components(v) -> tuple:
@@ -62,13 +74,32 @@ class StepPlan:
         self.layouts = None
         self.flat = FlatArenas.adopt(self, optimizer)
 
-    def gradients(self, grads: list) -> list:
-        """``out[j][i]``: gradient j on local replica i's device, in variable j's dtype."""
+    def gradients(self, grads: list, per_replica: bool = False) -> list:
+        """``out[j][i]``: gradient j on local replica i's device, in variable j's dtype.
+
+        ``grads[j]`` is variable j's gradient: a per-replica value, or one value for
+        every replica; with ``per_replica``, a sequence of one value per replica."""
         n = self.n_local
+        if not self.gpu and n <= len(_ITEM):
+            # The common step: host arrays of the right shapes and dtypes, checked with
+            # whole-list compares (in C) instead of one by one.
+            rows = grads if per_replica else \
+                [g.values if type(g) is PerReplica else (g,) * n for g in grads]
+            if all(map(_is_n, rows, [n] * len(rows))):
+                ok = True
+                for i in range(n):
+                    column = list(map(_ITEM[i], rows))
+                    if not (all(map(_IS_NDARRAY, column))
+                            and list(map(_SHAPE, column)) == self.shapes
+                            and list(map(_DTYPE, column)) == self.dtypes):
+                        ok = False
+                        break
+                if ok:
+                    return rows
         out = []
         for j, g in enumerate(grads):
-            if isinstance(g, DistributedValues):
-                parts = g.values
+            if per_replica or isinstance(g, DistributedValues):
+                parts = g if per_replica else g.values
                 if len(parts) != n:
                     raise ValueError(f"the gradient of {self.names[j]!r} has {len(parts)} "
                                      f"components for {n} local replicas")
