@@ -194,3 +194,22 @@ def test_variables_move_into_one_arena_and_a_second_optimizer_still_updates_them
         np.testing.assert_allclose(np.asarray(c), want_a, rtol=1e-6)
     for c in strategy.experimental_local_results(b):
         np.testing.assert_allclose(np.asarray(c), want_b, rtol=1e-6)
+
+
+def test_replicas_training_different_variables_is_an_error():
+    strategy = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    try:
+        with strategy.scope():
+            a = gs.Variable(np.zeros(2, np.float32), name="a")
+            b = gs.Variable(np.zeros(2, np.float32), name="b")
+            opt = gs.optimizers.SGD(0.1)
+
+        def step():
+            mine = a if gs.get_replica_context().replica_id_in_sync_group == 0 else b
+            opt.apply_gradients([(np.ones(2, np.float32), mine)])
+        with pytest.raises(ValueError, match=r"replica 1 passed other variables \(\['b'\]\)"):
+            strategy.run(step)
+        assert int(opt.iterations) == 0
+        assert np.all(np.asarray(a) == 0) and np.all(np.asarray(b) == 0)
+    finally:
+        strategy.close()
