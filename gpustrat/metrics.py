@@ -102,7 +102,7 @@ class Metric:
                 if strategy is not None and strategy is not v.distribute_strategy:
                     v.value()  # raises the error that names both strategies
                 if replica_ctx is not None:
-                    target = comps[replica_ctx._local_index]
+                    target = comps[replica_ctx.local_index]
             target._write("assign_add", np.asarray(a, target.dtype) if np.isscalar(a)
                           else a.astype(target.dtype))
 

@@ -14,6 +14,7 @@ the update paths:
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -30,11 +31,14 @@ _HINT_SAME_UPDATES = ("every worker must make the same variable updates, in the 
                       "order, with values of the same shape and dtype")
 
 
+_made: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _next_key(strategy) -> int:
     # Per strategy: workers that make their variables in the same order number them
     # the same, whatever else each process made before.
-    n = getattr(strategy, "_variables_made", 0)
-    strategy._variables_made = n + 1
+    n = _made.get(strategy, 0)
+    _made[strategy] = n + 1
     return n
 
 
@@ -129,7 +133,7 @@ class DistributedVariable(Variable):
     def device(self) -> str:
         """The device of the component read here (replica context) or of the first."""
         ctx = self._context("read")
-        return self._values[ctx._local_index if ctx is not None else 0].device
+        return self._values[ctx.local_index if ctx is not None else 0].device
 
     def _context(self, what: str):
         """The replica context of this variable's strategy, None in cross-replica
@@ -146,13 +150,13 @@ class DistributedVariable(Variable):
     def value(self):
         ctx = self._context("read")
         if ctx is not None:
-            return self._values[ctx._local_index].value()
+            return self._values[ctx.local_index].value()
         return self._cross_replica_value()
 
     def read_value(self):
         ctx = self._context("read")
         if ctx is not None:
-            return self._values[ctx._local_index].read_value()
+            return self._values[ctx.local_index].read_value()
         return self._cross_replica_value().copy()
 
     def _cross_replica_value(self):
@@ -250,7 +254,7 @@ class SyncOnReadVariable(DistributedVariable):
     _kind = "SyncOnReadVariable"
 
     def _update_replica(self, ctx, op: str, value) -> None:
-        self._values[ctx._local_index]._update(op, value)
+        self._values[ctx.local_index]._update(op, value)
 
     def _cross_replica_value(self):
         agg = self._agg
@@ -269,7 +273,7 @@ class SyncOnReadVariable(DistributedVariable):
     def read_value(self):
         ctx = self._context("read")
         if ctx is not None:
-            return self._values[ctx._local_index].read_value()
+            return self._values[ctx.local_index].read_value()
         if self._agg is VariableAggregation.ONLY_FIRST_REPLICA and \
                 self._strategy.num_workers == 1:
             return self._values[0].read_value()

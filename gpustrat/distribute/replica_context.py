@@ -43,6 +43,11 @@ class ReplicaContext:
         return self._strategy.num_replicas_in_sync
 
     @property
+    def local_index(self) -> int:
+        """This replica's index among its worker's local replicas."""
+        return self._local_index
+
+    @property
     def devices(self) -> tuple:
         return (self._strategy.local_devices[self._local_index],)
 
