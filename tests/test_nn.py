@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import gpustrat as gs
 
@@ -83,3 +85,20 @@ def test_errors(two):
 def test_outside_any_strategy_is_the_plain_mean():
     assert float(gs.nn.compute_average_loss(np.array([1.0, 3.0]))) == 2.0
     assert float(gs.nn.scale_regularization_loss(np.array([1.0, 3.0]))) == 4.0
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=3, max_size=3).filter(lambda r: sum(r) > 0),
+       st.integers(0, 2 ** 16))
+def test_replica_shares_add_up_to_the_global_mean(rows, seed):
+    # Any cut of a global batch over 3 replicas, empty pieces included.
+    rng = np.random.default_rng(seed)
+    losses = [rng.random(n) for n in rows]
+    strategy = gs.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
+    try:
+        out = strategy.run(lambda x: gs.nn.compute_average_loss(x),
+                           args=(per_replica(strategy, losses),))
+        total = float(strategy.reduce("sum", out))
+    finally:
+        strategy.close()
+    assert total == pytest.approx(np.concatenate(losses).mean(), rel=1e-12)

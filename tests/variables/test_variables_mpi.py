@@ -22,6 +22,7 @@ import gpustrat as gs
 from tf_recorded_variables import TF_2_REPLICAS, TF_4_REPLICAS
 from variable_cases import compare_all
 s = gs.MultiWorkerMirroredStrategy(devices=[f"cpu:{{i}}" for i in range({local})])
+assert s.num_replicas_in_sync == {ranks} * {local}
 table = {{2: TF_2_REPLICAS, 4: TF_4_REPLICAS}}[s.num_replicas_in_sync]
 bad = compare_all(s, table)
 assert bad == [], bad
@@ -30,10 +31,11 @@ s.close()
 """
 
 
-@pytest.mark.parametrize("local", [1, 2])
-def test_every_update_matches_tensorflow_across_workers(local):
-    assert_mpi_ok(2, PARITY.format(here=str(HERE), local=local), timeout=240,
-                  expect_lines=2)
+@pytest.mark.parametrize("ranks, local", [(2, 1), (2, 2), (4, 1)])
+def test_every_update_matches_tensorflow_across_workers(ranks, local):
+    # 2 x 1 against TensorFlow's 2 replicas; 2 x 2 and 4 x 1 against its 4.
+    assert_mpi_ok(ranks, PARITY.format(here=str(HERE), local=local, ranks=ranks),
+                  timeout=300, expect_lines=ranks)
 
 
 DISAGREE = r"""
