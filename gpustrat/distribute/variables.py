@@ -150,7 +150,7 @@ class Variable:
             trainable = sync is not VariableSynchronization.ON_READ
         name = "Variable" if name is None else str(name)
         strategy, replica_ctx = context.current()
-        if strategy is not None:
+        if strategy is not None and not getattr(strategy, "is_default", False):
             from gpustrat.distribute import distributed_variables as dv  # noqa: PLC0415
             return dv.create(strategy, replica_ctx, initial_value, bool(trainable), name,
                              dtype, sync, agg)

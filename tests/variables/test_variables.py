@@ -236,3 +236,10 @@ def test_cross_replica_value_of_a_first_replica_variable_is_read_only(two):
         kept = v.read_value()
         kept[0] = 7.0
     assert comps(two, v) == [[1.0], [1.0]]
+
+
+def test_variables_made_in_the_default_strategys_run_are_plain():
+    v = gs.get_strategy().run(lambda: gs.Variable([1.0]))
+    assert type(v) is gs.Variable
+    v.assign_add([1.0])
+    assert v.numpy().tolist() == [2.0]
