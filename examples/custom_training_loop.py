@@ -1,4 +1,4 @@
-"""A custom training loop over a distributed dataset, in the shape of the seeds' loop.
+"""A custom training loop over a distributed dataset, in the shape of tf.distribute's loop.
 
 A linear model ``y = x @ w`` fitted by SGD with momentum, with hand-written gradients:
 ``w`` is a mirrored variable made in the strategy's scope; each replica computes the
