@@ -132,7 +132,9 @@ def test_updates_outside_the_scope_act_in_cross_replica_context(two):
 # --- merge_call and extended ---------------------------------------------------------------
 # The values below (reduce_to, batch_reduce_to MEAN, update in both contexts, a merge_call
 # that reduces) are what TensorFlow 2.21 gives on 2 logical CPUs (recorded by a side
-# script): [4, 6] twice; [2, 2, 2] twice; [-1, -2] then [0, -1] / [1, 0]; 3.0.
+# script): reduce_to SUM of [1, 2] and [3, 4] is [4, 6] on both; batch_reduce_to MEAN of
+# ones and 3 * ones is [2, 2, 2]; the updates give [-1, -2], then [0, -1] / [1, 0]; the
+# merge_call gives 3.0 to both replicas.
 
 def test_merge_call_merges_arguments_and_hands_back_each_replicas_part(two):
     seen = {}
