@@ -4,8 +4,8 @@ Two workloads, each timed over one epoch (best of a few, after a warm-up epoch):
 - ``input``: iterate ``experimental_distribute_dataset`` of a float32 array and, each
   step, ``run`` a per-replica column sum and ``reduce`` it (bench_input's step);
 - ``train``: the demo's MLP training step (``gpustrat.demo``: forward, hand-written
-  backward, ``all_reduce`` of gradients and row count, update) plus ``reduce`` of the
-  loss, in float64.
+  backward, an ``all_reduce`` of the row count, ``apply_gradients`` of an SGD optimizer
+  on mirrored variables, a Mean metric of the loss), in float64.
 Each row gives samples/s (examples of the data set consumed per second). On the 2-core
 machine more CPU replicas than cores only add threads: the sweep shows the per-step
 overhead that small batches pay and large batches amortise. ``python -m gpustrat bench
@@ -33,12 +33,11 @@ def _input_epoch(strategy, dist) -> float:
     return total
 
 
-def _train_epoch(strategy, dist, state, step) -> None:
-    weights = state["weights"]
+def _train_epoch(strategy, dist, step, train_loss) -> None:
     for batch in dist:
-        weights, losses = strategy.run(step, args=(weights, batch))
-        strategy.reduce("sum", losses, axis=0)
-    state["weights"] = weights
+        strategy.run(step, args=(batch,))
+    float(train_loss.result())
+    train_loss.reset_state()
 
 
 def measure(workload: str, replicas: int, batch: int, rows: int, repeats: int) -> dict:
@@ -62,14 +61,14 @@ def measure(workload: str, replicas: int, batch: int, rows: int, repeats: int) -
         elif workload == "train":
             x, y = demo.make_dataset(rows)
             init = demo.init_weights()
-            state = {"weights": strategy.experimental_distribute_values_from_function(
-                lambda ctx: {k: v.copy() for k, v in init.items()})}
+            weights, optimizer, train_loss = demo.build_model(strategy, init,
+                                                              demo.LEARNING_RATE)
             dist = strategy.experimental_distribute_dataset(
                 Dataset.from_tensor_slices((x, y)).batch(batch))
-            step = demo.make_step(demo.LEARNING_RATE)
+            step = demo.make_train_step(weights, optimizer, train_loss)
 
             def epoch():
-                _train_epoch(strategy, dist, state, step)
+                _train_epoch(strategy, dist, step, train_loss)
         else:
             raise ValueError(f"unknown workload {workload!r}: choose from {WORKLOADS}")
         epoch()  # warm-up: replica threads, caches

@@ -1,9 +1,12 @@
-"""A custom training loop over a distributed dataset, in the shape of TensorFlow's custom-loop guide.
+"""A custom training loop over a distributed dataset, in the shape of tf.distribute's loop.
 
-A linear model ``y = x @ w`` fitted by gradient descent with hand-written gradients:
-each replica computes the squared-error gradient of its piece of the global batch, the
-replicas all-reduce it, and every replica applies the same update. Runs on the devices
-named by ``--devices`` (default: every GPU, else cpu:0 cpu:1), e.g.
+A linear model ``y = x @ w`` fitted by SGD with momentum, with hand-written gradients:
+``w`` is a mirrored variable made in the strategy's scope; each replica computes the
+gradient of its piece's share of the global batch's mean squared error
+(``gs.nn.compute_average_loss``); ``optimizer.apply_gradients`` sums the replicas'
+gradients in one fused reduction and updates every copy of ``w``; a ``Mean`` metric
+accumulates the loss over the epoch. Runs on the devices named by ``--devices``
+(default: every GPU, else cpu:0 cpu:1), e.g.
 
     python examples/custom_training_loop.py --devices cpu:0 cpu:1 cpu:2 --epochs 10
 """
@@ -17,7 +20,7 @@ from gpustrat.data import Dataset
 from gpustrat.demo import default_devices
 
 GLOBAL_BATCH = 16
-LEARNING_RATE = 0.1
+LEARNING_RATE = 0.05
 
 
 def make_data(n=100, d=3, seed=0):
@@ -32,25 +35,33 @@ def main(devices=None, epochs=20):
     x, y, true_w = make_data()
     dist_dataset = strategy.experimental_distribute_dataset(
         Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH))
-    w = np.zeros(x.shape[1])
+
+    with strategy.scope():
+        w = gs.Variable(np.zeros(x.shape[1]), name="w")
+        optimizer = gs.optimizers.SGD(LEARNING_RATE, momentum=0.5)
+        train_loss = gs.metrics.Mean(name="train_loss", dtype=np.float64)
 
     def train_step(inputs):
-        features, labels = inputs
-        xp = gs.devices.array_module(features)
-        err = features @ xp.asarray(w) - labels          # a piece may have 0 rows
-        ctx = gs.get_replica_context()
-        grad_sum, count = ctx.all_reduce("sum", (features.T @ err, np.float64(len(labels))))
-        return grad_sum / count, (err ** 2)              # the same gradient everywhere
+        features, labels = inputs                         # a piece may have 0 rows
+        err = features @ w - labels
+        per_example_loss = err ** 2
+        # The examples of this global batch (the last one is partial), over every replica.
+        n = gs.get_replica_context().all_reduce("sum", float(len(labels)))
+        loss = gs.nn.compute_average_loss(per_example_loss, global_batch_size=n)
+        grad = 2.0 * features.T @ err / n                  # d(loss)/dw, by hand
+        optimizer.apply_gradients([(grad, w)])
+        train_loss.update_state(per_example_loss)
+        return loss
 
-    steps_per_epoch = len(dist_dataset)
     for epoch in range(epochs):
-        dist_iterator = iter(dist_dataset)
-        for _ in range(steps_per_epoch):
-            grad, sq_err = strategy.run(train_step, args=(next(dist_iterator),))
-            w -= LEARNING_RATE * np.asarray(strategy.experimental_local_results(grad)[0])
-            loss = strategy.reduce("mean", sq_err, axis=0)  # every example weighs the same
+        for inputs in dist_dataset:
+            per_replica_losses = strategy.run(train_step, args=(inputs,))
+            # The replicas' shares add up to the global batch's mean loss.
+            batch_loss = strategy.reduce("sum", per_replica_losses, axis=None)
         if epoch % 5 == 4 or epoch == epochs - 1:
-            print(f"epoch {epoch + 1:3d}  loss {float(loss):.5f}  w {np.round(w, 3)}")
+            print(f"epoch {epoch + 1:3d}  loss {float(train_loss.result()):.5f}  "
+                  f"last batch {float(batch_loss):.5f}  w {np.round(w.numpy(), 3)}")
+        train_loss.reset_state()
 
     # The get_next_as_optional form of the loop stops cleanly at the end of the data.
     iterator = iter(strategy.experimental_distribute_dataset(Dataset.range(9).batch(4)))
@@ -60,7 +71,7 @@ def main(devices=None, epochs=20):
             break
         print(strategy.experimental_local_results(
             strategy.run(lambda v: v, args=(optional.get_value(),))))
-    return w, true_w
+    return w.numpy(), true_w
 
 
 if __name__ == "__main__":

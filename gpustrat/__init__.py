@@ -14,6 +14,8 @@ from gpustrat.distribute.context import (get_cross_replica_context, get_replica_
 from gpustrat.distribute.mirrored import MirroredStrategy, OneDeviceStrategy
 from gpustrat.distribute.replica_context import ReplicaContext, ValueContext
 from gpustrat.distribute.strategy import Strategy
+from gpustrat.distribute.variables import (Variable, VariableAggregation,
+                                           VariableSynchronization)
 from gpustrat.reduce_util import ReduceOp
 from gpustrat.values import DistributedValues, Mirrored, PerReplica
 
@@ -22,7 +24,8 @@ __all__ = [
     "MultiWorkerMirroredStrategy", "ReduceOp", "PerReplica", "Mirrored",
     "DistributedValues", "ReplicaContext", "ValueContext", "InputContext", "InputOptions",
     "get_strategy", "has_strategy", "get_replica_context", "get_cross_replica_context",
-    "in_cross_replica_context", "data", "distribute",
+    "in_cross_replica_context", "data", "distribute", "Variable", "VariableSynchronization",
+    "VariableAggregation", "optimizers", "metrics", "nn",
 ]
 
 
@@ -35,7 +38,7 @@ def __getattr__(name):
     if name in ("InputContext", "InputOptions"):
         from gpustrat.distribute import input_lib
         return getattr(input_lib, name)
-    if name in ("data", "distribute"):
+    if name in ("data", "distribute", "optimizers", "metrics", "nn"):
         import importlib
         return importlib.import_module(f"gpustrat.{name}")
     raise AttributeError(f"module 'gpustrat' has no attribute {name!r}")

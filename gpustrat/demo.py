@@ -1,25 +1,31 @@
 """Data-parallel training of a two-layer MLP, the workload behind ``python -m gpustrat demo``.
 
 The model, its gradients and the data are plain NumPy (CuPy on GPU devices: every
-function takes its array module from the arrays it gets), so the script shows the
-whole ``tf.distribute`` custom-training-loop pattern with nothing hidden:
+function takes its array module from the arrays it gets); the training loop is
+``tf.distribute``'s custom training loop, with variables, an optimizer and a metric:
 
+    with strategy.scope():
+        weights = {k: gs.Variable(v, name=k) for k, v in init.items()}
+        optimizer = gs.optimizers.SGD(learning_rate)
+        train_loss = gs.metrics.Mean("train_loss")
     dist = strategy.experimental_distribute_dataset(
         Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH))
     for batch in dist:
-        weights, losses = strategy.run(step, args=(weights, batch))
-        loss = strategy.reduce("mean", losses, axis=0)
+        strategy.run(train_step, args=(batch,))
+    print(train_loss.result())
 
 Words:
 - *piece*: one replica's rows of a global batch; it may hold 0 rows (the last, partial
   batch cut over more replicas than it has rows).
-- *exact data parallelism*: each replica sums its piece's gradients, the sums and the
-  row counts are all-reduced, and every replica divides by the global row count. The
-  update is then the one-replica full-batch gradient step, whatever the topology, up to
-  the order of floating-point additions (see ``tests/test_train_topology.py``).
+- *exact data parallelism*: each replica computes the gradients of its piece's summed
+  loss and divides them by the number of examples in the whole global batch (what
+  ``gs.nn.compute_average_loss`` divides the loss by); the optimizer sums them over the
+  replicas in one fused reduction. The update is then the one-replica full-batch
+  gradient step, whatever the topology, up to the order of floating-point additions
+  (see ``tests/test_train_topology.py``).
 
-Weights are replicated: each replica holds its own copy on its device, made from the
-same seed, and applies the same all-reduced update, so the copies stay equal.
+The weights are mirrored variables: one copy per replica, on its device, starting from
+worker 0's values and kept equal by the optimizer's identical updates.
 """
 
 from __future__ import annotations
@@ -88,21 +94,35 @@ def forward_backward(weights: dict, x, y):
     return losses, grads
 
 
-def make_step(learning_rate: float) -> Callable:
-    """The per-replica training step for ``strategy.run``."""
-    from gpustrat import get_replica_context  # noqa: PLC0415
+def build_model(strategy, init: dict, learning_rate: float, dtype=np.float64):
+    """Under ``strategy``'s scope: mirrored weight variables from ``init``, an SGD
+    optimizer and a Mean metric of the per-example loss."""
+    import gpustrat as gs  # noqa: PLC0415
+    with strategy.scope():
+        weights = {k: gs.Variable(init[k], name=k) for k in WEIGHT_NAMES}
+        optimizer = gs.optimizers.SGD(learning_rate)
+        train_loss = gs.metrics.Mean(name="train_loss", dtype=dtype)
+    return weights, optimizer, train_loss
 
-    def step(weights, batch):
+
+def make_train_step(weights: dict, optimizer, train_loss) -> Callable:
+    """The per-replica training step for ``strategy.run(train_step, args=(batch,))``;
+    returns the replica's share of the global batch's mean loss."""
+    import gpustrat as gs  # noqa: PLC0415
+    variables = [weights[k] for k in WEIGHT_NAMES]
+
+    def train_step(batch):
         x, y = batch
-        losses, grads = forward_backward(weights, x, y)
-        # Sum of gradients and row count over every replica of every worker: dividing
-        # one by the other gives the full global batch's mean gradient, however the
-        # batch was cut (pieces of unequal size, empty pieces).
-        grads, count = get_replica_context().all_reduce("sum", (grads, float(x.shape[0])))
-        scale = learning_rate / count
-        new = {k: weights[k] - scale * grads[k] for k in WEIGHT_NAMES}
-        return new, losses
-    return step
+        per_example_loss, grad_sums = forward_backward(
+            {k: v.value() for k, v in weights.items()}, x, y)
+        # The examples of this global batch over every replica of every worker (the
+        # last batch is partial): every example weighs the same.
+        n = gs.get_replica_context().all_reduce("sum", float(x.shape[0]))
+        loss = gs.nn.compute_average_loss(per_example_loss, global_batch_size=n)
+        optimizer.apply_gradients(zip([grad_sums[k] / n for k in WEIGHT_NAMES], variables))
+        train_loss.update_state(per_example_loss)
+        return loss
+    return train_step
 
 
 def train(strategy, epochs: int = EPOCHS, n_samples: int = N_SAMPLES,
@@ -112,25 +132,23 @@ def train(strategy, epochs: int = EPOCHS, n_samples: int = N_SAMPLES,
           log: Callable[[str], None] | None = print) -> dict:
     """Train the MLP with ``strategy`` and return the final weights as NumPy arrays.
 
-    Every worker builds the same dataset and weights from the random seeds; the distributed
-    dataset gives each replica its piece of every global batch. Progress (epoch, mean
-    loss over the epoch's examples, samples/s) goes to ``log`` on worker 0 only.
+    Every worker builds the same dataset from the seed; the weights start from worker
+    0's values; the distributed dataset gives each replica its piece of every global
+    batch. Progress (epoch, mean loss over the epoch's examples, samples/s) goes to
+    ``log`` on worker 0 only.
 
     Returns:
         ``{"w1", "b1", "w2", "b2"}``: host copies of the first local replica's weights
         (every replica's copy is the same).
     """
     from gpustrat.data import Dataset  # noqa: PLC0415
-    from gpustrat.devices import to_host  # noqa: PLC0415
 
     x, y = make_dataset(n_samples, n_features, data_seed, dtype)
     init = init_weights(n_features, hidden, y.shape[1], init_seed, dtype)
-    # One copy of the weights per local replica, on that replica's device.
-    weights = strategy.experimental_distribute_values_from_function(
-        lambda ctx: {k: v.copy() for k, v in init.items()})
+    weights, optimizer, train_loss = build_model(strategy, init, learning_rate, dtype)
     dataset = Dataset.from_tensor_slices((x, y)).batch(global_batch)
     dist = strategy.experimental_distribute_dataset(dataset)
-    step = make_step(learning_rate)
+    train_step = make_train_step(weights, optimizer, train_loss)
     talk = log is not None and strategy.worker_index == 0
     if talk:
         log(f"training a {n_features}-{hidden}-1 MLP on {n_samples} examples, global batch "
@@ -139,18 +157,16 @@ def train(strategy, epochs: int = EPOCHS, n_samples: int = N_SAMPLES,
             f"{', '.join(d.name for d in strategy.local_devices)})")
     for epoch in range(1, epochs + 1):
         t0 = time.perf_counter()
-        loss_sum = 0.0
         for batch in dist:
-            weights, losses = strategy.run(step, args=(weights, batch))
-            # SUM along the batch axis and over replicas: this batch's total loss.
-            loss_sum += float(to_host(strategy.reduce("sum", losses, axis=0)))
+            strategy.run(train_step, args=(batch,))
+        loss = float(train_loss.result())      # over every replica of every worker
+        train_loss.reset_state()
         elapsed = time.perf_counter() - t0
         if talk:
-            # Every epoch visits each of the n_samples examples once, over all workers.
-            log(f"epoch {epoch}/{epochs}  loss {loss_sum / n_samples:.6f}  "
+            log(f"epoch {epoch}/{epochs}  loss {loss:.6f}  "
                 f"{n_samples / elapsed:,.0f} samples/s")
-    first = strategy.experimental_local_results(weights)[0]
-    return {k: to_host(first[k]).copy() for k in WEIGHT_NAMES}
+    return {k: np.array(strategy.experimental_local_results(weights[k])[0].numpy())
+            for k in WEIGHT_NAMES}
 
 
 def default_devices() -> list[str]:

@@ -125,7 +125,8 @@ def _names(devices) -> list:
 
 
 def regroup(per_replica_results: Sequence[Any], devices: tuple | None = None,
-            always_wrap: bool = False) -> Any:
+            always_wrap: bool = False, wrap: type | None = None,
+            keep_shared: bool = False) -> Any:
     """Turn one structure per replica into one structure of per-replica values.
 
     Every leaf becomes a :class:`PerReplica` of the replicas' leaves, whatever they are:
@@ -133,11 +134,14 @@ def regroup(per_replica_results: Sequence[Any], devices: tuple | None = None,
     interpreter happens to share the object between them. Unless ``always_wrap``:
 
     - a leaf that is None on every replica stays None (nothing was returned there);
-    - a leaf that is one distributed value on every replica (a value ``fn`` captured
-      and returned) stays that value;
+    - a leaf that is one distributed value or distributed variable on every replica (a
+      value ``fn`` captured and returned, a variable made in ``run``) stays that value;
+    - with ``keep_shared``, any leaf that is the same object on every replica stays
+      that object (``merge_call`` arguments: what the replicas passed, not computed);
     - a single replica's result is returned unchanged.
 
-    ``devices`` are the local devices the results were made on.
+    ``devices`` are the local devices the results were made on; ``wrap`` is the class
+    of the merged leaves (default :class:`PerReplica`).
 
     Raises:
         ValueError: replicas returned structures of different shapes.
@@ -145,7 +149,7 @@ def regroup(per_replica_results: Sequence[Any], devices: tuple | None = None,
     if len(per_replica_results) == 1 and not always_wrap:
         return per_replica_results[0]
     if not any(map(nest.is_nested, per_replica_results)):
-        return _merge_leaf(per_replica_results, devices, always_wrap)
+        return _merge_leaf(per_replica_results, devices, always_wrap, wrap, keep_shared)
     first = per_replica_results[0]
     flats = []
     for i, r in enumerate(per_replica_results):
@@ -155,14 +159,18 @@ def regroup(per_replica_results: Sequence[Any], devices: tuple | None = None,
             raise ValueError(f"replica {i} returned a structure unlike replica 0's: {e}") from None
         flats.append(nest.flatten(r))
     return nest.pack_sequence_as(
-        first, [_merge_leaf(column, devices, always_wrap) for column in zip(*flats)])
+        first, [_merge_leaf(column, devices, always_wrap, wrap, keep_shared)
+                for column in zip(*flats)])
 
 
-def _merge_leaf(column: Sequence[Any], devices: tuple | None, always_wrap: bool) -> Any:
+def _merge_leaf(column: Sequence[Any], devices: tuple | None, always_wrap: bool,
+                wrap: type | None = None, keep_shared: bool = False) -> Any:
     if not always_wrap:
         c0 = column[0]
-        # None and a distributed value are not interpreter caching accidents: every
-        # replica returned nothing, or the one value fn captured.
-        if (c0 is None or isinstance(c0, DistributedValues)) and all(c is c0 for c in column):
+        # None, a distributed value and a distributed variable are not interpreter
+        # caching accidents: every replica returned nothing, or the one object it shares.
+        if ((keep_shared or c0 is None or isinstance(c0, DistributedValues)
+             or getattr(type(c0), "shared_by_replicas", False))
+                and all(c is c0 for c in column)):
             return c0
-    return PerReplica(column, devices)
+    return (wrap or PerReplica)(column, devices)

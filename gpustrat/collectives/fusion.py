@@ -153,11 +153,43 @@ def fused_all_reduce(comm: Communicator, tensors: Sequence[Sequence], op,
         ValueError: a tensor with the wrong number of replica values, or replicas
             disagreeing on its shape or dtype.
     """
+    out: list = [None] * len(tensors)  # out[j]: tensor j's results, one per replica
+    for bucket, bucket_shapes, reduced in _reduced_buckets(comm, tensors, op, bucket_bytes):
+        per_replica = [_unpack_views(r, bucket_shapes) for r in reduced]
+        # map/zip run in C: one list per tensor without a Python-level loop body.
+        per_tensor = list(map(list, zip(*per_replica)))
+        lo, hi = bucket[0], bucket[-1] + 1
+        if hi - lo == len(bucket):
+            out[lo:hi] = per_tensor
+        else:
+            for j, results in zip(bucket, per_tensor):
+                out[j] = results
+    return out
+
+
+def fused_all_reduce_flat(comm: Communicator, tensors: Sequence[Sequence], op,
+                          bucket_bytes: int | None = None) -> list[tuple[list, list]]:
+    """:func:`fused_all_reduce`, giving each bucket's reduced fusion buffers instead of
+    one result per tensor: for code that works on the tensors of a bucket as one flat
+    array (an optimizer updating all its variables with a few large operations).
+
+    Returns:
+        ``[(indices, buffers), ...]`` per bucket, in order: the tensor indices it holds
+        and one 1-D reduced buffer per local replica, holding those tensors flattened,
+        back to back. The buffers are the caller's; host buffers are slices of a pooled
+        arena that a later call reuses once nothing refers to them.
+    """
+    return [(bucket, reduced)
+            for bucket, _, reduced in _reduced_buckets(comm, tensors, op, bucket_bytes)]
+
+
+def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes):
+    """Yield ``(bucket, shapes of its tensors, reduced buffers)`` for each bucket."""
     op = ReduceOp.from_value(op)
     if bucket_bytes is None:
         bucket_bytes = bucket_bytes_from_env()
     if not tensors:
-        return []
+        return
     _check_counts(comm, tensors)
     try:
         first = list(map(_FIRST, tensors))
@@ -181,7 +213,6 @@ def fused_all_reduce(comm: Communicator, tensors: Sequence[Sequence], op,
         arena_elems[d] = arena_elems.get(d, 0) + sum(sizes[j] for j in bucket)
     arenas: dict = {}
     offsets: dict = {}
-    out: list = [None] * len(tensors)  # out[j]: tensor j's results, one per replica
     for bucket in plan:
         lo, hi = bucket[0], bucket[-1] + 1
         contiguous = hi - lo == len(bucket)
@@ -203,16 +234,7 @@ def fused_all_reduce(comm: Communicator, tensors: Sequence[Sequence], op,
         # The packed buffers are ours: the backend may reduce in them, and the results
         # are views of them.
         reduced = comm.all_reduce_inplace(buffers, op)
-        bucket_shapes = shapes[lo:hi] if contiguous else [shapes[j] for j in bucket]
-        per_replica = [_unpack_views(r, bucket_shapes) for r in reduced]
-        # map/zip run in C: one list per tensor without a Python-level loop body.
-        per_tensor = list(map(list, zip(*per_replica)))
-        if contiguous:
-            out[lo:hi] = per_tensor
-        else:
-            for j, results in zip(bucket, per_tensor):
-                out[j] = results
-    return out
+        yield bucket, (shapes[lo:hi] if contiguous else [shapes[j] for j in bucket]), reduced
 
 
 # --- host: NumPy ------------------------------------------------------------------------

@@ -17,6 +17,9 @@ _default = None
 
 
 class _DefaultStrategy(Strategy):
+    #: Variables made under the default strategy are plain (as in tf.distribute).
+    is_default = True
+
     def __init__(self):
         dev = Device("cpu", 0)
         super().__init__([dev], HostCommunicator([dev]), inline=True)

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, Callable
 
-from gpustrat.distribute import collective_ops, reduction
+from gpustrat.distribute import collective_ops, context, reduction
 from gpustrat.reduce_util import ReduceOp
+from gpustrat import nest
+from gpustrat.values import PerReplica, regroup, select_replica
+
+_merge = threading.local()
+
+
+def in_merge_call() -> bool:
+    """True while this thread runs a ``merge_call`` function."""
+    return getattr(_merge, "depth", 0) > 0
 
 
 class ReplicaContext:
@@ -33,6 +43,11 @@ class ReplicaContext:
         return self._strategy.num_replicas_in_sync
 
     @property
+    def local_index(self) -> int:
+        """This replica's index among its worker's local replicas."""
+        return self._local_index
+
+    @property
     def devices(self) -> tuple:
         return (self._strategy.local_devices[self._local_index],)
 
@@ -58,9 +73,73 @@ class ReplicaContext:
         return self._exchange(
             sig, value, lambda vals: collective_ops.all_gather_structures(comm, vals, axis))
 
+    def merge_call(self, merge_fn: Callable, args: tuple = (), kwargs: dict | None = None
+                   ) -> Any:
+        """Call ``merge_fn(strategy, *args, **kwargs)`` once, in cross-replica context,
+        with every local replica's arguments merged.
+
+        Every replica must call it (it is a collective). Each argument that differs
+        between replicas reaches ``merge_fn`` as a :class:`~gpustrat.PerReplica` of the
+        replicas' values; one that is the same object on every replica (a variable, a
+        constant) as itself. Replica 0's ``merge_fn`` is the one called. Each replica
+        gets ``merge_fn``'s result, with distributed values replaced by that replica's
+        component. Inside ``merge_fn``, ``strategy.reduce``, ``strategy.extended`` and
+        variable updates work as in cross-replica context; ``strategy.run`` does not.
+        """
+        if not callable(merge_fn):
+            raise TypeError(f"merge_call needs a callable merge_fn, got {merge_fn!r}")
+        if not isinstance(args, (tuple, list)):
+            args = (args,)
+        name = getattr(merge_fn, "__qualname__", type(merge_fn).__name__)
+        sig = ("merge_call", name, ())
+        return self._exchange(sig, (merge_fn, tuple(args), dict(kwargs or {})),
+                              self._merge_combine)
+
+    def _merge_combine(self, items: list) -> list:
+        # Runs once per worker, in the thread of the last replica to arrive.
+        strategy = self._strategy
+        merge_fn = items[0][0]
+        if len(items) == 1:
+            args, kwargs = items[0][1], items[0][2]
+        else:
+            args = _merge_args([a for _, a, _ in items])
+            kwargs = regroup([k for _, _, k in items], keep_shared=True)
+        context.push(strategy, None)
+        _merge.depth = getattr(_merge, "depth", 0) + 1
+        try:
+            result = merge_fn(strategy, *args, **kwargs)
+        finally:
+            _merge.depth -= 1
+            context.pop()
+        return [select_replica(i, result) for i in range(len(items))]
+
     def __repr__(self) -> str:
         return (f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "
                 f"num_replicas_in_sync={self.num_replicas_in_sync})")
+
+
+def _merge_args(per_replica: list) -> tuple:
+    """The replicas' argument tuples merged (as ``regroup`` does), with a fast path for
+    the common arguments of a merge: the same object everywhere, or flat lists of
+    leaves (an optimizer's gradients and variables), walked without ``nest``."""
+    if any(len(a) != len(per_replica[0]) for a in per_replica):
+        return regroup(per_replica, keep_shared=True)
+    merged = []
+    for values in zip(*per_replica):
+        first = values[0]
+        if all(v is first for v in values):
+            merged.append(first)
+            continue
+        kind = type(first)
+        if kind in (list, tuple) and all(type(v) is kind and len(v) == len(first)
+                                         for v in values):
+            columns = list(zip(*values))
+            if not any(nest.is_nested(c[0]) for c in columns):
+                merged.append(kind(c[0] if all(x is c[0] for x in c) else PerReplica(c)
+                                   for c in columns))
+                continue
+        merged.append(regroup(list(values), keep_shared=True))
+    return tuple(merged)
 
 
 class ValueContext:

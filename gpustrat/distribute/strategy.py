@@ -14,7 +14,8 @@ from gpustrat import nest
 from gpustrat.collectives.base import Communicator, LocalWorkerGroup, WorkerGroup
 from gpustrat.devices import Device, to_device
 from gpustrat.distribute import context, reduction
-from gpustrat.distribute.replica_context import ReplicaContext, ValueContext
+from gpustrat.distribute.distributed_variables import DistributedVariable, as_components
+from gpustrat.distribute.replica_context import ReplicaContext, ValueContext, in_merge_call
 from gpustrat.distribute.runner import Rendezvous, ReplicaRunner
 from gpustrat.reduce_util import ReduceOp
 from gpustrat.values import DistributedValues, local_components, regroup
@@ -56,6 +57,16 @@ class Strategy:
     @property
     def communicator(self) -> Communicator:
         return self._communicator
+
+    @property
+    def extended(self):
+        """Extension points for optimizers and metrics: ``update``, ``reduce_to``,
+        ``batch_reduce_to`` (see :mod:`gpustrat.distribute.extended`)."""
+        ext = getattr(self, "_extended", None)
+        if ext is None:
+            from gpustrat.distribute.extended import StrategyExtended  # noqa: PLC0415
+            ext = self._extended = StrategyExtended(self)
+        return ext
 
     @property
     def workers(self) -> WorkerGroup:
@@ -113,6 +124,10 @@ class Strategy:
             The first replica's exception, with a note naming the replica.
         """
         kwargs = kwargs or {}
+        if in_merge_call():
+            raise RuntimeError("strategy.run was called inside a merge_call function "
+                               "(cross-replica context within run); return from the "
+                               "merge function, then call run from outside")
         if context.current()[1] is not None:
             raise RuntimeError("strategy.run was called inside a function already running in "
                                "a replica context; call it from cross-replica context")
@@ -156,6 +171,7 @@ class Strategy:
         self._check_cross_replica("reduce")
 
         def leaf(v):
+            v = as_components(v)
             if not isinstance(v, DistributedValues) and axis is None:
                 self._check_plain(op, v)
                 if self.num_workers == 1:
@@ -183,6 +199,7 @@ class Strategy:
         self._check_cross_replica("gather")
 
         def leaf(v):
+            v = as_components(v)
             if not isinstance(v, DistributedValues) and self.num_workers == 1:
                 return v
             return reduction.gather_components(
@@ -190,8 +207,12 @@ class Strategy:
         return nest.map_structure(leaf, value)
 
     def experimental_local_results(self, value: Any) -> tuple:
-        """This worker's components in replica order; a plain value gives ``(value,)``."""
+        """This worker's components in replica order; a plain value gives ``(value,)``;
+        a distributed variable gives its component variables."""
         what = "strategy.experimental_local_results"
+        if isinstance(value, DistributedVariable):
+            local_components(as_components(value), self._devices, what)   # same devices
+            return value.values
         if isinstance(value, DistributedValues):
             return local_components(value, self._devices, what)
         if nest.is_nested(value):

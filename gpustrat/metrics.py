@@ -1,0 +1,237 @@
+"""Metrics that accumulate over the steps of an epoch, on sync-on-read variables
+(``keras.metrics``).
+
+Made inside ``strategy.scope()``, a metric's state (a total, a count) is a sync-on-read
+variable with SUM aggregation: inside ``strategy.run`` each replica adds to its own
+component, with no communication; :meth:`Metric.result` in cross-replica context sums
+the components over every replica of every worker in one fused reduction (a collective:
+every worker must call it) and returns the metric's value. Inside ``run``, ``result()``
+is the replica's own. In cross-replica context ``update_state`` adds to the first local
+replica's component. Made outside any scope, a metric is plain.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpustrat.devices import array_module, to_host
+from gpustrat.distribute import context
+from gpustrat.distribute.distributed_variables import DistributedVariable, zeros
+from gpustrat.distribute.variables import (Variable, VariableAggregation,
+                                           VariableSynchronization)
+from gpustrat.reduce_util import ReduceOp
+
+__all__ = ["Metric", "Mean", "Sum", "Accuracy", "SparseCategoricalAccuracy"]
+
+
+class Metric:
+    """Base of the metrics: named state variables, ``update_state``, ``result``,
+    ``reset_state``.
+
+    Args:
+        name: the metric's name.
+        dtype: the dtype of its state and result (default float32).
+    """
+
+    def __init__(self, name: str | None = None, dtype=np.float32):
+        self.name = name or _snake(type(self).__name__)
+        self.dtype = np.dtype(dtype)
+        if self.dtype.kind != "f":
+            raise ValueError(f"metric {self.name!r}: dtype must be floating point, got "
+                             f"{self.dtype}")
+        self._variables: list = []
+
+    def add_variable(self, name: str) -> Variable:
+        """A scalar state variable of zeros: sync-on-read (SUM) under a strategy."""
+        strategy, replica_ctx = context.current()
+        full = f"{self.name}/{name}"
+        if replica_ctx is not None:  # made inside run: a collective, like any variable
+            v = Variable(np.zeros((), self.dtype), trainable=False, name=full,
+                         synchronization=VariableSynchronization.ON_READ,
+                         aggregation=VariableAggregation.SUM)
+        else:
+            v = zeros(strategy, (), self.dtype, full, VariableSynchronization.ON_READ,
+                      VariableAggregation.SUM)
+        self._variables.append(v)
+        return v
+
+    @property
+    def variables(self) -> list:
+        return list(self._variables)
+
+    # --- the three calls ------------------------------------------------------------
+    def update_state(self, *args, **kwargs) -> None:
+        """Accumulate a batch."""
+        raise NotImplementedError
+
+    def result(self):
+        """The metric's value: over every replica in sync in cross-replica context,
+        this replica's inside ``run``. A 0-d array of the metric's dtype."""
+        return self._compute(*self._read())
+
+    def reset_state(self) -> None:
+        """Back to zero on every component (no communication)."""
+        for v in self._variables:
+            for c in _components(v):
+                c._write("assign", np.zeros((), self.dtype))
+
+    def __call__(self, *args, **kwargs):
+        """``update_state`` then ``result``."""
+        self.update_state(*args, **kwargs)
+        return self.result()
+
+    def _compute(self, *values):
+        raise NotImplementedError
+
+    # --- state access ---------------------------------------------------------------
+    def _add(self, *amounts) -> None:
+        """Add ``amounts[k]`` to state variable k: the replica's own component inside
+        ``run``, the first local component in cross-replica context."""
+        for v, a in zip(self._variables, amounts):
+            comps = _components(v)
+            target = comps[0]
+            if not isinstance(v, DistributedVariable):
+                strategy, replica_ctx = context.current()
+                if replica_ctx is not None and len(strategy.local_devices) > 1:
+                    raise ValueError(
+                        f"metric {self.name!r} was made outside strategy.scope(), so its "
+                        f"state has one copy that {len(strategy.local_devices)} replicas "
+                        "would update at once: make the metric inside strategy.scope()")
+            else:
+                strategy, replica_ctx = context.current()
+                if strategy is not None and strategy is not v.distribute_strategy:
+                    v.value()  # raises the error that names both strategies
+                if replica_ctx is not None:
+                    target = comps[replica_ctx.local_index]
+            target._write("assign_add", np.asarray(a, target.dtype) if np.isscalar(a)
+                          else a.astype(target.dtype))
+
+    def _read(self) -> list:
+        first = self._variables[0]
+        strategy, replica_ctx = context.current()
+        if not isinstance(first, DistributedVariable) or replica_ctx is not None:
+            return [v.read_value() for v in self._variables]
+        if strategy is not None and strategy is not first.distribute_strategy:
+            first.value()  # raises the error that names both strategies
+        # Cross-replica: every state variable in one fused reduction over all replicas.
+        owner = first.distribute_strategy
+        pairs = [(v, None) for v in self._variables]
+        context.push(owner, None)
+        try:
+            reduced = owner.extended.batch_reduce_to(ReduceOp.SUM, pairs)
+        finally:
+            context.pop()
+        return [r.values[0] if hasattr(r, "values") else r for r in reduced]
+
+    def __repr__(self) -> str:
+        return f"<gs.metrics.{type(self).__name__} {self.name!r}>"
+
+
+class Sum(Metric):
+    """The (weighted) sum of the values seen."""
+
+    def __init__(self, name: str = "sum", dtype=np.float32):
+        super().__init__(name, dtype)
+        self.total = self.add_variable("total")
+
+    def update_state(self, values, sample_weight=None) -> None:
+        total, _ = _weighted(values, sample_weight, self.dtype)
+        self._add(total)
+
+    def _compute(self, total):
+        return _on_host_dtype(total, self.dtype)
+
+
+class Mean(Metric):
+    """The (weighted) mean of the values seen: ``sum(w * x) / sum(w)`` (0 before any)."""
+
+    def __init__(self, name: str = "mean", dtype=np.float32):
+        super().__init__(name, dtype)
+        self.total = self.add_variable("total")
+        self.count = self.add_variable("count")
+
+    def update_state(self, values, sample_weight=None) -> None:
+        self._add(*_weighted(values, sample_weight, self.dtype))
+
+    def _compute(self, total, count):
+        xp = array_module(total)
+        total, count = xp.asarray(total, self.dtype), xp.asarray(count, self.dtype)
+        if float(to_host(count)) == 0.0:
+            return xp.zeros((), self.dtype)
+        return xp.asarray(total / count, self.dtype)
+
+
+class Accuracy(Mean):
+    """How often ``y_pred`` equals ``y_true`` (element-wise, weighted)."""
+
+    def __init__(self, name: str = "accuracy", dtype=np.float32):
+        super().__init__(name, dtype)
+
+    def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        xp = array_module(y_pred)
+        y_true, y_pred = xp.asarray(y_true), xp.asarray(y_pred)
+        if y_true.shape != y_pred.shape:
+            raise ValueError(f"{self.name}: y_true has shape {tuple(y_true.shape)} but "
+                             f"y_pred has {tuple(y_pred.shape)}; they must match")
+        super().update_state((y_true == y_pred).astype(self.dtype), sample_weight)
+
+
+class SparseCategoricalAccuracy(Mean):
+    """How often the integer label ``y_true`` is the arg-max of the scores ``y_pred``
+    (``y_true``: shape ``(n,)`` or ``(n, 1)``; ``y_pred``: ``(n, classes)``)."""
+
+    def __init__(self, name: str = "sparse_categorical_accuracy", dtype=np.float32):
+        super().__init__(name, dtype)
+
+    def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        xp = array_module(y_pred)
+        y_true, y_pred = xp.asarray(y_true), xp.asarray(y_pred)
+        if y_pred.ndim < 1:
+            raise ValueError(f"{self.name}: y_pred must hold class scores along its "
+                             f"last axis, got a scalar")
+        if y_true.ndim == y_pred.ndim and y_true.shape[-1:] == (1,):
+            y_true = y_true[..., 0]
+        if y_true.shape != y_pred.shape[:-1]:
+            raise ValueError(f"{self.name}: y_true of shape {tuple(y_true.shape)} does not "
+                             f"match y_pred of shape {tuple(y_pred.shape)} (labels need "
+                             "the scores' shape without the class axis)")
+        if y_pred.shape[-1] == 0:
+            raise ValueError(f"{self.name}: y_pred has no classes (last axis of size 0)")
+        hits = y_pred.argmax(axis=-1) == y_true.astype(xp.int64)
+        super().update_state(hits.astype(self.dtype), sample_weight)
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+def _components(v: Variable) -> tuple:
+    return v.values if isinstance(v, DistributedVariable) else (v,)
+
+
+def _weighted(values, sample_weight, dtype):
+    """``(sum(w * x), sum(w))`` as 0-d arrays of ``dtype`` on the values' device (no
+    host wait); ``w`` broadcasts to ``x`` (one weight per example of a batch of rows)."""
+    xp = array_module(values)
+    x = xp.asarray(values, dtype=dtype)
+    if sample_weight is None:
+        return x.sum(dtype=dtype), float(x.size)
+    w = xp.asarray(sample_weight, dtype=dtype)
+    if w.ndim > x.ndim:
+        raise ValueError(f"sample_weight of shape {tuple(w.shape)} has more axes than the "
+                         f"values of shape {tuple(x.shape)}")
+    w = w.reshape(w.shape + (1,) * (x.ndim - w.ndim))
+    try:
+        w = xp.broadcast_to(w, x.shape)
+    except ValueError:
+        raise ValueError(f"sample_weight of shape {tuple(sample_weight.shape)} does not "
+                         f"broadcast to the values of shape {tuple(x.shape)}") from None
+    return (x * w).sum(dtype=dtype), w.sum(dtype=dtype)
+
+
+def _on_host_dtype(x, dtype):
+    xp = array_module(x)
+    return xp.asarray(x, dtype)
+
+
+def _snake(name: str) -> str:
+    out = "".join("_" + c.lower() if c.isupper() else c for c in name)
+    return out.lstrip("_")

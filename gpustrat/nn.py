@@ -1,0 +1,90 @@
+"""Loss helpers for training under a strategy (``tf.nn.compute_average_loss`` and
+``tf.nn.scale_regularization_loss``).
+
+Under a strategy, each replica computes the loss of its piece of the global batch and
+the optimizer *sums* the replicas' gradients. Dividing each replica's summed loss by the
+number of examples in the whole global batch makes that sum the gradient of the global
+batch's mean loss.
+
+Difference from TensorFlow: without ``global_batch_size``, TensorFlow divides by the
+local rows times the number of replicas, which weighs the examples of a partial batch
+unequally (a batch of 4 cut 3 + 1 divides by 6 on one replica and 2 on the other). Here
+the denominator is the true number of examples in the global batch, found with one small
+all-reduce of the row counts; so every example weighs the same, and an empty piece adds
+nothing. Give ``global_batch_size`` to skip that reduction (and to match TensorFlow
+exactly when batches are full).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpustrat.devices import array_module
+from gpustrat.distribute import context
+
+
+def _replica_context(what: str):
+    strategy, ctx = context.current()
+    if strategy is not None and ctx is None:
+        raise RuntimeError(f"{what} was called in cross-replica context; call it inside "
+                           "the function given to strategy.run (replica context)")
+    from gpustrat.distribute.context import get_replica_context  # noqa: PLC0415
+    return get_replica_context()
+
+
+def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size=None):
+    """This replica's share of the global batch's mean loss.
+
+    Args:
+        per_example_loss: the losses of this replica's examples, an array of rank >= 1
+            (rows first; further axes are summed too, as TensorFlow does).
+        sample_weight: a weight per example (or a scalar), multiplied in first.
+        global_batch_size: the number of examples in the global batch; default: the
+            true count over every replica in sync (one small all-reduce).
+    Returns:
+        ``sum(per_example_loss * sample_weight) / global_batch_size`` as a 0-d array of
+        the loss's dtype (on the replica's device). Summed over replicas, it is the
+        global batch's mean loss.
+    Raises:
+        ValueError: a rank-0 loss, or a non-positive ``global_batch_size``.
+        TypeError: a loss that is not floating point.
+        RuntimeError: called in cross-replica context.
+    """
+    ctx = _replica_context("compute_average_loss")
+    xp = array_module(per_example_loss)
+    loss = xp.asarray(per_example_loss)
+    if loss.dtype.kind not in "fc":
+        raise TypeError(f"compute_average_loss needs floating-point losses, got dtype "
+                        f"{loss.dtype}: cast them (e.g. loss.astype('float32'))")
+    if loss.ndim == 0:
+        raise ValueError("compute_average_loss needs per-example losses (rank >= 1, one "
+                         f"row per example), got a scalar {per_example_loss!r}")
+    if sample_weight is not None:
+        weight = xp.asarray(sample_weight, dtype=loss.dtype)
+        if weight.ndim and weight.shape[0] != loss.shape[0]:
+            raise ValueError(f"sample_weight of shape {tuple(weight.shape)} does not match "
+                             f"the {loss.shape[0]} examples of per_example_loss")
+        weight = weight.reshape(weight.shape + (1,) * (loss.ndim - weight.ndim))
+        loss = loss * weight
+    total = loss.sum(dtype=loss.dtype)
+    if global_batch_size is None:
+        rows = float(loss.shape[0])
+        count = ctx.all_reduce("sum", rows) if ctx is not None else rows
+    else:
+        count = float(global_batch_size)
+        if not count > 0:
+            raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
+    if count == 0:  # every replica's piece is empty: nothing to average
+        return xp.zeros((), loss.dtype)
+    return xp.asarray(total / loss.dtype.type(count), dtype=loss.dtype)
+
+
+def scale_regularization_loss(regularization_loss):
+    """This replica's share of a regularization loss: its sum divided by the number of
+    replicas in sync, so that the replicas' summed gradients count it once."""
+    ctx = _replica_context("scale_regularization_loss")
+    n = ctx.num_replicas_in_sync if ctx is not None else 1
+    xp = array_module(regularization_loss)
+    loss = xp.asarray(regularization_loss)
+    dtype = loss.dtype if loss.dtype.kind in "fc" else np.dtype(np.float32)
+    return xp.asarray(loss.sum(dtype=dtype) / dtype.type(n), dtype=dtype)

@@ -1,0 +1,46 @@
+"""Adam (Kingma and Ba), as Keras writes it."""
+
+from __future__ import annotations
+
+import math
+
+from gpustrat.devices import array_module
+from gpustrat.optimizers.base import Optimizer
+
+
+class Adam(Optimizer):
+    """``keras.optimizers.Adam``: with ``t`` the step (from 1),
+    ``m += (g - m) * (1 - beta_1)``, ``v += (g**2 - v) * (1 - beta_2)``,
+    ``w -= lr * sqrt(1 - beta_2**t) / (1 - beta_1**t) * m / (sqrt(v) + epsilon)``
+    (AMSGrad: ``v`` replaced by its running maximum).
+    """
+
+    def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999,
+                 epsilon: float = 1e-7, amsgrad: bool = False, name: str = "Adam",
+                 compression=None):
+        for what, b in (("beta_1", beta_1), ("beta_2", beta_2)):
+            if not 0.0 <= float(b) < 1.0:
+                raise ValueError(f"{what} must be in [0, 1), got {b}")
+        if not float(epsilon) > 0:
+            raise ValueError(f"epsilon must be positive, got {epsilon}")
+        self.beta_1, self.beta_2 = float(beta_1), float(beta_2)
+        self.epsilon = float(epsilon)
+        self.amsgrad = bool(amsgrad)
+        self.slot_names = ("m", "v", "vhat") if self.amsgrad else ("m", "v")
+        super().__init__(learning_rate, name, compression)
+
+    def update_step(self, param, grad, slots, lr, step, name):
+        xp = array_module(param)
+        alpha = lr * math.sqrt(1.0 - self.beta_2 ** step) / (1.0 - self.beta_1 ** step)
+        m, v = slots["m"], slots["v"]
+        m += (grad - m) * (1.0 - self.beta_1)
+        v += (grad * grad - v) * (1.0 - self.beta_2)
+        if self.amsgrad:
+            vhat = slots["vhat"]
+            xp.maximum(vhat, v, out=vhat)
+            v = vhat
+        param -= (m * alpha) / (xp.sqrt(v) + self.epsilon)
+
+    def get_config(self) -> dict:
+        return {**super().get_config(), "beta_1": self.beta_1, "beta_2": self.beta_2,
+                "epsilon": self.epsilon, "amsgrad": self.amsgrad}

@@ -1,0 +1,311 @@
+"""The optimizer base: one fused gradient reduction per step, then the same update on
+every replica.
+
+Words:
+- *slot*: per-variable optimizer state (SGD's momentum, Adam's moments): a variable of
+  the trained variable's shape, mirrored when the trained variable is, made on first
+  use.
+- *step*: one ``apply_gradients`` call. Inside ``strategy.run`` every replica calls it
+  with its own gradients (it is a collective, like ``all_reduce``); the replicas meet
+  once, in a ``merge_call``, where the gradients of all variables are summed over every
+  replica in sync in ONE fused reduction (one collective per fusion bucket, see
+  :mod:`gpustrat.collectives.fusion`) and each replica's components are updated with
+  the summed gradient. The sum (not the mean) is what tf.distribute does: scale each
+  replica's loss with :func:`gpustrat.nn.compute_average_loss`.
+
+An algorithm is a subclass that names its slots and writes :meth:`Optimizer.update_step`
+on plain arrays (NumPy, or CuPy on a GPU replica), in place.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Iterable
+
+import numpy as np
+
+from gpustrat.devices import to_host
+from gpustrat.distribute import context
+from gpustrat.distribute.distributed_variables import DistributedVariable, strategy_of, zeros
+from gpustrat.collectives.fusion import fused_all_reduce_flat
+from gpustrat.distribute.extended import agree_tensors, describe_layouts, fused_reduce
+from gpustrat.distribute.variables import Variable, VariableAggregation
+from gpustrat.reduce_util import ReduceOp
+from gpustrat.values import PerReplica
+from gpustrat.optimizers import bfloat16
+from gpustrat.optimizers.plan import StepPlan
+
+#: Wire types for ``compression``.
+COMPRESSIONS = {"float16": np.dtype(np.float16)}
+
+
+def compression_dtype(compression) -> np.dtype | None:
+    """``None``, or the dtype gradients travel in ("float16")."""
+    if compression is None:
+        return None
+    key = str(np.dtype(compression)) if not isinstance(compression, str) else compression
+    key = key.strip().lower()
+    if key == "bfloat16":
+        return bfloat16.BFLOAT16
+    if key not in COMPRESSIONS:
+        raise ValueError(f"compression={compression!r} is not supported: use None, "
+                         "'float16' or 'bfloat16'")
+    return COMPRESSIONS[key]
+
+
+class Optimizer:
+    """Base of the optimizers (``keras.optimizers.Optimizer``'s shape).
+
+    Args:
+        learning_rate: a positive float, or a callable ``schedule(step) -> float``
+            called with the number of steps applied so far (``iterations``).
+        name: a name for slots and messages.
+        compression: ``None``, ``"float16"`` or ``"bfloat16"``: the dtype gradients are
+            reduced in (halving the bytes moved; values are rounded to it).
+    """
+
+    #: Names of the slots each variable gets.
+    slot_names: tuple = ()
+
+    def __init__(self, learning_rate, name: str, compression=None):
+        if not callable(learning_rate):
+            _check_positive("learning_rate", learning_rate)
+        self._learning_rate = learning_rate
+        self.name = name
+        self.compression = compression_dtype(compression)
+        strategy, replica_ctx = context.current()
+        if replica_ctx is not None and strategy is not None:
+            raise RuntimeError("make the optimizer in cross-replica context (inside "
+                               "strategy.scope(), outside strategy.run)")
+        self._iterations = zeros(strategy, (), np.int64, f"{name}/iterations",
+                                 agg=VariableAggregation.ONLY_FIRST_REPLICA)
+        self._slots: dict = {}
+        self._slot_list: list = []
+        self._plans: dict = {}
+
+    # --- state ----------------------------------------------------------------------
+    @property
+    def iterations(self) -> Variable:
+        """The number of steps applied (an int64 variable)."""
+        return self._iterations
+
+    @property
+    def learning_rate(self) -> float:
+        """The learning rate of the next step (a schedule is evaluated)."""
+        lr = self._learning_rate
+        if callable(lr):
+            lr = lr(self._step_count())
+            lr = float(to_host(lr)) if not isinstance(lr, (int, float)) else float(lr)
+        return float(lr)
+
+    @learning_rate.setter
+    def learning_rate(self, value) -> None:
+        if not callable(value):
+            _check_positive("learning_rate", value)
+        self._learning_rate = value
+
+    @property
+    def variables(self) -> list:
+        """``iterations`` and every slot, in the order they were made."""
+        return [self._iterations] + list(self._slot_list)
+
+    def get_slot(self, var: Variable, name: str) -> Variable:
+        """Slot ``name`` of ``var`` (made on the first step that trained ``var``)."""
+        try:
+            return self._slots[var][name]
+        except KeyError:
+            raise KeyError(f"{type(self).__name__} has no slot {name!r} for variable "
+                           f"{var.name!r}: slots are {list(self.slot_names)}, made on the "
+                           "first apply_gradients that trains the variable") from None
+
+    def _step_count(self) -> int:
+        return int(to_host(self._iterations._array))
+
+    def _build(self, variables) -> None:
+        for v in variables:
+            if v in self._slots:
+                continue
+            made = {}
+            for s in self.slot_names:
+                made[s] = zeros(strategy_of(v), v.shape, v.dtype, f"{v.name}/{s}")
+                self._slot_list.append(made[s])
+            self._slots[v] = made
+
+    # --- the step -------------------------------------------------------------------
+    def apply_gradients(self, grads_and_vars: Iterable, name=None,
+                        skip_gradients_aggregation: bool = False) -> Variable:
+        """Sum the gradients over every replica in sync (one fused reduction) and update
+        the variables; returns ``iterations``.
+
+        Inside ``strategy.run`` every replica must call it, with its own gradients for
+        the same variables. In cross-replica context (or without a strategy) the
+        gradients are taken as already summed and applied to every component.
+
+        Raises:
+            ValueError: no gradients, a gradient whose shape differs from its
+                variable's, a variable of another strategy, or workers training
+                different variables (on every worker).
+            TypeError: a non-variable, or a gradient that is not floating point.
+        """
+        grads, variables = _check_pairs(grads_and_vars)
+        strategy, replica_ctx = context.current()
+        if replica_ctx is not None and strategy is not None:
+            # One leaf per replica: the merge hands over the replicas' lists as they are
+            # (a PerReplica of them), without walking a hundred gradients.
+            replica_ctx.merge_call(self._apply_merged,
+                                   args=(_StepArgs(grads, variables),
+                                         not skip_gradients_aggregation))
+        else:
+            self._apply_merged(strategy, _StepArgs(grads, variables), False)
+        return self._iterations
+
+    def _apply_merged(self, strategy, step_args, reduce: bool) -> None:
+        per_replica = step_args.values if isinstance(step_args, PerReplica) else (step_args,)
+        variables = per_replica[0].variables
+        for i, other in enumerate(per_replica[1:], 1):
+            if len(other.variables) != len(variables) or \
+                    not all(map(operator.is_, other.variables, variables)):
+                raise ValueError(
+                    f"{type(self).__name__}.apply_gradients: replica {i} passed other "
+                    f"variables ({[v.name for v in other.variables]}) than replica 0 "
+                    f"({[v.name for v in variables]}); every replica must train the same "
+                    "variables, in the same order")
+        plan = self._plan(variables)
+        if strategy is not None and plan.owner is not None and plan.owner is not strategy:
+            raise ValueError(
+                f"{type(self).__name__}.apply_gradients: the variables belong to "
+                f"{plan.owner!r} but the step runs under {strategy!r}: train the variables "
+                "of one strategy, under that strategy")
+        if plan.owner is None and strategy is not None and strategy.num_replicas_in_sync > 1:
+            raise ValueError(
+                f"{type(self).__name__}.apply_gradients under {strategy!r}: variable "
+                f"{plan.names[0]!r} was made outside strategy.scope(), so it has one copy "
+                "for all replicas; make the variables inside strategy.scope()")
+        if len(per_replica) == 1:
+            tensors = plan.gradients(per_replica[0].grads)
+        else:
+            tensors = plan.gradients(list(zip(*[a.grads for a in per_replica])),
+                                     per_replica=True)
+        reduce = reduce and plan.owner is not None and plan.owner.num_replicas_in_sync > 1
+        if reduce and plan.layouts is None:
+            plan.layouts = describe_layouts(tensors, plan.keys)
+        if reduce:
+            agree_tensors(plan.owner, tensors, f"{type(self).__name__}.apply_gradients",
+                          layouts=plan.layouts)
+        lr = self.learning_rate
+        step = self._step_count() + 1
+        if plan.flat is not None:
+            plan.flat.step(self, self._flat_gradients(plan, tensors, reduce), lr, step)
+        else:
+            if reduce:
+                tensors = self._reduce(plan, tensors)
+            plan.step_each(self, tensors, lr, step)
+        one = np.ones((), np.int64)
+        for c in (self._iterations.values if isinstance(self._iterations, DistributedVariable)
+                  else (self._iterations,)):
+            c._write("assign_add", one)
+
+    def _plan(self, variables: list) -> StepPlan:
+        # Training loops pass the same variables every step: the bookkeeping is done once.
+        key = tuple(map(id, variables))
+        plan = self._plans.get(key)
+        if plan is None:
+            self._build(variables)
+            plan = StepPlan(self, variables)
+            if len(self._plans) >= 64:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
+
+    def _reduce(self, plan: StepPlan, tensors: list) -> list:
+        """Per-tensor sums over every replica in sync (``out[j][i]``), on the wire in
+        the compression dtype."""
+        comm = plan.owner.communicator
+        wire = self.compression
+        if wire is None:
+            return fused_reduce(comm, tensors, ReduceOp.SUM)
+        if wire is bfloat16.BFLOAT16:
+            return bfloat16.reduce_sum(comm, tensors)
+        packed = [[t.astype(wire) for t in row] for row in tensors]
+        reduced = fused_reduce(comm, packed, ReduceOp.SUM)
+        return [[r.astype(tensors[j][0].dtype) for r in row] for j, row in enumerate(reduced)]
+
+    def _flat_gradients(self, plan: StepPlan, tensors: list, reduce: bool) -> list:
+        """``[(tensor indices, [flat summed gradients per replica]), ...]`` per bucket:
+        one fused reduction, straight from the fusion buffers."""
+        if reduce and self.compression is not bfloat16.BFLOAT16:
+            wire = self.compression
+            packed = tensors if wire is None else [[t.astype(wire) for t in row]
+                                                   for row in tensors]
+            buckets = fused_all_reduce_flat(plan.owner.communicator, packed, ReduceOp.SUM)
+            if wire is not None:
+                buckets = [(b, [x.astype(plan.dtypes[0]) for x in bufs])
+                           for b, bufs in buckets]
+            return buckets
+        if reduce:
+            tensors = bfloat16.reduce_sum(plan.owner.communicator, tensors)
+        return [(list(range(len(tensors))), plan.flat.concatenate(tensors))]
+
+    def flat_ok(self, names: list) -> bool:
+        """Whether one update of all these variables' flattened values at once is the
+        same as updating each (True unless an algorithm treats variables by name)."""
+        return True
+
+    def update_step(self, param, grad, slots: dict, lr: float, step: int, name: str | None
+                    ) -> None:
+        """Update ``param`` (of the variable called ``name``) in place from the summed
+        ``grad``; ``slots`` maps slot names to this replica's slot arrays (updated in
+        place too); ``step`` counts from 1. ``param`` may be the flattened values of
+        several variables at once (``name`` None; see :meth:`flat_ok`)."""
+        raise NotImplementedError
+
+    def get_config(self) -> dict:
+        return {"name": self.name, "learning_rate": self._learning_rate,
+                "compression": None if self.compression is None else str(self.compression)}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "name")
+        return f"{type(self).__name__}({args})"
+
+
+class _StepArgs:
+    """One replica's gradients and variables, passed to the merge as one value."""
+
+    __slots__ = ("grads", "variables")
+
+    def __init__(self, grads: list, variables: list):
+        self.grads = grads
+        self.variables = variables
+
+
+def _check_positive(what: str, value) -> None:
+    try:
+        ok = float(value) > 0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{what} must be a positive number or a callable schedule, "
+                         f"got {value!r}")
+
+
+def _check_pairs(grads_and_vars) -> tuple[list, list]:
+    pairs = list(grads_and_vars)
+    for p in pairs:
+        if not (isinstance(p, (tuple, list)) and len(p) == 2):
+            raise TypeError("apply_gradients takes (gradient, variable) pairs, e.g. "
+                            f"zip(grads, variables); got an item {p!r}")
+    kept = [(g, v) for g, v in pairs if g is not None]
+    for _, v in pairs:
+        if not isinstance(v, Variable):
+            raise TypeError(f"apply_gradients: {v!r} is not a gs.Variable; optimizers "
+                            "train variables (make them with gs.Variable in the scope)")
+    if not kept:
+        names = [v.name for _, v in pairs]
+        raise ValueError(f"apply_gradients: no gradients provided for any variable "
+                         f"({names})")
+    variables = [v for _, v in kept]
+    if len({id(v) for v in variables}) != len(variables):
+        raise ValueError("apply_gradients: a variable appears twice; sum its gradients "
+                         "first")
+    return [g for g, _ in kept], variables
+

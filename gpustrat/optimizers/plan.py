@@ -1,0 +1,202 @@
+"""What an optimizer works out once per list of variables, so that a step is cheap.
+
+Words:
+- *plan*: for one list of variables (a training loop passes the same list every step):
+  their owner strategy, devices, component variables and slots per replica, names,
+  shapes and dtypes.
+- *flat arena*: one 1-D array per replica (on its device) holding the plan's variables'
+  values back to back, in the plan's order; each component's array becomes a view of
+  its slice, and likewise one arena per slot. The fused reduction's buffers hold the
+  summed gradients in the same order, so a step updates all the variables with a few
+  large array operations instead of a few per variable (Apex's and optax's
+  "multi-tensor" updates do the same). A variable is moved into an arena once, by the
+  first plan that trains it; arrays read from it before (``value()`` views) keep the old
+  memory. Plans that cannot use arenas (mixed dtypes, variables already in another
+  arena, an algorithm that treats variables by name) update each variable in turn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+
+import numpy as np
+
+from gpustrat.distribute.collective_ops import as_array
+from gpustrat.distribute.distributed_variables import DistributedVariable, strategy_of
+from gpustrat.values import DistributedValues, PerReplica
+
+_NO_CONTEXT = contextlib.nullcontext()
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_ITEM = [operator.itemgetter(i) for i in range(64)]
+
+
+def _IS_NDARRAY(a) -> bool:
+    return type(a) is np.ndarray
+
+
+def _is_n(row, n) -> bool:
+    return len(row) == n
+
+
+def _components(v) -> tuple:
+    return v.values if isinstance(v, DistributedVariable) else (v,)
+
+
+class StepPlan:
+    """See the module docstring. ``comps[i][j]``: replica i's component of variable j
+    (a plain variable); ``slot_comps[i][j]``: its slots' components by name."""
+
+    def __init__(self, optimizer, variables: list):
+        owner = strategy_of(variables[0])
+        bad = next((v for v in variables if strategy_of(v) is not owner), None)
+        if bad is not None:
+            raise ValueError(
+                f"{type(optimizer).__name__}.apply_gradients: variable {bad.name!r} belongs "
+                f"to {strategy_of(bad)!r} but {variables[0].name!r} to {owner!r}: train "
+                "the variables of one strategy, under that strategy")
+        self.owner = owner
+        comps = [_components(v) for v in variables]
+        self.n_local = len(comps[0])
+        self.comps = [[c[i] for c in comps] for i in range(self.n_local)]
+        self.slot_comps = [[{s: _components(slot)[i]
+                             for s, slot in optimizer._slots[v].items()}
+                            for v in variables] for i in range(self.n_local)]
+        self.devices = [[c._device for c in row] for row in self.comps]
+        self.gpu = any(d.is_gpu for row in self.devices for d in row)
+        self.names = [v.name for v in variables]
+        self.keys = [v._key if isinstance(v, DistributedVariable) else v.name
+                     for v in variables]
+        self.shapes = [v.shape for v in variables]
+        self.dtypes = [v.dtype for v in variables]
+        #: What the workers agree on each step (made on the first reduction).
+        self.layouts = None
+        self.flat = FlatArenas.adopt(self, optimizer)
+
+    def gradients(self, grads: list, per_replica: bool = False) -> list:
+        """``out[j][i]``: gradient j on local replica i's device, in variable j's dtype.
+
+        ``grads[j]`` is variable j's gradient: a per-replica value, or one value for
+        every replica; with ``per_replica``, a sequence of one value per replica."""
+        n = self.n_local
+        if not self.gpu and n <= len(_ITEM):
+            # The common step: host arrays of the right shapes and dtypes, checked with
+            # whole-list compares (in C) instead of one by one.
+            rows = grads if per_replica else \
+                [g.values if type(g) is PerReplica else (g,) * n for g in grads]
+            if all(map(_is_n, rows, [n] * len(rows))):
+                ok = True
+                for i in range(n):
+                    column = list(map(_ITEM[i], rows))
+                    if not (all(map(_IS_NDARRAY, column))
+                            and list(map(_SHAPE, column)) == self.shapes
+                            and list(map(_DTYPE, column)) == self.dtypes):
+                        ok = False
+                        break
+                if ok:
+                    return rows
+        out = []
+        for j, g in enumerate(grads):
+            if per_replica or isinstance(g, DistributedValues):
+                parts = g if per_replica else g.values
+                if len(parts) != n:
+                    raise ValueError(f"the gradient of {self.names[j]!r} has {len(parts)} "
+                                     f"components for {n} local replicas")
+            else:
+                # The same gradient on every replica (each replica passed this value).
+                parts = (g,) * n
+            row = list(parts)
+            shape, dtype = self.shapes[j], self.dtypes[j]
+            for i, a in enumerate(row):
+                if type(a) is not np.ndarray or self.gpu:
+                    a = row[i] = as_array(a, self.devices[i][j])
+                if a.shape != shape:
+                    raise ValueError(f"the gradient of variable {self.names[j]!r} has shape "
+                                     f"{tuple(a.shape)} but the variable has {shape}")
+                if a.dtype != dtype:
+                    if a.dtype.kind not in "fc":
+                        raise TypeError(f"the gradient of variable {self.names[j]!r} has "
+                                        f"dtype {a.dtype}: gradients must be floating point")
+                    row[i] = a.astype(dtype)
+            out.append(row)
+        return out
+
+    def step_each(self, optimizer, tensors: list, lr: float, step: int) -> None:
+        """Update each variable's components in turn (``tensors[j][i]`` summed)."""
+        update = optimizer.update_step
+        names = self.names
+        for i in range(self.n_local):
+            for j, (comp, slots) in enumerate(zip(self.comps[i], self.slot_comps[i])):
+                dev = comp._device
+                with dev.activate() if dev.is_gpu else _NO_CONTEXT:
+                    update(comp._array, tensors[j][i], {s: c._array for s, c in slots.items()},
+                           lr, step, names[j])
+
+
+class FlatArenas:
+    """A plan's variables and slots in one flat arena per replica (module docstring)."""
+
+    def __init__(self, plan: StepPlan, sizes: list):
+        self.plan = plan
+        self.offsets = [0]
+        for n in sizes:
+            self.offsets.append(self.offsets[-1] + n)
+        self.params: list = []             # params[i]: replica i's arena
+        self.slots: list = []              # slots[i][name]: replica i's slot arena
+
+    @classmethod
+    def adopt(cls, plan: StepPlan, optimizer) -> "FlatArenas | None":
+        """Move the plan's variables and slots into arenas, or None when it cannot."""
+        dtype = plan.dtypes[0]
+        sizes = [int(np.prod(s, dtype=np.int64)) for s in plan.shapes]
+        if (any(d != dtype for d in plan.dtypes) or dtype.kind != "f" or not sum(sizes)
+                or not optimizer.flat_ok(plan.names)):
+            return None
+        for i in range(plan.n_local):
+            row = plan.comps[i] + [c for slots in plan.slot_comps[i] for c in slots.values()]
+            if any(getattr(c, "_in_arena", False) for c in row) or \
+                    any(d != plan.devices[i][0] for d in plan.devices[i]):
+                return None
+        flat = cls(plan, sizes)
+        for i in range(plan.n_local):
+            dev = plan.devices[i][0]
+            with dev.activate():
+                flat.params.append(flat._move(dev, plan.comps[i], dtype))
+                names = plan.slot_comps[i][0].keys() if plan.slot_comps[i] else ()
+                flat.slots.append({s: flat._move(dev, [sl[s] for sl in plan.slot_comps[i]],
+                                                 dtype) for s in names})
+        for row in plan.comps:
+            for c in row:
+                parent = c._parent
+                if parent is not None:
+                    parent._array = parent._values[0]._array
+        return flat
+
+    def _move(self, device, comps: list, dtype):
+        arena = device.xp.empty(self.offsets[-1], dtype)
+        for j, c in enumerate(comps):
+            lo, hi = self.offsets[j], self.offsets[j + 1]
+            arena[lo:hi] = c._array.reshape(-1)
+            c._array = arena[lo:hi].reshape(c._array.shape)
+            c._in_arena = True
+        return arena
+
+    def concatenate(self, tensors: list) -> list:
+        """One flat array per replica of ``tensors[j][i]``, in the plan's order."""
+        out = []
+        for i, dev in enumerate(row[0] for row in self.plan.devices):
+            with dev.activate():
+                out.append(dev.xp.concatenate([t[i].reshape(-1) for t in tensors]))
+        return out
+
+    def step(self, optimizer, buckets: list, lr: float, step: int) -> None:
+        """Update from ``[(tensor indices, flat summed gradients per replica)]``."""
+        update = optimizer.update_step
+        for indices, grads in buckets:
+            lo, hi = self.offsets[indices[0]], self.offsets[indices[-1] + 1]
+            for i, grad in enumerate(grads):
+                dev = self.plan.devices[i][0]
+                with dev.activate() if dev.is_gpu else _NO_CONTEXT:
+                    update(self.params[i][lo:hi], grad,
+                           {s: a[lo:hi] for s, a in self.slots[i].items()}, lr, step, None)

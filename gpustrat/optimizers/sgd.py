@@ -1,0 +1,42 @@
+"""Stochastic gradient descent, with optional (Nesterov) momentum."""
+
+from __future__ import annotations
+
+from gpustrat.optimizers.base import Optimizer
+
+
+class SGD(Optimizer):
+    """``keras.optimizers.SGD``: with momentum ``m = momentum * m - lr * g`` and
+    ``w += m`` (Nesterov: ``w += momentum * m - lr * g``); without, ``w -= lr * g``.
+
+    Args:
+        learning_rate: a float or a schedule (see :class:`Optimizer`).
+        momentum: in [0, 1); 0 keeps no slot.
+        nesterov: Nesterov momentum.
+        compression: the dtype gradients are reduced in (None, "float16", "bfloat16").
+    """
+
+    def __init__(self, learning_rate=0.01, momentum: float = 0.0, nesterov: bool = False,
+                 name: str = "SGD", compression=None):
+        momentum = float(momentum)
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        self.momentum = momentum
+        self.nesterov = bool(nesterov)
+        self.slot_names = ("momentum",) if momentum else ()
+        super().__init__(learning_rate, name, compression)
+
+    def update_step(self, param, grad, slots, lr, step, name):
+        if not self.momentum:
+            param -= lr * grad
+            return
+        m = slots["momentum"]
+        m *= self.momentum
+        m -= lr * grad
+        if self.nesterov:
+            param += self.momentum * m - lr * grad
+        else:
+            param += m
+
+    def get_config(self) -> dict:
+        return {**super().get_config(), "momentum": self.momentum, "nesterov": self.nesterov}

@@ -1,0 +1,99 @@
+"""Metrics on sync-on-read variables: per-replica accumulation inside run, one fused
+reduction for result() in cross-replica context, partial batches, reset."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gpustrat as gs
+from gpustrat.data import Dataset
+
+
+
+def test_mean_and_sum_over_an_epoch_with_a_partial_batch(two):
+    with two.scope():
+        mean, total = gs.metrics.Mean(), gs.metrics.Sum()
+    assert isinstance(mean.total, gs.Variable) and not mean.total.trainable
+    assert mean.total.synchronization is gs.VariableSynchronization.ON_READ
+    data = np.arange(9.0, dtype=np.float32)
+    for batch in two.experimental_distribute_dataset(Dataset.from_tensor_slices(data).batch(4)):
+        two.run(lambda x: (mean.update_state(x), total.update_state(x)), args=(batch,))
+    with two.scope():
+        assert float(mean.result()) == 4.0 and float(total.result()) == 36.0
+        assert mean.result().dtype == np.float32
+    # The components hold each replica's part: [0,1] [4,5] [8] and [2,3] [6,7] [].
+    assert [float(c) for c in two.experimental_local_results(mean.count)] == [5.0, 4.0]
+    mean.reset_state()
+    with two.scope():
+        assert float(mean.result()) == 0.0        # no division by zero
+
+
+def test_result_inside_run_is_the_replicas_own(two):
+    with two.scope():
+        m = gs.metrics.Mean()
+    out = two.run(lambda: m(np.full(2, float(gs.get_replica_context()
+                                              .replica_id_in_sync_group + 1))))
+    assert [float(x) for x in two.experimental_local_results(out)] == [1.0, 2.0]
+    with two.scope():
+        assert float(m.result()) == 1.5
+
+
+def test_weighted_mean_and_accuracies(two):
+    with two.scope():
+        mean = gs.metrics.Mean()
+        acc = gs.metrics.Accuracy()
+        sparse = gs.metrics.SparseCategoricalAccuracy()
+    labels = [np.array([1, 0]), np.array([2])]
+    scores = [np.array([[0.1, 0.9, 0.0], [0.8, 0.1, 0.1]]), np.array([[0.5, 0.4, 0.1]])]
+    weights = [np.array([1.0, 3.0]), np.array([2.0])]
+    per = lambda xs: two.experimental_distribute_values_from_function(  # noqa: E731
+        lambda ctx: xs[ctx.replica_id_in_sync_group])
+
+    def step(y, p, w):
+        sparse.update_state(y, p, sample_weight=w)
+        acc.update_state(y, p.argmax(axis=1))
+        mean.update_state(p, sample_weight=w)          # a weight per row
+    two.run(step, args=(per(labels), per(scores), per(weights)))
+    with two.scope():
+        # hits: 1, 1 (weights 1, 3), miss (weight 2): 4 / 6.
+        assert float(sparse.result()) == pytest.approx(4 / 6)
+        assert float(acc.result()) == pytest.approx(2 / 3)
+        want = (1 * 1.0 + 3 * 1.0 + 2 * 1.0) / (3 * (1 + 3 + 2))   # rows sum to 1
+        assert float(mean.result()) == pytest.approx(want)
+
+
+def test_sparse_accuracy_takes_column_labels_and_empty_pieces():
+    m = gs.metrics.SparseCategoricalAccuracy()          # plain, outside any scope
+    m.update_state(np.array([[2], [0]]), np.array([[0, 0, 1.0], [0, 1.0, 0]]))
+    m.update_state(np.zeros((0,), int), np.zeros((0, 3)))
+    assert float(m.result()) == 0.5
+    with pytest.raises(ValueError, match="does not\\s+match y_pred"):
+        m.update_state(np.array([1, 2, 3]), np.zeros((2, 3)))
+
+
+def test_cross_replica_update_counts_once(two):
+    with two.scope():
+        s = gs.metrics.Sum()
+        s.update_state(np.array([1.0, 2.0]))
+        assert float(s.result()) == 3.0
+
+
+def test_metric_of_one_strategy_under_another_is_an_error(two):
+    with two.scope():
+        m = gs.metrics.Mean()
+    other = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    try:
+        with other.scope():
+            with pytest.raises(ValueError, match="was made under"):
+                m.result()
+        with pytest.raises(ValueError, match="was made under"):
+            other.run(lambda: m.update_state(np.ones(2)))
+    finally:
+        other.close()
+
+
+def test_a_metric_made_outside_the_scope_is_refused_inside_run(two):
+    m = gs.metrics.Sum()
+    with pytest.raises(ValueError, match="made outside strategy.scope"):
+        two.run(lambda: m.update_state(np.ones(2)))

@@ -1,0 +1,215 @@
+"""Optimizers under strategies against a plain NumPy reference: the same weights on 1,
+2 and 3 replicas (partial batches included), and errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gpustrat as gs
+from training_cases import OPTIMIZERS, reference, train
+
+RTOL, ATOL = 2e-5, 2e-6
+
+
+def assert_matches(got, want, what):
+    ws, bs, iterations = got
+    w_ref, b_ref, steps = want
+    assert iterations == steps
+    for c in ws:
+        np.testing.assert_allclose(c, w_ref, rtol=RTOL, atol=ATOL, err_msg=what)
+    for c in bs:
+        np.testing.assert_allclose(c, b_ref, rtol=RTOL, atol=ATOL, err_msg=what)
+
+
+@pytest.mark.parametrize("which", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_same_weights_as_numpy_on_any_replica_count(which, n):
+    strategy = gs.MirroredStrategy([f"cpu:{i}" for i in range(n)])
+    try:
+        got = train(strategy, which)
+    finally:
+        strategy.close()
+    want = reference(which)
+    if which.endswith("float16"):
+        # Rounding happens to each replica's share: compare loosely, and check that
+        # compression changed nothing but the rounding.
+        ws, bs, _ = got
+        np.testing.assert_allclose(ws[0], want[0], rtol=2e-2, atol=2e-3)
+        return
+    assert_matches(got, want, f"{which} on {n} replica(s)")
+
+
+def test_training_moved_the_weights():
+    w_ref, _, _ = reference("adam")
+    _, _, w0, _ = __import__("training_cases").data()
+    assert np.abs(w_ref - w0).max() > 0.1
+
+
+def test_one_fused_reduction_per_step(monkeypatch):
+    from gpustrat.collectives import host
+    strategy = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    calls = []
+    real = host.HostCommunicator.all_reduce_inplace
+
+    def counting(self, buffers, op):
+        calls.append(len(buffers))
+        return real(self, buffers, op)
+    monkeypatch.setattr(host.HostCommunicator, "all_reduce_inplace", counting)
+    try:
+        with strategy.scope():
+            vs = [gs.Variable(np.zeros(5, np.float32)) for _ in range(20)]
+            opt = gs.optimizers.SGD(0.1)
+        strategy.run(lambda: opt.apply_gradients(
+            [(np.ones(5, np.float32), v) for v in vs]))
+    finally:
+        strategy.close()
+    assert calls == [2]            # one collective for the 20 gradients of 2 replicas
+    assert all(np.allclose(np.asarray(v), -0.2) for v in vs)   # summed over 2 replicas
+
+
+def test_plain_variables_without_a_strategy():
+    v = gs.Variable([1.0, 2.0])
+    opt = gs.optimizers.SGD(0.5, momentum=0.5)
+    opt.apply_gradients([(np.array([1.0, 1.0], np.float32), v)])
+    opt.apply_gradients([(np.array([1.0, 1.0], np.float32), v)])
+    # m = -0.5, then m = -0.25 - 0.5 = -0.75
+    np.testing.assert_allclose(v.numpy(), [1.0 - 1.25, 2.0 - 1.25])
+    assert int(opt.iterations) == 2
+    np.testing.assert_allclose(opt.get_slot(v, "momentum").numpy(), [-0.75, -0.75])
+
+
+def test_cross_replica_apply_takes_the_gradient_as_summed():
+    strategy = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    try:
+        with strategy.scope():
+            v = gs.Variable([1.0])
+            opt = gs.optimizers.SGD(0.5)
+            opt.apply_gradients([(np.array([2.0], np.float32), v)])
+        assert [np.asarray(c).tolist() for c in strategy.experimental_local_results(v)] == [[0.0]] * 2
+        slots = opt.variables
+        assert slots[0] is opt.iterations and isinstance(opt.iterations, gs.Variable)
+    finally:
+        strategy.close()
+
+
+def test_errors():
+    strategy = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    try:
+        with strategy.scope():
+            v = gs.Variable(np.zeros(3, np.float32), name="w")
+            opt = gs.optimizers.Adam()
+        with pytest.raises(ValueError, match="no gradients provided"):
+            strategy.run(lambda: opt.apply_gradients([(None, v)]))
+        with pytest.raises(ValueError, match=r"'w' has shape \(2,\)"):
+            strategy.run(lambda: opt.apply_gradients([(np.ones(2), v)]))
+        with pytest.raises(TypeError, match="not a gs.Variable"):
+            strategy.run(lambda: opt.apply_gradients([(np.ones(3), np.zeros(3))]))
+        with pytest.raises(TypeError, match="floating point"):
+            strategy.run(lambda: opt.apply_gradients([(np.ones(3, int), v)]))
+        other = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+        try:
+            with other.scope():
+                u = gs.Variable(np.zeros(3, np.float32), name="u")
+            with pytest.raises(ValueError, match="'u' belongs to"):
+                strategy.run(lambda: opt.apply_gradients([(np.ones(3), v),
+                                                          (np.ones(3), u)]))
+        finally:
+            other.close()
+        assert int(opt.iterations) == 0 and np.all(np.asarray(v) == 0)
+        with pytest.raises(ValueError, match="learning_rate must be a positive"):
+            gs.optimizers.SGD(-1.0)
+        with pytest.raises(ValueError, match="compression"):
+            gs.optimizers.SGD(compression="int8")
+    finally:
+        strategy.close()
+
+
+@pytest.mark.parametrize("compression, wire", [("float16", np.float16),
+                                               ("bfloat16", np.uint16)])
+def test_compression_sends_16_bit_values_and_rounds_each_share(monkeypatch, compression,
+                                                               wire):
+    from gpustrat.collectives import host
+    seen = []
+    for name in ("all_reduce_inplace", "all_reduce", "all_gather"):
+        real = getattr(host.HostCommunicator, name)
+
+        def spy(self, buffers, *a, _real=real, **k):
+            seen.append(buffers[0].dtype)
+            return _real(self, buffers, *a, **k)
+        monkeypatch.setattr(host.HostCommunicator, name, spy)
+    strategy = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    try:
+        with strategy.scope():
+            v = gs.Variable(np.zeros(2, np.float32))
+            opt = gs.optimizers.SGD(1.0, compression=compression)
+        # 1 + 2**-12 is not representable in 16 bits: each share rounds to 1.
+        g = np.array([1 + 2.0 ** -12, 3.0], np.float32)
+        strategy.run(lambda: opt.apply_gradients([(g, v)]))
+    finally:
+        strategy.close()
+    assert seen == [np.dtype(wire)]
+    np.testing.assert_array_equal(np.asarray(v), [-2.0, -6.0])
+
+
+def test_variables_made_outside_the_scope_are_refused_inside_run():
+    strategy = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    try:
+        v = gs.Variable(np.zeros(2, np.float32), name="outside")
+        with strategy.scope():
+            opt = gs.optimizers.SGD(0.1)
+        with pytest.raises(ValueError, match="'outside' was made outside"):
+            strategy.run(lambda: opt.apply_gradients([(np.ones(2, np.float32), v)]))
+        assert np.all(v.numpy() == 0)
+    finally:
+        strategy.close()
+
+
+def test_variables_move_into_one_arena_and_a_second_optimizer_still_updates_them():
+    strategy = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    try:
+        with strategy.scope():
+            a = gs.Variable(np.ones(3, np.float32), name="a")
+            b = gs.Variable(np.ones((2, 2), np.float32), name="b")
+            first = gs.optimizers.SGD(0.1, momentum=0.5)
+            second = gs.optimizers.SGD(1.0)
+        grads = [np.full(3, 1.0, np.float32), np.full((2, 2), 2.0, np.float32)]
+        strategy.run(lambda: first.apply_gradients(zip(grads, [a, b])))
+        # Both variables' components (and the momentum slots) now share one buffer per
+        # replica, so that the step is a few whole-buffer operations.
+        for i in range(2):
+            ca = strategy.experimental_local_results(a)[i]._array
+            cb = strategy.experimental_local_results(b)[i]._array
+            assert np.shares_memory(ca.base, cb.base)
+        strategy.run(lambda: second.apply_gradients([(grads[1], b)]))   # not in its arena
+        strategy.run(lambda: first.apply_gradients(zip(grads, [a, b])))
+    finally:
+        strategy.close()
+    # Summed over 2 replicas: g = 2, 4.  first: m = -0.1 g; second: -1.0 * 4;
+    # first again: m = 0.5 m - 0.1 g.
+    m_a, m_b = -0.2, -0.4
+    want_a = 1 + m_a + (0.5 * m_a - 0.2)
+    want_b = 1 + m_b - 4.0 + (0.5 * m_b - 0.4)
+    for c in strategy.experimental_local_results(a):
+        np.testing.assert_allclose(np.asarray(c), want_a, rtol=1e-6)
+    for c in strategy.experimental_local_results(b):
+        np.testing.assert_allclose(np.asarray(c), want_b, rtol=1e-6)
+
+
+def test_replicas_training_different_variables_is_an_error():
+    strategy = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    try:
+        with strategy.scope():
+            a = gs.Variable(np.zeros(2, np.float32), name="a")
+            b = gs.Variable(np.zeros(2, np.float32), name="b")
+            opt = gs.optimizers.SGD(0.1)
+
+        def step():
+            mine = a if gs.get_replica_context().replica_id_in_sync_group == 0 else b
+            opt.apply_gradients([(np.ones(2, np.float32), mine)])
+        with pytest.raises(ValueError, match=r"replica 1 passed other variables \(\['b'\]\)"):
+            strategy.run(step)
+        assert int(opt.iterations) == 0
+        assert np.all(np.asarray(a) == 0) and np.all(np.asarray(b) == 0)
+    finally:
+        strategy.close()

@@ -1,0 +1,111 @@
+"""Variables across MPI workers (2 workers x 1 and x 2 replicas), launched with mpiexec
+under a timeout: TensorFlow 2.21's recorded values (2 and 4 replicas in sync), initial
+values from worker 0, and disagreements raised on every rank."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # tests/ for mpi_util
+from mpi_util import assert_mpi_ok  # noqa: E402
+
+pytestmark = pytest.mark.mpi
+
+PARITY = r"""
+import sys
+sys.path.insert(0, {here!r})
+import gpustrat as gs
+from tf_recorded_variables import TF_2_REPLICAS, TF_4_REPLICAS
+from variable_cases import compare_all
+s = gs.MultiWorkerMirroredStrategy(devices=[f"cpu:{{i}}" for i in range({local})])
+assert s.num_replicas_in_sync == {ranks} * {local}
+table = {{2: TF_2_REPLICAS, 4: TF_4_REPLICAS}}[s.num_replicas_in_sync]
+bad = compare_all(s, table)
+assert bad == [], bad
+print(f"OK rank {{s.worker_index}}", flush=True)
+s.close()
+"""
+
+
+@pytest.mark.parametrize("ranks, local", [(2, 1), (2, 2), (4, 1)])
+def test_every_update_matches_tensorflow_across_workers(ranks, local):
+    # 2 x 1 against TensorFlow's 2 replicas; 2 x 2 and 4 x 1 against its 4.
+    assert_mpi_ok(ranks, PARITY.format(here=str(HERE), local=local, ranks=ranks),
+                  timeout=300, expect_lines=ranks)
+
+
+DISAGREE = r"""
+import numpy as np
+import gpustrat as gs
+s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"])
+rank = s.worker_index
+rng = np.random.default_rng(rank)                      # a different seed on each rank
+with s.scope():
+    w = gs.Variable(rng.standard_normal(3), aggregation="sum", name="w")
+    b = gs.Variable(np.zeros(2), aggregation="sum", name="b")
+first = [np.asarray(c) for c in s.experimental_local_results(w)]
+want = np.random.default_rng(0).standard_normal(3)     # worker 0's
+assert all(np.array_equal(c, want) for c in first), first
+
+def expect(fn, pattern):
+    try:
+        fn()
+    except ValueError as e:
+        import re
+        assert re.search(pattern, str(e), re.S), str(e)
+    else:
+        raise AssertionError("no error for " + pattern)
+
+# Worker 1 updates another variable than worker 0.
+expect(lambda: s.run(lambda: (w if rank == 0 else b).assign_add(np.ones((3,) if rank == 0 else (2,)))),
+       "every worker must make the same variable updates")
+# Worker 1 gives a value of the wrong shape: every worker raises.
+expect(lambda: s.run(lambda: w.assign_add(np.ones(3 if rank == 0 else 4))),
+       "every worker must make the same variable updates")
+# Cross-replica writes of different values on different workers.
+def cross():
+    with s.scope():
+        w.assign(np.full(3, float(rank)))
+expect(cross, "every worker must write the same value")
+# Nothing was written, and the strategy still works.
+assert all(np.array_equal(np.asarray(c), want) for c in s.experimental_local_results(w))
+s.run(lambda: w.assign_add(np.ones(3)))
+got = [np.asarray(c) for c in s.experimental_local_results(w)]
+assert all(np.allclose(c, want + 4) for c in got), got
+print(f"OK rank {rank}", flush=True)
+s.close()
+"""
+
+
+def test_disagreements_raise_on_every_rank_and_leave_variables_equal():
+    assert_mpi_ok(2, DISAGREE, timeout=120, expect_lines=2)
+
+
+METRICS = r"""
+import numpy as np
+import gpustrat as gs
+from gpustrat.data import Dataset
+s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"])
+with s.scope():
+    mean, acc = gs.metrics.Mean(), gs.metrics.SparseCategoricalAccuracy()
+data = np.arange(11.0, dtype=np.float32)          # 11 rows: the last batch is partial
+labels = (np.arange(11) % 3).astype(np.int64)
+scores = np.eye(3, dtype=np.float32)[np.arange(11) % 2 * 2]   # predicts 0, 2, 0, 2, ...
+ds = Dataset.from_tensor_slices((data, labels, scores)).batch(4)
+for x, y, p in s.experimental_distribute_dataset(ds):
+    s.run(lambda x, y, p: (mean.update_state(x), acc.update_state(y, p)), args=(x, y, p))
+with s.scope():
+    got = float(mean.result()), float(acc.result())
+want_acc = float(np.mean(labels == np.arange(11) % 2 * 2))
+assert got == (5.0, np.float32(want_acc)), got
+print(f"OK rank {s.worker_index}", flush=True)
+s.close()
+"""
+
+
+def test_metrics_aggregate_over_every_worker():
+    assert_mpi_ok(2, METRICS, timeout=120, expect_lines=2)
