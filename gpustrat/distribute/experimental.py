@@ -6,6 +6,8 @@ from gpustrat._lazy import attach as _attach
 _NAMES = {
     "MultiWorkerMirroredStrategy": "gpustrat.distribute.multi_worker",
     "ValueContext": "gpustrat.distribute.replica_context",
+    "ParameterServerStrategy": "gpustrat.distribute.parameter_server.strategy",
+    "partitioners": "gpustrat.distribute.parameter_server",
 }
 
 __all__ = sorted(_NAMES)

@@ -1,0 +1,158 @@
+"""A parameter server: holds variables and applies updates, one request at a time.
+
+Requests (see :mod:`.channel`) are handled in arrival order, so each update is atomic
+on its variable; updates from different workers interleave (asynchronous training).
+Optimizer steps run here: a worker sends the gradients, the server runs the
+optimizer's ``update_step`` on its arrays and keeps the optimizer's slots (momentum,
+Adam's moments) beside the variables.
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+
+import numpy as np
+
+from gpustrat.distribute.parameter_server import wire
+from gpustrat.distribute.parameter_server.channel import TAG_REQ, Backoff, Channel
+
+
+class _Var:
+    __slots__ = ("array", "name")
+
+    def __init__(self, array, name):
+        self.array = array
+        self.name = name
+
+
+class Server:
+    """The loop of one server rank; :meth:`serve` returns when the coordinator stops it."""
+
+    def __init__(self, ch: Channel, index: int, memory_limit: int | None):
+        self.ch = ch
+        self.index = index
+        self.memory_limit = memory_limit
+        self.vars: dict = {}
+        self.nbytes = 0
+        self.optimizers: dict = {}
+        self.slots: dict = {}
+
+    def serve(self) -> None:
+        comm = self.ch.comm
+        backoff = Backoff()
+        any_source = _any_source()
+        while True:
+            msg = comm.improbe(source=any_source, tag=TAG_REQ)
+            if msg is None:
+                backoff()
+                continue
+            backoff.reset()
+            status = _status()
+            (op, tag, args), ms = msg.recv(status=status)
+            source = status.Get_source()
+            arrays = wire.mpi_recv_arrays(comm, source, tag, ms) if ms else []
+            if op == "stop":
+                wire.mpi_send(comm, source, tag, ("ok", None))
+                return
+            try:
+                payload, out = getattr(self, "op_" + op)(*args, arrays=arrays)
+                reply = ("ok", payload)
+            except Exception as e:  # noqa: BLE001 - every error goes back to the caller
+                reply = ("error", (type(e).__name__, f"parameter server {self.index} "
+                                   f"(rank {self.ch.rank}): {e}"))
+                out = []
+                if not isinstance(e, (ValueError, TypeError, KeyError, MemoryError)):
+                    reply = ("error", ("RuntimeError", reply[1][1] + "\n" +
+                                       traceback.format_exc()))
+            wire.mpi_send(comm, source, tag, reply, out, data_tag=tag)
+
+    # --- operations: (args..., arrays) -> (payload, arrays) ---------------------------
+    def _var(self, vid: int) -> _Var:
+        try:
+            return self.vars[vid]
+        except KeyError:
+            raise KeyError(f"no variable #{vid} here (was it made in this job's "
+                           "strategy.scope()?)") from None
+
+    def op_create(self, vid: int, name: str, arrays):
+        (value,) = arrays
+        if vid in self.vars:
+            raise ValueError(f"variable #{vid} ({name!r}) exists already")
+        if self.memory_limit is not None and self.nbytes + value.nbytes > self.memory_limit:
+            raise MemoryError(
+                f"variable {name!r} of shape {value.shape} {value.dtype} needs "
+                f"{value.nbytes} bytes but this server holds {self.nbytes} of its "
+                f"{self.memory_limit} bytes (server_memory_limit): shard it over the "
+                "servers with variable_partitioner (e.g. MaxSizePartitioner) or use more "
+                "servers")
+        try:
+            held = np.array(value, copy=True)
+        except MemoryError:
+            raise MemoryError(f"variable {name!r} of {value.nbytes} bytes does not fit "
+                              "in this server's memory: shard it with variable_partitioner "
+                              "or use more servers") from None
+        self.vars[vid] = _Var(held, name)
+        self.nbytes += held.nbytes
+        return None, []
+
+    def op_read(self, vid: int, arrays):
+        return None, [self._var(vid).array]
+
+    def op_assign(self, vid: int, arrays):
+        self._var(vid).array[...] = arrays[0]
+        return None, []
+
+    def op_assign_add(self, vid: int, arrays):
+        self._var(vid).array += arrays[0]
+        return None, []
+
+    def op_assign_sub(self, vid: int, arrays):
+        self._var(vid).array -= arrays[0]
+        return None, []
+
+    def op_assign_read(self, vid: int, update: str, arrays):
+        getattr(self, "op_" + update)(vid, arrays=arrays)
+        return None, [self._var(vid).array]
+
+    def op_optimizer(self, key, blob: bytes, arrays):
+        if key not in self.optimizers:
+            self.optimizers[key] = pickle.loads(blob)
+        return None, []
+
+    def op_apply(self, key, lr: float, step: int, vids: list, arrays):
+        opt = self.optimizers.get(key)
+        if opt is None:
+            return "need optimizer", []
+        for vid, grad in zip(vids, arrays):
+            var = self._var(vid)
+            slots = self.slots.get((key, vid))
+            if slots is None:
+                slots = self.slots[(key, vid)] = {
+                    s: np.zeros_like(var.array) for s in opt.slot_names}
+            if grad.shape != var.array.shape:
+                raise ValueError(f"the gradient of variable {var.name!r} has shape "
+                                 f"{grad.shape} but the variable has {var.array.shape}")
+            opt.update_step(var.array, grad.astype(var.array.dtype, copy=False), slots,
+                            lr, step, var.name)
+        return None, []
+
+    def op_slot(self, key, vid: int, name: str, arrays):
+        slots = self.slots.get((key, vid))
+        if slots is None or name not in slots:
+            raise KeyError(f"no slot {name!r} for variable {self._var(vid).name!r} yet "
+                           "(slots are made on the first step that trains it)")
+        return None, [slots[name]]
+
+    def op_stats(self, arrays):
+        return {"variables": len(self.vars), "nbytes": self.nbytes}, []
+
+
+def _any_source() -> int:
+    from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
+    return mpi().ANY_SOURCE
+
+
+def _status():
+    from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
+    return mpi().Status()
