@@ -71,8 +71,11 @@ class Channel:
         self.timeout = timeout
         self._tags = itertools.count()
         self._lock = threading.Lock()
-        #: server index -> MPI rank (set by the strategy)
+        #: server index -> MPI rank, worker index -> MPI rank (set by the strategy)
         self.server_ranks: list = []
+        self.worker_ranks: list = []
+        #: ranks that did not answer in time
+        self.lost: set = set()
 
     def reply_tag(self) -> int:
         with self._lock:
@@ -88,6 +91,7 @@ class Channel:
             if msg is not None:
                 return msg.recv()
             if time.monotonic() > deadline:
+                self.lost.add(source)
                 raise ServerLostError(
                     f"{what() if callable(what) else what}: rank {source} did not answer "
                     f"within {self.timeout:g} s (GPUSTRAT_TIMEOUT): it has probably been "
@@ -110,7 +114,7 @@ class Channel:
 
 
 _ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "MemoryError": MemoryError,
-           "KeyError": KeyError}
+           "KeyError": KeyError, "ServerLostError": ServerLostError}
 
 _channel: Channel | None = None
 

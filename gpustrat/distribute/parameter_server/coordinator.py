@@ -22,7 +22,7 @@ import time
 from gpustrat import nest
 from gpustrat.distribute.parameter_server import wire
 from gpustrat.distribute.parameter_server.channel import (TAG_RESULT, TAG_RESULT_DATA,
-                                                           Backoff)
+                                                           Backoff, ServerLostError)
 
 log = logging.getLogger("gpustrat.distribute.coordinator")
 
@@ -348,6 +348,14 @@ class ClusterCoordinator:
                         log.warning("rescheduling %s (attempt %d)", c.name,
                                     len(c.lost_on) + 1)
                         self._queue.appendleft(c)
+            elif kind == "server_lost":
+                # The job cannot go on: every queued function fails with the error.
+                _, rank, text = header
+                self._ch.lost.add(rank)
+                err = ServerLostError(f"{text} (seen by worker {w})")
+                while self._queue:
+                    self._queue.popleft().value._fail(err)
+                self._errors.insert(0, err)
             elif kind == "setup_done":
                 _, ident, err = header
                 if ident in self._setup_replies:

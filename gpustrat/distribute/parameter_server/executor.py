@@ -9,6 +9,7 @@ forwards them to the servers. It holds this worker's datasets and iterators
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 import traceback
@@ -16,6 +17,7 @@ from multiprocessing.connection import Connection
 
 from gpustrat.distribute.parameter_server import variables as remote
 from gpustrat.distribute.parameter_server import wire
+from gpustrat.distribute.parameter_server.channel import ServerLostError
 
 #: This process's state: the connection, the worker's index and count, its devices,
 #: and the datasets and iterators made here.
@@ -23,7 +25,7 @@ state = {"conn": None, "worker": None, "num_workers": None, "devices": None,
          "datasets": {}, "iterators": {}, "strategy": None}
 
 _ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "MemoryError": MemoryError,
-           "KeyError": KeyError, "ServerLostError": RuntimeError}
+           "KeyError": KeyError, "ServerLostError": ServerLostError}
 
 
 def _request(server: int, op: str, args: tuple = (), arrays=()):
@@ -72,7 +74,21 @@ def _error_blob(e: BaseException):
         return None
 
 
-def main(fd: int) -> None:
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when its worker rank dies (a launcher that ends
+    the job kills the ranks, not their children)."""
+    try:
+        import ctypes  # noqa: PLC0415
+        import signal  # noqa: PLC0415
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def main(fd: int, parent: int | None = None) -> None:
+    _die_with_parent()
+    if parent is not None and os.getppid() != parent:
+        return  # the rank died before the request above took effect
     conn = state["conn"] = Connection(fd)
     remote.set_requester(_request)
     while True:
@@ -126,4 +142,4 @@ if __name__ == "__main__":
     # iterators and the strategy find. Functions defined in the coordinator's script
     # arrive by value.
     from gpustrat.distribute.parameter_server import executor as _self
-    _self.main(int(sys.argv[1]))
+    _self.main(int(sys.argv[1]), int(sys.argv[2]))

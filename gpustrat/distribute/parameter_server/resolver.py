@@ -11,8 +11,13 @@ launched.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import sys
+
+#: The COMM_WORLD tag of the start (or exit) message from the coordinator.
+TAG_START = 7700
 
 
 class ClusterSpec:
@@ -123,6 +128,42 @@ class MpiClusterResolver:
         addresses.setdefault("chief", ["mpi-rank-0"])
         self._spec = ClusterSpec({k: addresses[k] for k in ("chief", "ps", "worker")})
         self.task_type, self.task_id = role_of(self._rank, num_ps)
+        if self._rank == 0:
+            atexit.register(self._release_at_exit)
+
+    def _start(self, chief: bool) -> None:
+        """Meet the other ranks before the strategy starts (no collective: a coordinator
+        that fails before making its strategy must not leave the others in one)."""
+        from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
+        from gpustrat.distribute.parameter_server.channel import Backoff  # noqa: PLC0415
+        world = mpi().COMM_WORLD
+        if chief:
+            self._started = True
+            for r in range(1, self._size):
+                world.send("start", dest=r, tag=TAG_START)
+            return
+        backoff = Backoff()
+        while True:
+            msg = world.improbe(source=0, tag=TAG_START)
+            if msg is not None:
+                break
+            backoff()
+        if msg.recv() != "start":
+            print(f"gpustrat: the coordinator (rank 0) ended before making its "
+                  f"ParameterServerStrategy; {self.task_type} {self.task_id} (rank "
+                  f"{self._rank}) exits too", file=sys.stderr, flush=True)
+            sys.exit(1)
+
+    def _release_at_exit(self) -> None:
+        # The coordinator's script ended (or failed) without making the strategy: the
+        # other ranks are waiting for it in theirs.
+        if getattr(self, "_started", False):
+            return
+        self._started = True
+        from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
+        world = mpi().COMM_WORLD
+        for r in range(1, self._size):
+            world.send("exit", dest=r, tag=TAG_START)
 
     @property
     def rank(self) -> int:

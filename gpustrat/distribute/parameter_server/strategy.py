@@ -66,6 +66,8 @@ class ParameterServerStrategy(Strategy):
         self._worker_devices = devices
         self._partitioner = variable_partitioner
         self._memory_limit = server_memory_limit
+        role, index = cluster_resolver.task_type, cluster_resolver.task_id
+        cluster_resolver._start(role == "chief")
         ch = Channel(mpi_world().Dup(), timeout_from_env())
         ch.server_ranks = [cluster_resolver.rank_of("ps", i) for i in range(self._num_ps)]
         ch.worker_ranks = [cluster_resolver.rank_of("worker", i)
@@ -73,7 +75,6 @@ class ParameterServerStrategy(Strategy):
         self._channel = ch
         set_channel(ch)
         remote.set_requester(ch.request)
-        role, index = cluster_resolver.task_type, cluster_resolver.task_id
         if role != "chief":
             _serve(ch, role, index, self._num_workers, devices, server_memory_limit, mpi())
         from gpustrat.collectives.select import make_communicator  # noqa: PLC0415
@@ -197,11 +198,22 @@ class ParameterServerStrategy(Strategy):
                         break
             except ServerLostError as e:
                 print(f"gpustrat: {e}", file=sys.stderr, flush=True)
-        for s in range(self._num_ps):
+        for s, rank in enumerate(ch.server_ranks):
+            if rank in ch.lost:
+                continue
             try:
                 ch.request(s, "stop")
             except ServerLostError as e:
                 print(f"gpustrat: {e}", file=sys.stderr, flush=True)
+        if ch.lost:
+            # A rank that does not answer would make MPI_Finalize wait for it forever.
+            lost = sorted(ch.lost)
+            print(f"gpustrat: ranks {lost} did not answer (parameter servers "
+                  f"{[i for i, r in enumerate(ch.server_ranks) if r in ch.lost]}); ending "
+                  "every rank of the job. Restart it and restore the variables from a "
+                  "checkpoint", file=sys.stderr, flush=True)
+            from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
+            mpi().COMM_WORLD.Abort(1)
 
 
 def _serve(ch, role, index, num_workers, devices, memory_limit, MPI) -> None:

@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection
 from gpustrat.distribute.parameter_server import wire
 from gpustrat.distribute.parameter_server.channel import (TAG_RESULT, TAG_RESULT_DATA,
                                                            TAG_TASK, TAG_TASK_DATA, Backoff,
-                                                           Channel)
+                                                           Channel, ServerLostError)
 
 # The launcher's variables would make a child that imports mpi4py join the MPI job.
 _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "MPIR_", "HYDRA_", "HYDI_", "OMPI_", "MPICH_")
@@ -45,7 +45,7 @@ class FunctionProcess:
         parent, child = socket.socketpair()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpustrat.distribute.parameter_server.executor",
-             str(child.fileno())],
+             str(child.fileno()), str(os.getpid())],
             pass_fds=(child.fileno(),), env=_child_env(), stdin=subprocess.DEVNULL)
         child.close()
         self.conn = Connection(parent.detach())
@@ -155,6 +155,9 @@ class WorkerRank:
                 reply = ("var_reply", "ok", payload)
             except Exception as e:  # noqa: BLE001 - the function gets the error
                 reply, out = ("var_reply", "error", (type(e).__name__, str(e))), []
+                if isinstance(e, ServerLostError):
+                    self._to_coordinator(("server_lost", self.ch.server_ranks[server],
+                                          str(e)))
             try:
                 wire.pipe_send(self.fp.conn, reply, out)
             except OSError:
