@@ -1,0 +1,164 @@
+"""ParameterServerStrategy and ClusterCoordinator under mpiexec: -n 4 (coordinator, one
+server, two workers) and -n 5 (two servers, partitioned variables). Every launch has a
+timeout (tests/mpi_util.py)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # tests/ for mpi_util
+from mpi_util import assert_mpi_ok, format_result, run_mpi  # noqa: E402
+
+pytestmark = pytest.mark.mpi
+
+# A linear model y = x @ W + b trained asynchronously: every scheduled step takes the
+# next batch of its worker's iterator, computes the gradient inside strategy.run on
+# that worker's replica and applies it with SGD on the servers.
+TRAIN = r"""
+import sys, numpy as np
+import gpustrat as gs
+
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps={num_ps})
+partitioner = {partitioner}
+strategy = gs.distribute.experimental.ParameterServerStrategy(
+    resolver, variable_partitioner=partitioner)
+# From here on only the coordinator runs.
+assert resolver.task_type == "chief", resolver
+print("ROLES", resolver.num_ps, resolver.num_workers, flush=True)
+
+rng = np.random.default_rng(0)
+TRUE_W = rng.normal(size=(8, 1)).astype(np.float32)
+with strategy.scope():
+    w = gs.Variable(np.zeros((8, 1), np.float32), name="w")
+    b = gs.Variable(0.0, name="b")
+    opt = gs.optimizers.SGD({lr}, momentum={momentum})
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
+
+def dataset_fn():
+    r = np.random.default_rng(1)
+    x = r.normal(size=(512, 8)).astype(np.float32)
+    y = x @ TRUE_W + 0.5
+    return gs.data.Dataset.from_tensor_slices((x, y)).repeat().batch(32)
+
+per_worker = coord.create_per_worker_dataset(dataset_fn)
+it = iter(per_worker)
+
+def step(iterator):
+    x, y = next(iterator)
+    def replica(x, y):
+        err = x @ w.numpy() + b.numpy() - y
+        opt.apply_gradients([(x.T @ err / len(x), w), (np.float32(err.mean()), b)])
+        return float((err ** 2).mean())
+    return strategy.run(replica, args=(x, y))
+
+losses = [coord.schedule(step, args=(it,)) for _ in range({steps})]
+coord.join()
+values = [r.fetch() for r in losses]
+assert len(values) == {steps} and all(isinstance(v, float) for v in values), values
+assert coord.done()
+final_w, final_b = w.numpy(), float(b.numpy())
+print("FIRST", values[0], flush=True)
+print("LAST", values[-1], flush=True)
+print("ITER", int(opt.iterations.numpy()), flush=True)
+print("ERR", float(np.abs(final_w - TRUE_W).max()), abs(final_b - 0.5), flush=True)
+{extra}
+print("OK", flush=True)
+"""
+
+API_CHECKS = r"""
+# Reads and updates on the server, from the coordinator.
+with strategy.scope():
+    v = gs.Variable(np.arange(6, dtype=np.float64).reshape(2, 3), name="v")
+    n = gs.Variable(np.int64(0), name="n")
+assert v.device.startswith("/job:ps/"), v.device
+v.assign(np.ones((2, 3)))
+v.assign_add(np.full((2, 3), 2.0))
+v.assign_sub(np.full((2, 3), 0.5))
+assert np.array_equal(v.read_value(), np.full((2, 3), 2.5)), v.read_value()
+assert (v + 1.0).tolist() == [[3.5] * 3] * 2
+try:
+    v.assign(np.ones((3, 2)))
+    raise SystemExit("a wrong shape was accepted")
+except ValueError as e:
+    assert "(2, 3)" in str(e), e
+
+# Every scheduled function runs (at least once) and its result is fetched; functions
+# see remote variables and return arrays.
+def count(i):
+    n.assign_add(np.int64(1))
+    return np.full(3, i)
+rvs = [coord.schedule(count, args=(i,)) for i in range(20)]
+got = coord.fetch(rvs)
+assert [g.tolist() for g in got] == [[i] * 3 for i in range(20)], got
+coord.join()
+assert int(n.numpy()) == 20, n.numpy()
+
+# An exception inside a function is raised by join() and fetch(), naming the worker.
+def fails(k):
+    raise KeyError(f"bad key {k}")
+r = coord.schedule(fails, args=(7,))
+try:
+    coord.join()
+    raise SystemExit("join did not raise")
+except KeyError as e:
+    assert "bad key 7" in str(e) and re.search(r"on worker [01]", str(e)), e
+try:
+    r.fetch()
+    raise SystemExit("fetch did not raise")
+except KeyError as e:
+    assert "bad key 7" in str(e), e
+assert coord.done()
+
+# Bad input is a clear error at schedule / create_per_worker_dataset time.
+import threading
+lock = threading.Lock()
+try:
+    coord.schedule(lambda: lock)
+    raise SystemExit("an unpicklable function was accepted")
+except TypeError as e:
+    assert "lambda" in str(e) and "lock" in str(e), e
+try:
+    coord.create_per_worker_dataset(lambda: [1, 2, 3])
+    raise SystemExit("a non-dataset was accepted")
+except TypeError as e:
+    assert "worker 0" in str(e) and "worker 1" in str(e) and "list" in str(e), e
+
+# One input pipeline per worker, no auto-sharding: each worker's InputContext.
+def ctx_dataset(ctx):
+    return gs.data.Dataset.from_tensors(
+        np.array([ctx.input_pipeline_id, ctx.num_input_pipelines])).repeat()
+ds = coord.create_per_worker_dataset(strategy.distribute_datasets_from_function(ctx_dataset))
+ctx_it = iter(ds)
+# Scheduled together, the functions go to both (idle) workers.
+rvs = [coord.schedule(lambda i: next(i), args=(ctx_it,)) for _ in range(8)]
+seen = {tuple(v.tolist()) for v in coord.fetch(rvs)}
+assert seen == {(0, 2), (1, 2)}, seen
+ds2 = coord.create_per_worker_dataset(
+    strategy.experimental_distribute_dataset(gs.data.Dataset.range(6).batch(3)))
+whole = coord.fetch([coord.schedule(lambda i: next(i).tolist(), args=(iter(ds2),))])
+assert whole == [[0, 1, 2]], whole
+print("API OK", flush=True)
+"""
+
+
+def _values(out: str, key: str) -> list:
+    line = next(l for l in out.splitlines() if l.startswith(key))
+    return [float(x) for x in re.findall(r"[-+0-9.e]+", line[len(key):])]
+
+
+def test_async_training_converges_and_coordinator_api():
+    script = "import re\n" + TRAIN.format(num_ps=1, partitioner=None, lr=0.1, momentum=0.0,
+                                          steps=60, extra=API_CHECKS)
+    out = assert_mpi_ok(4, script, timeout=90)
+    assert "ROLES 1 2" in out
+    first, last = _values(out, "FIRST")[0], _values(out, "LAST")[0]
+    assert last < 0.01 * first, out
+    assert _values(out, "ITER")[0] == 60
+    err_w, err_b = _values(out, "ERR")
+    assert err_w < 0.05 and err_b < 0.05, out
+    assert "API OK" in out and out.rstrip().endswith("OK")
