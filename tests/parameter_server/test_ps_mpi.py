@@ -162,3 +162,143 @@ def test_async_training_converges_and_coordinator_api():
     err_w, err_b = _values(out, "ERR")
     assert err_w < 0.05 and err_b < 0.05, out
     assert "API OK" in out and out.rstrip().endswith("OK")
+
+
+# Two servers: variables sharded along axis 0 by the partitioner, trained with momentum;
+# a variable that fits on no server is refused by name.
+SHARDED_EXTRA = r"""
+assert isinstance(w, gs.distribute.ShardedVariable), w
+assert [s.shape for s in w.variables] == [(4, 1), (4, 1)], w.variables
+assert sorted(s.server for s in w.variables) == [0, 1], [s.server for s in w.variables]
+big = np.arange(2 * 3 * 2 ** 16, dtype=np.float32).reshape(2, 3 * 2 ** 16)
+with strategy.scope():
+    sharded = gs.Variable(big, name="big")
+assert np.array_equal(sharded.numpy(), big)
+sharded.assign_add(np.ones_like(big))
+assert np.array_equal(sharded.read_value(), big + 1)
+try:
+    with strategy.scope():
+        gs.Variable(np.zeros((1, 2 ** 19), np.float32), name="huge")
+    raise SystemExit("a variable larger than server_memory_limit was accepted")
+except MemoryError as e:
+    assert "'huge'" in str(e) and "variable_partitioner" in str(e), e
+"""
+
+
+def test_two_servers_partitioned_variables():
+    script = TRAIN.format(
+        num_ps=2, steps=60, lr=0.1, momentum=0.5, extra=SHARDED_EXTRA,
+        partitioner="gs.distribute.experimental.partitioners.MinSizePartitioner("
+                    "min_shard_bytes=16, max_shards=2)")
+    script = script.replace("variable_partitioner=partitioner)",
+                            "variable_partitioner=partitioner, server_memory_limit=2**20)")
+    out = assert_mpi_ok(5, script, timeout=90)
+    assert "ROLES 2 2" in out
+    assert _values(out, "LAST")[0] < 0.01 * _values(out, "FIRST")[0], out
+    err_w, err_b = _values(out, "ERR")
+    assert err_w < 0.05 and err_b < 0.05, out
+
+
+# Function processes killed mid-training: by themselves (os._exit), and from outside
+# (SIGKILL while running). Every function still runs and its result is fetched; the
+# replacement process has the worker's iterator again.
+KILL = r"""
+import os, signal, time, numpy as np
+import gpustrat as gs
+
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+with strategy.scope():
+    n = gs.Variable(np.int64(0), name="n")
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
+it = iter(coord.create_per_worker_dataset(lambda: gs.data.Dataset.range(10 ** 6)))
+
+def step(i, iterator):
+    if i == 5 and not os.path.exists("exited"):
+        open("exited", "w").close()
+        os._exit(3)
+    if i == 9 and not os.path.exists("pid"):
+        with open("pid.tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.rename("pid.tmp", "pid")
+        time.sleep(60)
+    n.assign_add(np.int64(1))
+    return i, int(next(iterator))
+
+rvs = [coord.schedule(step, args=(i, it)) for i in range(30)]
+while not os.path.exists("pid"):
+    time.sleep(0.01)
+os.kill(int(open("pid").read()), signal.SIGKILL)
+coord.join()
+got = [r.fetch() for r in rvs]
+assert [g[0] for g in got] == list(range(30)), got
+assert all(isinstance(g[1], int) for g in got), got
+assert int(n.numpy()) == 30, n.numpy()
+print("OK", flush=True)
+"""
+
+
+def test_function_process_killed_is_survived():
+    rc, out, err = run_mpi(4, KILL, timeout=60)
+    assert rc == 0 and "OK" in out, format_result(rc, out, err)
+    lost = re.findall(r"worker (\d) \(rank (\d)\) lost its function process \(exit code "
+                      r"(-?\d+)\)", err)
+    assert sorted(code for _, _, code in lost) == ["-9", "3"], err
+    assert all(int(rank) == int(w) + 2 for w, rank, _ in lost), err
+    assert err.count("rescheduling function 'step'") == 2, err
+
+
+# A server killed: the launcher ends the job (no rank is left waiting). A server that
+# stops answering: the coordinator raises ServerLostError naming it and every rank
+# ends.
+SERVER_LOST = r"""
+import os, signal, numpy as np
+import gpustrat as gs
+
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+with open(f"rank{resolver.rank}", "w") as f:
+    f.write(str(os.getpid()))
+strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+with strategy.scope():
+    v = gs.Variable(np.zeros(4, np.float32), name="v")
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
+def step():
+    v.assign_add(np.ones(4, np.float32))
+for _ in range(10):
+    coord.schedule(step)
+coord.join()
+print("TRAINED", v.numpy().tolist(), flush=True)
+os.kill(int(open("rank1").read()), signal.SIG)
+for _ in range(10):
+    coord.schedule(step)
+coord.join()
+print("NOT REACHED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+def test_lost_server_ends_the_job(sig):
+    rc, out, err = run_mpi(4, SERVER_LOST.replace("SIG)", sig + ")"), timeout=40,
+                           env={"GPUSTRAT_TIMEOUT": "3"})
+    assert rc not in (0, -9), format_result(rc, out, err)  # -9: run_mpi's timeout
+    assert "TRAINED [10.0, 10.0, 10.0, 10.0]" in out and "NOT REACHED" not in out
+    if sig == "SIGKILL":
+        assert "signal 9" in out + err, format_result(rc, out, err)
+    else:
+        assert "ServerLostError" in err and "parameter server 0 (rank 1)" in err, err
+        assert "restore the variables from a checkpoint" in err, err
+
+
+def test_coordinator_failing_before_the_strategy_releases_every_rank():
+    script = r"""
+import gpustrat as gs
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+if resolver.rank == 0:
+    raise ValueError("no data")
+gs.distribute.experimental.ParameterServerStrategy(resolver)
+"""
+    rc, out, err = run_mpi(4, script, timeout=40)
+    assert rc not in (0, -9), format_result(rc, out, err)
+    assert "ValueError: no data" in err
+    assert err.count("the coordinator (rank 0) ended before making its "
+                     "ParameterServerStrategy") == 3, err
