@@ -41,20 +41,33 @@ class ServerLostError(RuntimeError):
 
 
 class Backoff:
-    """Sleeps for polling loops: a few yields, then sleeps doubling up to 1 ms."""
+    """Waiting in polling loops: spin for ``spin_s`` (an answer expected within
+    microseconds must not wait for a time slice), then yield the core for a while,
+    then sleep, doubling up to 1 ms, so an idle rank does not burn a core."""
 
-    __slots__ = ("n", "delay")
+    __slots__ = ("n", "delay", "spin_s", "since")
 
-    def __init__(self):
+    def __init__(self, spin_s: float = 2e-3):
+        self.spin_s = spin_s
         self.reset()
 
     def reset(self) -> None:
         self.n = 0
         self.delay = 2e-5
+        self.since = None
 
     def __call__(self) -> None:
         self.n += 1
-        if self.n < 50:
+        if self.n & 15 == 0 or self.since is None:
+            now = time.monotonic()
+            if self.since is None:
+                self.since = now
+            elapsed = now - self.since
+        else:
+            return  # spinning: the clock is read every 16 polls
+        if elapsed < self.spin_s:
+            return
+        if elapsed < self.spin_s + 0.02:
             os.sched_yield()
             return
         time.sleep(self.delay)

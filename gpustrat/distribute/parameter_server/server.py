@@ -37,6 +37,7 @@ class Server:
         self.nbytes = 0
         self.optimizers: dict = {}
         self.slots: dict = {}
+        self._scratch: dict = {}
 
     def serve(self) -> None:
         comm = self.ch.comm
@@ -51,7 +52,7 @@ class Server:
             status = _status()
             (op, tag, args), ms = msg.recv(status=status)
             source = status.Get_source()
-            arrays = wire.mpi_recv_arrays(comm, source, tag, ms) if ms else []
+            arrays = self._receive(source, tag, ms, op, args) if ms else []
             if op == "stop":
                 wire.mpi_send(comm, source, tag, ("ok", None))
                 return
@@ -67,6 +68,25 @@ class Server:
                                        traceback.format_exc()))
             wire.mpi_send(comm, source, tag, reply, out, data_tag=tag)
 
+    def _receive(self, source: int, tag: int, ms: list, op: str, args: tuple) -> list:
+        """The request's arrays: an assign lands in the variable itself; other updates
+        and gradients in buffers kept from one request to the next (fresh pages cost
+        more than the copy)."""
+        var = self.vars.get(args[0]) if op == "assign" and args else None
+        if var is not None and len(ms) == 1 and np.dtype(ms[0][0]) == var.array.dtype \
+                and tuple(ms[0][1]) == var.array.shape:
+            self.ch.comm.Recv(wire.raw(var.array), source=source, tag=tag)
+            return [var.array]
+        out = []
+        for dt, shape in ms:
+            key = (dt, tuple(shape), len(out))
+            buf = self._scratch.get(key)
+            if buf is None:
+                buf = self._scratch[key] = np.empty(shape, np.dtype(dt))
+            self.ch.comm.Recv(wire.raw(buf), source=source, tag=tag)
+            out.append(buf)
+        return out
+
     # --- operations: (args..., arrays) -> (payload, arrays) ---------------------------
     def _var(self, vid: int) -> _Var:
         try:
@@ -75,23 +95,24 @@ class Server:
             raise KeyError(f"no variable #{vid} here (was it made in this job's "
                            "strategy.scope()?)") from None
 
-    def op_create(self, vid: int, name: str, arrays):
-        (value,) = arrays
+    def op_create(self, vid: int, name: str, dtype: str, shape: tuple, arrays):
+        """Make the variable (zeros); its value follows in an ``assign``."""
         if vid in self.vars:
             raise ValueError(f"variable #{vid} ({name!r}) exists already")
-        if self.memory_limit is not None and self.nbytes + value.nbytes > self.memory_limit:
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if self.memory_limit is not None and self.nbytes + nbytes > self.memory_limit:
             raise MemoryError(
-                f"variable {name!r} of shape {value.shape} {value.dtype} needs "
-                f"{value.nbytes} bytes but this server holds {self.nbytes} of its "
-                f"{self.memory_limit} bytes (server_memory_limit): shard it over the "
-                "servers with variable_partitioner (e.g. MaxSizePartitioner) or use more "
-                "servers")
+                f"variable {name!r} of shape {tuple(shape)} {dtype} needs {nbytes} bytes "
+                f"but this server holds {self.nbytes} of its {self.memory_limit} bytes "
+                "(server_memory_limit): shard it over the servers with "
+                "variable_partitioner (e.g. MaxSizePartitioner) or use more servers")
         try:
-            held = np.array(value, copy=True)
+            held = np.zeros(shape, dtype)
         except MemoryError:
-            raise MemoryError(f"variable {name!r} of {value.nbytes} bytes does not fit "
-                              "in this server's memory: shard it with variable_partitioner "
-                              "or use more servers") from None
+            raise MemoryError(f"variable {name!r} of {nbytes} bytes does not fit in this "
+                              "server's memory: shard it with variable_partitioner or use "
+                              "more servers") from None
         self.vars[vid] = _Var(held, name)
         self.nbytes += held.nbytes
         return None, []

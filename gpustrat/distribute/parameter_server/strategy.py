@@ -145,7 +145,9 @@ class ParameterServerStrategy(Strategy):
         self._next_server += 1
         vid = self._next_vid
         self._next_vid += 1
-        self._channel.request(server, "create", (vid, name), [arr])
+        self._channel.request(server, "create", (vid, name, arr.dtype.str, arr.shape))
+        if arr.any():
+            self._channel.request(server, "assign", (vid,), [arr])
         return remote.RemoteVariable._handle(vid, server, arr.shape, arr.dtype, name,
                                              bool(trainable), sync, agg)
 

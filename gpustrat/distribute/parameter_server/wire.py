@@ -198,6 +198,11 @@ def mpi_recv_arrays(comm, source: int, data_tag: int, ms: list) -> list:
     return out
 
 
+def raw(a: np.ndarray):
+    """The bytes of a C-contiguous array, for MPI and pipes."""
+    return _buffer(a)
+
+
 def _buffer(a: np.ndarray):
     # 0-d and empty arrays: mpi4py takes any contiguous buffer; bytes view keeps dtype
     # out of MPI (the receiver knows it from the header).
