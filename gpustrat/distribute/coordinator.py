@@ -8,7 +8,6 @@ _WHERE = "gpustrat.distribute.parameter_server.coordinator"
 _NAMES = {
     "ClusterCoordinator": _WHERE,
     "RemoteValue": _WHERE,
-    "PerWorkerValues": _WHERE,
 }
 
 __all__ = sorted(_NAMES)

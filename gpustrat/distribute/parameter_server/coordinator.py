@@ -77,17 +77,6 @@ class _Closure:
         self.lost_on: list = []
 
 
-class PerWorkerValues:
-    """One value per worker (``tf.distribute.experimental.coordinator.PerWorkerValues``);
-    a scheduled function gets its worker's."""
-
-    def __init__(self, values):
-        self._values = tuple(values)
-
-    def __repr__(self) -> str:
-        return f"PerWorkerValues({self._values!r})"
-
-
 class PerWorkerDataset:
     """A dataset made on every worker (``create_per_worker_dataset``); ``iter()`` gives
     a :class:`PerWorkerIterator`."""

@@ -76,6 +76,7 @@ class WorkerRank:
         self.info = {"worker": index, "num_workers": num_workers, "devices": devices}
         #: (kind, id, payload, arrays) of every dataset and iterator made here, in order.
         self.setups: list = []
+        self.unanswered: set = set()  # setups sent to the process, not yet answered
         self.current = None  # the task id the process is running
         self.fp = None
 
@@ -83,7 +84,9 @@ class WorkerRank:
         self.fp = FunctionProcess(self.info)
         self.fp.start()
         for kind, ident, payload, arrays in self.setups:
-            wire.pipe_send(self.fp.conn, ("setup", kind, ident, payload, False), arrays)
+            # The coordinator still waits for those the lost process had not answered.
+            notify = ident in self.unanswered
+            wire.pipe_send(self.fp.conn, ("setup", kind, ident, payload, notify), arrays)
 
     def _to_coordinator(self, header, arrays=()) -> None:
         wire.mpi_send(self.ch.comm, 0, TAG_RESULT, header, arrays, data_tag=TAG_RESULT_DATA)
@@ -121,6 +124,7 @@ class WorkerRank:
                     elif kind == "setup":
                         _, what, ident, payload = header
                         self.setups.append((what, ident, payload, arrays))
+                        self.unanswered.add(ident)
                         wire.pipe_send(self.fp.conn, ("setup", what, ident, payload, True),
                                        arrays)
                 except OSError:
@@ -168,5 +172,6 @@ class WorkerRank:
             self._to_coordinator(header, arrays)
         elif kind == "setup_done":
             _, ident, notify, err = header
+            self.unanswered.discard(ident)
             if notify:
                 self._to_coordinator(("setup_done", ident, err))
