@@ -142,6 +142,21 @@ ds2 = coord.create_per_worker_dataset(
     strategy.experimental_distribute_dataset(gs.data.Dataset.range(6).batch(3)))
 whole = coord.fetch([coord.schedule(lambda i: next(i).tolist(), args=(iter(ds2),))])
 assert whole == [[0, 1, 2]], whole
+
+# Adam and AdamW steps applied on the server give what they give on a local variable.
+with strategy.scope():
+    wa = gs.Variable(np.ones(3, np.float32), name="wa")
+    ww = gs.Variable(np.ones(3, np.float32), name="ww")
+    adam, adamw = gs.optimizers.Adam(0.1), gs.optimizers.AdamW(0.1, weight_decay=0.1)
+la, lw = gs.Variable(np.ones(3, np.float32)), gs.Variable(np.ones(3, np.float32))
+ref_adam, ref_adamw = gs.optimizers.Adam(0.1), gs.optimizers.AdamW(0.1, weight_decay=0.1)
+for i in range(4):
+    g = np.array([1, -2, 3], np.float32) * (i + 1)
+    adam.apply_gradients([(g, wa)]); ref_adam.apply_gradients([(g, la)])
+    adamw.apply_gradients([(g, ww)]); ref_adamw.apply_gradients([(g, lw)])
+assert np.allclose(wa.numpy(), la.numpy(), rtol=1e-6), (wa.numpy(), la.numpy())
+assert np.allclose(ww.numpy(), lw.numpy(), rtol=1e-6), (ww.numpy(), lw.numpy())
+assert not np.allclose(wa.numpy(), 1.0) and int(adam.iterations.numpy()) == 4
 print("API OK", flush=True)
 """
 
@@ -302,3 +317,10 @@ gs.distribute.experimental.ParameterServerStrategy(resolver)
     assert "ValueError: no data" in err
     assert err.count("the coordinator (rank 0) ended before making its "
                      "ParameterServerStrategy") == 3, err
+
+
+def test_the_documented_example_trains():
+    source = (HERE.parents[1] / "examples" / "parameter_server_training.py").read_text()
+    out = assert_mpi_ok(4, source, timeout=90)
+    assert "w [2.0, -3.0, 0.5, 1.0] b 0.25" in out, out
+    assert len(re.findall(r"^epoch \d: loss", out, re.M)) == 3, out
