@@ -54,7 +54,7 @@ def step(iterator):
         err = x @ w.numpy() + b.numpy() - y
         opt.apply_gradients([(x.T @ err / len(x), w), (np.float32(err.mean()), b)])
         return float((err ** 2).mean())
-    return strategy.run(replica, args=(x, y))
+    return float(strategy.reduce("MEAN", strategy.run(replica, args=(x, y)), axis=None))
 
 losses = [coord.schedule(step, args=(it,)) for _ in range({steps})]
 coord.join()
@@ -65,6 +65,7 @@ final_w, final_b = w.numpy(), float(b.numpy())
 print("FIRST", values[0], flush=True)
 print("LAST", values[-1], flush=True)
 print("ITER", int(opt.iterations.numpy()), flush=True)
+print("REPLICAS", strategy.num_replicas_in_sync, flush=True)
 print("ERR", float(np.abs(final_w - TRUE_W).max()), abs(final_b - 0.5), flush=True)
 {extra}
 print("OK", flush=True)
@@ -205,10 +206,13 @@ def test_two_servers_partitioned_variables():
         num_ps=2, steps=60, lr=0.1, momentum=0.5, extra=SHARDED_EXTRA,
         partitioner="gs.distribute.experimental.partitioners.MinSizePartitioner("
                     "min_shard_bytes=16, max_shards=2)")
+    # Two replicas per worker: their gradients are summed into one step per call.
     script = script.replace("variable_partitioner=partitioner)",
-                            "variable_partitioner=partitioner, server_memory_limit=2**20)")
+                            "variable_partitioner=partitioner, server_memory_limit=2**20,"
+                            " worker_devices=['cpu:0', 'cpu:1'])")
     out = assert_mpi_ok(5, script, timeout=90)
-    assert "ROLES 2 2" in out
+    assert "ROLES 2 2" in out and "REPLICAS 2" in out
+    assert _values(out, "ITER")[0] == 60  # one step per scheduled call, not per replica
     assert _values(out, "LAST")[0] < 0.01 * _values(out, "FIRST")[0], out
     err_w, err_b = _values(out, "ERR")
     assert err_w < 0.05 and err_b < 0.05, out

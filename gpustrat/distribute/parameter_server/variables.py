@@ -240,7 +240,23 @@ def _server_copy(optimizer) -> bytes:
 
 def apply_gradients(optimizer, grads: list, variables: list):
     """One optimizer step on remote variables: every gradient goes to its variable's
-    server, which applies ``update_step`` there; returns ``iterations``."""
+    server, which applies ``update_step`` there; returns ``iterations``.
+
+    Inside ``strategy.run`` on a worker with several replicas, the replicas' gradients
+    are summed first (one step per call of the worker, as in tf.distribute)."""
+    from gpustrat.distribute import context  # noqa: PLC0415
+    strategy, replica_ctx = context.current()
+    if replica_ctx is not None and strategy is not None and \
+            len(strategy.local_devices) > 1:
+        return replica_ctx.merge_call(_apply_merged, args=(optimizer, grads, variables))
+    return _apply(optimizer, grads, variables)
+
+
+def _apply_merged(strategy, optimizer, grads, variables):
+    return _apply(optimizer, list(grads), list(variables))
+
+
+def _apply(optimizer, grads: list, variables: list):
     iterations = optimizer._iterations
     if not isinstance(iterations, RemoteVariable):
         raise ValueError(
