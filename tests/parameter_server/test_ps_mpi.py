@@ -98,6 +98,8 @@ got = coord.fetch(rvs)
 assert [g.tolist() for g in got] == [[i] * 3 for i in range(20)], got
 coord.join()
 assert int(n.numpy()) == 20, n.numpy()
+# A finished RemoteValue passed to a function arrives as its result.
+assert coord.schedule(lambda a: int(a.sum()), args=(rvs[4],)).fetch() == 12
 
 # An exception inside a function is raised by join() and fetch(), naming the worker.
 def fails(k):
@@ -229,7 +231,7 @@ resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
 strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
 with strategy.scope():
     n = gs.Variable(np.int64(0), name="n")
-coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy, max_retries=2)
 it = iter(coord.create_per_worker_dataset(lambda: gs.data.Dataset.range(10 ** 6)))
 
 def step(i, iterator):
@@ -253,6 +255,18 @@ got = [r.fetch() for r in rvs]
 assert [g[0] for g in got] == list(range(30)), got
 assert all(isinstance(g[1], int) for g in got), got
 assert int(n.numpy()) == 30, n.numpy()
+
+# A function that ends its process every time fails after max_retries reruns; join
+# still returns (raising that failure) and the workers go on.
+def always_exits():
+    os._exit(5)
+r = coord.schedule(always_exits)
+try:
+    coord.join()
+    raise SystemExit("join did not raise")
+except RuntimeError as e:
+    assert "lost its worker's process 3 times" in str(e), e
+assert coord.schedule(step, args=(100, it)).fetch()[0] == 100
 print("OK", flush=True)
 """
 
@@ -262,9 +276,10 @@ def test_function_process_killed_is_survived():
     assert rc == 0 and "OK" in out, format_result(rc, out, err)
     lost = re.findall(r"worker (\d) \(rank (\d)\) lost its function process \(exit code "
                       r"(-?\d+)\)", err)
-    assert sorted(code for _, _, code in lost) == ["-9", "3"], err
+    assert sorted(code for _, _, code in lost) == ["-9", "3", "5", "5", "5"], err
     assert all(int(rank) == int(w) + 2 for w, rank, _ in lost), err
     assert err.count("rescheduling function 'step'") == 2, err
+    assert err.count("rescheduling function 'always_exits'") == 2, err
 
 
 # A server killed: the launcher ends the job (no rank is left waiting). A server that

@@ -57,6 +57,13 @@ class RemoteValue:
         """The same as :meth:`fetch`."""
         return self.fetch()
 
+    def __reduce__(self):
+        # As an argument of a scheduled function: its result, once there is one.
+        if self._ready() and self._error is None:
+            return (_identity, (self._value,))
+        raise TypeError(f"the RemoteValue of {self._name} is not ready (or failed): pass "
+                        "remote_value.fetch() to a scheduled function, not the RemoteValue")
+
     def _ready(self) -> bool:
         return self._event.is_set()
 
@@ -358,6 +365,10 @@ class ClusterCoordinator:
     def __reduce__(self):
         raise TypeError("a ClusterCoordinator cannot be used inside a scheduled function: "
                         "schedule from the coordinator")
+
+
+def _identity(x):
+    return x
 
 
 def _remote_error(blob, text: str, name: str, worker: int) -> BaseException:
