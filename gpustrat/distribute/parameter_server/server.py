@@ -15,7 +15,8 @@ import traceback
 import numpy as np
 
 from gpustrat.distribute.parameter_server import wire
-from gpustrat.distribute.parameter_server.channel import TAG_REQ, Backoff, Channel
+from gpustrat.distribute.parameter_server.channel import (ERR_OFFSET, FAST_OPS, TAG_FAST,
+                                                           Backoff, Channel)
 
 
 class _Var:
@@ -38,20 +39,25 @@ class Server:
         self.optimizers: dict = {}
         self.slots: dict = {}
         self._scratch: dict = {}
+        self._header = np.empty(4, np.int64)
 
     def serve(self) -> None:
         comm = self.ch.comm
         backoff = Backoff()
-        any_source = _any_source()
+        any_source, any_tag = _any_source(), _any_tag()
+        status = _status()
         while True:
-            msg = comm.improbe(source=any_source, tag=TAG_REQ)
+            # Any tag: per source, a request's header always comes before its data.
+            msg = comm.improbe(source=any_source, tag=any_tag, status=status)
             if msg is None:
                 backoff()
                 continue
             backoff.reset()
-            status = _status()
-            (op, tag, args), ms = msg.recv(status=status)
             source = status.Get_source()
+            if status.Get_tag() == TAG_FAST:
+                self._fast(msg, source)
+                continue
+            (op, tag, args), ms = msg.recv()
             arrays = self._receive(source, tag, ms, op, args) if ms else []
             if op == "stop":
                 wire.mpi_send(comm, source, tag, ("ok", None))
@@ -67,6 +73,45 @@ class Server:
                     reply = ("error", ("RuntimeError", reply[1][1] + "\n" +
                                        traceback.format_exc()))
             wire.mpi_send(comm, source, tag, reply, out, data_tag=tag)
+
+    def _fast(self, msg, source: int) -> None:
+        """A read or update (see channel.FAST_CODES)."""
+        comm = self.ch.comm
+        header = self._header
+        msg.Recv(header)
+        code, tag, vid, nbytes = (int(x) for x in header)
+        value = None
+        if nbytes:
+            var = self.vars.get(vid)
+            if code == 1 and var is not None and var.array.nbytes == nbytes:
+                comm.Recv(wire.raw(var.array), source=source, tag=tag)  # in place
+                comm.Send(_ACK, dest=source, tag=tag)
+                return
+            value = self._scratch.get(("fast", nbytes))
+            if value is None:
+                value = self._scratch[("fast", nbytes)] = np.empty(nbytes, np.uint8)
+            comm.Recv(wire.raw(value), source=source, tag=tag)
+        try:
+            var = self._var(vid)
+            if code == 0:
+                comm.Send(wire.raw(var.array), dest=source, tag=tag)
+                return
+            a = var.array
+            if nbytes != a.nbytes:
+                raise ValueError(f"{FAST_OPS[code]} of variable {var.name!r} got "
+                                 f"{nbytes} bytes for its {a.nbytes}")
+            value = value.view(a.dtype).reshape(a.shape)
+            if code == 1:
+                a[...] = value
+            elif code == 2:
+                a += value
+            else:
+                a -= value
+            comm.Send(_ACK, dest=source, tag=tag)
+        except Exception as e:  # noqa: BLE001 - the caller raises it
+            wire.mpi_send(comm, source, tag + ERR_OFFSET, ("error", (
+                type(e).__name__, f"parameter server {self.index} (rank {self.ch.rank}): "
+                f"{e}")))
 
     def _receive(self, source: int, tag: int, ms: list, op: str, args: tuple) -> list:
         """The request's arrays: an assign lands in the variable itself; other updates
@@ -117,7 +162,7 @@ class Server:
         self.nbytes += held.nbytes
         return None, []
 
-    def op_read(self, vid: int, arrays):
+    def op_read(self, vid: int, *described, arrays):
         return None, [self._var(vid).array]
 
     def op_assign(self, vid: int, arrays):
@@ -167,6 +212,14 @@ class Server:
 
     def op_stats(self, arrays):
         return {"variables": len(self.vars), "nbytes": self.nbytes}, []
+
+
+_ACK = np.zeros(1, np.int64)
+
+
+def _any_tag() -> int:
+    from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
+    return mpi().ANY_TAG
 
 
 def _any_source() -> int:

@@ -90,7 +90,7 @@ class RemoteVariable(Variable):
 
     # --- reading and updating (one request each) --------------------------------------
     def _fetch(self) -> np.ndarray:
-        _, (arr,) = request(self._server, "read", (self._vid,))
+        _, (arr,) = request(self._server, "read", (self._vid, self._shape, self._dtype.str))
         return arr
 
     def value(self):
