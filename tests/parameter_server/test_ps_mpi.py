@@ -88,6 +88,20 @@ try:
 except ValueError as e:
     assert "(2, 3)" in str(e), e
 
+# A handle to a variable the server does not hold: a clear error, not a hang, for a
+# read and for an update.
+from gpustrat.distribute.parameter_server.variables import RemoteVariable
+ghost = RemoteVariable._handle(999, 0, (2,), np.float32, "ghost", True,
+                               v.synchronization, v.aggregation)
+for attempt in (ghost.numpy, lambda: ghost.assign_add(np.ones(2, np.float32))):
+    try:
+        attempt()
+        raise SystemExit("a missing variable was read or updated")
+    except KeyError as e:
+        assert "no variable #999" in str(e) and "parameter server 0" in str(e), e
+v.assign_add(np.ones((2, 3)))  # the server still answers
+assert np.array_equal(v.numpy(), np.full((2, 3), 3.5)), v.numpy()
+
 # Every scheduled function runs (at least once) and its result is fetched; functions
 # see remote variables and return arrays.
 def count(i):
