@@ -357,3 +357,20 @@ def test_the_documented_example_trains():
     out = assert_mpi_ok(4, source, timeout=90)
     assert "w [2.0, -3.0, 0.5, 1.0] b 0.25" in out, out
     assert len(re.findall(r"^epoch \d: loss", out, re.M)) == 3, out
+
+
+def test_coordinator_leaving_with_os_exit_ends_the_job():
+    script = r"""
+import os, numpy as np
+import gpustrat as gs
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+with strategy.scope():
+    v = gs.Variable(np.zeros(2), name="v")
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
+coord.schedule(lambda: v.assign_add(np.ones(2))).fetch()
+print("LEAVING", flush=True)
+os._exit(0)
+"""
+    rc, out, err = run_mpi(4, script, timeout=40)
+    assert "LEAVING" in out and rc not in (0, -9), format_result(rc, out, err)

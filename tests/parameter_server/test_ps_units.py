@@ -149,3 +149,19 @@ def test_what_cannot_travel_is_a_type_error_naming_it():
 
     with pytest.raises(TypeError, match="__main__"):
         wire.pack(uses_main)
+
+
+def test_a_gone_coordinator_is_noticed_on_its_machine():
+    import os
+    import socket
+
+    from gpustrat.distribute.parameter_server.resolver import MpiClusterResolver
+    r = object.__new__(MpiClusterResolver)
+    r._coordinator_process = (socket.gethostname(), os.getpid())
+    assert not r.coordinator_gone()
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    r._coordinator_process = (socket.gethostname(), done.pid)
+    assert r.coordinator_gone()
+    r._coordinator_process = ("another-host", done.pid)
+    assert not r.coordinator_gone()  # another machine's process cannot be checked

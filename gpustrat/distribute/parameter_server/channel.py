@@ -82,6 +82,27 @@ class Backoff:
         self.delay = min(2 * self.delay, _MAX_SLEEP_S)
 
 
+class Orphaned(Exception):
+    """The coordinator's process ended without stopping this rank."""
+
+
+class Watch:
+    """Checks, at most once a second while a rank is idle, whether the coordinator's
+    process is gone (``gone`` is the resolver's ``coordinator_gone``)."""
+
+    def __init__(self, gone):
+        self.gone = gone
+        self.next = time.monotonic() + 1.0
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now < self.next:
+            return
+        self.next = now + 1.0
+        if self.gone():
+            raise Orphaned
+
+
 class Channel:
     """The job's communicator plus request/answer helpers (thread-safe)."""
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import socket
 import sys
 
 #: The COMM_WORLD tag of the start (or exit) message from the coordinator.
@@ -139,8 +140,9 @@ class MpiClusterResolver:
         world = mpi().COMM_WORLD
         if chief:
             self._started = True
+            start = ("start", socket.gethostname(), os.getpid())
             for r in range(1, self._size):
-                world.send("start", dest=r, tag=TAG_START)
+                world.send(start, dest=r, tag=TAG_START)
             return
         backoff = Backoff()
         while True:
@@ -148,11 +150,34 @@ class MpiClusterResolver:
             if msg is not None:
                 break
             backoff()
-        if msg.recv() != "start":
+        got = msg.recv()
+        if got[0] == "start":
+            self._coordinator_process = got[1:]
+        else:
             print(f"gpustrat: the coordinator (rank 0) ended before making its "
                   f"ParameterServerStrategy; {self.task_type} {self.task_id} (rank "
                   f"{self._rank}) exits too", file=sys.stderr, flush=True)
             sys.exit(1)
+
+    def coordinator_gone(self) -> bool:
+        """Whether the coordinator's process has ended (known when it runs on this
+        machine; a rank that dies of a signal ends the whole job anyway). A coordinator
+        that leaves with ``os._exit`` stops nothing, so the other ranks check this while
+        idle."""
+        host, pid = getattr(self, "_coordinator_process", (None, None))
+        if host != socket.gethostname():
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        try:  # an exited process not yet reaped by the launcher is a zombie
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except OSError:
+            return False
 
     def _release_at_exit(self) -> None:
         # The coordinator's script ended (or failed) without making the strategy: the
@@ -163,7 +188,7 @@ class MpiClusterResolver:
         from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
         world = mpi().COMM_WORLD
         for r in range(1, self._size):
-            world.send("exit", dest=r, tag=TAG_START)
+            world.send(("exit",), dest=r, tag=TAG_START)
 
     @property
     def rank(self) -> int:

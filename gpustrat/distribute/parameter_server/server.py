@@ -41,7 +41,7 @@ class Server:
         self._scratch: dict = {}
         self._header = np.empty(4, np.int64)
 
-    def serve(self) -> None:
+    def serve(self, watch=None) -> None:
         comm = self.ch.comm
         backoff = Backoff()
         any_source, any_tag = _any_source(), _any_tag()
@@ -51,6 +51,8 @@ class Server:
             msg = comm.improbe(source=any_source, tag=any_tag, status=status)
             if msg is None:
                 backoff()
+                if watch is not None and backoff.delay >= 1e-3:
+                    watch()
                 continue
             backoff.reset()
             source = status.Get_source()

@@ -21,7 +21,8 @@ from gpustrat.distribute.parameter_server import variables as remote
 from gpustrat.distribute.parameter_server import wire
 from gpustrat.distribute.parameter_server.channel import (TAG_RESULT, TAG_RESULT_DATA,
                                                            TAG_TASK, TAG_TASK_DATA, Channel,
-                                                           ServerLostError, set_channel)
+                                                           Orphaned, ServerLostError, Watch,
+                                                           set_channel)
 from gpustrat.distribute.strategy import Strategy
 from gpustrat.distribute.variables import VariableSynchronization, initial_array
 
@@ -76,7 +77,8 @@ class ParameterServerStrategy(Strategy):
         set_channel(ch)
         remote.set_requester(ch.request)
         if role != "chief":
-            _serve(ch, role, index, self._num_workers, devices, server_memory_limit, mpi())
+            _serve(ch, role, index, self._num_workers, devices, server_memory_limit, mpi(),
+                   Watch(cluster_resolver.coordinator_gone))
         from gpustrat.collectives.select import make_communicator  # noqa: PLC0415
         devs = resolve_devices(["cpu:0"])
         super().__init__(devs, make_communicator(devs), inline=True)
@@ -218,16 +220,21 @@ class ParameterServerStrategy(Strategy):
             mpi().COMM_WORLD.Abort(1)
 
 
-def _serve(ch, role, index, num_workers, devices, memory_limit, MPI) -> None:
+def _serve(ch, role, index, num_workers, devices, memory_limit, MPI, watch) -> None:
     """Serve as a server or worker rank until stopped, then end the process (status 0).
     An internal error aborts the whole job with the traceback, never a hang."""
     try:
         if role == "ps":
             from gpustrat.distribute.parameter_server.server import Server  # noqa
-            Server(ch, index, memory_limit).serve()
+            Server(ch, index, memory_limit).serve(watch)
         else:
             from gpustrat.distribute.parameter_server.worker import WorkerRank  # noqa
-            WorkerRank(ch, index, num_workers, devices).serve()
+            WorkerRank(ch, index, num_workers, devices).serve(watch)
+    except Orphaned:
+        print(f"gpustrat: the coordinator (rank 0) exited without stopping the job "
+              f"(os._exit?); {role} {index} (rank {ch.rank}) ends it", file=sys.stderr,
+              flush=True)
+        MPI.COMM_WORLD.Abort(1)
     except BaseException:  # noqa: BLE001 - the job must end, not hang
         print(f"gpustrat: {role} {index} (rank {ch.rank}) failed; ending the job:\n"
               + traceback.format_exc(), file=sys.stderr, flush=True)

@@ -101,7 +101,15 @@ class WorkerRank:
         self.current = None
         self._start()
 
-    def serve(self) -> None:
+    def serve(self, watch=None) -> None:
+        try:
+            self._serve(watch)
+        except BaseException:
+            if self.fp is not None and self.fp.proc is not None:
+                self.fp.proc.kill()
+            raise
+
+    def _serve(self, watch) -> None:
         comm = self.ch.comm
         self._start()
         backoff = Backoff()
@@ -149,6 +157,8 @@ class WorkerRank:
                 backoff.reset()
             else:
                 backoff()
+                if watch is not None and backoff.delay >= 1e-3:
+                    watch()
 
     def _from_process(self, header, arrays) -> None:
         kind = header[0]
