@@ -197,8 +197,15 @@ def test_async_training_converges_and_coordinator_api():
 
 
 # Two servers: variables sharded along axis 0 by the partitioner, trained with momentum;
-# a variable that fits on no server is refused by name.
+# a variable that fits on no server is refused by name. A dataset given whole is
+# rebatched over the worker's two replicas (global batch 4: 2 rows each).
 SHARDED_EXTRA = r"""
+rebatched = coord.create_per_worker_dataset(
+    strategy.experimental_distribute_dataset(gs.data.Dataset.range(8).batch(4)))
+def pieces(iterator):
+    return [p.tolist() for p in strategy.experimental_local_results(next(iterator))]
+got = coord.schedule(pieces, args=(iter(rebatched),)).fetch()
+assert got == [[0, 1], [2, 3]], got
 assert isinstance(w, gs.distribute.ShardedVariable), w
 assert [s.shape for s in w.variables] == [(4, 1), (4, 1)], w.variables
 assert sorted(s.server for s in w.variables) == [0, 1], [s.server for s in w.variables]
