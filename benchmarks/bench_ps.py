@@ -13,10 +13,12 @@ Targets:
 Also shown: scheduling overhead per function on an idle worker (``schedule(noop)``
 then ``fetch()``, one at a time) and per function when many are queued (``join``).
 
-Every time is the best of several repeats. The suite launches its MPI jobs itself:
-``mpiexec -n 4`` (coordinator, 1 server, 2 workers) and ``-n 3`` (1 worker).
+Every time is the best of several repeats in each of ``--jobs`` launches. The suite
+launches its MPI jobs itself, alternating ``mpiexec -n 4`` (coordinator, 1 server, 2
+workers) and ``-n 3`` (1 worker). The bare transfers are timed in the same job, just
+before the strategy starts (the server rank then serves requests only).
 
-    python benchmarks/bench_ps.py [--quick] [--json out.json]
+    python benchmarks/bench_ps.py [--quick] [--jobs 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -149,6 +151,20 @@ def run_job(nprocs: int, repeats: int, quick: bool, timeout: float = 600) -> dic
     raise RuntimeError(f"no RESULT line from the MPI job:\n{proc.stdout}\n{proc.stderr}")
 
 
+def _best_rows(rows: list) -> dict:
+    """Per number, the best over jobs (least time, most steps); ratios recomputed."""
+    best = dict(rows[0])
+    for r in rows[1:]:
+        for k, v in r.items():
+            if k.endswith(("_ms", "_us")):
+                best[k] = min(best[k], v)
+            elif k == "train_steps_per_s":
+                best[k] = max(best[k], v)
+    best["read_ratio"] = best["bare_read_ms"] / best["read_ms"]
+    best["update_ratio"] = best["bare_update_ms"] / best["update_ms"]
+    return best
+
+
 def _verdict(value: float, target: float) -> str:
     return "met" if value >= target else "NOT met"
 
@@ -157,6 +173,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer calls and repeats")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--jobs", type=int, default=2, help="launches of each job (default 2)")
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--mpi-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -164,10 +181,16 @@ def main(argv=None) -> dict:
     if args.mpi_child:
         _mpi_child(repeats, args.quick)
         return {}
-    two = run_job(4, repeats, args.quick)
-    one = run_job(3, repeats, args.quick)
+    # Jobs alternate (2 workers, 1 worker, ...) and each number is the best over the
+    # jobs, so that a burst of load on a shared machine spoils one sample, not the row.
+    twos, ones = [], []
+    for _ in range(args.jobs):
+        twos.append(run_job(4, repeats, args.quick))
+        ones.append(run_job(3, repeats, args.quick))
+    two, one = _best_rows(twos), _best_rows(ones)
     scaling = two["train_steps_per_s"] / one["train_steps_per_s"]
-    print(f"mpiexec -n 4 (coordinator, 1 server, 2 workers), best of {repeats}; "
+    print(f"mpiexec -n 4 (coordinator, 1 server, 2 workers), best of {repeats} x "
+          f"{args.jobs} jobs; "
           f"machine load: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"  1 MiB read:   bare Send/Recv {two['bare_read_ms']:7.3f} ms   v.numpy() "
           f"{two['read_ms']:7.3f} ms   {two['read_ratio']:.2f}x the bare rate (target "

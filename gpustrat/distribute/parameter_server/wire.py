@@ -22,7 +22,6 @@ import importlib
 import io
 import marshal
 import pickle
-import sys
 import types
 
 import numpy as np
@@ -229,9 +228,5 @@ def pipe_recv(conn):
 
 
 def describe_function(fn) -> str:
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
-    return f"{name!s}"
-
-
-def python_version_tag() -> str:
-    return sys.version.split()[0]
+    """The name of ``fn`` for messages."""
+    return str(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or fn)
