@@ -26,6 +26,9 @@ from gpustrat.distribute.parameter_server.channel import (TAG_RESULT, TAG_RESULT
 
 log = logging.getLogger("gpustrat.distribute.coordinator")
 
+#: Functions a worker may have at once: the one running and the next.
+_DEPTH = 2
+
 
 class RemoteValue:
     """The future result of a scheduled function (``tf.distribute.experimental.
@@ -154,7 +157,9 @@ class ClusterCoordinator:
         self._ch = strategy._channel
         self._n = strategy.num_workers
         self._queue: collections.deque = collections.deque()
-        self._busy: list = [None] * self._n
+        #: Per worker, the functions sent to it and not yet answered, oldest first: up
+        #: to _DEPTH, so that a worker finds its next function waiting when one ends.
+        self._busy: list = [collections.deque() for _ in range(self._n)]
         self._errors: list = []
         self._cv = threading.Condition()
         self._ids = itertools.count()
@@ -191,7 +196,7 @@ class ClusterCoordinator:
         """Wait until every scheduled function has finished; raise the first error of
         one (once)."""
         with self._cv:
-            while self._queue or any(b is not None for b in self._busy):
+            while self._queue or any(self._busy):
                 self._cv.wait(0.1)
         self._raise_error()
 
@@ -199,7 +204,7 @@ class ClusterCoordinator:
         """Whether every scheduled function has finished (raises a function's error)."""
         self._raise_error()
         with self._cv:
-            return not self._queue and all(b is None for b in self._busy)
+            return not self._queue and not any(self._busy)
 
     def fetch(self, val):
         """``val`` with every RemoteValue replaced by its result (waiting for it)."""
@@ -270,7 +275,7 @@ class ClusterCoordinator:
                 if self._stop:
                     return
                 sends = self._assign()
-                in_flight = any(b is not None for b in self._busy) or self._setup_replies
+                in_flight = any(self._busy) or self._setup_replies
                 if not sends and not in_flight and not self._queue:
                     self._cv.wait(0.05)
                     continue
@@ -293,41 +298,52 @@ class ClusterCoordinator:
     def _assign(self) -> list:
         """Pair idle workers with queued functions (under the lock)."""
         sends = []
-        for w in range(self._n):
-            if self._busy[w] is not None or not self._queue:
-                continue
-            pick = None
-            for c in self._queue:
-                # A function whose process died here goes elsewhere when it can.
-                if w not in c.lost_on or all(x in c.lost_on for x in range(self._n)):
-                    pick = c
-                    break
-            if pick is None:
-                continue
-            self._queue.remove(pick)
-            self._busy[w] = pick
-            sends.append((w, pick))
+        for level in range(_DEPTH):  # idle workers first
+            for w in range(self._n):
+                if len(self._busy[w]) != level or not self._queue:
+                    continue
+                pick = None
+                for c in self._queue:
+                    # A function whose process died here goes elsewhere when it can.
+                    if w not in c.lost_on or all(x in c.lost_on for x in range(self._n)):
+                        pick = c
+                        break
+                if pick is None:
+                    continue
+                self._queue.remove(pick)
+                self._busy[w].append(pick)
+                sends.append((w, pick))
         return sends
+
+    def _answered(self, w: int, task: int) -> _Closure:
+        busy = self._busy[w]
+        c = busy.popleft()
+        if c.id != task:  # a worker answers in order; anything else is a bug here
+            raise RuntimeError(f"worker {w} answered function #{task} but #{c.id} was "
+                               "its oldest")
+        return c
 
     def _handle(self, w: int, header, arrays) -> None:
         kind = header[0]
         with self._cv:
             if kind == "done":
-                c = self._busy[w]
-                self._busy[w] = None
+                c = self._answered(w, header[1])
                 try:
                     c.value._set(wire.unpack(header[2], arrays))
                 except Exception as e:  # noqa: BLE001
                     self._record(c, RuntimeError(f"the result of {c.name} from worker {w} "
                                                  f"cannot be read here: {e}"))
             elif kind == "error":
-                c = self._busy[w]
-                self._busy[w] = None
+                c = self._answered(w, header[1])
                 self._record(c, _remote_error(header[2], header[3], c.name, w))
             elif kind == "lost":
-                _, task, code = header
-                c = self._busy[w]
-                self._busy[w] = None
+                _, running, queued, code = header
+                c = self._answered(w, running) if running is not None else None
+                # Those sent behind the running one had not started: queued again as
+                # they were, ahead of the rest.
+                behind = [self._answered(w, t) for t in queued]
+                for b in reversed(behind):
+                    self._queue.appendleft(b)
                 what = f"while running {c.name}" if c is not None else "while idle"
                 log.warning("worker %d (rank %d) lost its function process (exit code %s) "
                             "%s; a replacement process was started", w,

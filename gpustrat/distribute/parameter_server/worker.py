@@ -10,6 +10,7 @@ starts a replacement and makes this worker's datasets and iterators in it again.
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 import subprocess
@@ -76,17 +77,34 @@ class WorkerRank:
         self.info = {"worker": index, "num_workers": num_workers, "devices": devices}
         #: (kind, id, payload, arrays) of every dataset and iterator made here, in order.
         self.setups: list = []
-        self.unanswered: set = set()  # setups sent to the process, not yet answered
-        self.current = None  # the task id the process is running
+        self.unanswered: set = set()  # setups the coordinator waits for
+        #: Messages for the process, sent one at a time: while it runs a function it
+        #: reads only the answers to its variable requests from the pipe.
+        self.outbox: collections.deque = collections.deque()
+        #: What the process is doing: None, ("run", task id) or ("setup", id).
+        self.inflight = None
         self.fp = None
 
     def _start(self) -> None:
         self.fp = FunctionProcess(self.info)
         self.fp.start()
+        self.inflight = None
         for kind, ident, payload, arrays in self.setups:
             # The coordinator still waits for those the lost process had not answered.
             notify = ident in self.unanswered
-            wire.pipe_send(self.fp.conn, ("setup", kind, ident, payload, notify), arrays)
+            self.outbox.append((("setup", kind, ident, payload, notify), arrays,
+                                ("setup", ident)))
+        self._pump()
+
+    def _pump(self) -> None:
+        if self.inflight is not None or not self.outbox:
+            return
+        header, arrays, what = self.outbox.popleft()
+        self.inflight = what
+        try:
+            wire.pipe_send(self.fp.conn, header, arrays)
+        except OSError:
+            pass  # the process is gone: found by the loop
 
     def _to_coordinator(self, header, arrays=()) -> None:
         wire.mpi_send(self.ch.comm, 0, TAG_RESULT, header, arrays, data_tag=TAG_RESULT_DATA)
@@ -97,8 +115,10 @@ class WorkerRank:
             self.fp.conn.close()
         except OSError:
             pass
-        self._to_coordinator(("lost", self.current, code))
-        self.current = None
+        running = self.inflight[1] if self.inflight and self.inflight[0] == "run" else None
+        queued = [what[1] for _, _, what in self.outbox if what[0] == "run"]
+        self.outbox.clear()  # setups are made again by _start
+        self._to_coordinator(("lost", running, queued, code))
         self._start()
 
     def serve(self, watch=None) -> None:
@@ -125,18 +145,15 @@ class WorkerRank:
                     self.fp.stop()
                     self._to_coordinator(("stopped",))
                     return
-                try:
-                    if kind == "run":
-                        self.current = header[1]
-                        wire.pipe_send(self.fp.conn, header, arrays)
-                    elif kind == "setup":
-                        _, what, ident, payload = header
-                        self.setups.append((what, ident, payload, arrays))
-                        self.unanswered.add(ident)
-                        wire.pipe_send(self.fp.conn, ("setup", what, ident, payload, True),
-                                       arrays)
-                except OSError:
-                    pass  # the process is gone: found below
+                if kind == "run":
+                    self.outbox.append((header, arrays, ("run", header[1])))
+                elif kind == "setup":
+                    _, what, ident, payload = header
+                    self.setups.append((what, ident, payload, arrays))
+                    self.unanswered.add(ident)
+                    self.outbox.append((("setup", what, ident, payload, True), arrays,
+                                        ("setup", ident)))
+                self._pump()
             conn = self.fp.conn
             try:
                 ready = conn.poll(0)
@@ -178,10 +195,12 @@ class WorkerRank:
                 pass
             return
         if kind in ("done", "error"):
-            self.current = None
+            self.inflight = None
             self._to_coordinator(header, arrays)
         elif kind == "setup_done":
+            self.inflight = None
             _, ident, notify, err = header
             self.unanswered.discard(ident)
             if notify:
                 self._to_coordinator(("setup_done", ident, err))
+        self._pump()
