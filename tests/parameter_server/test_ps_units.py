@@ -165,3 +165,35 @@ def test_a_gone_coordinator_is_noticed_on_its_machine():
     assert r.coordinator_gone()
     r._coordinator_process = ("another-host", done.pid)
     assert not r.coordinator_gone()  # another machine's process cannot be checked
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from gpustrat.distribute.parameter_server.variables import (  # noqa: E402
+    RemoteVariable, ShardedVariable)
+from gpustrat.distribute.variables import (  # noqa: E402
+    VariableAggregation, VariableSynchronization)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 500), cols=st.integers(1, 6), shards=st.integers(1, 40),
+       max_bytes=st.integers(1, 4096))
+def test_sharding_delivers_every_row_once(rows, cols, shards, max_bytes):
+    for part in (P.FixedShardsPartitioner(shards),
+                 P.MinSizePartitioner(min_shard_bytes=max_bytes, max_shards=shards),
+                 P.MaxSizePartitioner(max_shard_bytes=max_bytes, max_shards=shards)):
+        n = part((rows, cols), np.float32)[0]
+        assert 1 <= n <= min(rows, shards), (part, n)
+        sizes = shard_rows(rows, n)
+        assert sum(sizes) == rows and min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+        handles = [RemoteVariable._handle(i, i % 2, (k, cols), np.float32, f"s{i}", True,
+                                          VariableSynchronization.ON_WRITE,
+                                          VariableAggregation.NONE)
+                   for i, k in enumerate(sizes)]
+        sharded = ShardedVariable._from_shards(handles, "x")
+        value = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols)
+        pieces = sharded._split(value)
+        assert sharded.shape == (rows, cols)
+        assert [p.shape[0] for p in pieces] == sizes
+        assert np.array_equal(np.concatenate(pieces), value)
