@@ -381,3 +381,36 @@ os._exit(0)
 """
     rc, out, err = run_mpi(4, script, timeout=40)
     assert "LEAVING" in out and rc not in (0, -9), format_result(rc, out, err)
+
+
+# The coordinator's script ends, or raises, while functions are still running or
+# queued: every rank exits (status 0, or the exception's 1), none is left waiting.
+IN_FLIGHT = r"""
+import sys, time, numpy as np
+import gpustrat as gs
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+with strategy.scope():
+    v = gs.Variable(np.zeros(2), name="v")
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
+def slow():
+    v.assign_add(np.ones(2))
+    time.sleep(0.3)
+for _ in range(20):
+    coord.schedule(slow)
+time.sleep(0.5)
+print("IN FLIGHT", flush=True)
+if sys.argv[1] == "raise":
+    raise ValueError("coordinator bug")
+"""
+
+
+@pytest.mark.parametrize("how", ["end", "raise"])
+def test_coordinator_ending_with_functions_in_flight_ends_every_rank(how):
+    rc, out, err = run_mpi(4, IN_FLIGHT, timeout=40, args=(how,))
+    assert "IN FLIGHT" in out, format_result(rc, out, err)
+    if how == "end":
+        assert rc == 0, format_result(rc, out, err)
+    else:
+        assert rc not in (0, -9) and "ValueError: coordinator bug" in err, \
+            format_result(rc, out, err)
