@@ -8,6 +8,7 @@ _NAMES = {
     "ValueContext": "gpustrat.distribute.replica_context",
     "ParameterServerStrategy": "gpustrat.distribute.parameter_server.strategy",
     "partitioners": "gpustrat.distribute.parameter_server",
+    "coordinator": "gpustrat.distribute:coordinator",
 }
 
 __all__ = sorted(_NAMES)

@@ -87,6 +87,8 @@ def test_importing_the_names_starts_no_mpi():
             "gs.distribute.coordinator.ClusterCoordinator, gs.distribute.coordinator.RemoteValue\n"
             "gs.distribute.experimental.partitioners.FixedShardsPartitioner\n"
             "gs.distribute.ShardedVariable\n"
+            "assert gs.distribute.experimental.coordinator.ClusterCoordinator is "
+            "gs.distribute.coordinator.ClusterCoordinator\n"
             "assert 'mpi4py.MPI' not in sys.modules, 'MPI started at import'\n"
             "print('fine')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
