@@ -288,6 +288,18 @@ try:
 except RuntimeError as e:
     assert "lost its worker's process 3 times" in str(e), e
 assert coord.schedule(step, args=(100, it)).fetch()[0] == 100
+
+# Should the dispatcher thread itself fail, join raises instead of waiting forever,
+# and the job still ends cleanly.
+def broken(*args):
+    raise ZeroDivisionError("internal")
+coord._handle = broken
+coord.schedule(step, args=(101, it))
+try:
+    coord.join()
+    raise SystemExit("join did not raise")
+except RuntimeError as e:
+    assert "dispatcher thread failed" in str(e) and "ZeroDivisionError" in str(e), e
 print("OK", flush=True)
 """
 

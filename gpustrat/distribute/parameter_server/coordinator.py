@@ -166,6 +166,7 @@ class ClusterCoordinator:
         self._setup_ids = itertools.count()
         self._setup_replies: dict = {}
         self._stop = False
+        self._broken = None
         self._thread = threading.Thread(target=self._dispatch, name="gpustrat-coordinator",
                                         daemon=True)
         self._thread.start()
@@ -184,6 +185,8 @@ class ClusterCoordinator:
         if not callable(fn):
             raise TypeError(f"schedule needs a callable, got {fn!r}")
         self._raise_error()
+        if self._broken is not None:
+            raise self._broken
         name = f"function {wire.describe_function(fn)!r}"
         blob, arrays = wire.pack((fn, tuple(args or ()), dict(kwargs or {})), name)
         with self._cv:
@@ -267,9 +270,26 @@ class ClusterCoordinator:
         self._thread.join(timeout=10)
 
     def _dispatch(self) -> None:
+        try:
+            self._dispatch_loop()
+        except BaseException as e:  # noqa: BLE001 - join() must not wait forever
+            err = RuntimeError(f"the coordinator's dispatcher thread failed ({e!r}); the "
+                               "functions queued and running were abandoned")
+            with self._cv:
+                for c in list(self._queue) + [c for b in self._busy for c in b]:
+                    c.value._fail(err)
+                self._queue.clear()
+                for b in self._busy:
+                    b.clear()
+                self._errors.insert(0, err)
+                self._broken = err
+                self._cv.notify_all()
+
+    def _dispatch_loop(self) -> None:
         comm = self._ch.comm
         first_worker = 1 + self.strategy.num_ps
         backoff = Backoff()
+        any_source, status = _any_source(), _status()
         while True:
             with self._cv:
                 if self._stop:
@@ -281,8 +301,7 @@ class ClusterCoordinator:
                     continue
             for w, c in sends:
                 self.strategy._send_to_worker(w, ("run", c.id, c.blob), c.arrays)
-            status = _status()
-            msg = comm.improbe(source=_any_source(), tag=TAG_RESULT, status=status)
+            msg = comm.improbe(source=any_source, tag=TAG_RESULT, status=status)
             if msg is None:
                 if sends:
                     backoff.reset()
