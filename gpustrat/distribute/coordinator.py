@@ -8,6 +8,7 @@ _WHERE = "gpustrat.distribute.parameter_server.coordinator"
 _NAMES = {
     "ClusterCoordinator": _WHERE,
     "RemoteValue": _WHERE,
+    "ServerLostError": "gpustrat.distribute.parameter_server.channel",
 }
 
 __all__ = sorted(_NAMES)
