@@ -123,7 +123,8 @@ def test_experimental_namespace_lists_lazy_names_and_loads_nothing_extra():
         "import sys, gpustrat.distribute.experimental as e\n"
         "print(sorted(n for n in dir(e) if not n.startswith('_')), "
         "'gpustrat.distribute.multi_worker' in sys.modules, 'mpi4py' in sys.modules)")
-    assert out == "['MultiWorkerMirroredStrategy', 'ValueContext'] False False"
+    assert out == ("['MultiWorkerMirroredStrategy', 'ParameterServerStrategy', 'ValueContext', "
+                   "'coordinator', 'partitioners'] False False")
 
 
 def all_enums():

@@ -30,7 +30,10 @@ _NAMES = {
     "InputReplicationMode": "gpustrat.distribute.input_lib",
     "DistributedDataset": "gpustrat.distribute.input_lib",
     "DistributedIterator": "gpustrat.distribute.input_lib",
+    # parameter-server training
+    "ShardedVariable": "gpustrat.distribute.parameter_server.variables",
 }
 
-__all__ = sorted([*_NAMES, "experimental"])
-__getattr__, __dir__ = _attach(__name__, _NAMES, submodules=("experimental",))
+__all__ = sorted([*_NAMES, "experimental", "cluster_resolver", "coordinator"])
+__getattr__, __dir__ = _attach(__name__, _NAMES, submodules=("experimental", "cluster_resolver",
+                                                         "coordinator"))

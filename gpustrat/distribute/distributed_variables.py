@@ -45,6 +45,9 @@ def _next_key(strategy) -> int:
 def create(strategy, replica_ctx, initial_value, trainable: bool, name: str, dtype,
            sync: VariableSynchronization, agg: VariableAggregation) -> "DistributedVariable":
     """A distributed variable of ``strategy`` (its scope, or its ``run``)."""
+    make = getattr(strategy, "_create_variable", None)
+    if make is not None:  # a strategy that keeps variables elsewhere (parameter servers)
+        return make(replica_ctx, initial_value, trainable, name, dtype, sync, agg)
     if sync is VariableSynchronization.NONE:
         raise ValueError(
             f"variable {name!r}: synchronization NONE is not supported under a strategy "
@@ -335,6 +338,9 @@ def zeros(strategy, shape, dtype, name: str, sync=VariableSynchronization.ON_WRI
     distributed under ``strategy``, plain when ``strategy`` is None. For state that
     optimizers and metrics own (slots, counters, totals)."""
     arr = np.zeros(shape, dtype)
+    make = getattr(strategy, "_create_variable", None)
+    if make is not None:
+        return make(None, arr, trainable, name, None, sync, agg)
     if strategy is None:
         return Variable._plain(arr, trainable, name, sync, agg)
     comps = [to_device(arr, d, copy=True) for d in strategy.local_devices]

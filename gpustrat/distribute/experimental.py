@@ -6,6 +6,9 @@ from gpustrat._lazy import attach as _attach
 _NAMES = {
     "MultiWorkerMirroredStrategy": "gpustrat.distribute.multi_worker",
     "ValueContext": "gpustrat.distribute.replica_context",
+    "ParameterServerStrategy": "gpustrat.distribute.parameter_server.strategy",
+    "partitioners": "gpustrat.distribute.parameter_server",
+    "coordinator": "gpustrat.distribute:coordinator",
 }
 
 __all__ = sorted(_NAMES)

@@ -148,6 +148,9 @@ class Optimizer:
             TypeError: a non-variable, or a gradient that is not floating point.
         """
         grads, variables = _check_pairs(grads_and_vars)
+        remote = getattr(variables[0], "_apply_gradients", None)
+        if remote is not None:  # variables on parameter servers: the step runs there
+            return remote(self, grads, variables)
         strategy, replica_ctx = context.current()
         if replica_ctx is not None and strategy is not None:
             # One leaf per replica: the merge hands over the replicas' lists as they are

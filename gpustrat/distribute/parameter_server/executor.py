@@ -1,0 +1,145 @@
+"""The function process of a worker rank: runs scheduled functions one at a time.
+
+Started by the worker rank as ``python -m gpustrat.distribute.parameter_server.executor
+FD``, it talks to its rank over the socket ``FD`` (see :mod:`.wire` for the framing).
+It never initialises MPI: variable reads and updates go to the worker rank, which
+forwards them to the servers. It holds this worker's datasets and iterators
+(``create_per_worker_dataset``); a replacement process makes them again.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+from gpustrat.distribute.parameter_server import variables as remote
+from gpustrat.distribute.parameter_server import wire
+from gpustrat.distribute.parameter_server.channel import ServerLostError
+
+#: This process's state: the connection, the worker's index and count, its devices,
+#: and the datasets and iterators made here.
+state = {"conn": None, "worker": None, "num_workers": None, "devices": None,
+         "datasets": {}, "iterators": {}, "strategy": None}
+
+_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "MemoryError": MemoryError,
+           "KeyError": KeyError, "ServerLostError": ServerLostError}
+
+
+def _request(server: int, op: str, args: tuple = (), arrays=()):
+    conn = state["conn"]
+    wire.pipe_send(conn, ("var", server, op, args), arrays)
+    (kind, status, payload), out = wire.pipe_recv(conn)
+    if status != "ok":
+        name, text = payload
+        raise _ERRORS.get(name, RuntimeError)(text)
+    return payload, out
+
+
+def is_dataset(obj) -> bool:
+    from gpustrat.data import Dataset  # noqa: PLC0415
+    from gpustrat.distribute.input_lib import _DistributedBase  # noqa: PLC0415
+    return isinstance(obj, (Dataset, _DistributedBase))
+
+
+def _make_dataset(source):
+    ds = source() if callable(source) and not is_dataset(source) else source
+    from gpustrat.distribute.parameter_server.strategy import DeferredDataset  # noqa
+    if isinstance(ds, DeferredDataset):
+        ds = ds.make()
+    if not is_dataset(ds):
+        raise TypeError(
+            f"the dataset function returned {type(ds).__name__} ({ds!r:.80}), not a "
+            "dataset: return a gs.data.Dataset (or the result of "
+            "strategy.experimental_distribute_dataset / distribute_datasets_from_function)")
+    return ds
+
+
+def _setup(kind: str, ident: int, payload, arrays):
+    if kind == "dataset":
+        state["datasets"][ident] = _make_dataset(wire.unpack(payload, arrays))
+    elif kind == "iter":
+        ds = state["datasets"][payload]
+        state["iterators"][ident] = iter(ds)
+    else:
+        raise ValueError(f"unknown setup {kind!r}")
+
+
+def _error_blob(e: BaseException):
+    try:
+        return pickle.dumps(e, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - the text still travels
+        return None
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when its worker rank dies (a launcher that ends
+    the job kills the ranks, not their children)."""
+    try:
+        import ctypes  # noqa: PLC0415
+        import signal  # noqa: PLC0415
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def main(fd: int, parent: int | None = None) -> None:
+    _die_with_parent()
+    if parent is not None and os.getppid() != parent:
+        return  # the rank died before the request above took effect
+    conn = state["conn"] = Connection(fd)
+    remote.set_requester(_request)
+    while True:
+        try:
+            header, arrays = wire.pipe_recv(conn)
+        except (EOFError, OSError):
+            return  # the worker rank is gone
+        kind = header[0]
+        if kind == "stop":
+            return
+        if kind == "init":
+            info = header[1]
+            state.update(worker=info["worker"], num_workers=info["num_workers"],
+                         devices=info["devices"])
+            continue
+        if kind == "setup":
+            _, what, ident, payload, notify = header
+            try:
+                _setup(what, ident, payload, arrays)
+                err = None
+            except BaseException as e:  # noqa: BLE001
+                err = (type(e).__name__, f"{type(e).__name__}: {e}")
+            wire.pipe_send(conn, ("setup_done", ident, notify, err))
+            continue
+        if kind == "run":
+            _, task_id, blob = header
+            try:
+                fn, args, kwargs = wire.unpack(blob, arrays)
+                result = fn(*args, **kwargs)
+            except StopIteration as e:
+                from gpustrat.errors import OutOfRangeError  # noqa: PLC0415
+                err = OutOfRangeError(str(e) or "End of sequence: a per-worker iterator "
+                                      "ran out of data")
+                wire.pipe_send(conn, ("error", task_id, _error_blob(err),
+                                      "".join(traceback.format_exc())))
+                continue
+            except BaseException as e:  # noqa: BLE001 - reported to the coordinator
+                wire.pipe_send(conn, ("error", task_id, _error_blob(e),
+                                      "".join(traceback.format_exc())))
+                continue
+            try:
+                out, out_arrays = wire.pack(result, "the function's result")
+            except TypeError as e:
+                wire.pipe_send(conn, ("error", task_id, _error_blob(e), str(e)))
+                continue
+            wire.pipe_send(conn, ("done", task_id, out), out_arrays)
+
+
+if __name__ == "__main__":
+    # Run the imported module's main, so that its state is the one that per-worker
+    # iterators and the strategy find. Functions defined in the coordinator's script
+    # arrive by value.
+    from gpustrat.distribute.parameter_server import executor as _self
+    _self.main(int(sys.argv[1]), int(sys.argv[2]))

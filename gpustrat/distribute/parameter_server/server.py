@@ -1,0 +1,234 @@
+"""A parameter server: holds variables and applies updates, one request at a time.
+
+Requests (see :mod:`.channel`) are handled in arrival order, so each update is atomic
+on its variable; updates from different workers interleave (asynchronous training).
+Optimizer steps run here: a worker sends the gradients, the server runs the
+optimizer's ``update_step`` on its arrays and keeps the optimizer's slots (momentum,
+Adam's moments) beside the variables.
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+
+import numpy as np
+
+from gpustrat.distribute.parameter_server import wire
+from gpustrat.distribute.parameter_server.channel import (ERR_OFFSET, FAST_OPS, TAG_FAST,
+                                                           Backoff, Channel)
+
+
+class _Var:
+    __slots__ = ("array", "name")
+
+    def __init__(self, array, name):
+        self.array = array
+        self.name = name
+
+
+class Server:
+    """The loop of one server rank; :meth:`serve` returns when the coordinator stops it."""
+
+    def __init__(self, ch: Channel, index: int, memory_limit: int | None):
+        self.ch = ch
+        self.index = index
+        self.memory_limit = memory_limit
+        self.vars: dict = {}
+        self.nbytes = 0
+        self.optimizers: dict = {}
+        self.slots: dict = {}
+        self._scratch: dict = {}
+        self._header = np.empty(4, np.int64)
+
+    def serve(self, watch=None) -> None:
+        comm = self.ch.comm
+        backoff = Backoff()
+        any_source, any_tag = _any_source(), _any_tag()
+        status = _status()
+        while True:
+            # Any tag: per source, a request's header always comes before its data.
+            msg = comm.improbe(source=any_source, tag=any_tag, status=status)
+            if msg is None:
+                backoff()
+                if watch is not None and backoff.delay >= 1e-3:
+                    watch()
+                continue
+            backoff.reset()
+            source = status.Get_source()
+            if status.Get_tag() == TAG_FAST:
+                self._fast(msg, source)
+                continue
+            (op, tag, args), ms = msg.recv()
+            arrays = self._receive(source, tag, ms, op, args) if ms else []
+            if op == "stop":
+                wire.mpi_send(comm, source, tag, ("ok", None))
+                return
+            try:
+                payload, out = getattr(self, "op_" + op)(*args, arrays=arrays)
+                reply = ("ok", payload)
+            except Exception as e:  # noqa: BLE001 - every error goes back to the caller
+                reply = ("error", (type(e).__name__, f"parameter server {self.index} "
+                                   f"(rank {self.ch.rank}): {e}"))
+                out = []
+                if not isinstance(e, (ValueError, TypeError, KeyError, MemoryError)):
+                    reply = ("error", ("RuntimeError", reply[1][1] + "\n" +
+                                       traceback.format_exc()))
+            wire.mpi_send(comm, source, tag, reply, out, data_tag=tag)
+
+    def _fast(self, msg, source: int) -> None:
+        """A read or update (see channel.FAST_CODES)."""
+        comm = self.ch.comm
+        header = self._header
+        msg.Recv(header)
+        code, tag, vid, nbytes = (int(x) for x in header)
+        value = None
+        if nbytes:
+            var = self.vars.get(vid)
+            if code == 1 and var is not None and var.array.nbytes == nbytes:
+                comm.Recv(wire.raw(var.array), source=source, tag=tag)  # in place
+                comm.Send(_ACK, dest=source, tag=tag)
+                return
+            value = self._scratch.get(("fast", nbytes))
+            if value is None:
+                value = self._scratch[("fast", nbytes)] = np.empty(nbytes, np.uint8)
+            comm.Recv(wire.raw(value), source=source, tag=tag)
+        try:
+            var = self._var(vid)
+            if code == 0:
+                comm.Send(wire.raw(var.array), dest=source, tag=tag)
+                return
+            a = var.array
+            if nbytes != a.nbytes:
+                raise ValueError(f"{FAST_OPS[code]} of variable {var.name!r} got "
+                                 f"{nbytes} bytes for its {a.nbytes}")
+            value = value.view(a.dtype).reshape(a.shape)
+            if code == 1:
+                a[...] = value
+            elif code == 2:
+                a += value
+            else:
+                a -= value
+            comm.Send(_ACK, dest=source, tag=tag)
+        except Exception as e:  # noqa: BLE001 - the caller raises it
+            wire.mpi_send(comm, source, tag + ERR_OFFSET, ("error", (
+                type(e).__name__, f"parameter server {self.index} (rank {self.ch.rank}): "
+                f"{e}")))
+
+    def _receive(self, source: int, tag: int, ms: list, op: str, args: tuple) -> list:
+        """The request's arrays: an assign lands in the variable itself; other updates
+        and gradients in buffers kept from one request to the next (fresh pages cost
+        more than the copy)."""
+        var = self.vars.get(args[0]) if op == "assign" and args else None
+        if var is not None and len(ms) == 1 and np.dtype(ms[0][0]) == var.array.dtype \
+                and tuple(ms[0][1]) == var.array.shape:
+            self.ch.comm.Recv(wire.raw(var.array), source=source, tag=tag)
+            return [var.array]
+        out = []
+        for dt, shape in ms:
+            key = (dt, tuple(shape), len(out))
+            buf = self._scratch.get(key)
+            if buf is None:
+                buf = self._scratch[key] = np.empty(shape, np.dtype(dt))
+            self.ch.comm.Recv(wire.raw(buf), source=source, tag=tag)
+            out.append(buf)
+        return out
+
+    # --- operations: (args..., arrays) -> (payload, arrays) ---------------------------
+    def _var(self, vid: int) -> _Var:
+        try:
+            return self.vars[vid]
+        except KeyError:
+            raise KeyError(f"no variable #{vid} here (was it made in this job's "
+                           "strategy.scope()?)") from None
+
+    def op_create(self, vid: int, name: str, dtype: str, shape: tuple, arrays):
+        """Make the variable (zeros); its value follows in an ``assign``."""
+        if vid in self.vars:
+            raise ValueError(f"variable #{vid} ({name!r}) exists already")
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if self.memory_limit is not None and self.nbytes + nbytes > self.memory_limit:
+            raise MemoryError(
+                f"variable {name!r} of shape {tuple(shape)} {dtype} needs {nbytes} bytes "
+                f"but this server holds {self.nbytes} of its {self.memory_limit} bytes "
+                "(server_memory_limit): shard it over the servers with "
+                "variable_partitioner (e.g. MaxSizePartitioner) or use more servers")
+        try:
+            held = np.zeros(shape, dtype)
+        except MemoryError:
+            raise MemoryError(f"variable {name!r} of {nbytes} bytes does not fit in this "
+                              "server's memory: shard it with variable_partitioner or use "
+                              "more servers") from None
+        self.vars[vid] = _Var(held, name)
+        self.nbytes += held.nbytes
+        return None, []
+
+    def op_read(self, vid: int, *described, arrays):
+        return None, [self._var(vid).array]
+
+    def op_assign(self, vid: int, arrays):
+        self._var(vid).array[...] = arrays[0]
+        return None, []
+
+    def op_assign_add(self, vid: int, arrays):
+        self._var(vid).array += arrays[0]
+        return None, []
+
+    def op_assign_sub(self, vid: int, arrays):
+        self._var(vid).array -= arrays[0]
+        return None, []
+
+    def op_assign_read(self, vid: int, update: str, arrays):
+        getattr(self, "op_" + update)(vid, arrays=arrays)
+        return None, [self._var(vid).array]
+
+    def op_optimizer(self, key, blob: bytes, arrays):
+        if key not in self.optimizers:
+            self.optimizers[key] = pickle.loads(blob)
+        return None, []
+
+    def op_apply(self, key, lr: float, step: int, vids: list, arrays):
+        opt = self.optimizers.get(key)
+        if opt is None:
+            return "need optimizer", []
+        for vid, grad in zip(vids, arrays):
+            var = self._var(vid)
+            slots = self.slots.get((key, vid))
+            if slots is None:
+                slots = self.slots[(key, vid)] = {
+                    s: np.zeros_like(var.array) for s in opt.slot_names}
+            if grad.shape != var.array.shape:
+                raise ValueError(f"the gradient of variable {var.name!r} has shape "
+                                 f"{grad.shape} but the variable has {var.array.shape}")
+            opt.update_step(var.array, grad.astype(var.array.dtype, copy=False), slots,
+                            lr, step, var.name)
+        return None, []
+
+    def op_slot(self, key, vid: int, name: str, arrays):
+        slots = self.slots.get((key, vid))
+        if slots is None or name not in slots:
+            raise KeyError(f"no slot {name!r} for variable {self._var(vid).name!r} yet "
+                           "(slots are made on the first step that trains it)")
+        return None, [slots[name]]
+
+    def op_stats(self, arrays):
+        return {"variables": len(self.vars), "nbytes": self.nbytes}, []
+
+
+_ACK = np.zeros(1, np.int64)
+
+
+def _any_tag() -> int:
+    from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
+    return mpi().ANY_TAG
+
+
+def _any_source() -> int:
+    from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
+    return mpi().ANY_SOURCE
+
+
+def _status():
+    from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
+    return mpi().Status()

@@ -1,0 +1,206 @@
+"""A worker rank: keeps one function process alive and relays between it, the
+coordinator and the servers.
+
+MPI launchers end the whole job when a rank dies of a signal, so user code never runs
+in the rank itself: it runs in a child process (:mod:`.executor`), started once and
+reused. When that process dies (a crash, a kill, ``os._exit``), the rank tells the
+coordinator which function it was running (the coordinator runs it again elsewhere),
+starts a replacement and makes this worker's datasets and iterators in it again.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+
+from gpustrat.distribute.parameter_server import wire
+from gpustrat.distribute.parameter_server.channel import (TAG_RESULT, TAG_RESULT_DATA,
+                                                           TAG_TASK, TAG_TASK_DATA, Backoff,
+                                                           Channel, ServerLostError)
+
+# The launcher's variables would make a child that imports mpi4py join the MPI job.
+_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "MPIR_", "HYDRA_", "HYDI_", "OMPI_", "MPICH_")
+
+
+def _child_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    # The script's folder, so that functions of modules beside it import by reference.
+    here = sys.path[0] if sys.path and sys.path[0] else os.getcwd()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+class FunctionProcess:
+    """The child process running this worker's functions."""
+
+    def __init__(self, info: dict):
+        self.info = info
+        self.proc = None
+        self.conn = None
+
+    def start(self) -> None:
+        parent, child = socket.socketpair()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpustrat.distribute.parameter_server.executor",
+             str(child.fileno()), str(os.getpid())],
+            pass_fds=(child.fileno(),), env=_child_env(), stdin=subprocess.DEVNULL)
+        child.close()
+        self.conn = Connection(parent.detach())
+        wire.pipe_send(self.conn, ("init", self.info))
+
+    def exit_code(self):
+        return None if self.proc is None else self.proc.poll()
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            wire.pipe_send(self.conn, ("stop",))
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.conn.close()
+
+
+class WorkerRank:
+    def __init__(self, ch: Channel, index: int, num_workers: int, devices: list):
+        self.ch = ch
+        self.index = index
+        self.info = {"worker": index, "num_workers": num_workers, "devices": devices}
+        #: (kind, id, payload, arrays) of every dataset and iterator made here, in order.
+        self.setups: list = []
+        self.unanswered: set = set()  # setups the coordinator waits for
+        #: Messages for the process, sent one at a time: while it runs a function it
+        #: reads only the answers to its variable requests from the pipe.
+        self.outbox: collections.deque = collections.deque()
+        #: What the process is doing: None, ("run", task id) or ("setup", id).
+        self.inflight = None
+        self.fp = None
+
+    def _start(self) -> None:
+        self.fp = FunctionProcess(self.info)
+        self.fp.start()
+        self.inflight = None
+        for kind, ident, payload, arrays in self.setups:
+            # The coordinator still waits for those the lost process had not answered.
+            notify = ident in self.unanswered
+            self.outbox.append((("setup", kind, ident, payload, notify), arrays,
+                                ("setup", ident)))
+        self._pump()
+
+    def _pump(self) -> None:
+        if self.inflight is not None or not self.outbox:
+            return
+        header, arrays, what = self.outbox.popleft()
+        self.inflight = what
+        try:
+            wire.pipe_send(self.fp.conn, header, arrays)
+        except OSError:
+            pass  # the process is gone: found by the loop
+
+    def _to_coordinator(self, header, arrays=()) -> None:
+        wire.mpi_send(self.ch.comm, 0, TAG_RESULT, header, arrays, data_tag=TAG_RESULT_DATA)
+
+    def _lost(self) -> None:
+        code = self.fp.proc.wait()
+        try:
+            self.fp.conn.close()
+        except OSError:
+            pass
+        running = self.inflight[1] if self.inflight and self.inflight[0] == "run" else None
+        queued = [what[1] for _, _, what in self.outbox if what[0] == "run"]
+        self.outbox.clear()  # setups are made again by _start
+        self._to_coordinator(("lost", running, queued, code))
+        self._start()
+
+    def serve(self, watch=None) -> None:
+        try:
+            self._serve(watch)
+        except BaseException:
+            if self.fp is not None and self.fp.proc is not None:
+                self.fp.proc.kill()
+            raise
+
+    def _serve(self, watch) -> None:
+        comm = self.ch.comm
+        self._start()
+        backoff = Backoff()
+        while True:
+            busy = False
+            msg = comm.improbe(source=0, tag=TAG_TASK)
+            if msg is not None:
+                busy = True
+                header, ms = msg.recv()
+                arrays = wire.mpi_recv_arrays(comm, 0, TAG_TASK_DATA, ms) if ms else []
+                kind = header[0]
+                if kind == "stop":
+                    self.fp.stop()
+                    self._to_coordinator(("stopped",))
+                    return
+                if kind == "run":
+                    self.outbox.append((header, arrays, ("run", header[1])))
+                elif kind == "setup":
+                    _, what, ident, payload = header
+                    self.setups.append((what, ident, payload, arrays))
+                    self.unanswered.add(ident)
+                    self.outbox.append((("setup", what, ident, payload, True), arrays,
+                                        ("setup", ident)))
+                self._pump()
+            conn = self.fp.conn
+            try:
+                ready = conn.poll(0)
+            except OSError:
+                ready = True
+            if ready:
+                busy = True
+                try:
+                    header, arrays = wire.pipe_recv(conn)
+                except (EOFError, OSError):
+                    self._lost()
+                    continue
+                self._from_process(header, arrays)
+            elif self.fp.exit_code() is not None:
+                self._lost()
+                continue
+            if busy:
+                backoff.reset()
+            else:
+                backoff()
+                if watch is not None and backoff.delay >= 1e-3:
+                    watch()
+
+    def _from_process(self, header, arrays) -> None:
+        kind = header[0]
+        if kind == "var":
+            _, server, op, args = header
+            try:
+                payload, out = self.ch.request(server, op, args, arrays)
+                reply = ("var_reply", "ok", payload)
+            except Exception as e:  # noqa: BLE001 - the function gets the error
+                reply, out = ("var_reply", "error", (type(e).__name__, str(e))), []
+                if isinstance(e, ServerLostError):
+                    self._to_coordinator(("server_lost", self.ch.server_ranks[server],
+                                          str(e)))
+            try:
+                wire.pipe_send(self.fp.conn, reply, out)
+            except OSError:
+                pass
+            return
+        if kind in ("done", "error"):
+            self.inflight = None
+            self._to_coordinator(header, arrays)
+        elif kind == "setup_done":
+            self.inflight = None
+            _, ident, notify, err = header
+            self.unanswered.discard(ident)
+            if notify:
+                self._to_coordinator(("setup_done", ident, err))
+        self._pump()

@@ -1,0 +1,428 @@
+"""ParameterServerStrategy and ClusterCoordinator under mpiexec: -n 4 (coordinator, one
+server, two workers) and -n 5 (two servers, partitioned variables). Every launch has a
+timeout (tests/mpi_util.py)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # tests/ for mpi_util
+from mpi_util import assert_mpi_ok, format_result, run_mpi  # noqa: E402
+
+pytestmark = pytest.mark.mpi
+
+# A linear model y = x @ W + b trained asynchronously: every scheduled step takes the
+# next batch of its worker's iterator, computes the gradient inside strategy.run on
+# that worker's replica and applies it with SGD on the servers.
+TRAIN = r"""
+import sys, numpy as np
+import gpustrat as gs
+
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps={num_ps})
+partitioner = {partitioner}
+strategy = gs.distribute.experimental.ParameterServerStrategy(
+    resolver, variable_partitioner=partitioner)
+# From here on only the coordinator runs.
+assert resolver.task_type == "chief", resolver
+print("ROLES", resolver.num_ps, resolver.num_workers, flush=True)
+
+rng = np.random.default_rng(0)
+TRUE_W = rng.normal(size=(8, 1)).astype(np.float32)
+with strategy.scope():
+    w = gs.Variable(np.zeros((8, 1), np.float32), name="w")
+    b = gs.Variable(0.0, name="b")
+    opt = gs.optimizers.SGD({lr}, momentum={momentum})
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
+
+def dataset_fn():
+    r = np.random.default_rng(1)
+    x = r.normal(size=(512, 8)).astype(np.float32)
+    y = x @ TRUE_W + 0.5
+    return gs.data.Dataset.from_tensor_slices((x, y)).repeat().batch(32)
+
+per_worker = coord.create_per_worker_dataset(dataset_fn)
+it = iter(per_worker)
+
+def step(iterator):
+    x, y = next(iterator)
+    def replica(x, y):
+        err = x @ w.numpy() + b.numpy() - y
+        opt.apply_gradients([(x.T @ err / len(x), w), (np.float32(err.mean()), b)])
+        return float((err ** 2).mean())
+    return float(strategy.reduce("MEAN", strategy.run(replica, args=(x, y)), axis=None))
+
+losses = [coord.schedule(step, args=(it,)) for _ in range({steps})]
+coord.join()
+values = [r.fetch() for r in losses]
+assert len(values) == {steps} and all(isinstance(v, float) for v in values), values
+assert coord.done()
+final_w, final_b = w.numpy(), float(b.numpy())
+print("FIRST", values[0], flush=True)
+print("LAST", values[-1], flush=True)
+print("ITER", int(opt.iterations.numpy()), flush=True)
+print("REPLICAS", strategy.num_replicas_in_sync, flush=True)
+print("ERR", float(np.abs(final_w - TRUE_W).max()), abs(final_b - 0.5), flush=True)
+{extra}
+print("OK", flush=True)
+"""
+
+API_CHECKS = r"""
+# Reads and updates on the server, from the coordinator.
+with strategy.scope():
+    v = gs.Variable(np.arange(6, dtype=np.float64).reshape(2, 3), name="v")
+    n = gs.Variable(np.int64(0), name="n")
+assert v.device.startswith("/job:ps/"), v.device
+v.assign(np.ones((2, 3)))
+v.assign_add(np.full((2, 3), 2.0))
+v.assign_sub(np.full((2, 3), 0.5))
+assert np.array_equal(v.read_value(), np.full((2, 3), 2.5)), v.read_value()
+assert (v + 1.0).tolist() == [[3.5] * 3] * 2
+try:
+    v.assign(np.ones((3, 2)))
+    raise SystemExit("a wrong shape was accepted")
+except ValueError as e:
+    assert "(2, 3)" in str(e), e
+
+# A handle to a variable the server does not hold: a clear error, not a hang, for a
+# read and for an update.
+from gpustrat.distribute.parameter_server.variables import RemoteVariable
+ghost = RemoteVariable._handle(999, 0, (2,), np.float32, "ghost", True,
+                               v.synchronization, v.aggregation)
+for attempt in (ghost.numpy, lambda: ghost.assign_add(np.ones(2, np.float32))):
+    try:
+        attempt()
+        raise SystemExit("a missing variable was read or updated")
+    except KeyError as e:
+        assert "no variable #999" in str(e) and "parameter server 0" in str(e), e
+v.assign_add(np.ones((2, 3)))  # the server still answers
+assert np.array_equal(v.numpy(), np.full((2, 3), 3.5)), v.numpy()
+
+# Every scheduled function runs (at least once) and its result is fetched; functions
+# see remote variables and return arrays.
+def count(i):
+    n.assign_add(np.int64(1))
+    return np.full(3, i)
+rvs = [coord.schedule(count, args=(i,)) for i in range(20)]
+got = coord.fetch(rvs)
+assert [g.tolist() for g in got] == [[i] * 3 for i in range(20)], got
+coord.join()
+assert int(n.numpy()) == 20, n.numpy()
+# A finished RemoteValue passed to a function arrives as its result.
+assert coord.schedule(lambda a: int(a.sum()), args=(rvs[4],)).fetch() == 12
+
+# An exception inside a function is raised by join() and fetch(), naming the worker.
+def fails(k):
+    raise KeyError(f"bad key {k}")
+r = coord.schedule(fails, args=(7,))
+try:
+    coord.join()
+    raise SystemExit("join did not raise")
+except KeyError as e:
+    assert "bad key 7" in str(e) and re.search(r"on worker [01]", str(e)), e
+try:
+    r.fetch()
+    raise SystemExit("fetch did not raise")
+except KeyError as e:
+    assert "bad key 7" in str(e), e
+assert coord.done()
+
+# Bad input is a clear error at schedule / create_per_worker_dataset time.
+import threading
+lock = threading.Lock()
+try:
+    coord.schedule(lambda: lock)
+    raise SystemExit("an unpicklable function was accepted")
+except TypeError as e:
+    assert "lambda" in str(e) and "lock" in str(e), e
+try:
+    coord.create_per_worker_dataset(lambda: [1, 2, 3])
+    raise SystemExit("a non-dataset was accepted")
+except TypeError as e:
+    assert "worker 0" in str(e) and "worker 1" in str(e) and "list" in str(e), e
+
+# One input pipeline per worker, no auto-sharding: each worker's InputContext.
+def ctx_dataset(ctx):
+    return gs.data.Dataset.from_tensors(
+        np.array([ctx.input_pipeline_id, ctx.num_input_pipelines])).repeat()
+ds = coord.create_per_worker_dataset(strategy.distribute_datasets_from_function(ctx_dataset))
+ctx_it = iter(ds)
+# Scheduled together, the functions go to both (idle) workers.
+rvs = [coord.schedule(lambda i: next(i), args=(ctx_it,)) for _ in range(8)]
+seen = {tuple(v.tolist()) for v in coord.fetch(rvs)}
+assert seen == {(0, 2), (1, 2)}, seen
+ds2 = coord.create_per_worker_dataset(
+    strategy.experimental_distribute_dataset(gs.data.Dataset.range(6).batch(3)))
+whole = coord.fetch([coord.schedule(lambda i: next(i).tolist(), args=(iter(ds2),))])
+assert whole == [[0, 1, 2]], whole
+
+# Adam and AdamW steps applied on the server give what they give on a local variable.
+with strategy.scope():
+    wa = gs.Variable(np.ones(3, np.float32), name="wa")
+    ww = gs.Variable(np.ones(3, np.float32), name="ww")
+    adam, adamw = gs.optimizers.Adam(0.1), gs.optimizers.AdamW(0.1, weight_decay=0.1)
+la, lw = gs.Variable(np.ones(3, np.float32)), gs.Variable(np.ones(3, np.float32))
+ref_adam, ref_adamw = gs.optimizers.Adam(0.1), gs.optimizers.AdamW(0.1, weight_decay=0.1)
+for i in range(4):
+    g = np.array([1, -2, 3], np.float32) * (i + 1)
+    adam.apply_gradients([(g, wa)]); ref_adam.apply_gradients([(g, la)])
+    adamw.apply_gradients([(g, ww)]); ref_adamw.apply_gradients([(g, lw)])
+assert np.allclose(wa.numpy(), la.numpy(), rtol=1e-6), (wa.numpy(), la.numpy())
+assert np.allclose(ww.numpy(), lw.numpy(), rtol=1e-6), (ww.numpy(), lw.numpy())
+assert not np.allclose(wa.numpy(), 1.0) and int(adam.iterations.numpy()) == 4
+print("API OK", flush=True)
+"""
+
+
+def _values(out: str, key: str) -> list:
+    line = next(l for l in out.splitlines() if l.startswith(key))
+    return [float(x) for x in re.findall(r"[-+0-9.e]+", line[len(key):])]
+
+
+def test_async_training_converges_and_coordinator_api():
+    script = "import re\n" + TRAIN.format(num_ps=1, partitioner=None, lr=0.1, momentum=0.0,
+                                          steps=60, extra=API_CHECKS)
+    out = assert_mpi_ok(4, script, timeout=90)
+    assert "ROLES 1 2" in out
+    first, last = _values(out, "FIRST")[0], _values(out, "LAST")[0]
+    assert last < 0.01 * first, out
+    assert _values(out, "ITER")[0] == 60
+    err_w, err_b = _values(out, "ERR")
+    assert err_w < 0.05 and err_b < 0.05, out
+    assert "API OK" in out and out.rstrip().endswith("OK")
+
+
+# Two servers: variables sharded along axis 0 by the partitioner, trained with momentum;
+# a variable that fits on no server is refused by name. A dataset given whole is
+# rebatched over the worker's two replicas (global batch 4: 2 rows each).
+SHARDED_EXTRA = r"""
+rebatched = coord.create_per_worker_dataset(
+    strategy.experimental_distribute_dataset(gs.data.Dataset.range(8).batch(4)))
+def pieces(iterator):
+    return [p.tolist() for p in strategy.experimental_local_results(next(iterator))]
+got = coord.schedule(pieces, args=(iter(rebatched),)).fetch()
+assert got == [[0, 1], [2, 3]], got
+assert isinstance(w, gs.distribute.ShardedVariable), w
+assert [s.shape for s in w.variables] == [(4, 1), (4, 1)], w.variables
+assert sorted(s.server for s in w.variables) == [0, 1], [s.server for s in w.variables]
+big = np.arange(2 * 3 * 2 ** 16, dtype=np.float32).reshape(2, 3 * 2 ** 16)
+with strategy.scope():
+    sharded = gs.Variable(big, name="big")
+assert np.array_equal(sharded.numpy(), big)
+sharded.assign_add(np.ones_like(big))
+assert np.array_equal(sharded.read_value(), big + 1)
+try:
+    with strategy.scope():
+        gs.Variable(np.zeros((1, 2 ** 19), np.float32), name="huge")
+    raise SystemExit("a variable larger than server_memory_limit was accepted")
+except MemoryError as e:
+    assert "'huge'" in str(e) and "variable_partitioner" in str(e), e
+"""
+
+
+def test_two_servers_partitioned_variables():
+    script = TRAIN.format(
+        num_ps=2, steps=60, lr=0.1, momentum=0.5, extra=SHARDED_EXTRA,
+        partitioner="gs.distribute.experimental.partitioners.MinSizePartitioner("
+                    "min_shard_bytes=16, max_shards=2)")
+    # Two replicas per worker: their gradients are summed into one step per call.
+    script = script.replace("variable_partitioner=partitioner)",
+                            "variable_partitioner=partitioner, server_memory_limit=2**20,"
+                            " worker_devices=['cpu:0', 'cpu:1'])")
+    out = assert_mpi_ok(5, script, timeout=90)
+    assert "ROLES 2 2" in out and "REPLICAS 2" in out
+    assert _values(out, "ITER")[0] == 60  # one step per scheduled call, not per replica
+    assert _values(out, "LAST")[0] < 0.01 * _values(out, "FIRST")[0], out
+    err_w, err_b = _values(out, "ERR")
+    assert err_w < 0.05 and err_b < 0.05, out
+
+
+# Function processes killed mid-training: by themselves (os._exit), and from outside
+# (SIGKILL while running). Every function still runs and its result is fetched; the
+# replacement process has the worker's iterator again.
+KILL = r"""
+import os, signal, time, numpy as np
+import gpustrat as gs
+
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+with strategy.scope():
+    n = gs.Variable(np.int64(0), name="n")
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy, max_retries=2)
+it = iter(coord.create_per_worker_dataset(lambda: gs.data.Dataset.range(10 ** 6)))
+
+def step(i, iterator):
+    if i == 5 and not os.path.exists("exited"):
+        open("exited", "w").close()
+        os._exit(3)
+    if i == 9 and not os.path.exists("pid"):
+        with open("pid.tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.rename("pid.tmp", "pid")
+        time.sleep(60)
+    n.assign_add(np.int64(1))
+    return i, int(next(iterator))
+
+rvs = [coord.schedule(step, args=(i, it)) for i in range(30)]
+while not os.path.exists("pid"):
+    time.sleep(0.01)
+os.kill(int(open("pid").read()), signal.SIGKILL)
+coord.join()
+got = [r.fetch() for r in rvs]
+assert [g[0] for g in got] == list(range(30)), got
+assert all(isinstance(g[1], int) for g in got), got
+assert int(n.numpy()) == 30, n.numpy()
+
+# A function that ends its process every time fails after max_retries reruns; join
+# still returns (raising that failure) and the workers go on.
+def always_exits():
+    os._exit(5)
+r = coord.schedule(always_exits)
+try:
+    coord.join()
+    raise SystemExit("join did not raise")
+except RuntimeError as e:
+    assert "lost its worker's process 3 times" in str(e), e
+assert coord.schedule(step, args=(100, it)).fetch()[0] == 100
+
+# Should the dispatcher thread itself fail, join raises instead of waiting forever,
+# and the job still ends cleanly.
+def broken(*args):
+    raise ZeroDivisionError("internal")
+coord._handle = broken
+coord.schedule(step, args=(101, it))
+try:
+    coord.join()
+    raise SystemExit("join did not raise")
+except RuntimeError as e:
+    assert "dispatcher thread failed" in str(e) and "ZeroDivisionError" in str(e), e
+print("OK", flush=True)
+"""
+
+
+def test_function_process_killed_is_survived():
+    rc, out, err = run_mpi(4, KILL, timeout=60)
+    assert rc == 0 and "OK" in out, format_result(rc, out, err)
+    lost = re.findall(r"worker (\d) \(rank (\d)\) lost its function process \(exit code "
+                      r"(-?\d+)\)", err)
+    assert sorted(code for _, _, code in lost) == ["-9", "3", "5", "5", "5"], err
+    assert all(int(rank) == int(w) + 2 for w, rank, _ in lost), err
+    assert err.count("rescheduling function 'step'") == 2, err
+    assert err.count("rescheduling function 'always_exits'") == 2, err
+
+
+# A server killed: the launcher ends the job (no rank is left waiting). A server that
+# stops answering: the coordinator raises ServerLostError naming it and every rank
+# ends.
+SERVER_LOST = r"""
+import os, signal, numpy as np
+import gpustrat as gs
+
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+with open(f"rank{resolver.rank}", "w") as f:
+    f.write(str(os.getpid()))
+strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+with strategy.scope():
+    v = gs.Variable(np.zeros(4, np.float32), name="v")
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
+def step():
+    v.assign_add(np.ones(4, np.float32))
+for _ in range(10):
+    coord.schedule(step)
+coord.join()
+print("TRAINED", v.numpy().tolist(), flush=True)
+os.kill(int(open("rank1").read()), signal.SIG)
+for _ in range(10):
+    coord.schedule(step)
+coord.join()
+print("NOT REACHED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+def test_lost_server_ends_the_job(sig):
+    rc, out, err = run_mpi(4, SERVER_LOST.replace("SIG)", sig + ")"), timeout=40,
+                           env={"GPUSTRAT_TIMEOUT": "3"})
+    assert rc not in (0, -9), format_result(rc, out, err)  # -9: run_mpi's timeout
+    assert "TRAINED [10.0, 10.0, 10.0, 10.0]" in out and "NOT REACHED" not in out
+    if sig == "SIGKILL":
+        assert "signal 9" in out + err, format_result(rc, out, err)
+    else:
+        assert "ServerLostError" in err and "parameter server 0 (rank 1)" in err, err
+        assert "restore the variables from a checkpoint" in err, err
+
+
+def test_coordinator_failing_before_the_strategy_releases_every_rank():
+    script = r"""
+import gpustrat as gs
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+if resolver.rank == 0:
+    raise ValueError("no data")
+gs.distribute.experimental.ParameterServerStrategy(resolver)
+"""
+    rc, out, err = run_mpi(4, script, timeout=40)
+    assert rc not in (0, -9), format_result(rc, out, err)
+    assert "ValueError: no data" in err
+    assert err.count("the coordinator (rank 0) ended before making its "
+                     "ParameterServerStrategy") == 3, err
+
+
+def test_the_documented_example_trains():
+    source = (HERE.parents[1] / "examples" / "parameter_server_training.py").read_text()
+    out = assert_mpi_ok(4, source, timeout=90)
+    assert "w [2.0, -3.0, 0.5, 1.0] b 0.25" in out, out
+    assert len(re.findall(r"^epoch \d: loss", out, re.M)) == 3, out
+
+
+def test_coordinator_leaving_with_os_exit_ends_the_job():
+    script = r"""
+import os, numpy as np
+import gpustrat as gs
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+with strategy.scope():
+    v = gs.Variable(np.zeros(2), name="v")
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
+coord.schedule(lambda: v.assign_add(np.ones(2))).fetch()
+print("LEAVING", flush=True)
+os._exit(0)
+"""
+    rc, out, err = run_mpi(4, script, timeout=40)
+    assert "LEAVING" in out and rc not in (0, -9), format_result(rc, out, err)
+
+
+# The coordinator's script ends, or raises, while functions are still running or
+# queued: every rank exits (status 0, or the exception's 1), none is left waiting.
+IN_FLIGHT = r"""
+import sys, time, numpy as np
+import gpustrat as gs
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+with strategy.scope():
+    v = gs.Variable(np.zeros(2), name="v")
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
+def slow():
+    v.assign_add(np.ones(2))
+    time.sleep(0.3)
+for _ in range(20):
+    coord.schedule(slow)
+time.sleep(0.5)
+print("IN FLIGHT", flush=True)
+if sys.argv[1] == "raise":
+    raise ValueError("coordinator bug")
+"""
+
+
+@pytest.mark.parametrize("how", ["end", "raise"])
+def test_coordinator_ending_with_functions_in_flight_ends_every_rank(how):
+    rc, out, err = run_mpi(4, IN_FLIGHT, timeout=40, args=(how,))
+    assert "IN FLIGHT" in out, format_result(rc, out, err)
+    if how == "end":
+        assert rc == 0, format_result(rc, out, err)
+    else:
+        assert rc not in (0, -9) and "ValueError: coordinator bug" in err, \
+            format_result(rc, out, err)

@@ -1,0 +1,201 @@
+"""Parameter-server pieces that need no MPI job: partitioners (TensorFlow 2.21's
+arithmetic), TF_CONFIG parsing, and how functions and arrays travel."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import gpustrat as gs
+from gpustrat.distribute.parameter_server import partitioners as P
+from gpustrat.distribute.parameter_server import wire
+from gpustrat.distribute.parameter_server.resolver import _parse_tf_config, role_of
+from gpustrat.distribute.parameter_server.variables import shard_rows
+
+# Recorded from TensorFlow 2.21: tf.distribute.experimental.partitioners.* called with
+# (tf.TensorShape(shape), dtype).
+TF_PARTITIONS = json.loads("""
+[{"shape": [10, 3], "dtype": "float32", "fixed3": [3, 1], "min_default": [1, 1], "min_16_4": [4, 1], "max_64": [2, 1], "max_64_3": [2, 1], "max_1000": [1, 1]},
+ {"shape": [7], "dtype": "float64", "fixed3": [3], "min_default": [1], "min_16_4": [4], "max_64": [1], "max_64_3": [1], "max_1000": [1]},
+ {"shape": [1000, 100], "dtype": "float32", "fixed3": [3, 1], "min_default": [1, 1], "min_16_4": [4, 1], "max_64": [1000, 1], "max_64_3": [3, 1], "max_1000": [500, 1]},
+ {"shape": [3, 5], "dtype": "int32", "fixed3": [3, 1], "min_default": [1, 1], "min_16_4": [3, 1], "max_64": [1, 1], "max_64_3": [1, 1], "max_1000": [1, 1]},
+ {"shape": [100, 2], "dtype": "string", "fixed3": [3, 1], "min_default": [1, 1], "min_16_4": [4, 1], "max_64": [50, 1], "max_64_3": [3, 1], "max_1000": [1, 1]},
+ {"shape": [1, 8], "dtype": "float32", "fixed3": [1, 1], "min_default": [1, 1], "min_16_4": [1, 1], "max_64": [1, 1], "max_64_3": [1, 1], "max_1000": [1, 1]}]
+""")
+PARTITIONERS = {
+    "fixed3": P.FixedShardsPartitioner(3),
+    "min_default": P.MinSizePartitioner(),
+    "min_16_4": P.MinSizePartitioner(min_shard_bytes=16, max_shards=4),
+    "max_64": P.MaxSizePartitioner(max_shard_bytes=64),
+    "max_64_3": P.MaxSizePartitioner(max_shard_bytes=64, max_shards=3),
+    "max_1000": P.MaxSizePartitioner(max_shard_bytes=1000, bytes_per_string=4),
+}
+
+
+@pytest.mark.parametrize("case", TF_PARTITIONS, ids=lambda c: f"{c['shape']}-{c['dtype']}")
+def test_partitioners_match_tensorflow(case):
+    dtype = object if case["dtype"] == "string" else case["dtype"]
+    for key, part in PARTITIONERS.items():
+        assert part(tuple(case["shape"]), dtype) == case[key], key
+
+
+def test_partitioners_are_reachable_and_refuse_bad_arguments():
+    assert gs.distribute.experimental.partitioners.MaxSizePartitioner is P.MaxSizePartitioner
+    with pytest.raises(ValueError, match="num_shards"):
+        P.FixedShardsPartitioner(0)
+    with pytest.raises(ValueError, match="max_shard_bytes"):
+        P.MaxSizePartitioner(0)
+    with pytest.raises(ValueError, match="axis 0"):
+        P.FixedShardsPartitioner(2)((), np.float32)
+
+
+def test_shards_split_rows_as_tensorflow():
+    # TensorFlow's ShardedVariable gives the first rows % n shards one row more.
+    assert shard_rows(10, 3) == [4, 3, 3]
+    assert shard_rows(8, 2) == [4, 4]
+    assert shard_rows(5, 4) == [2, 1, 1, 1]
+
+
+def test_roles_of_ranks():
+    assert [role_of(r, 2) for r in range(5)] == [
+        ("chief", 0), ("ps", 0), ("ps", 1), ("worker", 0), ("worker", 1)]
+
+
+def test_tf_config_is_parsed_and_checked():
+    cfg = {"cluster": {"chief": ["h:1"], "ps": ["h:2", "h:3"], "worker": ["h:4"]},
+           "task": {"type": "worker", "index": 0}}
+    assert _parse_tf_config(json.dumps(cfg))["ps"] == ["h:2", "h:3"]
+    with pytest.raises(ValueError, match="no 'worker' tasks"):
+        _parse_tf_config({"cluster": {"ps": ["a"]}})
+    with pytest.raises(ValueError, match="'evaluator2'"):
+        _parse_tf_config({"cluster": {"ps": ["a"], "worker": ["b"], "evaluator2": ["c"]}})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        _parse_tf_config("{cluster")
+    with pytest.raises(ValueError, match="2 'chief' tasks"):
+        _parse_tf_config({"cluster": {"chief": ["a", "b"], "ps": ["a"], "worker": ["b"]}})
+
+
+def test_importing_the_names_starts_no_mpi():
+    code = ("import sys, gpustrat as gs\n"
+            "gs.distribute.cluster_resolver.MpiClusterResolver\n"
+            "gs.distribute.experimental.ParameterServerStrategy\n"
+            "gs.distribute.coordinator.ClusterCoordinator, gs.distribute.coordinator.RemoteValue\n"
+            "gs.distribute.experimental.partitioners.FixedShardsPartitioner\n"
+            "gs.distribute.ShardedVariable\n"
+            "assert gs.distribute.experimental.coordinator.ClusterCoordinator is "
+            "gs.distribute.coordinator.ClusterCoordinator\n"
+            "assert 'mpi4py.MPI' not in sys.modules, 'MPI started at import'\n"
+            "print('fine')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "fine", out.stderr
+
+
+# --- functions and arrays on the wire ----------------------------------------------------
+
+SCALE = 3
+
+
+def module_level(x):
+    return x * SCALE
+
+
+def _roundtrip(obj):
+    blob, arrays = wire.pack(obj)
+    return wire.unpack(blob, [a.copy() for a in arrays]), blob, arrays
+
+
+def test_arrays_travel_outside_the_pickle():
+    big = np.arange(100000, dtype=np.float64)
+    back, blob, arrays = _roundtrip({"a": big, "s": np.float32(2), "z": np.zeros(())})
+    assert len(blob) < 1000 and len(arrays) == 2
+    assert np.array_equal(back["a"], big) and back["z"].shape == ()
+
+
+def test_importable_function_travels_by_reference():
+    back, blob, _ = _roundtrip(module_level)
+    assert back is module_level
+    assert b"co_code" not in blob and len(blob) < 200
+
+
+def test_script_functions_travel_by_value_with_closures_globals_and_recursion():
+    offset = 10
+    np_alias = np
+
+    def fact(n):
+        return 1 if n <= 1 else n * fact(n - 1)
+
+    def local(x, k=2):
+        return np_alias.asarray(x) * k + offset + fact(3) + module_level(1)
+
+    back, _, _ = _roundtrip(local)
+    assert back is not local
+    assert back(np.ones(2)).tolist() == [21.0, 21.0]  # 2 + 10 + 6 + 3
+    lam, _, _ = _roundtrip(lambda y: y + offset)
+    assert lam(1) == 11
+
+
+def test_what_cannot_travel_is_a_type_error_naming_it():
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match=r"cannot send function 'f'.*_thread.lock"):
+        wire.pack(lambda: lock, "function 'f'")
+    import __main__
+
+    def uses_main():
+        return __main__
+
+    with pytest.raises(TypeError, match="__main__"):
+        wire.pack(uses_main)
+
+
+def test_a_gone_coordinator_is_noticed_on_its_machine():
+    import os
+    import socket
+
+    from gpustrat.distribute.parameter_server.resolver import MpiClusterResolver
+    r = object.__new__(MpiClusterResolver)
+    r._coordinator_process = (socket.gethostname(), os.getpid())
+    assert not r.coordinator_gone()
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    r._coordinator_process = (socket.gethostname(), done.pid)
+    assert r.coordinator_gone()
+    r._coordinator_process = ("another-host", done.pid)
+    assert not r.coordinator_gone()  # another machine's process cannot be checked
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from gpustrat.distribute.parameter_server.variables import (  # noqa: E402
+    RemoteVariable, ShardedVariable)
+from gpustrat.distribute.variables import (  # noqa: E402
+    VariableAggregation, VariableSynchronization)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 500), cols=st.integers(1, 6), shards=st.integers(1, 40),
+       max_bytes=st.integers(1, 4096))
+def test_sharding_delivers_every_row_once(rows, cols, shards, max_bytes):
+    for part in (P.FixedShardsPartitioner(shards),
+                 P.MinSizePartitioner(min_shard_bytes=max_bytes, max_shards=shards),
+                 P.MaxSizePartitioner(max_shard_bytes=max_bytes, max_shards=shards)):
+        n = part((rows, cols), np.float32)[0]
+        assert 1 <= n <= min(rows, shards), (part, n)
+        sizes = shard_rows(rows, n)
+        assert sum(sizes) == rows and min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+        handles = [RemoteVariable._handle(i, i % 2, (k, cols), np.float32, f"s{i}", True,
+                                          VariableSynchronization.ON_WRITE,
+                                          VariableAggregation.NONE)
+                   for i, k in enumerate(sizes)]
+        sharded = ShardedVariable._from_shards(handles, "x")
+        value = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols)
+        pieces = sharded._split(value)
+        assert sharded.shape == (rows, cols)
+        assert [p.shape[0] for p in pieces] == sizes
+        assert np.array_equal(np.concatenate(pieces), value)
