@@ -82,6 +82,10 @@ class Optimizer:
         self._slots: dict = {}
         self._slot_list: list = []
         self._plans: dict = {}
+        # The step count on the host and the write count of iterations' first component
+        # it belongs to: a step reads no device value unless iterations was written
+        # from outside (an assign, a restore).
+        self._host_step = (0, self._first_iteration()._writes)
 
     # --- state ----------------------------------------------------------------------
     @property
@@ -118,8 +122,17 @@ class Optimizer:
                            f"{var.name!r}: slots are {list(self.slot_names)}, made on the "
                            "first apply_gradients that trains the variable") from None
 
+    def _first_iteration(self) -> Variable:
+        it = self._iterations
+        return it.values[0] if isinstance(it, DistributedVariable) else it
+
     def _step_count(self) -> int:
-        return int(to_host(self._iterations._array))
+        first = self._first_iteration()
+        count, writes = self._host_step
+        if first._writes != writes:
+            count = int(to_host(first._array))
+            self._host_step = (count, first._writes)
+        return count
 
     def _build(self, variables) -> None:
         for v in variables:
@@ -204,6 +217,7 @@ class Optimizer:
         for c in (self._iterations.values if isinstance(self._iterations, DistributedVariable)
                   else (self._iterations,)):
             c._write("assign_add", one)
+        self._host_step = (step, self._first_iteration()._writes)
 
     def _plan(self, variables: list) -> StepPlan:
         # Training loops pass the same variables every step: the bookkeeping is done once.
