@@ -24,11 +24,9 @@ def to_bits(x):
     xp = array_module(x)
     u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
     rounded = (u + (((u >> 16) & 1) + 0x7FFF)) >> 16
-    nan = x != x
-    bits = rounded.astype(xp.uint16)
-    if nan.any():
-        bits[nan] = 0x7FC0
-    return bits
+    # A NaN gets the quiet-NaN pattern (rounding may carry its bits into infinity's),
+    # chosen element by element on the device: no host read of whether there is one.
+    return xp.where(x != x, xp.uint16(0x7FC0), rounded.astype(xp.uint16))
 
 
 def from_bits(bits):
