@@ -24,7 +24,7 @@ from typing import Iterable
 
 import numpy as np
 
-from gpustrat.devices import to_host
+from gpustrat.devices import on_device_of, to_host
 from gpustrat.distribute import context
 from gpustrat.distribute.distributed_variables import DistributedVariable, strategy_of, zeros
 from gpustrat.collectives.fusion import fused_all_reduce_flat
@@ -240,20 +240,20 @@ class Optimizer:
             return fused_reduce(comm, tensors, ReduceOp.SUM)
         if wire is bfloat16.BFLOAT16:
             return bfloat16.reduce_sum(comm, tensors)
-        packed = [[t.astype(wire) for t in row] for row in tensors]
+        packed = [[_cast(t, wire) for t in row] for row in tensors]
         reduced = fused_reduce(comm, packed, ReduceOp.SUM)
-        return [[r.astype(tensors[j][0].dtype) for r in row] for j, row in enumerate(reduced)]
+        return [[_cast(r, tensors[j][0].dtype) for r in row] for j, row in enumerate(reduced)]
 
     def _flat_gradients(self, plan: StepPlan, tensors: list, reduce: bool) -> list:
         """``[(tensor indices, [flat summed gradients per replica]), ...]`` per bucket:
         one fused reduction, straight from the fusion buffers."""
         if reduce and self.compression is not bfloat16.BFLOAT16:
             wire = self.compression
-            packed = tensors if wire is None else [[t.astype(wire) for t in row]
+            packed = tensors if wire is None else [[_cast(t, wire) for t in row]
                                                    for row in tensors]
             buckets = fused_all_reduce_flat(plan.owner.communicator, packed, ReduceOp.SUM)
             if wire is not None:
-                buckets = [(b, [x.astype(plan.dtypes[0]) for x in bufs])
+                buckets = [(b, [_cast(x, plan.dtypes[0]) for x in bufs])
                            for b, bufs in buckets]
             return buckets
         if reduce:
@@ -290,6 +290,15 @@ class _StepArgs:
     def __init__(self, grads: list, variables: list):
         self.grads = grads
         self.variables = variables
+
+
+def _cast(x, dtype):
+    """``x.astype(dtype)`` on ``x``'s device (the merge runs with any device current;
+    on a GPU replica the cast then runs on that device's current, replica, stream)."""
+    if type(x) is np.ndarray:
+        return x.astype(dtype)
+    with on_device_of(x):
+        return x.astype(dtype)
 
 
 def _check_positive(what: str, value) -> None:

@@ -467,7 +467,9 @@ def _make_ndarray(fake: FakeCupy):
 
     for name, fn in (("add", np.add), ("sub", np.subtract), ("mul", np.multiply),
                      ("truediv", np.true_divide), ("floordiv", np.floor_divide),
-                     ("pow", np.power), ("mod", np.mod)):
+                     ("pow", np.power), ("mod", np.mod), ("and", np.bitwise_and),
+                     ("or", np.bitwise_or), ("lshift", np.left_shift),
+                     ("rshift", np.right_shift)):
         setattr(ndarray, f"__{name}__", binary(fn))
         setattr(ndarray, f"__r{name}__", binary(fn, reflected=True))
         setattr(ndarray, f"__i{name}__", binary(fn, inplace=True))

@@ -197,8 +197,13 @@ def _adam_reference(w, g, slots, lr, t, b1=0.9, b2=0.999, eps=1e-7):
 
 
 OPTIMIZERS = {
-    "sgd_momentum": (lambda: gs.optimizers.SGD(0.05, momentum=0.9), _sgd_reference, "momentum"),
-    "adam": (lambda: gs.optimizers.Adam(0.05), _adam_reference, "m"),
+    "sgd_momentum": (lambda: gs.optimizers.SGD(0.05, momentum=0.9), _sgd_reference, 2e-5),
+    "adam": (lambda: gs.optimizers.Adam(0.05), _adam_reference, 2e-5),
+    # Gradients on the wire as bfloat16 (8 bits of mantissa): close to float32 training.
+    "sgd_bfloat16": (lambda: gs.optimizers.SGD(0.05, momentum=0.9, compression="bfloat16"),
+                     _sgd_reference, 2e-2),
+    "adam_float16": (lambda: gs.optimizers.Adam(0.05, compression="float16"),
+                     _adam_reference, 2e-2),
 }
 
 
@@ -256,7 +261,7 @@ def _train_reference(x, y, rows, reference, lr):
 
 
 def _train_checked(algo, seed, nccl=True, replicas=2, steps=6):
-    make, reference, slot = OPTIMIZERS[algo]
+    make, reference, rtol = OPTIMIZERS[algo]
     rows = 4 * replicas
     x, y = _linear_data(seed, steps, rows)
     with testing.sanitize(seed=seed, nccl=nccl) as san:
@@ -280,10 +285,11 @@ def _train_checked(algo, seed, nccl=True, replicas=2, steps=6):
     assert not san.reports, san.reports
     want = _train_reference(x, y, rows, reference, 0.05)
     for i in range(replicas):
-        np.testing.assert_allclose(got["w"][i], want[0], rtol=2e-5, atol=1e-6)
-        np.testing.assert_allclose(got["b"][i], want[1], rtol=2e-5, atol=1e-6)
+        np.testing.assert_allclose(got["w"][i], want[0], rtol=rtol, atol=rtol / 20)
+        np.testing.assert_allclose(got["b"][i], want[1], rtol=rtol, atol=rtol / 20)
+        np.testing.assert_array_equal(got["w"][i], got["w"][0])   # replicas agree exactly
         assert got["iterations"][i] == steps
-    np.testing.assert_allclose(got["loss"], want[2], rtol=1e-5)
+    np.testing.assert_allclose(got["loss"], want[2], rtol=rtol / 2)
     return counts
 
 
@@ -307,3 +313,24 @@ def test_a_steady_training_step_with_an_optimizer_and_a_metric_waits_for_no_devi
     for c in counts[2:]:                           # the steady state: from the third step
         assert _step_thread_syncs(c) == [], _step_thread_syncs(c)
         assert c["nccl_calls"] == 2, c["nccl_calls"]    # one fused bucket per replica
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_gradients_of_another_dtype_are_cast_on_their_replicas_device(seed):
+    with testing.sanitize(seed=seed) as san:
+        cp = devices.cupy()
+        s = _strategy()
+        try:
+            with s.scope():
+                w = gs.Variable(np.ones(4, np.float32))
+                opt = gs.optimizers.SGD(0.5)
+
+            def step():
+                r = gs.get_replica_context().replica_id_in_sync_group
+                opt.apply_gradients([(cp.full((4,), r + 1.0, dtype=np.float64), w)])
+            with cp.cuda.Device(1):            # the caller's device is not replica 0's
+                s.run(step)
+            assert [h.tolist() for h in _host(_local(s, w))] == [[-0.5] * 4] * 2
+        finally:
+            s.close()
+    assert not san.reports, san.reports
