@@ -310,7 +310,8 @@ def test_training_on_the_host_staged_path_and_three_gpus(algo):
 def test_a_steady_training_step_with_an_optimizer_and_a_metric_waits_for_no_device(
         algo, seed):
     counts = _train_checked(algo, seed)
-    for c in counts[2:]:                           # the steady state: from the third step
+    assert len(counts) == 6
+    for c in counts:                 # the steady state, and the first steps too
         assert _step_thread_syncs(c) == [], _step_thread_syncs(c)
         assert c["nccl_calls"] == 2, c["nccl_calls"]    # one fused bucket per replica
 
@@ -331,6 +332,48 @@ def test_gradients_of_another_dtype_are_cast_on_their_replicas_device(seed):
             with cp.cuda.Device(1):            # the caller's device is not replica 0's
                 s.run(step)
             assert [h.tolist() for h in _host(_local(s, w))] == [[-0.5] * 4] * 2
+        finally:
+            s.close()
+    assert not san.reports, san.reports
+
+
+# --- loss helpers and scalar reductions ---------------------------------------------------
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_average_loss_counts_the_global_batch_without_a_host_wait(seed):
+    with testing.sanitize(seed=seed) as san:
+        cp = devices.cupy()
+        s = _strategy()
+        try:
+            def step(rows):
+                r = gs.get_replica_context().replica_id_in_sync_group
+                loss = cp.full((rows[r],), r + 1.0, dtype=np.float32)
+                return gs.nn.compute_average_loss(loss)
+            s.run(step, args=((3, 1),))
+            with san.measure() as c:
+                out = s.run(step, args=((3, 1),))        # 3 + 1 examples: / 4
+                empty = s.run(step, args=((0, 0),))      # an empty global batch: 0
+            assert c["host_syncs"] == 0, c["sync_sites"]
+            got = [devices.to_host(v).item() for v in s.experimental_local_results(out)]
+            assert got == [0.75, 0.5]
+            assert [a.device.id for a in s.experimental_local_results(out)] == [0, 1]
+            assert [devices.to_host(v).item()
+                    for v in s.experimental_local_results(empty)] == [0.0, 0.0]
+        finally:
+            s.close()
+    assert not san.reports, san.reports
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_python_number_reduced_on_gpus_is_read_on_each_replicas_device(seed):
+    # A Python number in gives a Python number out: each replica's result is read back
+    # from its own device, after the reduction that wrote it.
+    with testing.sanitize(seed=seed) as san:
+        s = _strategy()
+        try:
+            out = s.run(lambda: gs.get_replica_context().all_reduce(
+                "sum", 1.5 + gs.get_replica_context().replica_id_in_sync_group))
+            assert s.experimental_local_results(out) == (4.0, 4.0)
         finally:
             s.close()
     assert not san.reports, san.reports
