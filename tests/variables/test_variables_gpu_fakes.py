@@ -168,8 +168,15 @@ def test_metrics_accumulate_on_each_device_and_sum_over_replicas(seed):
             for metric in (mean, total, acc):
                 for v in metric.variables:
                     assert [a.device.id for a in _local(s, v)] == [0, 1]
-            got = [devices.to_host(m.result()) for m in (mean, total, acc)]
+            with san.measure() as c:
+                results = [m.result() for m in (mean, total, acc)]   # fused reductions
+            assert c["host_syncs"] == 0, c["sync_sites"]             # read below, on the host
+            assert all(isinstance(r, cp.ndarray) and r.shape == () for r in results)
+            got = [devices.to_host(r) for r in results]
             replica1 = devices.to_host(s.experimental_local_results(own)[1])
+            for m in (mean, total, acc):
+                m.reset_state()
+            assert [devices.to_host(m.result()) for m in (mean, total, acc)] == [0, 0, 0]
         finally:
             s.close()
     assert not san.reports
@@ -260,11 +267,11 @@ def _train_reference(x, y, rows, reference, lr):
     return w, b, np.concatenate(losses).mean()
 
 
-def _train_checked(algo, seed, nccl=True, replicas=2, steps=6):
+def _train_checked(algo, seed, nccl=True, replicas=2, steps=6, run_probability=0.5):
     make, reference, rtol = OPTIMIZERS[algo]
     rows = 4 * replicas
     x, y = _linear_data(seed, steps, rows)
-    with testing.sanitize(seed=seed, nccl=nccl) as san:
+    with testing.sanitize(seed=seed, nccl=nccl, run_probability=run_probability) as san:
         cp = devices.cupy()
         s = _strategy(replicas)
         try:
@@ -303,6 +310,19 @@ def test_training_steps_update_in_place_on_each_device_and_match_numpy(algo, see
 def test_training_on_the_host_staged_path_and_three_gpus(algo):
     _train_checked(algo, 0, nccl=False)
     _train_checked(algo, 1, replicas=3, steps=4)
+
+
+@pytest.mark.parametrize("run_probability", [0.0, 1.0])
+@pytest.mark.parametrize("algo", sorted(OPTIMIZERS))
+def test_training_with_one_bucket_per_variable_and_extreme_schedules(
+        algo, run_probability, monkeypatch):
+    # 4-byte buckets: w (12 bytes) and b (4) are reduced in buckets of their own, and
+    # the flat update runs once per bucket on its slice of each replica's buffers. The
+    # scheduler runs queued work never (until forced) or at every chance.
+    monkeypatch.setenv("GPUSTRAT_FUSION_BUCKET_BYTES", "4")
+    counts = _train_checked(algo, 3, run_probability=run_probability)
+    if algo != "sgd_bfloat16":         # (bfloat16 plans its own, 2-byte, buckets)
+        assert all(c["nccl_calls"] == 2 * 2 for c in counts), counts
 
 
 @pytest.mark.parametrize("seed", SEEDS)
