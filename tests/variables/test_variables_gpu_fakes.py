@@ -203,6 +203,22 @@ def _adam_reference(w, g, slots, lr, t, b1=0.9, b2=0.999, eps=1e-7):
     w -= lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t) * m / (np.sqrt(v) + eps)
 
 
+def _amsgrad_reference(w, g, slots, lr, t, b1=0.9, b2=0.999, eps=1e-7):
+    m = slots.setdefault("m", np.zeros_like(w))
+    v = slots.setdefault("v", np.zeros_like(w))
+    vhat = slots.setdefault("vhat", np.zeros_like(w))
+    m += (g - m) * (1 - b1)
+    v += (g * g - v) * (1 - b2)
+    np.maximum(vhat, v, out=vhat)
+    w -= lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t) * m / (np.sqrt(vhat) + eps)
+
+
+def _adamw_reference(w, g, slots, lr, t, wd=0.1):
+    if w.ndim:                          # the bias ("b", a scalar) is excluded
+        w -= w * (wd * lr)
+    _adam_reference(w, g, slots, lr, t)
+
+
 OPTIMIZERS = {
     "sgd_momentum": (lambda: gs.optimizers.SGD(0.05, momentum=0.9), _sgd_reference, 2e-5),
     "adam": (lambda: gs.optimizers.Adam(0.05), _adam_reference, 2e-5),
@@ -211,6 +227,13 @@ OPTIMIZERS = {
                      _sgd_reference, 2e-2),
     "adam_float16": (lambda: gs.optimizers.Adam(0.05, compression="float16"),
                      _adam_reference, 2e-2),
+    "adam_amsgrad": (lambda: gs.optimizers.Adam(0.05, amsgrad=True), _amsgrad_reference,
+                     2e-5),
+    # A variable excluded from the decay: each variable is updated on its own (no flat
+    # buffers), from the fused reduction's per-variable views.
+    "adamw_excluding_b": (lambda: gs.optimizers.AdamW(0.05, weight_decay=0.1,
+                                                      exclude_from_weight_decay=["b"]),
+                          _adamw_reference, 2e-5),
 }
 
 
