@@ -82,10 +82,7 @@ class Optimizer:
         self._slots: dict = {}
         self._slot_list: list = []
         self._plans: dict = {}
-        # The step count on the host and the write count of iterations' first component
-        # it belongs to: a step reads no device value unless iterations was written
-        # from outside (an assign, a restore).
-        self._host_step = (0, self._first_iteration()._writes)
+        self._remember_step(0)
 
     # --- state ----------------------------------------------------------------------
     @property
@@ -126,12 +123,21 @@ class Optimizer:
         it = self._iterations
         return it.values[0] if isinstance(it, DistributedVariable) else it
 
-    def _step_count(self) -> int:
+    def _remember_step(self, count: int) -> None:
+        # The step count on the host, with the write count of iterations' first
+        # component it belongs to: a step reads no device value unless iterations was
+        # written from outside (an assign, a restore). A variable held elsewhere (no
+        # local array whose writes are counted) is read each time.
         first = self._first_iteration()
+        self._host_step = (count, first._writes if "_array" in first.__dict__ else None)
+
+    def _step_count(self) -> int:
         count, writes = self._host_step
-        if first._writes != writes:
-            count = int(to_host(first._array))
-            self._host_step = (count, first._writes)
+        first = self._first_iteration()
+        if writes is None or first._writes != writes:
+            local = "_array" in first.__dict__
+            count = int(to_host(first._array if local else first.read_value()))
+            self._remember_step(count)
         return count
 
     def _build(self, variables) -> None:
@@ -217,7 +223,7 @@ class Optimizer:
         for c in (self._iterations.values if isinstance(self._iterations, DistributedVariable)
                   else (self._iterations,)):
             c._write("assign_add", one)
-        self._host_step = (step, self._first_iteration()._writes)
+        self._remember_step(step)
 
     def _plan(self, variables: list) -> StepPlan:
         # Training loops pass the same variables every step: the bookkeeping is done once.
