@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpustrat.devices import array_module, to_host
+from gpustrat.devices import array_module
 from gpustrat.distribute import context
 from gpustrat.distribute.distributed_variables import DistributedVariable, zeros
 from gpustrat.distribute.variables import (Variable, VariableAggregation,
@@ -154,11 +154,12 @@ class Mean(Metric):
         self._add(*_weighted(values, sample_weight, self.dtype))
 
     def _compute(self, total, count):
+        # total / count, and 0 where count is 0, computed on the state's device: no host
+        # read of the count (a GPU result stays on the GPU until the caller reads it).
         xp = array_module(total)
         total, count = xp.asarray(total, self.dtype), xp.asarray(count, self.dtype)
-        if float(to_host(count)) == 0.0:
-            return xp.zeros((), self.dtype)
-        return xp.asarray(total / count, self.dtype)
+        empty = (count == 0).astype(self.dtype)
+        return xp.asarray(total / (count + empty) * (1 - empty), self.dtype)
 
 
 class Accuracy(Mean):

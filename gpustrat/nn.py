@@ -68,14 +68,16 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
         loss = loss * weight
     total = loss.sum(dtype=loss.dtype)
     if global_batch_size is None:
-        rows = float(loss.shape[0])
+        # The count is reduced as an array, so on GPUs it stays on the device: the step
+        # does not wait for the reduction. Every piece empty: nothing to average, 0.
+        rows = np.asarray(loss.shape[0], np.float64)
         count = ctx.all_reduce("sum", rows) if ctx is not None else rows
-    else:
-        count = float(global_batch_size)
-        if not count > 0:
-            raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
-    if count == 0:  # every replica's piece is empty: nothing to average
-        return xp.zeros((), loss.dtype)
+        count = xp.asarray(count).astype(loss.dtype)
+        empty = (count == 0).astype(loss.dtype)
+        return xp.asarray(total / (count + empty) * (1 - empty), dtype=loss.dtype)
+    count = float(global_batch_size)
+    if not count > 0:
+        raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
     return xp.asarray(total / loss.dtype.type(count), dtype=loss.dtype)
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from gpustrat import nest
 from gpustrat.collectives.base import Communicator
 from gpustrat.collectives.fusion import fused_all_reduce
-from gpustrat.devices import Device, is_array, to_device
+from gpustrat.devices import Device, is_array, to_device, to_host
 from gpustrat.reduce_util import ReduceOp
 
 
@@ -32,8 +32,10 @@ def as_array(x: Any, device: Device):
 
 def _restore_scalar(template: Any, value: Any) -> Any:
     # A Python number in gives a Python number out, as a user printing it expects.
+    # Read on the value's own device (to_host makes it current), so that the copy is
+    # ordered after the reduction that wrote it there.
     if isinstance(template, (bool, int, float, complex)) and not is_array(template):
-        return value.item() if hasattr(value, "item") else value
+        return to_host(value).item() if hasattr(value, "item") else value
     return value
 
 

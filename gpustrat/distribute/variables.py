@@ -157,6 +157,10 @@ class Variable:
         return Variable._plain(initial_array(initial_value, dtype), bool(trainable), name,
                                sync, agg)
 
+    #: How many times :meth:`_write` changed this variable (lets an owner that keeps a
+    #: host copy of a value, such as an optimizer's step count, see outside writes).
+    _writes = 0
+
     def __init__(self, *args, **kwargs):
         # All construction happens in __new__ (which may return a subclass).
         pass
@@ -251,6 +255,7 @@ class Variable:
     def _write(self, op: str, value) -> None:
         """Apply ``op`` in place with an already checked ``value``."""
         a = self._array
+        self._writes += 1
         with self._device.activate():
             if self._device.is_gpu or is_gpu_array(value):
                 value = to_device(value, self._device)

@@ -24,7 +24,7 @@ from typing import Iterable
 
 import numpy as np
 
-from gpustrat.devices import to_host
+from gpustrat.devices import on_device_of, to_host
 from gpustrat.distribute import context
 from gpustrat.distribute.distributed_variables import DistributedVariable, strategy_of, zeros
 from gpustrat.collectives.fusion import fused_all_reduce_flat
@@ -82,6 +82,7 @@ class Optimizer:
         self._slots: dict = {}
         self._slot_list: list = []
         self._plans: dict = {}
+        self._remember_step(0)
 
     # --- state ----------------------------------------------------------------------
     @property
@@ -118,8 +119,26 @@ class Optimizer:
                            f"{var.name!r}: slots are {list(self.slot_names)}, made on the "
                            "first apply_gradients that trains the variable") from None
 
+    def _first_iteration(self) -> Variable:
+        it = self._iterations
+        return it.values[0] if isinstance(it, DistributedVariable) else it
+
+    def _remember_step(self, count: int) -> None:
+        # The step count on the host, with the write count of iterations' first
+        # component it belongs to: a step reads no device value unless iterations was
+        # written from outside (an assign, a restore). A variable held elsewhere (no
+        # local array whose writes are counted) is read each time.
+        first = self._first_iteration()
+        self._host_step = (count, first._writes if "_array" in first.__dict__ else None)
+
     def _step_count(self) -> int:
-        return int(to_host(self._iterations._array))
+        count, writes = self._host_step
+        first = self._first_iteration()
+        if writes is None or first._writes != writes:
+            local = "_array" in first.__dict__
+            count = int(to_host(first._array if local else first.read_value()))
+            self._remember_step(count)
+        return count
 
     def _build(self, variables) -> None:
         for v in variables:
@@ -207,6 +226,7 @@ class Optimizer:
         for c in (self._iterations.values if isinstance(self._iterations, DistributedVariable)
                   else (self._iterations,)):
             c._write("assign_add", one)
+        self._remember_step(step)
 
     def _plan(self, variables: list) -> StepPlan:
         # Training loops pass the same variables every step: the bookkeeping is done once.
@@ -229,20 +249,20 @@ class Optimizer:
             return fused_reduce(comm, tensors, ReduceOp.SUM)
         if wire is bfloat16.BFLOAT16:
             return bfloat16.reduce_sum(comm, tensors)
-        packed = [[t.astype(wire) for t in row] for row in tensors]
+        packed = [[_cast(t, wire) for t in row] for row in tensors]
         reduced = fused_reduce(comm, packed, ReduceOp.SUM)
-        return [[r.astype(tensors[j][0].dtype) for r in row] for j, row in enumerate(reduced)]
+        return [[_cast(r, tensors[j][0].dtype) for r in row] for j, row in enumerate(reduced)]
 
     def _flat_gradients(self, plan: StepPlan, tensors: list, reduce: bool) -> list:
         """``[(tensor indices, [flat summed gradients per replica]), ...]`` per bucket:
         one fused reduction, straight from the fusion buffers."""
         if reduce and self.compression is not bfloat16.BFLOAT16:
             wire = self.compression
-            packed = tensors if wire is None else [[t.astype(wire) for t in row]
+            packed = tensors if wire is None else [[_cast(t, wire) for t in row]
                                                    for row in tensors]
             buckets = fused_all_reduce_flat(plan.owner.communicator, packed, ReduceOp.SUM)
             if wire is not None:
-                buckets = [(b, [x.astype(plan.dtypes[0]) for x in bufs])
+                buckets = [(b, [_cast(x, plan.dtypes[0]) for x in bufs])
                            for b, bufs in buckets]
             return buckets
         if reduce:
@@ -279,6 +299,15 @@ class _StepArgs:
     def __init__(self, grads: list, variables: list):
         self.grads = grads
         self.variables = variables
+
+
+def _cast(x, dtype):
+    """``x.astype(dtype)`` on ``x``'s device (the merge runs with any device current;
+    on a GPU replica the cast then runs on that device's current, replica, stream)."""
+    if type(x) is np.ndarray:
+        return x.astype(dtype)
+    with on_device_of(x):
+        return x.astype(dtype)
 
 
 def _check_positive(what: str, value) -> None:

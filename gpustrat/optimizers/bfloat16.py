@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpustrat.collectives.fusion import bucket_bytes_from_env, plan_buckets
-from gpustrat.devices import array_module
+from gpustrat.devices import array_module, on_device_of
 
 #: The marker ``compression_dtype("bfloat16")`` returns.
 BFLOAT16 = np.dtype([("bfloat16", np.uint16)])
@@ -24,11 +24,9 @@ def to_bits(x):
     xp = array_module(x)
     u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
     rounded = (u + (((u >> 16) & 1) + 0x7FFF)) >> 16
-    nan = x != x
-    bits = rounded.astype(xp.uint16)
-    if nan.any():
-        bits[nan] = 0x7FC0
-    return bits
+    # A NaN gets the quiet-NaN pattern (rounding may carry its bits into infinity's),
+    # chosen element by element on the device: no host read of whether there is one.
+    return xp.where(x != x, xp.uint16(0x7FC0), rounded.astype(xp.uint16))
 
 
 def from_bits(bits):
@@ -46,18 +44,27 @@ def reduce_sum(comm, tensors: list) -> list:
     out: list = [None] * len(tensors)
     for bucket in plan:
         packed = []
+        # Each replica's encoding and decoding runs on its own device (and, under run,
+        # on its replica stream, the current stream there).
         for i in range(comm.num_local):
-            xp = array_module(tensors[bucket[0]][i])
-            flat = xp.concatenate([tensors[j][i].reshape(-1).astype(xp.float32)
-                                   for j in bucket])
-            packed.append(to_bits(flat))
+            t = tensors[bucket[0]][i]
+            xp = array_module(t)
+            with on_device_of(t):
+                flat = xp.concatenate([tensors[j][i].reshape(-1).astype(xp.float32)
+                                       for j in bucket])
+                packed.append(to_bits(flat))
         total = sum(sizes[j] for j in bucket)
         gathered = comm.all_gather(packed, axis=0)
-        sums = [from_bits(g).reshape(-1, total).sum(axis=0, dtype=np.float32)
-                for g in gathered]
+        sums = []
+        for g in gathered:
+            with on_device_of(g):
+                sums.append(from_bits(g).reshape(-1, total).sum(axis=0, dtype=np.float32))
         start = 0
         for j in bucket:
             shape, dtype = first[j].shape, first[j].dtype
-            out[j] = [s[start:start + sizes[j]].reshape(shape).astype(dtype) for s in sums]
+            out[j] = []
+            for s in sums:
+                with on_device_of(s):
+                    out[j].append(s[start:start + sizes[j]].reshape(shape).astype(dtype))
             start += sizes[j]
     return out

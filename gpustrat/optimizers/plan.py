@@ -22,6 +22,7 @@ import operator
 
 import numpy as np
 
+from gpustrat.devices import on_device_of
 from gpustrat.distribute.collective_ops import as_array
 from gpustrat.distribute.distributed_variables import DistributedVariable, strategy_of
 from gpustrat.values import DistributedValues, PerReplica
@@ -118,7 +119,8 @@ class StepPlan:
                     if a.dtype.kind not in "fc":
                         raise TypeError(f"the gradient of variable {self.names[j]!r} has "
                                         f"dtype {a.dtype}: gradients must be floating point")
-                    row[i] = a.astype(dtype)
+                    with on_device_of(a):        # cast on the gradient's device
+                        row[i] = a.astype(dtype)
             out.append(row)
         return out
 

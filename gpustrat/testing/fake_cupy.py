@@ -215,6 +215,18 @@ class FakeCupy:
         return _compute(self, "concatenate", lambda *xs: np.concatenate(xs, axis=axis),
                         list(arrays))
 
+    def broadcast_to(self, a, shape):
+        return a._view_of(np.broadcast_to, tuple(shape))
+
+    def sqrt(self, a):
+        return _compute(self, "sqrt", np.sqrt, [a])
+
+    def maximum(self, a, b, out=None):
+        return _compute(self, "maximum", np.maximum, [a, b], out=out)
+
+    def where(self, cond, a, b):
+        return _compute(self, "where", np.where, [cond, a, b])
+
     def empty_pinned(self, shape, dtype=float):
         dtype = np.dtype(dtype)
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -264,6 +276,14 @@ def _compute(fake, what, fn, operands, out=None):
             out_np()[...] = fn(*[r() for r in raws])
     fake._issue(what, run, reads=arrays, writes=[out])
     return out
+
+
+def _element_as_view(a: np.ndarray, key):
+    """``a[key]``, where an element is a 0-d view as CuPy's (NumPy's is a scalar)."""
+    v = a[key]
+    if not isinstance(v, np.ndarray):
+        v = a[(key if isinstance(key, tuple) else (key,)) + (Ellipsis,)]
+    return v
 
 
 def _make_ndarray(fake: FakeCupy):
@@ -336,7 +356,7 @@ def _make_ndarray(fake: FakeCupy):
         def __getitem__(self, key):
             if isinstance(key, ndarray):      # a gather: one device op
                 return _compute(fake, "take", lambda a, i: a[i], [self, key])
-            return self._view_of(lambda a: a[key])
+            return self._view_of(_element_as_view, key)
 
         def reshape(self, *shape):
             shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
@@ -362,7 +382,8 @@ def _make_ndarray(fake: FakeCupy):
         def astype(self, dtype, copy=True):
             if not copy and np.dtype(dtype) == self.dtype:
                 return self
-            return _compute(fake, "astype", lambda a: np.ascontiguousarray(a, dtype=dtype),
+            # (np.ascontiguousarray would make a 0-d array 1-d.)
+            return _compute(fake, "astype", lambda a: np.array(a, dtype=dtype, order="C"),
                             [self])
 
         def get(self, stream=None, out=None, blocking=True):
@@ -432,6 +453,9 @@ def _make_ndarray(fake: FakeCupy):
         def min(self, axis=None, keepdims=False):
             return self._reduce("min", axis, None, keepdims)
 
+        def argmax(self, axis=None):
+            return _compute(fake, "argmax", lambda a: np.argmax(a, axis=axis), [self])
+
     def binary(fn, reflected=False, inplace=False):
         def method(self, other):
             ops = [other, self] if reflected else [self, other]
@@ -443,7 +467,9 @@ def _make_ndarray(fake: FakeCupy):
 
     for name, fn in (("add", np.add), ("sub", np.subtract), ("mul", np.multiply),
                      ("truediv", np.true_divide), ("floordiv", np.floor_divide),
-                     ("pow", np.power), ("mod", np.mod)):
+                     ("pow", np.power), ("mod", np.mod), ("and", np.bitwise_and),
+                     ("or", np.bitwise_or), ("lshift", np.left_shift),
+                     ("rshift", np.right_shift)):
         setattr(ndarray, f"__{name}__", binary(fn))
         setattr(ndarray, f"__r{name}__", binary(fn, reflected=True))
         setattr(ndarray, f"__i{name}__", binary(fn, inplace=True))

@@ -212,6 +212,49 @@ def _(cp, nccl, cuda):
     return x / 4
 
 
+@entry("cupy.broadcast_to", "cupy.int64")
+def _(cp, nccl, cuda):
+    # metrics.py: sample weights broadcast to the values; labels compared as int64.
+    w = fake_array(cp, (4,)).reshape(4, 1)
+    assert cp.broadcast_to(w, (4, 8)).shape == (4, 8)
+    return fake_array(cp, (4,), np.int32).astype(cp.int64)
+
+
+@entry("cupy.maximum")
+def _(cp, nccl, cuda):
+    # optimizers/adam.py: AMSGrad's running maximum, in place.
+    vhat, v = fake_array(cp, (8,)), fake_array(cp, (8,), ptr=0x20000)
+    return cp.maximum(vhat, v, out=vhat)
+
+
+@entry("cupy.sqrt")
+def _(cp, nccl, cuda):
+    return cp.sqrt(fake_array(cp, (8,)))         # optimizers/adam.py: sqrt(v)
+
+
+@entry("cupy.float32", "cupy.uint32")
+def _(cp, nccl, cuda):
+    # optimizers/bfloat16.py: float32 values reinterpreted as uint32 bit patterns and
+    # back (views: no device work).
+    x = fake_array(cp, (8,))
+    u = cp.ascontiguousarray(x, dtype=cp.float32).view(cp.uint32)
+    assert u.dtype == np.uint32 and u.data.ptr == x.data.ptr
+    f = u.view(cp.float32)
+    assert f.dtype == np.float32 and f.data.ptr == x.data.ptr
+
+
+@entry("cupy.uint16")
+def _(cp, nccl, cuda):
+    return fake_array(cp, (8,), np.uint32).astype(cp.uint16)   # the rounded bit patterns
+
+
+@entry("cupy.where")
+def _(cp, nccl, cuda):
+    # optimizers/bfloat16.py: a NaN's pattern chosen element-wise (x != x is the mask).
+    nan = fake_array(cp, (8,), np.bool_)
+    return cp.where(nan, cp.uint16(0x7FC0), fake_array(cp, (8,), np.uint16, ptr=0x20000))
+
+
 # --- NCCL -----------------------------------------------------------------------------------
 
 @entry("cupy.cuda.nccl.available", "cupy.cuda.nccl.get_version",

@@ -213,3 +213,41 @@ def test_replicas_training_different_variables_is_an_error():
         assert np.all(np.asarray(a) == 0) and np.all(np.asarray(b) == 0)
     finally:
         strategy.close()
+
+
+def test_a_step_after_iterations_is_assigned_counts_from_the_assigned_value(two):
+    # The step count is kept on the host between steps; an assign to iterations (a
+    # restore, a user reset) must still decide the next step's schedule and Adam's bias
+    # correction.
+    seen = []
+    with two.scope():
+        v = gs.Variable(np.zeros(2, np.float32))
+        opt = gs.optimizers.Adam(lambda step: seen.append(step) or 0.1)
+    grad = np.ones(2, np.float32)
+    two.run(lambda: opt.apply_gradients([(grad, v)]))
+    opt.iterations.assign(100)
+    two.run(lambda: opt.apply_gradients([(grad, v)]))
+    two.run(lambda: opt.apply_gradients([(grad, v)]))
+    assert seen == [0, 100, 101] and int(opt.iterations) == 102
+    opt.iterations.assign(0)
+    assert opt.learning_rate == 0.1 and seen[-1] == 0
+
+
+def test_a_step_count_held_elsewhere_is_read_each_time():
+    # An iterations variable without a local array (one held by another process, as
+    # on parameter servers) is counted where it lives: the host copy is not trusted.
+    class Elsewhere(gs.Variable):
+        count = 0
+
+        def read_value(self):
+            return np.asarray(self.count, np.int64)
+
+    seen = []
+    opt = gs.optimizers.SGD(lambda step: seen.append(step) or 0.1)
+    held = object.__new__(Elsewhere)
+    opt._iterations = held
+    opt._remember_step(0)
+    for n in (3, 7):
+        Elsewhere.count = n
+        assert opt.learning_rate == 0.1
+    assert seen == [3, 7]
