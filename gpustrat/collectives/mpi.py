@@ -312,6 +312,10 @@ class _Channel:
         ``dtype`` and ``hint`` are only used to explain a disagreement.
         """
         self.calls += 1
+        pending = self.pending
+        if pending is not None:  # the public call's own name, e.g. reduce(SUM, axis=0)
+            kind = pending[0]
+            shape = pending[2]
         sendb = self._sendb
         _PACK(sendb, 0, kind_code(kind), layout, _site_code() if self.debug else 0, count)
         if payload is not None:
@@ -340,8 +344,7 @@ class _Channel:
         pending, self.pending = self.pending, None
         what = kind
         if pending is not None:
-            what = pending[0]() if callable(pending[0]) else pending[0]
-            hint, shape = pending[1], pending[2]
+            hint = pending[1]
         public, site = _caller()
         mine = (kind, what, None if shape is None else _shown(shape),
                 None if dtype is None else str(dtype), public, site)
@@ -757,7 +760,7 @@ class MpiCommunicator(HostCommunicator):
     def agree_layout(self, shape, dtype, what, hint=""):
         # Rides with the next collective: its header carries the layout, and this only
         # says how to explain a disagreement (no communication here).
-        self._ch.pending = (what, hint, layout(shape, dtype)[0])
+        self._ch.pending = (what() if callable(what) else what, hint, layout(shape, dtype)[0])
 
     def reduce(self, buffers, op):
         if type(op) is not ReduceOp:

@@ -55,7 +55,7 @@ def reduce_components(comm: Communicator, op: ReduceOp, comps: Sequence[Any],
                 "reduce over the batch dimension as well")
         # Between workers too: a reduction of mismatched buffers would combine unrelated
         # bytes (or break the MPI library) instead of failing.
-        comm.agree_layout(first.shape, first.dtype, lambda: f"reduce({op.name}, axis=None)",
+        comm.agree_layout(first.shape, first.dtype, f"reduce({op.name}, axis=None)",
                           _HINT_AXIS_NONE)
         return comm.reduce(arrays, op)
     ndim = arrays[0].ndim
@@ -69,8 +69,11 @@ def reduce_components(comm: Communicator, op: ReduceOp, comps: Sequence[Any],
                          f"{_shapes(arrays)}")
     # Sizes along the axis may differ between workers; the other axes and dtype may not.
     shown = tuple("*" if i == ax else n for i, n in enumerate(arrays[0].shape))
-    comm.agree_layout(shown, arrays[0].dtype, lambda: f"reduce({op.name}, axis={axis})",
-                      _HINT_AXIS)
+    comm.agree_layout(shown, arrays[0].dtype, f"reduce({op.name}, axis={axis})", _HINT_AXIS)
+    if op is not ReduceOp.MEAN and all(a.shape[ax] == 1 for a in arrays):
+        # One row each (a batch of one, a leading axis of size 1): that row is its own
+        # SUM, MAX and MIN, so the arrays go to the collective as views, not copies.
+        return comm.reduce([a.reshape(rest[0]) for a in arrays], op)
     if op is ReduceOp.SUM:
         # NumPy widens small integers in sum(); TensorFlow's reduce_sum keeps the dtype.
         dtype = arrays[0].dtype if np.issubdtype(arrays[0].dtype, np.integer) else None
@@ -95,8 +98,11 @@ def _mean_along_axis(comm: Communicator, arrays, ax: int):
     parts = []
     for a in arrays:
         xp = _xp(a)
-        s = a.sum(axis=ax, dtype=dtype).reshape(-1)
-        parts.append(xp.concatenate([s, xp.asarray([a.shape[ax]], dtype=dtype)]))
+        rest = a.shape[:ax] + a.shape[ax + 1:]
+        buf = xp.empty(int(np.prod(rest, dtype=np.int64)) + 1, dtype=dtype)
+        a.sum(axis=ax, dtype=dtype, out=buf[:-1].reshape(rest))  # no copy to append to
+        buf[-1] = a.shape[ax]
+        parts.append(buf)
     total = comm.reduce(parts, ReduceOp.SUM)
     out_shape = arrays[0].shape[:ax] + arrays[0].shape[ax + 1:]
     count = float(to_host(total[-1:])[0])
