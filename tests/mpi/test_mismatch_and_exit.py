@@ -69,10 +69,13 @@ print("OK", r, errors, flush=True)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("n,local", [(2, 1), (2, 2), (3, 1), (4, 1)])
-def test_different_collectives_raise_collective_mismatch_on_every_rank(n, local):
+@pytest.mark.parametrize("n,local,debug", [(2, 1, "0"), (2, 2, "0"), (3, 1, "0"),
+                                           (4, 1, "0"), (2, 1, "1"), (3, 2, "1")])
+def test_different_collectives_raise_collective_mismatch_on_every_rank(n, local, debug):
+    # Debug mode once paired a reduce's layout check with another rank's debug check
+    # (ValueError: too many values to unpack): it must give the same error.
     assert_mpi_ok(n, MIXED, timeout=110, args=[local], expect_lines=n,
-                  env={"GPUSTRAT_TIMEOUT": "30"})
+                  env={"GPUSTRAT_TIMEOUT": "30", "GPUSTRAT_DEBUG_COLLECTIVES": debug})
 
 
 # A rank that leaves the epoch early and starts the next one: its end-of-data agreement
