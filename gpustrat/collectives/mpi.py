@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from gpustrat.collectives.base import WorkerGroup, layout, layout_code
+from gpustrat.collectives.base import WorkerGroup, layout_code
 from gpustrat.collectives.host import HostCommunicator, divide
 from gpustrat.devices import Device, to_host
 from gpustrat.errors import CollectiveMismatch, CollectiveTimeout, LayoutMismatch
@@ -280,7 +280,7 @@ class _Channel:
     """One MPI communicator with deadline waits and the header agreement."""
 
     __slots__ = ("comm", "rank", "size", "timeout", "debug", "calls", "exits", "pending",
-                 "_send", "_recv", "_sendb", "_offsets", "_req")
+                 "_send", "_recv", "_sendb", "_offsets", "_req", "_views")
 
     def __init__(self, comm, exits: "_ExitWatch | None" = None):
         self.comm = comm
@@ -298,6 +298,7 @@ class _Channel:
         rec = 8 * _SLOTS
         self._offsets = range(rec, rec * self.size, rec)
         self._req = None
+        self._views: dict = {}
 
     def wait(self, request, what) -> None:
         wait(request, what, self.rank, self.timeout, self.exits)
@@ -373,11 +374,28 @@ class _Channel:
                              f"dtype, but the workers hold {parts}"
                              + (f". {hint}" if hint else ""))
 
-    def payloads(self, dtype, shape) -> np.ndarray:
-        """Every rank's inline payload, as a ``(size,) + shape`` view of the headers."""
-        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-        rows = self._recv.view(np.uint8)[:, 32:32 + nbytes]
-        return rows.view(dtype).reshape((self.size,) + tuple(shape))
+    def payloads(self, dtype, shape, nbytes: int) -> np.ndarray:
+        """Every rank's inline payload, as a ``(size,) + shape`` view of the headers
+        (remembered: the headers' buffer lives as long as the channel)."""
+        key = (dtype, shape)
+        view = self._views.get(key)
+        if view is None:
+            rows = self._recv.view(np.uint8)[:, 32:32 + nbytes]
+            view = rows.view(dtype).reshape((self.size,) + tuple(shape))
+            if len(self._views) < 256:
+                self._views[key] = view
+        return view
+
+    def rank_payloads(self, dtype, shape, nbytes: int) -> tuple:
+        """:meth:`payloads` as one view per rank (remembered)."""
+        key = (dtype, shape, "ranks")
+        views = self._views.get(key)
+        if views is None:
+            rows = self.payloads(dtype, shape, nbytes)
+            views = tuple(rows[r:r + 1].reshape(shape) for r in range(self.size))
+            if len(self._views) < 256:
+                self._views[key] = views
+        return views
 
     def allgather_raw(self, obj: Any, what) -> list:
         """Every rank's picklable ``obj``: sizes, then the pickles in one Iallgatherv
@@ -663,7 +681,7 @@ class MpiWorkerGroup(WorkerGroup):
         ch.header(kind, layout_code(buf.shape, buf.dtype), buf.nbytes,
                   buf.tobytes() if small else None, buf.shape, buf.dtype)
         if small:
-            return _NP_OPS[op].reduce(ch.payloads(buf.dtype, buf.shape), axis=0)
+            return _NP_OPS[op].reduce(ch.payloads(buf.dtype, buf.shape, buf.nbytes), axis=0)
         MPI = mpi()
         ch.wait(ch.comm.Iallreduce(MPI.IN_PLACE, [buf, MPI.INT64_T], getattr(MPI, _OPS[op])),
                 lambda: _describe(kind, buf.shape, buf.dtype))
@@ -760,7 +778,7 @@ class MpiCommunicator(HostCommunicator):
     def agree_layout(self, shape, dtype, what, hint=""):
         # Rides with the next collective: its header carries the layout, and this only
         # says how to explain a disagreement (no communication here).
-        self._ch.pending = (what() if callable(what) else what, hint, layout(shape, dtype)[0])
+        self._ch.pending = (what() if callable(what) else what, hint, shape)
 
     def reduce(self, buffers, op):
         if type(op) is not ReduceOp:
@@ -788,14 +806,20 @@ class MpiCommunicator(HostCommunicator):
         ch.header(kind, layout_code(x.shape, x.dtype), nbytes, x.tobytes() if small else None,
                   x.shape, x.dtype)
         if small:
-            rows = ch.payloads(x.dtype, x.shape)
-            if x.dtype.kind == "b":
-                out = _BOOL_NP_OPS[op].reduce(rows, axis=0)
-            elif hit[2] is not None:  # float16: summed in float32, rounded once
-                out = _NP_OPS[op].reduce(rows, axis=0, dtype=hit[2]).astype(x.dtype)
+            if hit[2] is None and x.dtype.kind != "b":
+                # Rank by rank, in rank order, so every rank computes the same bits.
+                views = ch.rank_payloads(x.dtype, x.shape, nbytes)
+                ufunc = _NP_OPS[op]
+                out = ufunc(views[0], views[1])
+                for v in views[2:]:
+                    out = ufunc(out, v)
             else:
-                out = _NP_OPS[op].reduce(rows, axis=0, dtype=x.dtype)
-            if type(out) is not np.ndarray:  # a 0-d reduction gives a NumPy scalar
+                rows = ch.payloads(x.dtype, x.shape, nbytes)
+                if x.dtype.kind == "b":
+                    out = _BOOL_NP_OPS[op].reduce(rows, axis=0)
+                else:  # float16: summed in float32, rounded once
+                    out = _NP_OPS[op].reduce(rows, axis=0, dtype=hit[2]).astype(x.dtype)
+            if type(out) is not np.ndarray:  # 0-d operands give a NumPy scalar
                 out = np.asarray(out)
         else:
             mtype, mop, up = hit
@@ -877,7 +901,7 @@ class MpiCommunicator(HostCommunicator):
                   buf.tobytes() if small and self.worker_index == root_worker else None,
                   x.shape, x.dtype)
         if small:
-            return ch.payloads(x.dtype, x.shape)[root_worker].copy()
+            return ch.payloads(x.dtype, x.shape, buf.nbytes)[root_worker].copy()
         ch.wait(ch.comm.Ibcast([buf, MPI.BYTE], root=root_worker),
                 lambda: _describe(kind, x.shape, x.dtype))
         return buf

@@ -42,21 +42,30 @@ def _identity(op: ReduceOp, dtype) -> Any:
     return small if op is ReduceOp.MAX else big
 
 
+_NAMES_AXIS_NONE = {op: f"reduce({op.name}, axis=None)" for op in ReduceOp}
+
+
+def _arrays(comps: Sequence[Any], devices) -> list:
+    if len(comps) == 1 and type(comps[0]) is np.ndarray and not devices[0].is_gpu:
+        return [comps[0]]  # the common case, one host array: nothing to convert
+    return [as_array(c, d) for c, d in zip(comps, devices)]
+
+
 def reduce_components(comm: Communicator, op: ReduceOp, comps: Sequence[Any],
                       axis: int | None) -> Any:
     """Reduce one leaf given as one component per local replica."""
-    arrays = [as_array(c, d) for c, d in zip(comps, comm.devices)]
+    arrays = _arrays(comps, comm.devices)
     if axis is None:
         first = arrays[0]
-        if any(a.shape != first.shape for a in arrays[1:]):
+        if len(arrays) > 1 and any(a.shape != first.shape for a in arrays[1:]):
             raise ValueError(
                 f"cannot reduce per-replica values of different shapes with axis=None "
                 f"({_shapes(arrays)}); partial batches give such shapes: pass axis=0 to "
                 "reduce over the batch dimension as well")
         # Between workers too: a reduction of mismatched buffers would combine unrelated
-        # bytes (or break the MPI library) instead of failing.
-        comm.agree_layout(first.shape, first.dtype, f"reduce({op.name}, axis=None)",
-                          _HINT_AXIS_NONE)
+        # bytes (or break the MPI library) instead of failing. Over MPI this check
+        # rides in the header of the reduce itself.
+        comm.agree_layout(first.shape, first.dtype, _NAMES_AXIS_NONE[op], _HINT_AXIS_NONE)
         return comm.reduce(arrays, op)
     ndim = arrays[0].ndim
     if ndim == 0:
@@ -114,7 +123,7 @@ def _mean_along_axis(comm: Communicator, arrays, ax: int):
 
 def gather_components(comm: Communicator, comps: Sequence[Any], axis: int) -> Any:
     """Concatenate one leaf's components from every replica in sync along ``axis``."""
-    arrays = [as_array(c, d) for c, d in zip(comps, comm.devices)]
+    arrays = _arrays(comps, comm.devices)
     if arrays[0].ndim == 0:
         raise ValueError("gather needs per-replica values with at least one dimension; "
                          "got scalars")
