@@ -94,10 +94,11 @@ class Communicator(abc.ABC):
 
         Where shapes come from the data (a partial batch gives workers different row
         counts), a reduction over mismatched buffers would combine unrelated bytes or
-        break the MPI library. Costs one small collective between workers; nothing in
-        one process, where the local buffers are compared directly. ``what`` names the
-        operation (a string, or a callable returning it, called only for the error) and
-        ``hint`` says what to do, in the message.
+        break the MPI library. Over MPI the check rides in the header of the next
+        collective (this call only names it, at no cost); over NCCL it is one small
+        collective between workers; in one process it is nothing, the local buffers
+        being compared directly. ``what`` names the operation (a string, or a callable
+        returning it) and ``hint`` says what to do, in the message.
         """
 
     def reduce(self, buffers: Sequence[Any], op: ReduceOp):

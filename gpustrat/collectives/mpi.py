@@ -13,10 +13,15 @@ Words:
   microseconds, as fast as the blocking call), then ``Test`` between yields of the core,
   then sleeps backing off to 1 ms, so a rank waiting minutes for a slow peer does not
   burn a core.
-- *debug mode* (``GPUSTRAT_DEBUG_COLLECTIVES=1``): before each collective, the ranks
-  agree on (operation, shape, dtype, call number) with one small extra all-reduce of a
-  checksum, and on disagreement allgather the descriptions and raise
-  :class:`~gpustrat.errors.CollectiveMismatch` on every rank, naming ranks and calls.
+- *header*: every collective between workers starts with one Allgather of a fixed
+  64-byte record per rank: the kind of collective, a checksum of the layout, a size that
+  may differ between ranks, and (up to 32 bytes) the payload itself. Every rank sees
+  every header, so a disagreement raises :class:`~gpustrat.errors.CollectiveMismatch`
+  (or :class:`~gpustrat.errors.LayoutMismatch`) on every rank, naming each rank's call,
+  before any data moves; a small reduce, gather or broadcast is that one collective.
+- *debug mode* (``GPUSTRAT_DEBUG_COLLECTIVES=1``): the header also carries a checksum of
+  the line of user code that made the call, so the same collective reached from two
+  different lines (a skipped call followed by an alike one) is a mismatch too.
 
 Arrays travel through mpi4py's buffer interface (upper-case calls), never pickled.
 ``from mpi4py import MPI`` initialises MPI, so it happens in :func:`mpi` the first time a
@@ -25,6 +30,7 @@ group is made, never when gpustrat is imported.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import struct
@@ -45,11 +51,11 @@ ENV_TIMEOUT = "GPUSTRAT_TIMEOUT"
 ENV_DEBUG = "GPUSTRAT_DEBUG_COLLECTIVES"
 DEFAULT_TIMEOUT = 300.0
 
-# Polling: _SPIN back-to-back Tests (about 10-30 us), then Test after each yield of the
-# core for _YIELD_S (MPI progresses only inside MPI calls, so a large transfer must keep
-# being tested; the clock is read once per _SPIN tests), then sleeps doubling from 10 us
-# up to 1 ms.
+# Polling: back-to-back Tests for _SPIN_S (the clock read every _SPIN tests), then Test
+# after each yield of the core for _YIELD_S (MPI progresses only inside MPI calls, so a
+# large transfer must keep being tested), then sleeps doubling from 10 us up to 1 ms.
 _SPIN = 100
+_SPIN_S = 300e-6
 _YIELD_S = 0.05
 _MAX_SLEEP_S = 1e-3
 # How long a wait goes on after another rank of the group has exited (see _ExitWatch).
@@ -155,6 +161,17 @@ def wait(request, what: str | Callable[[], str], rank: int, timeout: float,
     for _ in range(_SPIN):
         if test():
             return
+    # Keep spinning up to _SPIN_S: a peer a few tens of microseconds behind (Python
+    # work between its collectives) is met without giving the core away, which on a
+    # loaded node can cost a whole time slice.
+    start = time.monotonic()
+    spin_until = start + _SPIN_S
+    while True:
+        for _ in range(_SPIN):
+            if test():
+                return
+        if time.monotonic() >= spin_until:
+            break
     start = time.monotonic()
     deadline = start + timeout
     yield_until = start + _YIELD_S
@@ -839,6 +856,8 @@ class MpiCommunicator(HostCommunicator):
         return out
 
     def all_gather(self, buffers, axis=0):
+        if len(buffers) == 1 and type(buffers[0]) is np.ndarray:
+            return [self._gather(buffers[0], axis)]
         bufs = [np.asarray(to_host(b)) for b in buffers]
         local = np.concatenate(bufs, axis=axis) if len(bufs) > 1 else bufs[0]
         out = self._gather(local, axis)
@@ -868,20 +887,24 @@ class MpiCommunicator(HostCommunicator):
         small = nbytes <= _INLINE
         hdr = ch.header(kind, layout_code(shown, x.dtype), front.shape[0],
                         front.tobytes() if small else None, x.shape, x.dtype)
-        rows = hdr[:, 3].copy()
-        total = int(rows.sum())
-        row_bytes = front.itemsize * int(np.prod(rest, dtype=np.int64))
-        if int(rows.max()) * row_bytes <= _INLINE:
-            raw = ch._recv.view(np.uint8)
-            out = np.empty((total,) + rest, x.dtype)
-            flat = out.reshape(-1).view(np.uint8)
-            at = 0
-            for r, n in enumerate(rows):
-                nb = int(n) * row_bytes
-                flat[at:at + nb] = raw[r, 32:32 + nb]
-                at += nb
+        rows = hdr[:, 3].tolist()
+        total = sum(rows)
+        row_bytes = front.itemsize * math.prod(rest)
+        if max(rows) * row_bytes <= _INLINE:
+            if min(rows) == max(rows):  # the same rows everywhere: one copy
+                out = ch.payloads(x.dtype, front.shape, nbytes).copy().reshape(
+                    (total,) + rest)
+            else:
+                raw = ch._recv.view(np.uint8)
+                out = np.empty((total,) + rest, x.dtype)
+                flat = out.reshape(-1).view(np.uint8)
+                at = 0
+                for r, n in enumerate(rows):
+                    nb = n * row_bytes
+                    flat[at:at + nb] = raw[r, 32:32 + nb]
+                    at += nb
         else:
-            counts = rows * row_bytes
+            counts = np.array(rows, np.int64) * row_bytes
             displs = np.zeros(ch.size, np.int64)
             np.cumsum(counts[:-1], out=displs[1:])
             out = self._results.get((total,) + rest, x.dtype)

@@ -43,6 +43,7 @@ def _identity(op: ReduceOp, dtype) -> Any:
 
 
 _NAMES_AXIS_NONE = {op: f"reduce({op.name}, axis=None)" for op in ReduceOp}
+_NAMES_AXIS: dict = {}
 
 
 def _arrays(comps: Sequence[Any], devices) -> list:
@@ -78,10 +79,15 @@ def reduce_components(comm: Communicator, op: ReduceOp, comps: Sequence[Any],
                          f"{_shapes(arrays)}")
     # Sizes along the axis may differ between workers; the other axes and dtype may not.
     shown = tuple("*" if i == ax else n for i, n in enumerate(arrays[0].shape))
-    comm.agree_layout(shown, arrays[0].dtype, f"reduce({op.name}, axis={axis})", _HINT_AXIS)
-    if op is not ReduceOp.MEAN and all(a.shape[ax] == 1 for a in arrays):
+    name = _NAMES_AXIS.get((op, axis))
+    if name is None:
+        name = _NAMES_AXIS[(op, axis)] = f"reduce({op.name}, axis={axis})"
+    comm.agree_layout(shown, arrays[0].dtype, name, _HINT_AXIS)
+    if op is not ReduceOp.MEAN and arrays[0].dtype.kind != "b" and \
+            all(a.shape[ax] == 1 for a in arrays):
         # One row each (a batch of one, a leading axis of size 1): that row is its own
-        # SUM, MAX and MIN, so the arrays go to the collective as views, not copies.
+        # SUM, MAX and MIN, so the arrays go to the collective as views, not copies
+        # (booleans excluded: their SUM along an axis counts, in integers).
         return comm.reduce([a.reshape(rest[0]) for a in arrays], op)
     if op is ReduceOp.SUM:
         # NumPy widens small integers in sum(); TensorFlow's reduce_sum keeps the dtype.

@@ -180,3 +180,75 @@ def test_a_rank_that_finalizes_or_vanishes_is_named_within_seconds(n, how):
                "sys.exit or MPI.Finalize)" in err, report
     else:
         assert "rank 1 (process" in err and "os._exit" in err, report
+
+
+# Random layouts around the 32 bytes that ride in the header, through the public calls:
+# every replica's values are known to every rank (seeded by replica id), so each rank
+# checks exact results. Held results must not change when later calls reuse buffers.
+RANDOM = r"""
+import sys
+import numpy as np
+import gpustrat as gs
+L = int(sys.argv[1])
+s = gs.MultiWorkerMirroredStrategy(devices=[f"cpu:{i}" for i in range(L)])
+r, N = s.worker_index, s.num_replicas_in_sync
+rng = np.random.default_rng(1234)  # the same draws on every rank
+DTYPES = [np.float32, np.float64, np.int32, np.int8, np.float16, np.complex64, np.uint16]
+
+def values(shape_of, dtype, seed):
+    out = []
+    for g in range(N):
+        v = np.random.default_rng(seed * 100 + g).integers(0, 9, size=shape_of(g))
+        out.append(v.astype(dtype))
+    return out
+
+held = []
+for case in range(60):
+    dtype = DTYPES[rng.integers(len(DTYPES))]
+    trailing = tuple(int(n) for n in rng.integers(1, 4, size=rng.integers(0, 3)))
+    big = rng.random() < 0.2
+    rows = int(rng.integers(1, 3)) if not big else 4000
+    vals = values(lambda g: (rows,) + trailing, dtype, case)
+    pv = s.experimental_distribute_values_from_function(
+        lambda ctx: vals[ctx.replica_id_in_sync_group])
+    op = ["sum", "max", "min", "mean"][rng.integers(4)]
+    if dtype is np.complex64 and op in ("max", "min"):
+        op = "sum"
+    stack = np.stack(vals)
+    got = s.reduce(op, pv, axis=None)
+    if op == "sum":
+        want = stack.sum(axis=0, dtype=dtype)
+    elif op == "mean":
+        want = stack.mean(axis=0)
+    else:
+        want = getattr(stack, op)(axis=0)
+    np.testing.assert_allclose(np.asarray(got, np.complex128), want, rtol=2e-3,
+                               err_msg=f"{case} {op} {dtype} {stack.shape}")
+    held.append((got, np.array(got, copy=True)))
+    # axis=0 with rows differing between replicas (some empty), and gather.
+    vals = values(lambda g: ((g + case) % 3,) + trailing, dtype, case + 1000)
+    pv = s.experimental_distribute_values_from_function(
+        lambda ctx: vals[ctx.replica_id_in_sync_group])
+    cat = np.concatenate(vals)
+    got = s.gather(pv, axis=0)
+    np.testing.assert_array_equal(got, cat, err_msg=f"gather {case}")
+    held.append((got, cat))
+    if cat.shape[0] and dtype is not np.complex64:
+        got = s.reduce("max", pv, axis=0)
+        np.testing.assert_array_equal(got, cat.max(axis=0), err_msg=f"max0 {case}")
+        got = s.reduce("sum", pv, axis=0)
+        np.testing.assert_allclose(got, cat.sum(axis=0, dtype=dtype), rtol=2e-3)
+    out = s.run(lambda x: gs.get_replica_context().all_gather(x, 0), args=(pv,))
+    for o in s.experimental_local_results(out):
+        np.testing.assert_array_equal(o, cat)
+for got, copy in held:  # buffers reused by later calls never change a held result
+    np.testing.assert_array_equal(got, copy)
+print("OK", r, flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n,local", [(2, 1), (2, 2), (3, 1)])
+def test_random_layouts_give_exact_results_on_every_rank(n, local):
+    assert_mpi_ok(n, RANDOM, timeout=110, args=[local], expect_lines=n,
+                  env={"GPUSTRAT_TIMEOUT": "60"})
