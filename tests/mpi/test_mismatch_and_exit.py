@@ -207,7 +207,7 @@ for case in range(60):
     dtype = DTYPES[rng.integers(len(DTYPES))]
     trailing = tuple(int(n) for n in rng.integers(1, 4, size=rng.integers(0, 3)))
     big = rng.random() < 0.2
-    rows = int(rng.integers(1, 3)) if not big else 4000
+    rows = int(rng.integers(1, 3)) if not big else 40000
     vals = values(lambda g: (rows,) + trailing, dtype, case)
     pv = s.experimental_distribute_values_from_function(
         lambda ctx: vals[ctx.replica_id_in_sync_group])
@@ -225,6 +225,10 @@ for case in range(60):
     np.testing.assert_allclose(np.asarray(got, np.complex128), want, rtol=2e-3,
                                err_msg=f"{case} {op} {dtype} {stack.shape}")
     held.append((got, np.array(got, copy=True)))
+    if big:  # equal rows everywhere, large: the blocking Allgather path
+        got = s.gather(pv, axis=0)
+        np.testing.assert_array_equal(got, np.concatenate(vals), err_msg=f"big {case}")
+        held.append((got, np.concatenate(vals)))
     # axis=0 with rows differing between replicas (some empty), and gather.
     vals = values(lambda g: ((g + case) % 3,) + trailing, dtype, case + 1000)
     pv = s.experimental_distribute_values_from_function(
