@@ -784,6 +784,7 @@ class MpiCommunicator(HostCommunicator):
         # pipeline threads may each be inside a collective at the same moment.
         self._ch = _Channel(workers.dup_comm(), workers.exits)
         self._results = _Results()
+        self._plans: dict = {}
         sizes = workers.allgather(self.num_local)
         if len(set(sizes)) > 1:
             raise ValueError(f"every worker must hold the same number of local replicas, "
@@ -818,27 +819,28 @@ class MpiCommunicator(HostCommunicator):
     def _allreduce(self, x: np.ndarray, op: ReduceOp, owned: bool) -> np.ndarray:
         """All-reduce ``x`` between workers (MEAN sums; the caller divides). ``owned``:
         ``x`` may be overwritten and returned."""
-        hit = _reduce_args_cache.get((x.dtype, op)) or reduce_args(x.dtype, op)
         ch = self._ch
+        shape, dtype = x.shape, x.dtype
+        plan = self._plans.get((shape, dtype, op))
+        if plan is None:
+            plan = self._plan(shape, dtype, op)
+        hit, lcode, nbytes, views = plan
         kind = _REDUCE_KINDS[op]
-        nbytes = x.nbytes
-        small = nbytes <= _INLINE
-        ch.header(kind, layout_code(x.shape, x.dtype), nbytes, x.tobytes() if small else None,
-                  x.shape, x.dtype)
+        small = views is not None
+        ch.header(kind, lcode, nbytes, x.tobytes() if small else None, shape, dtype)
         if small:
-            if hit[2] is None and x.dtype.kind != "b":
+            if views:
                 # Rank by rank, in rank order, so every rank computes the same bits.
-                views = ch.rank_payloads(x.dtype, x.shape, nbytes)
                 ufunc = _NP_OPS[op]
                 out = ufunc(views[0], views[1]) if len(views) > 1 else views[0].copy()
                 for v in views[2:]:
                     out = ufunc(out, v)
             else:
-                rows = ch.payloads(x.dtype, x.shape, nbytes)
-                if x.dtype.kind == "b":
+                rows = ch.payloads(dtype, shape, nbytes)
+                if dtype.kind == "b":
                     out = _BOOL_NP_OPS[op].reduce(rows, axis=0)
                 else:  # float16: summed in float32, rounded once
-                    out = _NP_OPS[op].reduce(rows, axis=0, dtype=hit[2]).astype(x.dtype)
+                    out = _NP_OPS[op].reduce(rows, axis=0, dtype=hit[2]).astype(dtype)
             if type(out) is not np.ndarray:  # 0-d operands give a NumPy scalar
                 out = np.asarray(out)
         else:
@@ -857,6 +859,22 @@ class MpiCommunicator(HostCommunicator):
             if up is not None:
                 out = out.astype(x.dtype)
         return out
+
+    def _plan(self, shape: tuple, dtype, op: ReduceOp) -> tuple:
+        """What a reduce of this layout needs, worked out once: ``(reduce_args, layout
+        checksum, bytes, per-rank payload views)``; the views are None when the payload
+        does not ride in the header, () when it does but is combined as a whole
+        (booleans, float16)."""
+        hit = reduce_args(dtype, op)
+        nbytes = dtype.itemsize * math.prod(shape)
+        views = None
+        if nbytes <= _INLINE:
+            views = () if hit[2] is not None or dtype.kind == "b" else \
+                self._ch.rank_payloads(dtype, shape, nbytes)
+        plan = (hit, layout_code(shape, dtype), nbytes, views)
+        if len(self._plans) < 1024:
+            self._plans[(shape, dtype, op)] = plan
+        return plan
 
     def all_gather(self, buffers, axis=0):
         if len(buffers) == 1 and type(buffers[0]) is np.ndarray:

@@ -49,8 +49,12 @@ def _dtype_name(dtype) -> str:
 
 def leaf_signature(kind: str, op: str, values: Any, skip_axis: int | None = None) -> tuple:
     """What the replicas must agree on for a collective: kind, op, structure, layout."""
-    if type(values) is np.ndarray and skip_axis is None:  # one array: the common case
-        return (kind, op, ((values.shape, _dtype_name(values.dtype)),))
+    if type(values) is np.ndarray:  # one array: the common case
+        shape = values.shape
+        if skip_axis is not None and shape:
+            ax = skip_axis % len(shape)
+            shape = shape[:ax] + shape[ax + 1:]
+        return (kind, op, ((shape, _dtype_name(values.dtype)),))
     sig = []
     for leaf in nest.flatten(values):
         shape = tuple(getattr(leaf, "shape", ()))
