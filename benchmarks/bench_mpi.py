@@ -15,14 +15,15 @@ Measured, interleaved in rounds so that every row sees the same machine load, on
 A collective inside ``run`` is timed as ``(run of a function making K of them - run of
 the same function making none) / K``, so that the thread hand-off of ``run`` itself is
 not counted. ``axis=0`` reduces a ``(1, n)`` value: the payload between workers is the
-same buffer as the bare call's. Internal rows (``MpiCommunicator.reduce``, debug mode)
-are labelled as such. Each figure is the median over rounds of the mean time per call
+same buffer as the bare call's. Internal rows (``MpiCommunicator.reduce``, and the same
+with ``GPUSTRAT_DEBUG_COLLECTIVES=1``) are labelled as such. Each figure is the median over rounds of the mean time per call
 in a round.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -57,6 +58,15 @@ def main(argv=None) -> dict:
     s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
     group = s.workers
     internal = gmpi.MpiCommunicator(resolve_devices(["cpu:0"]), group)
+    old = os.environ.get(gmpi.ENV_DEBUG)
+    os.environ[gmpi.ENV_DEBUG] = "1"
+    try:  # debug mode is read when a communicator is made
+        debug = gmpi.MpiCommunicator(resolve_devices(["cpu:0"]), group)
+    finally:
+        if old is None:
+            del os.environ[gmpi.ENV_DEBUG]
+        else:
+            os.environ[gmpi.ENV_DEBUG] = old
     bare = group.dup_comm()
     barrier = bare.Barrier
     W = group.size
@@ -114,6 +124,8 @@ def main(argv=None) -> dict:
         "one run empty": (in_run(nothing, one, k_small), small_calls // k_small, k_small),
         "one MpiCommunicator.reduce": (lambda: internal.reduce([one], "sum"),
                                        small_calls, 1),
+        "one MpiCommunicator.reduce debug": (lambda: debug.reduce([one], "sum"),
+                                             small_calls // 4, 1),
     }
     # Same answers on every path, and warm caches.
     bare.Allreduce(big, big_out, MPI.SUM)
@@ -156,6 +168,9 @@ def main(argv=None) -> dict:
     b, g = med["one bare Allreduce"], med["one MpiCommunicator.reduce"]
     rows.append(("one float MpiCommunicator.reduce", "internal", "Allreduce", b * 1e6,
                  g * 1e6, f"{(g - b) * 1e6:+.2f} us", None))
+    b, g = med["one bare Allreduce"], med["one MpiCommunicator.reduce debug"]
+    rows.append(("one float, GPUSTRAT_DEBUG_COLLECTIVES=1", "internal", "Allreduce",
+                 b * 1e6, g * 1e6, f"{(g - b) * 1e6:+.2f} us", None))
     res["all_met"] = all(ok for *_, ok in rows if ok is not None)
     if group.rank == 0:
         print(f"public calls vs bare mpi4py, {W} workers x 1 replica, median of {rounds} "
@@ -172,6 +187,7 @@ def main(argv=None) -> dict:
             print(f"{case:38} {kind:8} {base:9} {bv:8.2f} {gv:9.2f} {result:>13}  {verdict}")
         sys.stdout.flush()
     internal.close()
+    debug.close()
     bare.Free()
     s.close()
     return res

@@ -256,3 +256,17 @@ print("OK", r, flush=True)
 def test_random_layouts_give_exact_results_on_every_rank(n, local):
     assert_mpi_ok(n, RANDOM, timeout=110, args=[local], expect_lines=n,
                   env={"GPUSTRAT_TIMEOUT": "60"})
+
+
+@pytest.mark.timeout(120)
+def test_bench_mpi_prints_public_rows_with_verdicts():
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_mpi.py"
+    script = f"import runpy, sys\nsys.argv = ['bench_mpi', '--quick', '--mib', '0.25', " \
+             f"'--rounds', '2']\nrunpy.run_path({str(bench)!r}, run_name='__main__')\n"
+    out = assert_mpi_ok(2, script, timeout=110)
+    for case in ("strategy.reduce axis=None", "strategy.reduce axis=0", "strategy.gather",
+                 "run all_reduce", "run all_gather"):
+        rows = [ln for ln in out.splitlines() if case in ln and " public " in ln]
+        assert len(rows) == 2, out  # the large buffer and one float
+        assert all(("met" in ln) for ln in rows), out
+    assert out.count("(internal, no target)") == 3, out
