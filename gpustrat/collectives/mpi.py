@@ -785,6 +785,7 @@ class MpiCommunicator(HostCommunicator):
         self._ch = _Channel(workers.dup_comm(), workers.exits)
         self._results = _Results()
         self._plans: dict = {}
+        self._gather_plans: dict = {}
         sizes = workers.allgather(self.num_local)
         if len(set(sizes)) > 1:
             raise ValueError(f"every worker must hold the same number of local replicas, "
@@ -821,17 +822,16 @@ class MpiCommunicator(HostCommunicator):
         ``x`` may be overwritten and returned."""
         ch = self._ch
         shape, dtype = x.shape, x.dtype
-        plan = self._plans.get((shape, dtype, op))
+        # Keyed by id(op): hashing an Enum member runs Python code, an id does not.
+        plan = self._plans.get((shape, dtype, id(op)))
         if plan is None:
             plan = self._plan(shape, dtype, op)
-        hit, lcode, nbytes, views = plan
-        kind = _REDUCE_KINDS[op]
+        hit, lcode, nbytes, views, kind, ufunc = plan
         small = views is not None
         ch.header(kind, lcode, nbytes, x.tobytes() if small else None, shape, dtype)
         if small:
             if views:
                 # Rank by rank, in rank order, so every rank computes the same bits.
-                ufunc = _NP_OPS[op]
                 out = ufunc(views[0], views[1]) if len(views) > 1 else views[0].copy()
                 for v in views[2:]:
                     out = ufunc(out, v)
@@ -862,18 +862,19 @@ class MpiCommunicator(HostCommunicator):
 
     def _plan(self, shape: tuple, dtype, op: ReduceOp) -> tuple:
         """What a reduce of this layout needs, worked out once: ``(reduce_args, layout
-        checksum, bytes, per-rank payload views)``; the views are None when the payload
-        does not ride in the header, () when it does but is combined as a whole
-        (booleans, float16)."""
+        checksum, bytes, per-rank payload views, kind, NumPy ufunc)``; the views are None
+        when the payload does not ride in the header, () when it does but is combined
+        as a whole (booleans, float16)."""
         hit = reduce_args(dtype, op)
         nbytes = dtype.itemsize * math.prod(shape)
         views = None
         if nbytes <= _INLINE:
             views = () if hit[2] is not None or dtype.kind == "b" else \
                 self._ch.rank_payloads(dtype, shape, nbytes)
-        plan = (hit, layout_code(shape, dtype), nbytes, views)
+        plan = (hit, layout_code(shape, dtype), nbytes, views, _REDUCE_KINDS[op],
+                _NP_OPS[op])
         if len(self._plans) < 1024:
-            self._plans[(shape, dtype, op)] = plan
+            self._plans[(shape, dtype, id(op))] = plan
         return plan
 
     def all_gather(self, buffers, axis=0):
@@ -887,8 +888,9 @@ class MpiCommunicator(HostCommunicator):
     def _across_workers_gather(self, x, axis):
         return self._gather(x, axis)
 
-    def _gather(self, x: np.ndarray, axis: int) -> np.ndarray:
-        MPI = _MPI
+    def _gather_plan(self, x: np.ndarray, axis: int) -> tuple:
+        """``(axis, kind, layout checksum, other axes, bytes per row)`` for gathering
+        arrays of ``x``'s layout along ``axis``, checked and worked out once."""
         self._check_dtype(x, "all_gather")
         if x.ndim == 0:
             raise ValueError("all_gather concatenates along an axis, but the values are "
@@ -896,21 +898,31 @@ class MpiCommunicator(HostCommunicator):
         if not -x.ndim <= axis < x.ndim:
             raise ValueError(f"all_gather axis {axis} is out of range for shape {x.shape}")
         ax = axis % x.ndim
+        rest = x.shape[:ax] + x.shape[ax + 1:]
+        # Sizes along the gathered axis may differ; the other axes and dtype may not.
+        shown = x.shape[:ax] + ("*",) + x.shape[ax + 1:]
+        plan = (ax, f"all_gather(axis={ax})", layout_code(shown, x.dtype), rest,
+                x.dtype.itemsize * math.prod(rest))
+        if len(self._gather_plans) < 1024:
+            self._gather_plans[(x.shape, x.dtype, axis)] = plan
+        return plan
+
+    def _gather(self, x: np.ndarray, axis: int) -> np.ndarray:
+        MPI = _MPI
+        plan = self._gather_plans.get((x.shape, x.dtype, axis))
+        if plan is None:
+            plan = self._gather_plan(x, axis)
+        ax, kind, lcode, rest, row_bytes = plan
         front = np.moveaxis(x, ax, 0) if ax else x
         if not front.flags.c_contiguous:
             front = np.ascontiguousarray(front)
-        rest = front.shape[1:]
         ch = self._ch
-        kind = f"all_gather(axis={ax})"
-        # Sizes along the gathered axis may differ; the other axes and dtype may not.
-        shown = x.shape[:ax] + ("*",) + x.shape[ax + 1:]
         nbytes = front.nbytes
         small = nbytes <= _INLINE
-        hdr = ch.header(kind, layout_code(shown, x.dtype), front.shape[0],
-                        front.tobytes() if small else None, x.shape, x.dtype)
+        hdr = ch.header(kind, lcode, front.shape[0], front.tobytes() if small else None,
+                        x.shape, x.dtype)
         rows = hdr[:, 3].tolist()
         total = sum(rows)
-        row_bytes = front.itemsize * math.prod(rest)
         if max(rows) * row_bytes <= _INLINE:
             if min(rows) == max(rows):  # the same rows everywhere: one copy
                 out = ch.payloads(x.dtype, front.shape, nbytes).copy().reshape(

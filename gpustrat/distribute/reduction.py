@@ -42,7 +42,8 @@ def _identity(op: ReduceOp, dtype) -> Any:
     return small if op is ReduceOp.MAX else big
 
 
-_NAMES_AXIS_NONE = {op: f"reduce({op.name}, axis=None)" for op in ReduceOp}
+# Keyed by id(op): hashing an Enum member runs Python code, an id does not.
+_NAMES_AXIS_NONE = {id(op): f"reduce({op.name}, axis=None)" for op in ReduceOp}
 _NAMES_AXIS: dict = {}
 
 
@@ -66,8 +67,20 @@ def reduce_components(comm: Communicator, op: ReduceOp, comps: Sequence[Any],
         # Between workers too: a reduction of mismatched buffers would combine unrelated
         # bytes (or break the MPI library) instead of failing. Over MPI this check
         # rides in the header of the reduce itself.
-        comm.agree_layout(first.shape, first.dtype, _NAMES_AXIS_NONE[op], _HINT_AXIS_NONE)
+        comm.agree_layout(first.shape, first.dtype, _NAMES_AXIS_NONE[id(op)], _HINT_AXIS_NONE)
         return comm.reduce(arrays, op)
+    if len(arrays) == 1 and op is not ReduceOp.MEAN:
+        a = arrays[0]
+        if a.ndim and -a.ndim <= axis < a.ndim and a.shape[axis] == 1 and \
+                a.dtype.kind != "b":
+            # One array of one row: see the general case below, written out.
+            ax = axis % a.ndim
+            rest = a.shape[:ax] + a.shape[ax + 1:]
+            name = _NAMES_AXIS.get((id(op), axis))
+            if name is None:
+                name = _NAMES_AXIS[(id(op), axis)] = f"reduce({op.name}, axis={axis})"
+            comm.agree_layout(a.shape[:ax] + ("*",) + rest[ax:], a.dtype, name, _HINT_AXIS)
+            return comm.reduce([a.reshape(rest)], op)
     ndim = arrays[0].ndim
     if ndim == 0:
         raise ValueError(f"cannot reduce along axis {axis}: the per-replica values are "
@@ -79,9 +92,9 @@ def reduce_components(comm: Communicator, op: ReduceOp, comps: Sequence[Any],
                          f"{_shapes(arrays)}")
     # Sizes along the axis may differ between workers; the other axes and dtype may not.
     shown = tuple("*" if i == ax else n for i, n in enumerate(arrays[0].shape))
-    name = _NAMES_AXIS.get((op, axis))
+    name = _NAMES_AXIS.get((id(op), axis))
     if name is None:
-        name = _NAMES_AXIS[(op, axis)] = f"reduce({op.name}, axis={axis})"
+        name = _NAMES_AXIS[(id(op), axis)] = f"reduce({op.name}, axis={axis})"
     comm.agree_layout(shown, arrays[0].dtype, name, _HINT_AXIS)
     if op is not ReduceOp.MEAN and arrays[0].dtype.kind != "b" and \
             all(a.shape[ax] == 1 for a in arrays):
