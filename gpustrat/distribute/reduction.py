@@ -1,4 +1,4 @@
-"""Cross-replica ``reduce`` and ``gather`` of per-replica values (SPEC, Reductions).
+"""Cross-replica ``reduce`` and ``gather`` of per-replica values.
 
 - ``axis=None``: element-wise over replicas; shapes must match exactly.
 - ``axis=k``: each replica first reduces along ``k``; SUM then sums over replicas, and
