@@ -77,9 +77,15 @@ def check_same_structures(kind: str, values: Sequence[Any]) -> None:
                              "structure") from None
 
 
+def _numeric_host_array(x: Any, comm: Communicator) -> bool:
+    """Whether ``x`` may skip the structure walk: one NumPy array of numbers on a CPU
+    replica (anything else takes the general path and its checks)."""
+    return type(x) is np.ndarray and x.dtype.kind in "biufc" and not comm.devices[0].is_gpu
+
+
 def all_reduce_structures(comm: Communicator, values: Sequence[Any], op: ReduceOp) -> list:
     """One reduced structure per local replica (``values[i]`` is replica i's)."""
-    if len(values) == 1 and type(values[0]) is np.ndarray and not comm.devices[0].is_gpu:
+    if len(values) == 1 and _numeric_host_array(values[0], comm):
         return comm.all_reduce(values, op)  # one host array: nothing to flatten
     check_same_structures("all_reduce", values)
     flats = [nest.flatten(v) for v in values]
@@ -95,9 +101,8 @@ def all_reduce_structures(comm: Communicator, values: Sequence[Any], op: ReduceO
 
 def all_gather_structures(comm: Communicator, values: Sequence[Any], axis: int) -> list:
     """Each leaf concatenated along ``axis`` over every replica in sync."""
-    if len(values) == 1 and type(values[0]) is np.ndarray and not comm.devices[0].is_gpu \
-            and values[0].ndim:
-        return comm.all_gather(values, axis)
+    if len(values) == 1 and _numeric_host_array(values[0], comm) and values[0].ndim:
+        return comm.all_gather(values, axis)  # one host array: nothing to flatten
     check_same_structures("all_gather", values)
     flats = [nest.flatten(v) for v in values]
     out_leaves = []

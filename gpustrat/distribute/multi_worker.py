@@ -21,6 +21,7 @@ from gpustrat.reduce_util import ReduceOp
 from gpustrat.values import PerReplica
 
 _OPS = {**{op: op for op in ReduceOp}, **{op.name.lower(): op for op in ReduceOp}}
+_NUMERIC = "biufc"  # NumPy dtype kinds that take the short path
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -67,15 +68,16 @@ class MultiWorkerMirroredStrategy(Strategy):
         """The components of a value that is one host array per local replica (a plain
         array with one local replica), or None: the call every training loop makes,
         taken without walking a structure."""
-        if context.current()[1] is not None:
-            return None  # inside run: the general path raises the error
+        if context.current()[1] is not None or self._workers.size == 1 or \
+                self._devices[0].is_gpu:
+            return None  # the general path: errors inside run, one worker's rules
         t = type(value)
-        if t is np.ndarray and len(self._devices) == 1:
+        if t is np.ndarray and len(self._devices) == 1 and value.dtype.kind in _NUMERIC:
             return (value,)
         if t is PerReplica:
             comps = value.values
             if len(comps) == len(self._devices) and all(
-                    type(c) is np.ndarray for c in comps) and not self._devices[0].is_gpu:
+                    type(c) is np.ndarray and c.dtype.kind in _NUMERIC for c in comps):
                 return comps
         return None
 
