@@ -12,7 +12,9 @@ Words:
   raised. Polling is a tight ``Test`` spin first (small collectives finish in a few
   microseconds, as fast as the blocking call), then ``Test`` between yields of the core,
   then sleeps backing off to 1 ms, so a rank waiting minutes for a slow peer does not
-  burn a core.
+  burn a core. The one exception: the data transfer of a reduce or gather of 64 KiB or
+  more, which starts only after every rank's header has arrived (so no rank can be
+  absent from it), is the blocking MPI call, as fast as a bare one.
 - *header*: every collective between workers starts with one Allgather of a fixed
   64-byte record per rank: the kind of collective, a checksum of the layout, a size that
   may differ between ranks, and (up to 32 bytes) the payload itself. Every rank sees
@@ -236,9 +238,9 @@ def _describe(op: str, shape, dtype) -> str:
 # locally: one collective in all), or raise the same error on every rank.
 _SLOTS = 8
 _INLINE = 32
-# Gathers of at least this many bytes per rank, equal on every rank, use the blocking
-# MPI_Allgather once the headers agree (see MpiCommunicator._gather).
-_BLOCKING_GATHER_BYTES = 1 << 16
+# Reduces and equal-size gathers of at least this many bytes per rank use the blocking
+# MPI call once the headers agree: MPICH runs its non-blocking ones up to a third slower.
+_BLOCKING_BYTES = 1 << 16
 _AGREE = 24  # leading bytes of a header that every rank must share
 _PACK = struct.Struct("=4q").pack_into
 
@@ -853,9 +855,15 @@ class MpiCommunicator(HostCommunicator):
             else:
                 out = self._results.get(x.shape, x.dtype)
                 src = [x if x.flags.c_contiguous else np.ascontiguousarray(x), mtype]
-            req = ch.comm.Iallreduce(src, [out, mtype], mop)
-            if not req.Test():
-                ch.wait(req, lambda: _describe(kind, x.shape, x.dtype))
+            if nbytes >= _BLOCKING_BYTES:
+                # Every rank's header has arrived, so every rank is in this reduce: the
+                # blocking call (as fast as a bare Allreduce) cannot wait on an absent
+                # rank, only on one killed during the transfer, which the launcher ends.
+                ch.comm.Allreduce(src, [out, mtype], mop)
+            else:
+                req = ch.comm.Iallreduce(src, [out, mtype], mop)
+                if not req.Test():
+                    ch.wait(req, lambda: _describe(kind, x.shape, x.dtype))
             if up is not None:
                 out = out.astype(x.dtype)
         return out
@@ -939,11 +947,9 @@ class MpiCommunicator(HostCommunicator):
         else:
             out = self._results.get((total,) + rest, x.dtype)
             if min(rows) == max(rows):
-                if nbytes >= _BLOCKING_GATHER_BYTES:
-                    # Every rank's header has arrived, so every rank is in this gather:
-                    # the blocking call, which MPICH runs 15-35% faster than its
-                    # non-blocking one, cannot wait on an absent rank (only on one
-                    # killed during the transfer, which the launcher handles).
+                if nbytes >= _BLOCKING_BYTES:
+                    # As in _allreduce: every rank is in this gather, so the blocking
+                    # call cannot wait on an absent rank.
                     ch.comm.Allgather([front, MPI.BYTE], [out, MPI.BYTE])
                     return np.ascontiguousarray(np.moveaxis(out, 0, ax)) if ax else out
                 req = ch.comm.Iallgather([front, MPI.BYTE], [out, MPI.BYTE])
