@@ -1,14 +1,23 @@
-"""Cross-worker reduce through MpiCommunicator against a bare mpi4py ``Allreduce``.
+"""Cross-worker collectives through the public calls against bare mpi4py, same run.
 
 Run: ``mpiexec -n 2 python benchmarks/bench_mpi.py [--quick]``; rank 0 prints the table.
 
-Measured, interleaved in rounds so that both sides see the same machine load:
-- 4 MiB float32 ``MpiCommunicator.reduce`` (one local replica) vs ``comm.Allreduce`` of
-  the same buffer into a preallocated output: bandwidth and ratio (target >= 0.8);
-- one-float reduce latency vs bare ``Allreduce`` (target: at most 3 us slower);
-- the one-float reduce again with ``GPUSTRAT_DEBUG_COLLECTIVES=1`` (its agreement
-  allgather), to document what the debug mode costs.
-Each figure is the median over rounds of the mean time per call in a round.
+Measured, interleaved in rounds so that every row sees the same machine load, on a
+``MultiWorkerMirroredStrategy`` with one CPU replica per worker:
+
+- public calls: ``strategy.reduce`` (SUM, ``axis=None`` and ``axis=0``),
+  ``strategy.gather`` and ``all_reduce`` / ``all_gather`` inside ``strategy.run``;
+- against the bare mpi4py call on the same buffer: ``Allreduce`` (or ``Allgather``) into
+  a preallocated output;
+- for a 4 MiB float32 buffer (bandwidth ratio, target >= 0.9 of bare) and one float
+  (latency, target at most 3 us over bare).
+
+A collective inside ``run`` is timed as ``(run of a function making K of them - run of
+the same function making none) / K``, so that the thread hand-off of ``run`` itself is
+not counted. ``axis=0`` reduces a ``(1, n)`` value: the payload between workers is the
+same buffer as the bare call's. Internal rows (``MpiCommunicator.reduce``, and the same
+with ``GPUSTRAT_DEBUG_COLLECTIVES=1``) are labelled as such. Each figure is the median over rounds of the mean time per call
+in a round.
 """
 
 from __future__ import annotations
@@ -24,6 +33,9 @@ try:
 except ImportError:
     import targets  # run as a script: benchmarks/ is on sys.path
 
+BIG_TARGET = 0.9  # public bandwidth / bare bandwidth, at least
+ONE_TARGET_US = 3.0  # public latency - bare latency, at most
+
 
 def _time_per_call(fn, calls: int, barrier) -> float:
     barrier()
@@ -37,23 +49,24 @@ def main(argv=None) -> dict:
     """Run the benchmark on every rank; return the results (rank 0 also prints them)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
-    p.add_argument("--mib", type=float, default=4.0, help="size of the large reduce")
+    p.add_argument("--mib", type=float, default=4.0, help="size of the large buffers")
+    p.add_argument("--rounds", type=int, default=0, help="rounds (default 25, quick 5)")
     args = p.parse_args(argv)
 
     import numpy as np  # noqa: PLC0415
 
+    import gpustrat as gs  # noqa: PLC0415
     from gpustrat.collectives import mpi as gmpi  # noqa: PLC0415
     from gpustrat.devices import resolve_devices  # noqa: PLC0415
-    from gpustrat.distribute.reduction import reduce_components  # noqa: PLC0415
-    from gpustrat.reduce_util import ReduceOp  # noqa: PLC0415
 
     MPI = gmpi.mpi()
-    group = gmpi.MpiWorkerGroup()
-    comm = gmpi.MpiCommunicator(resolve_devices(["cpu:0"]), group)
+    s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+    group = s.workers
+    internal = gmpi.MpiCommunicator(resolve_devices(["cpu:0"]), group)
     old = os.environ.get(gmpi.ENV_DEBUG)
     os.environ[gmpi.ENV_DEBUG] = "1"
-    try:
-        debug_comm = gmpi.MpiCommunicator(resolve_devices(["cpu:0"]), group)
+    try:  # debug mode is read when a communicator is made
+        debug = gmpi.MpiCommunicator(resolve_devices(["cpu:0"]), group)
     finally:
         if old is None:
             del os.environ[gmpi.ENV_DEBUG]
@@ -61,86 +74,132 @@ def main(argv=None) -> dict:
             os.environ[gmpi.ENV_DEBUG] = old
     bare = group.dup_comm()
     barrier = bare.Barrier
+    W = group.size
+    ctx = gs.get_replica_context
 
-    rounds = 5 if args.quick else 25
+    rounds = args.rounds or (5 if args.quick else 25)
     n_big = int(args.mib * 2**20) // 4
     big = np.random.default_rng(group.rank).random(n_big, dtype=np.float32)
+    big_row = big.reshape(1, n_big)
     big_out = np.empty_like(big)
+    big_all = np.empty(W * n_big, np.float32)
     one = np.ones(1, np.float32)
     one_out = np.empty_like(one)
-    SUM = ReduceOp.SUM
-    big_calls = 3 if args.quick else 10
-    small_calls = 500 if args.quick else 3000
+    one_all = np.empty(W, np.float32)
+    big_calls = 3 if args.quick else 8
+    small_calls = 300 if args.quick else 2000
+    k_big, k_small = 4, (100 if args.quick else 400)
 
+    def in_run(collective, x, k):
+        def fn():
+            for _ in range(k):
+                collective(x)
+        return lambda: s.run(fn)
+
+    def ar(x):
+        return ctx().all_reduce("sum", x)
+
+    def ag(x):
+        return ctx().all_gather(x, 0)
+
+    def nothing(x):
+        return x
+
+    # name: (fn, calls per round, collectives per call)
     cases = {
-        "big_bare": (lambda: bare.Allreduce(big, big_out, MPI.SUM), big_calls),
-        "big_gpustrat": (lambda: comm.reduce([big], SUM), big_calls),
-        "one_bare": (lambda: bare.Allreduce(one, one_out, MPI.SUM), small_calls),
-        "one_gpustrat": (lambda: comm.reduce([one], SUM), small_calls),
-        "one_debug": (lambda: debug_comm.reduce([one], SUM), small_calls // 10),
-        # strategy.reduce's path: the layout check between workers, then the reduce.
-        "one_strategy": (lambda: reduce_components(comm, SUM, [one], None),
-                         small_calls // 10),
+        "big bare Allreduce": (lambda: bare.Allreduce(big, big_out, MPI.SUM), big_calls, 1),
+        "big bare Allgather": (lambda: bare.Allgather(big, big_all), big_calls, 1),
+        "big strategy.reduce axis=None": (lambda: s.reduce("sum", big), big_calls, 1),
+        "big strategy.reduce axis=0": (lambda: s.reduce("sum", big_row, axis=0),
+                                       big_calls, 1),
+        "big strategy.gather": (lambda: s.gather(big, 0), big_calls, 1),
+        "big run all_reduce": (in_run(ar, big, k_big), big_calls, k_big),
+        "big run all_gather": (in_run(ag, big, k_big), big_calls, k_big),
+        "big run empty": (in_run(nothing, big, k_big), big_calls, k_big),
+        "big MpiCommunicator.reduce": (lambda: internal.reduce([big], "sum"), big_calls, 1),
+        "one bare Allreduce": (lambda: bare.Allreduce(one, one_out, MPI.SUM),
+                               small_calls, 1),
+        "one bare Allgather": (lambda: bare.Allgather(one, one_all), small_calls, 1),
+        "one strategy.reduce axis=None": (lambda: s.reduce("sum", one), small_calls, 1),
+        "one strategy.reduce axis=0": (lambda: s.reduce("sum", one, axis=0),
+                                       small_calls, 1),
+        "one strategy.gather": (lambda: s.gather(one, 0), small_calls, 1),
+        "one run all_reduce": (in_run(ar, one, k_small), small_calls // k_small, k_small),
+        "one run all_gather": (in_run(ag, one, k_small), small_calls // k_small, k_small),
+        "one run empty": (in_run(nothing, one, k_small), small_calls // k_small, k_small),
+        "one MpiCommunicator.reduce": (lambda: internal.reduce([one], "sum"),
+                                       small_calls, 1),
+        "one MpiCommunicator.reduce debug": (lambda: debug.reduce([one], "sum"),
+                                             small_calls // 4, 1),
     }
-    # Same answer on both paths, and warm caches.
+    # Same answers on every path, and warm caches.
     bare.Allreduce(big, big_out, MPI.SUM)
-    np.testing.assert_allclose(comm.reduce([big], SUM), big_out, rtol=1e-6)
-    for fn, calls in cases.values():
+    np.testing.assert_allclose(s.reduce("sum", big), big_out, rtol=1e-6)
+    np.testing.assert_allclose(s.reduce("sum", big_row, axis=0), big_out, rtol=1e-6)
+    bare.Allgather(big, big_all)
+    np.testing.assert_array_equal(s.gather(big, 0), big_all)
+    np.testing.assert_allclose(s.run(ar, args=(big,)), big_out, rtol=1e-6)
+    for fn, calls, _ in cases.values():
         _time_per_call(fn, max(1, calls // 5), barrier)
     samples: dict[str, list] = {k: [] for k in cases}
     for _ in range(rounds):
-        for name, (fn, calls) in cases.items():
-            samples[name].append(_time_per_call(fn, calls, barrier))
+        for name, (fn, calls, per) in cases.items():
+            samples[name].append(_time_per_call(fn, calls, barrier) / per)
     med = {k: statistics.median(v) for k, v in samples.items()}
+    for size in ("big", "one"):  # a collective inside run: less the empty run
+        empty = med.pop(f"{size} run empty")
+        for kind in ("all_reduce", "all_gather"):
+            med[f"{size} run {kind}"] -= empty
 
     nbytes = big.nbytes
-    res = {
-        "workers": group.size,
-        "big_mib": nbytes / 2**20,
-        "big_bare_gbps": nbytes / med["big_bare"] / 1e9,
-        "big_gpustrat_gbps": nbytes / med["big_gpustrat"] / 1e9,
-        "big_ratio": med["big_bare"] / med["big_gpustrat"],
-        "one_bare_us": med["one_bare"] * 1e6,
-        "one_gpustrat_us": med["one_gpustrat"] * 1e6,
-        "one_overhead_us": (med["one_gpustrat"] - med["one_bare"]) * 1e6,
-        "one_debug_us": med["one_debug"] * 1e6,
-        "debug_overhead_us": (med["one_debug"] - med["one_gpustrat"]) * 1e6,
-        "one_strategy_us": med["one_strategy"] * 1e6,
-        "strategy_overhead_us": (med["one_strategy"] - med["one_gpustrat"]) * 1e6,
-    }
-    # Rank 0 reports; the verdict uses its medians (all ranks wait for each other).
-    res["big_ok"] = res["big_ratio"] >= 0.8
-    res["one_ok"] = res["one_overhead_us"] <= 3.0
-    res["verdicts"] = [
-        targets.check(f"{res['big_mib']:g} MiB reduce vs bare Allreduce bandwidth",
-                      res["big_ratio"], 0.8, "x", echo=group.rank == 0),
-        targets.check("one-float reduce over bare Allreduce", res["one_overhead_us"], 3.0,
-                      "us", higher_is_better=False, echo=group.rank == 0)]
+    rows, verdicts = [], []   # the table's verdicts, listed again by the bench runner
+    res = {"workers": W, "big_mib": nbytes / 2**20, "rows": rows, "verdicts": verdicts}
+    public = [("strategy.reduce axis=None", "Allreduce"), ("strategy.reduce axis=0", "Allreduce"),
+              ("strategy.gather", "Allgather"), ("run all_reduce", "Allreduce"),
+              ("run all_gather", "Allgather")]
+    for name, base in public:
+        b, g = med[f"big bare {base}"], med[f"big {name}"]
+        ratio = b / g
+        rows.append((f"{args.mib:g} MiB {name}", "public", base, nbytes / b / 1e9,
+                     nbytes / g / 1e9, f"ratio {ratio:.2f}", ratio >= BIG_TARGET))
+        verdicts.append(targets.check(f"{args.mib:g} MiB {name} vs bare {base} bandwidth",
+                                      ratio, BIG_TARGET, "x", echo=group.rank == 0))
+    for name, base in public:
+        b, g = med[f"one bare {base}"], med[f"one {name}"]
+        over = (g - b) * 1e6
+        rows.append((f"one float {name}", "public", base, b * 1e6, g * 1e6,
+                     f"{over:+.2f} us", over <= ONE_TARGET_US))
+        verdicts.append(targets.check(f"one float {name} over bare {base}", over,
+                                      ONE_TARGET_US, "us", higher_is_better=False,
+                                      echo=group.rank == 0))
+    b, g = med["big bare Allreduce"], med["big MpiCommunicator.reduce"]
+    rows.append((f"{args.mib:g} MiB MpiCommunicator.reduce", "internal", "Allreduce",
+                 nbytes / b / 1e9, nbytes / g / 1e9, f"ratio {b / g:.2f}", None))
+    b, g = med["one bare Allreduce"], med["one MpiCommunicator.reduce"]
+    rows.append(("one float MpiCommunicator.reduce", "internal", "Allreduce", b * 1e6,
+                 g * 1e6, f"{(g - b) * 1e6:+.2f} us", None))
+    b, g = med["one bare Allreduce"], med["one MpiCommunicator.reduce debug"]
+    rows.append(("one float, GPUSTRAT_DEBUG_COLLECTIVES=1", "internal", "Allreduce",
+                 b * 1e6, g * 1e6, f"{(g - b) * 1e6:+.2f} us", None))
+    res["all_met"] = all(ok for *_, ok in rows if ok is not None)
     if group.rank == 0:
-        print(f"MpiCommunicator.reduce vs bare mpi4py Allreduce, {group.size} workers, "
-              f"median of {rounds} rounds")
-        r = res
-        verdict = {True: "ok", False: "MISSED"}
-        rows = [
-            (f"{r['big_mib']:g} MiB float32 reduce (GB/s)", f"{r['big_bare_gbps']:.2f}",
-             f"{r['big_gpustrat_gbps']:.2f}", f"ratio {r['big_ratio']:.2f}",
-             f"target >= 0.8 {verdict[r['big_ok']]}"),
-            ("one-float reduce (us)", f"{r['one_bare_us']:.2f}",
-             f"{r['one_gpustrat_us']:.2f}", f"{r['one_overhead_us']:+.2f} us",
-             f"target <= +3 us {verdict[r['one_ok']]}"),
-            ("one-float reduce, debug mode (us)", "", f"{r['one_debug_us']:.2f}",
-             f"{r['debug_overhead_us']:+.2f} us", "GPUSTRAT_DEBUG_COLLECTIVES=1"),
-            ("one-float strategy.reduce (us)", "", f"{r['one_strategy_us']:.2f}",
-             f"{r['strategy_overhead_us']:+.2f} us", "layout check between workers"),
-        ]
-        print(f"{'case':34} {'bare':>10} {'gpustrat':>10} {'result':>14}")
-        for case, b, g, result, note in rows:
-            print(f"{case:34} {b:>10} {g:>10} {result:>14}  {note}")
+        print(f"public calls vs bare mpi4py, {W} workers x 1 replica, median of {rounds} "
+              "rounds (GB/s for the large rows, us for one float)")
+        print(f"{'case':38} {'row':8} {'vs bare':9} {'bare':>8} {'gpustrat':>9} "
+              f"{'result':>13}  verdict")
+        for case, kind, base, bv, gv, result, ok in rows:
+            if ok is None:
+                verdict = "(internal, no target)"
+            elif case.startswith("one"):
+                verdict = f"target <= +{ONE_TARGET_US:g} us: {'met' if ok else 'NOT MET'}"
+            else:
+                verdict = f"target >= {BIG_TARGET:g}: {'met' if ok else 'NOT MET'}"
+            print(f"{case:38} {kind:8} {base:9} {bv:8.2f} {gv:9.2f} {result:>13}  {verdict}")
         sys.stdout.flush()
-    for c in (comm, debug_comm):
-        c.close()
+    internal.close()
+    debug.close()
     bare.Free()
-    group.close()
+    s.close()
     return res
 
 

@@ -12,9 +12,16 @@ class CollectiveTimeout(TimeoutError):
 
 
 class CollectiveMismatch(RuntimeError):
-    """Workers issued different collectives at the same point (different op, shape or
-    dtype, or one rank skipped a call). Raised on every rank, only in the debug mode
-    that ``GPUSTRAT_DEBUG_COLLECTIVES=1`` turns on."""
+    """Workers issued different collectives at the same point (a reduce on one rank, a
+    gather on another; or, with ``GPUSTRAT_DEBUG_COLLECTIVES=1``, the same collective
+    from different lines of code). Raised on every rank, before any data moves, naming
+    each rank's operation."""
+
+
+class LayoutMismatch(CollectiveMismatch, ValueError):
+    """Workers issued the same collective on values of different shapes or dtypes (a
+    partial batch reduced with ``axis=None``, say). Raised on every rank, naming each
+    rank's shape and dtype; a ValueError too, as bad input is."""
 
 
 class OutOfRangeError(StopIteration):

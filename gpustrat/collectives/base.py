@@ -94,11 +94,23 @@ class Communicator(abc.ABC):
 
         Where shapes come from the data (a partial batch gives workers different row
         counts), a reduction over mismatched buffers would combine unrelated bytes or
-        break the MPI library. Costs one small collective between workers; nothing in
-        one process, where the local buffers are compared directly. ``what`` names the
-        operation (a string, or a callable returning it, called only for the error) and
-        ``hint`` says what to do, in the message.
+        break the MPI library. Over MPI the check rides in the header of the next
+        collective (this call only names it, at no cost); over NCCL it is one small
+        collective between workers; in one process it is nothing, the local buffers
+        being compared directly. ``what`` names the operation (a string, or a callable
+        returning it) and ``hint`` says what to do, in the message.
         """
+
+    def agree(self, key: tuple, what, hint: str = "") -> None:
+        """Check, between workers, that every worker passes the same ``key`` (a tuple of
+        ints and strings: a layout, a state, a checksum); raise ValueError on every
+        worker when they do not.
+
+        Unlike :meth:`agree_layout` this is a collective of its own, for checks that no
+        data collective follows (a value every worker must write alike, an error one
+        worker found before a reduction). Nothing in one process.
+        """
+        self.agree_layout(key, np.uint8, what, hint)
 
     def reduce(self, buffers: Sequence[Any], op: ReduceOp):
         """The all-reduce result on local replica 0's device only (what

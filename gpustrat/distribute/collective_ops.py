@@ -39,8 +39,24 @@ def _restore_scalar(template: Any, value: Any) -> Any:
     return value
 
 
+_dtype_names: dict = {}
+
+
+def _dtype_name(dtype) -> str:
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype)
+    return name
+
+
 def leaf_signature(kind: str, op: str, values: Any, skip_axis: int | None = None) -> tuple:
     """What the replicas must agree on for a collective: kind, op, structure, layout."""
+    if type(values) is np.ndarray:  # one array: the common case
+        shape = values.shape
+        if skip_axis is not None and shape:
+            ax = skip_axis % len(shape)
+            shape = shape[:ax] + shape[ax + 1:]
+        return (kind, op, ((shape, _dtype_name(values.dtype)),))
     sig = []
     for leaf in nest.flatten(values):
         shape = tuple(getattr(leaf, "shape", ()))
@@ -63,8 +79,16 @@ def check_same_structures(kind: str, values: Sequence[Any]) -> None:
                              "structure") from None
 
 
+def _numeric_host_array(x: Any, comm: Communicator) -> bool:
+    """Whether ``x`` may skip the structure walk: one NumPy array of numbers on a CPU
+    replica (anything else takes the general path and its checks)."""
+    return type(x) is np.ndarray and x.dtype.kind in "biufc" and not comm.devices[0].is_gpu
+
+
 def all_reduce_structures(comm: Communicator, values: Sequence[Any], op: ReduceOp) -> list:
     """One reduced structure per local replica (``values[i]`` is replica i's)."""
+    if len(values) == 1 and _numeric_host_array(values[0], comm):
+        return comm.all_reduce(values, op)  # one host array: nothing to flatten
     check_same_structures("all_reduce", values)
     flats = [nest.flatten(v) for v in values]
     tensors = [[as_array(flats[i][j], comm.devices[i]) for i in range(len(values))]
@@ -79,6 +103,8 @@ def all_reduce_structures(comm: Communicator, values: Sequence[Any], op: ReduceO
 
 def all_gather_structures(comm: Communicator, values: Sequence[Any], axis: int) -> list:
     """Each leaf concatenated along ``axis`` over every replica in sync."""
+    if len(values) == 1 and _numeric_host_array(values[0], comm) and values[0].ndim:
+        return comm.all_gather(values, axis)  # one host array: nothing to flatten
     check_same_structures("all_gather", values)
     flats = [nest.flatten(v) for v in values]
     out_leaves = []

@@ -187,9 +187,9 @@ class DistributedVariable(Variable):
         """Across workers: every worker writes the same value, or all raise."""
         if self._strategy.num_workers == 1:
             return
-        self._strategy.communicator.agree_layout(
-            (f"{self._key}.{op}", f"value checksum {checksum(arr)}") + tuple(arr.shape),
-            arr.dtype, f"{op} of variable {self._name!r} in cross-replica context",
+        self._strategy.communicator.agree(
+            (f"{self._key}.{op}", f"value checksum {checksum(arr)}", str(arr.dtype))
+            + tuple(arr.shape), f"{op} of variable {self._name!r} in cross-replica context",
             "every worker must write the same value into a variable (compute it the "
             "same way everywhere, or reduce it first)")
 
@@ -238,9 +238,9 @@ class MirroredVariable(DistributedVariable):
         comm = strategy.communicator
         if strategy.num_workers > 1:
             state = "bad value" if errors else "ok"
-            comm.agree_layout((f"{self._key}.{op}", state) + self.shape, self.dtype,
-                              f"{op} of variable {self._name!r} in replica context",
-                              _HINT_SAME_UPDATES)
+            comm.agree((f"{self._key}.{op}", state, str(self.dtype)) + self.shape,
+                       f"{op} of variable {self._name!r} in replica context",
+                       _HINT_SAME_UPDATES)
         if errors:
             raise errors[0]
         arrays = [to_device(a, d) for (a, _), d in zip(items, strategy.local_devices)]

@@ -176,7 +176,6 @@ def agree_tensors(strategy, tensors: list, what: str, names=None, layouts=None) 
     raises. Nothing on one worker."""
     if strategy.num_workers == 1:
         return
-    strategy.communicator.agree_layout(layouts or describe_layouts(tensors, names),
-                                       tensors[0][0].dtype, what,
-                                       "every worker must reduce the same values, in the "
-                                       "same order, with the same shapes and dtypes")
+    strategy.communicator.agree(layouts or describe_layouts(tensors, names), what,
+                                "every worker must reduce the same values, in the same "
+                                "order, with the same shapes and dtypes")

@@ -10,10 +10,18 @@ Distributed input shards over workers by the dataset's auto-shard policy (see
 
 from __future__ import annotations
 
+import numpy as np
+
 from gpustrat.collectives.base import Communicator
 from gpustrat.collectives.select import make_communicator
 from gpustrat.devices import Device, gpu_count, resolve_devices
+from gpustrat.distribute import context, reduction
 from gpustrat.distribute.strategy import Strategy
+from gpustrat.reduce_util import ReduceOp
+from gpustrat.values import PerReplica
+
+_OPS = {**{op: op for op in ReduceOp}, **{op.name.lower(): op for op in ReduceOp}}
+_NUMERIC = "biufc"  # NumPy dtype kinds that take the short path
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -55,6 +63,36 @@ class MultiWorkerMirroredStrategy(Strategy):
         install_abort_on_error(workers)
         comm = collectives or make_communicator(devs, workers)
         super().__init__(devs, comm, workers)
+
+    def _one_leaf(self, value):
+        """The components of a value that is one host array per local replica (a plain
+        array with one local replica), or None: the call every training loop makes,
+        taken without walking a structure."""
+        if context.current()[1] is not None or self._workers.size == 1 or \
+                self._devices[0].is_gpu:
+            return None  # the general path: errors inside run, one worker's rules
+        t = type(value)
+        if t is np.ndarray and len(self._devices) == 1 and value.dtype.kind in _NUMERIC:
+            return (value,)
+        if t is PerReplica:
+            comps = value.values
+            if len(comps) == len(self._devices) and all(
+                    type(c) is np.ndarray and c.dtype.kind in _NUMERIC for c in comps):
+                return comps
+        return None
+
+    def reduce(self, reduce_op, value, axis=None):
+        op = _OPS.get(reduce_op) if isinstance(reduce_op, (str, ReduceOp)) else None
+        comps = None if op is None else self._one_leaf(value)
+        if comps is None:
+            return super().reduce(reduce_op, value, axis)
+        return reduction.reduce_components(self._communicator, op, comps, axis)
+
+    def gather(self, value, axis):
+        comps = self._one_leaf(value)
+        if comps is None:
+            return super().gather(value, axis)
+        return reduction.gather_components(self._communicator, comps, axis)
 
     def close(self) -> None:
         super().close()

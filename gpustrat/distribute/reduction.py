@@ -103,24 +103,47 @@ def _identity(op: ReduceOp, dtype) -> Any:
     return small if op is ReduceOp.MAX else big
 
 
+# Keyed by id(op): hashing an Enum member runs Python code, an id does not.
+_NAMES_AXIS_NONE = {id(op): f"reduce({op.name}, axis=None)" for op in ReduceOp}
+_NAMES_AXIS: dict = {}
+
+
+def _arrays(comps: Sequence[Any], devices) -> list:
+    if len(comps) == 1 and type(comps[0]) is np.ndarray and not devices[0].is_gpu:
+        return [comps[0]]  # the common case, one host array: nothing to convert
+    return [as_array(c, d) for c, d in zip(comps, devices)]
+
+
 def reduce_components(comm: Communicator, op: ReduceOp, comps: Sequence[Any],
                       axis: int | None) -> Any:
     """Reduce one leaf given as one component per local replica."""
     for i, c in enumerate(comps):
         check_leaf(c, op, "strategy.reduce", f"component {i}")
-    arrays = [as_array(c, d) for c, d in zip(comps, comm.devices)]
+    arrays = _arrays(comps, comm.devices)
     if axis is None:
         first = arrays[0]
-        if any(a.shape != first.shape for a in arrays[1:]):
+        if len(arrays) > 1 and any(a.shape != first.shape for a in arrays[1:]):
             raise ValueError(
                 f"cannot reduce per-replica values of different shapes with axis=None "
                 f"({_shapes(arrays)}); partial batches give such shapes: pass axis=0 to "
                 "reduce over the batch dimension as well")
         # Between workers too: a reduction of mismatched buffers would combine unrelated
-        # bytes (or break the MPI library) instead of failing.
-        comm.agree_layout(first.shape, first.dtype, lambda: f"reduce({op.name}, axis=None)",
-                          _HINT_AXIS_NONE)
+        # bytes (or break the MPI library) instead of failing. Over MPI this check
+        # rides in the header of the reduce itself.
+        comm.agree_layout(first.shape, first.dtype, _NAMES_AXIS_NONE[id(op)], _HINT_AXIS_NONE)
         return comm.reduce(arrays, op)
+    if len(arrays) == 1 and op is not ReduceOp.MEAN:
+        a = arrays[0]
+        if a.ndim and -a.ndim <= axis < a.ndim and a.shape[axis] == 1 and \
+                a.dtype.kind != "b":
+            # One array of one row: see the general case below, written out.
+            ax = axis % a.ndim
+            rest = a.shape[:ax] + a.shape[ax + 1:]
+            name = _NAMES_AXIS.get((id(op), axis))
+            if name is None:
+                name = _NAMES_AXIS[(id(op), axis)] = f"reduce({op.name}, axis={axis})"
+            comm.agree_layout(a.shape[:ax] + ("*",) + rest[ax:], a.dtype, name, _HINT_AXIS)
+            return comm.reduce([a.reshape(rest)], op)
     ndim = arrays[0].ndim
     if ndim == 0:
         raise ValueError(f"cannot reduce along axis {axis}: the per-replica values are "
@@ -132,8 +155,16 @@ def reduce_components(comm: Communicator, op: ReduceOp, comps: Sequence[Any],
                          f"{_shapes(arrays)}")
     # Sizes along the axis may differ between workers; the other axes and dtype may not.
     shown = tuple("*" if i == ax else n for i, n in enumerate(arrays[0].shape))
-    comm.agree_layout(shown, arrays[0].dtype, lambda: f"reduce({op.name}, axis={axis})",
-                      _HINT_AXIS)
+    name = _NAMES_AXIS.get((id(op), axis))
+    if name is None:
+        name = _NAMES_AXIS[(id(op), axis)] = f"reduce({op.name}, axis={axis})"
+    comm.agree_layout(shown, arrays[0].dtype, name, _HINT_AXIS)
+    if op is not ReduceOp.MEAN and arrays[0].dtype.kind != "b" and \
+            all(a.shape[ax] == 1 for a in arrays):
+        # One row each (a batch of one, a leading axis of size 1): that row is its own
+        # SUM, MAX and MIN, so the arrays go to the collective as views, not copies
+        # (booleans excluded: their SUM along an axis counts, in integers).
+        return comm.reduce([a.reshape(rest[0]) for a in arrays], op)
     if op is ReduceOp.SUM:
         # NumPy widens small integers in sum(); TensorFlow's reduce_sum keeps the dtype.
         dtype = arrays[0].dtype if np.issubdtype(arrays[0].dtype, np.integer) else None
@@ -164,8 +195,11 @@ def _mean_along_axis(comm: Communicator, arrays, ax: int):
     for a in arrays:
         xp = _xp(a)
         with on_device_of(a):
-            s = a.sum(axis=ax, dtype=dtype).reshape(-1)
-            parts.append(xp.concatenate([s, xp.asarray([a.shape[ax]], dtype=dtype)]))
+            rest = a.shape[:ax] + a.shape[ax + 1:]
+            buf = xp.empty(int(np.prod(rest, dtype=np.int64)) + 1, dtype=dtype)
+            a.sum(axis=ax, dtype=dtype, out=buf[:-1].reshape(rest))  # no copy to append to
+            buf[-1] = a.shape[ax]
+            parts.append(buf)
     total = comm.reduce(parts, ReduceOp.SUM)
     out_shape = arrays[0].shape[:ax] + arrays[0].shape[ax + 1:]
     count = float(to_host(total[-1:])[0])
@@ -179,7 +213,7 @@ def gather_components(comm: Communicator, comps: Sequence[Any], axis: int) -> An
     """Concatenate one leaf's components from every replica in sync along ``axis``."""
     for i, c in enumerate(comps):
         check_leaf(c, None, "strategy.gather", f"component {i}")
-    arrays = [as_array(c, d) for c, d in zip(comps, comm.devices)]
+    arrays = _arrays(comps, comm.devices)
     if arrays[0].ndim == 0:
         raise ValueError("gather needs per-replica values with at least one dimension; "
                          "got scalars")

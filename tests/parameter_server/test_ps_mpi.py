@@ -392,7 +392,10 @@ print("LEAVING", flush=True)
 os._exit(0)
 """
     rc, out, err = run_mpi(4, script, timeout=40)
-    assert "LEAVING" in out and rc not in (0, -9), format_result(rc, out, err)
+    # The job ends (-9 is run_mpi's timeout). Its status is the launcher's: MPICH's
+    # mpiexec kills the other ranks and reports 0 or an error depending on which rank
+    # it sees end first.
+    assert "LEAVING" in out and rc != -9, format_result(rc, out, err)
 
 
 # The coordinator's script ends, or raises, while functions are still running or
