@@ -19,6 +19,7 @@ import numpy as np
 from gpustrat import nest
 from gpustrat.data import structure as st
 from gpustrat.data.dataset import Dataset, _IterContext, rows_of_batches
+from gpustrat.data.iterator_state import FunctionIterator
 from gpustrat.data.spec import STRING, TensorSpec, spec_of
 
 # Range is produced in chunks of this many values: one arange per chunk instead of
@@ -51,6 +52,18 @@ class RangeDataset(Dataset):
             last = start + min(n, c + _RANGE_CHUNK) * step
             yield from np.arange(first, last, step, dtype=self._dtype)
 
+    def _state_iter(self, ctx):
+        start, step, make = self._start, self._step, self._dtype.type
+        n = _range_len(start, self._stop, step)
+
+        def step_fn(it):
+            pos = it.fields["pos"]
+            if pos >= n:
+                raise StopIteration
+            it.fields["pos"] = pos + 1
+            return make(start + pos * step)
+        return FunctionIterator((), step_fn, pos=0)
+
     def _cardinality(self) -> int:
         return _range_len(self._start, self._stop, self._step)
 
@@ -78,6 +91,20 @@ class RangeBatchDataset(Dataset):
             yield np.arange(start + i * step, start + min(end, i + b) * step, step,
                             dtype=self._dtype)
 
+    def _state_iter(self, ctx):
+        start, step, b = self._start, self._step, self._batch_size
+        n = _range_len(start, self._stop, step)
+        end = n - n % b if self._drop else n
+
+        def step_fn(it):
+            i = it.fields["pos"]
+            if i >= end:
+                raise StopIteration
+            it.fields["pos"] = i + b
+            return np.arange(start + i * step, start + min(end, i + b) * step, step,
+                             dtype=self._dtype)
+        return FunctionIterator((), step_fn, pos=0)
+
     def _cardinality(self):
         n = _range_len(self._start, self._stop, self._step)
         return n // self._batch_size if self._drop else math.ceil(n / self._batch_size)
@@ -98,6 +125,14 @@ class TensorsDataset(Dataset):
 
     def _iter(self, ctx):
         yield self._element
+
+    def _state_iter(self, ctx):
+        def step_fn(it):
+            if it.fields["done"]:
+                raise StopIteration
+            it.fields["done"] = True
+            return self._element
+        return FunctionIterator((), step_fn, done=False)
 
     def _cardinality(self):
         return 1
@@ -137,6 +172,18 @@ class TensorSliceDataset(Dataset):
         for row in zip(*leaves):
             yield pack(row)
 
+    def _state_iter(self, ctx):
+        leaves, pack, n = self._leaves, self._pack, self._n
+        single = len(leaves) == 1 and not nest.is_nested(self._structure)
+
+        def step_fn(it):
+            pos = it.fields["pos"]
+            if pos >= n:
+                raise StopIteration
+            it.fields["pos"] = pos + 1
+            return leaves[0][pos] if single else pack([a[pos] for a in leaves])
+        return FunctionIterator((), step_fn, pos=0)
+
     def _cardinality(self):
         return self._n
 
@@ -169,6 +216,20 @@ class SlicedBatchDataset(Dataset):
         for i in range(0, end, b):
             j = i + b
             yield pack([a[i:j] for a in leaves])
+
+    def _state_iter(self, ctx):
+        n, b = self._n, self._batch_size
+        end = n - n % b if self._drop else n
+        leaves, pack = self._leaves, self._pack
+        single = len(leaves) == 1 and not nest.is_nested(self._structure)
+
+        def step_fn(it):
+            i = it.fields["pos"]
+            if i >= end:
+                raise StopIteration
+            it.fields["pos"] = j = i + b
+            return leaves[0][i:j] if single else pack([a[i:j] for a in leaves])
+        return FunctionIterator((), step_fn, pos=0)
 
     def _cardinality(self):
         n, b = self._n, self._batch_size
@@ -235,6 +296,14 @@ class GeneratorDataset(Dataset):
         self._generator = generator
         self._args = tuple(args) if args is not None else ()
         self._signature = output_signature
+
+    def _state_unsupported(self):
+        name = getattr(self._generator, "__name__", type(self._generator).__name__) \
+            if hasattr(self, "_generator") else "the generator"
+        return (f"from_generator({name}) cannot save its position: a Python generator's "
+                "state cannot be saved; build the source from range, from_tensor_slices "
+                "or files, or make the generator's input an index dataset "
+                "(range(n).map(load_item))")
 
     def _iter(self, ctx):
         sig = self._signature
