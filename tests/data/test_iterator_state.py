@@ -205,3 +205,50 @@ def test_checkpoint_of_a_dataset_iterator(tmp_path):
     it2 = iter(ds)   # the dataset's next epoch, until restored
     gs.train.Checkpoint(iterator=it2, step=0).restore(path)
     assert [canon(e) for e in it2] == rest
+
+
+@pytest.mark.parametrize("kind", ["text", "tfrecord", "text_gzip", "npy", "npy_batch"])
+def test_file_sources_resume_at_the_saved_element(tmp_path, kind):
+    paths = []
+    for f in range(3):
+        if kind.startswith("text"):
+            p = tmp_path / f"f{f}.txt"
+            data = "".join(f"line {f}-{i}\n" for i in range(5 + f)).encode()
+            if kind == "text_gzip":
+                import gzip
+                data = gzip.compress(data)
+            p.write_bytes(data)
+        elif kind == "tfrecord":
+            p = tmp_path / f"f{f}.tfrecord"
+            with gs.data.experimental.TFRecordWriter(str(p)) if hasattr(
+                    gs.data.experimental, "TFRecordWriter") else __import__(
+                    "gpustrat.data.tfrecord", fromlist=["x"]).TFRecordWriter(str(p)) as w:
+                for i in range(4 + f):
+                    w.write(f"rec {f}-{i}".encode() * (i + 1))
+        else:
+            p = tmp_path / f"f{f}.npy"
+            np.save(p, np.arange((4 + f) * 3, dtype=np.float32).reshape(-1, 3) + 100 * f)
+        paths.append(str(p))
+
+    def build():
+        if kind == "text":
+            return gs.data.TextLineDataset(paths)
+        if kind == "text_gzip":
+            return gs.data.TextLineDataset(paths, compression_type="GZIP")
+        if kind == "tfrecord":
+            return gs.data.TFRecordDataset(paths)
+        ds = Dataset.from_npy(paths)
+        return ds.batch(2) if kind == "npy_batch" else ds
+    full = [canon(e) for e in build()]
+    assert len(full) >= 6
+    for k in range(len(full) + 1):
+        it = iter(build())
+        head = [canon(next(it)) for _ in range(k)]
+        state = roundtrip(it.get_state())
+        restored = iter(build())
+        restored.set_state(state)
+        assert head + [canon(e) for e in restored] == full, k
+    if kind in ("text", "tfrecord"):
+        it = iter(build())
+        next(it)
+        assert it.get_state()["position"]["offset"] > 0  # a byte offset, not a count
