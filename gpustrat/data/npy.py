@@ -189,9 +189,7 @@ class NpyBatchDataset(Dataset):
         return TensorSpec((self._batch_size if self._drop else None,) + s.shape, s.dtype)
 
     def _state_iter(self, ctx):
-        # The same batches, stacked from rows: the position is the row iterator's.
-        from gpustrat.data.transforms import BatchDataset  # noqa: PLC0415
-        return BatchDataset(self._source, self._batch_size, self._drop)._state_iter(ctx)
+        return _NpyRowIterator(self._source, self._batch_size, self._drop)
 
     def _iter(self, ctx):
         b, use_mmap = self._batch_size, self._source._mmap
@@ -220,14 +218,18 @@ class _NpyRowIterator(StateIterator):
     """The rows of ``.npy`` files, read a window at a time; the state is the file's
     index and the next row."""
 
-    def __init__(self, node: NpyDataset):
+    def __init__(self, node: NpyDataset, batch_size: int | None = None,
+                 drop_remainder: bool = False):
         self._node = node
+        self._batch_size, self._drop = batch_size, drop_remainder
         self._meta = node._meta()
         self._file, self._row = 0, 0
         self._window, self._window_start = None, 0
         self._fd = None
 
-    def __next__(self):
+    def _rows(self, want: int) -> np.ndarray | None:
+        """Up to ``want`` rows of the current file's current window (a view), or None
+        at the end of the last file."""
         while self._file < len(self._meta):
             m = self._meta[self._file]
             if self._row >= m.rows:
@@ -239,13 +241,31 @@ class _NpyRowIterator(StateIterator):
                 if self._fd is None:
                     self._fd = os.open(m.path, os.O_RDONLY)
                 size = max(1, _WINDOW_BYTES // max(1, m.row_items * m.dtype.itemsize))
-                self._window = m.read(self._fd, self._row, min(m.rows, self._row + size),
-                                      self._node._mmap)
+                self._window = w = m.read(self._fd, self._row,
+                                          min(m.rows, self._row + size), self._node._mmap)
                 self._window_start = self._row
-            element = self._window[self._row - self._window_start]
-            self._row += 1
-            return element
-        raise StopIteration
+            i = self._row - self._window_start
+            out = w[i:i + want]
+            self._row += len(out)
+            return out
+        return None
+
+    def __next__(self):
+        if self._batch_size is None:
+            rows = self._rows(1)
+            if rows is None:
+                raise StopIteration
+            return rows[0]
+        pieces, have, b = [], 0, self._batch_size
+        while have < b:
+            rows = self._rows(b - have)
+            if rows is None:
+                break
+            pieces.append(rows)
+            have += len(rows)
+        if have == 0 or (have < b and self._drop):
+            raise StopIteration
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     def save(self):
         return {"file": self._file, "row": self._row,
