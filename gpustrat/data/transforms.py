@@ -832,7 +832,10 @@ class _ShuffleIterator(StateIterator):
         self._node = node
         self._inputs = (source,)
         self._started = False
-        self._epoch = 0
+        # The epoch and seed are fixed when the iterator is made, so that the position
+        # saved before the first element already says which order the epoch has.
+        self._epoch = next(node._epochs) if node._reshuffle else 0
+        self._seed = node._seed
         self._rng = None
         self._buf: list = []
         self._exhausted = False
@@ -840,8 +843,7 @@ class _ShuffleIterator(StateIterator):
 
     def _start(self):
         node = self._node
-        self._epoch = next(node._epochs) if node._reshuffle else 0
-        self._rng = np.random.default_rng([node._seed, self._epoch])
+        self._rng = np.random.default_rng([self._seed, self._epoch])
         source = self._inputs[0]
         self._buf = list(itertools.islice(source, node._buffer_size))
         self._exhausted = len(self._buf) < node._buffer_size
@@ -870,19 +872,21 @@ class _ShuffleIterator(StateIterator):
 
     def save(self):
         if not self._started:
-            return {"started": False, "input": self._inputs[0].save()}
-        return {"started": True, "epoch": self._epoch, "rng": self._rng.bit_generator.state,
+            return {"started": False, "epoch": self._epoch, "seed": self._seed,
+                    "input": self._inputs[0].save()}
+        return {"started": True, "epoch": self._epoch, "seed": self._seed,
+                "rng": self._rng.bit_generator.state,
                 "buffer": pack_elements(self._buf), "exhausted": self._exhausted,
                 "draws": np.asarray(self._draws[self._k:], np.float64),
                 "input": self._inputs[0].save()}
 
     def restore(self, state):
         self._inputs[0].restore(state["input"])
+        self._epoch, self._seed = int(state["epoch"]), int(state["seed"])
+        self._node._epoch_restored(self._epoch)
         if not state["started"]:
             return
         self._started = True
-        self._epoch = int(state["epoch"])
-        self._node._epoch_restored(self._epoch)
         self._rng = np.random.default_rng()
         self._rng.bit_generator.state = state["rng"]
         self._buf = unpack_elements(state["buffer"])
