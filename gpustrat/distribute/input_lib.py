@@ -484,7 +484,30 @@ class DistributedIterator:
                              f"{self._start}")
         return {"steps": self._returned, "start": self._start,
                 "topology": self._topology(), "worker": self._strategy.worker_index,
-                "policy": str(getattr(self._source, "auto_shard_policy", "FUNCTION"))}
+                "policy": str(getattr(self._source, "auto_shard_policy", "FUNCTION")),
+                "batch_aligned": self._batch_aligned()}
+
+    def _batch_aligned(self) -> bool:
+        """Whether step k is global batch k on every worker, whatever the topology: a
+        distributed dataset on one worker, or under the DATA policy."""
+        from gpustrat.data import AutoShardPolicy  # noqa: PLC0415
+        return isinstance(self._source, DistributedDataset) and (
+            self._strategy.num_workers == 1 or
+            self._source.auto_shard_policy is AutoShardPolicy.DATA)
+
+    def _restore_checkpoint_state_from(self, states: list) -> None:
+        """Restore from the positions every worker of another worker count saved: the
+        same global batch position on every worker, when the steps were batch-aligned."""
+        steps = {int(st["steps"]) for st in states}
+        if not all(st.get("batch_aligned") for st in states) or len(steps) != 1:
+            saved = states[0]["topology"]
+            raise ValueError(
+                f"cannot restore a distributed iterator saved on {saved[0]} worker(s) x "
+                f"{saved[1]} replica(s) per worker (policy {states[0]['policy']}) onto "
+                f"{self._topology()[0]} worker(s) x {self._topology()[1]} replica(s) per "
+                "worker: only positions saved under the DATA policy (or on one worker) "
+                "can move to another topology; restart with the saved topology")
+        self.set_state(states[0])
 
     def set_state(self, state: dict) -> None:
         """Continue from a position :meth:`get_state` returned on the same number of
@@ -496,13 +519,16 @@ class DistributedIterator:
                 dataset.
         """
         saved, mine = list(state["topology"]), self._topology()
-        if saved != mine:
+        # Batch-aligned positions are a number of global batches: any topology that is
+        # batch-aligned too continues with the same remaining batches.
+        moves = state.get("batch_aligned") and self._batch_aligned()
+        if saved != mine and not moves:
             raise ValueError(
                 f"cannot restore a distributed iterator saved on {saved[0]} worker(s) x "
                 f"{saved[1]} replica(s) per worker onto {mine[0]} worker(s) x {mine[1]} "
                 "replica(s) per worker: restoring an input position onto another "
                 "topology is not supported yet; restart with the saved topology")
-        if int(state["worker"]) != self._strategy.worker_index:
+        if not moves and int(state["worker"]) != self._strategy.worker_index:
             raise ValueError(f"this position was saved by worker {state['worker']}, not "
                              f"worker {self._strategy.worker_index}")
         self._placer.close()

@@ -229,7 +229,7 @@ class Checkpoint:
         path = os.fspath(save_path)
         workers = _workers_of(self._objects)
         rank, size = workers.rank, workers.size
-        index = shared_arrays = local = local_arrays = None
+        index = shared_arrays = local = local_arrays = every = None
         error = None
         try:
             if not os.path.exists(fmt.index_file(path)):
@@ -243,17 +243,24 @@ class Checkpoint:
                                  f"version {index.get('version')!r})")
             shared_arrays, _ = fmt.read_npz(fmt.data_file(path))
             saved_w = index["num_workers"]
-            wanted = [n for n, o in self._objects.items() if _kind(n, o) == "per_worker"]
-            if wanted and index["per_worker_objects"]:
-                if saved_w != size:
-                    raise ValueError(
-                        f"checkpoint {path!r} holds per-worker state (input positions of "
-                        f"{index['per_worker_objects']}) saved by {saved_w} workers; it "
-                        f"cannot be restored by {size} workers: restart with {saved_w} "
-                        "workers, or restore without the iterators")
+            wanted = [n for n, o in self._objects.items() if _kind(n, o) == "per_worker"
+                      and n in index["per_worker_objects"]]
+            local, local_arrays, every = {}, {}, None
+            if wanted and saved_w == size:
                 local_arrays, local = fmt.read_npz(fmt.worker_file(path, rank, saved_w))
-            else:
-                local, local_arrays = {}, {}
+            elif wanted:
+                # Another worker count: an object may take every saved worker's state
+                # (a distributed iterator whose position is global), else it is an error.
+                fixed = [n for n in wanted
+                         if not hasattr(self._objects[n], "_restore_checkpoint_state_from")]
+                if fixed:
+                    raise ValueError(
+                        f"checkpoint {path!r} holds per-worker state of {fixed} saved by "
+                        f"{saved_w} workers; it cannot be restored by {size} workers: "
+                        f"restart with {saved_w} workers, or restore without them")
+                every = [fmt.read_npz(fmt.worker_file(path, r, saved_w))
+                         for r in range(saved_w)]
+                local = {n: True for n in wanted}
         except Exception as e:  # noqa: BLE001
             error = _describe(e)
         _agree(workers, error, f"reading checkpoint {path!r}")
@@ -275,9 +282,14 @@ class Checkpoint:
         error = None
         try:
             for name, obj in self._objects.items():
-                if name in local and _kind(name, obj) == "per_worker":
+                if name not in local or _kind(name, obj) != "per_worker":
+                    continue
+                if every is None:
                     obj._restore_checkpoint_state(fmt.decode(local[name]["tree"],
                                                              local_arrays))
+                else:
+                    obj._restore_checkpoint_state_from(
+                        [fmt.decode(tree[name]["tree"], arrays) for arrays, tree in every])
         except Exception as e:  # noqa: BLE001
             error = _describe(e)
         _agree(workers, error, f"restoring the per-worker state of {path!r}")

@@ -43,13 +43,32 @@ def test_same_remaining_steps_after_restore(tmp_path, replicas):
     assert head + steps_of(s2, it2) == full
 
 
-def test_other_topology_is_a_clear_error(tmp_path):
-    s = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 3), (2, 4)])
+def test_batch_aligned_position_moves_to_another_replica_count(tmp_path, before, after):
+    s = gs.MirroredStrategy([f"cpu:{i}" for i in range(before)])
     it = iter(s.experimental_distribute_dataset(build()))
+    head = steps_of(s, it, 3)
+    path = gs.train.Checkpoint(input=it).save(str(tmp_path / "ck"))
+    s2 = gs.MirroredStrategy([f"cpu:{i}" for i in range(after)])
+    it2 = iter(s2.experimental_distribute_dataset(build()))
+    gs.train.Checkpoint(input=it2).restore(path)
+    flat = lambda steps: [v for step in steps for piece in step for v in piece]  # noqa: E731
+    rest = flat(steps_of(s2, it2))
+    assert len(head) == 3
+    assert sorted(flat(head) + rest) == [x * 10 for x in range(37)]
+    # The remaining elements come in the uninterrupted order (batch after batch).
+    assert flat(steps_of(s, it)) == rest
+
+
+def test_other_topology_is_a_clear_error_where_steps_are_not_batches(tmp_path):
+    def fn(ctx):
+        return Dataset.range(40).batch(2)
+    s = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    it = iter(s.distribute_datasets_from_function(fn))
     next(it)
     path = gs.train.Checkpoint(input=it).save(str(tmp_path / "ck"))
     s1 = gs.MirroredStrategy(["cpu:0"])
-    it1 = iter(s1.experimental_distribute_dataset(build()))
+    it1 = iter(s1.distribute_datasets_from_function(fn))
     with pytest.raises(RuntimeError, match=r"saved on 1 worker\(s\) x 2 replica\(s\) per "
                                            r"worker onto 1 worker\(s\) x 1 replica"):
         gs.train.Checkpoint(input=it1).restore(path)
@@ -169,3 +188,70 @@ def test_mpi_crash_before_commit_keeps_previous_checkpoint(tmp_path):
     # DATA: worker r takes piece r of the second global batch [4..7].
     assert "OK 0 ckpt-1 [1.0, 1.0] [[4, 5]]" in out and "OK 1 ckpt-1 [1.0, 1.0] [[6, 7]]" in out
 
+
+
+MPI_MOVE = r"""
+import json, os, sys
+import numpy as np
+import gpustrat as gs
+from gpustrat.data import Dataset, Options, AutoShardPolicy as P
+
+R, policy, directory, phase = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+s = gs.MultiWorkerMirroredStrategy(devices=[f"cpu:{i}" for i in range(R)])
+
+def build():
+    ds = Dataset.range(96).shuffle(30).batch(12)     # unseeded: the seed is saved
+    o = Options()
+    o.experimental_distribute.auto_shard_policy = getattr(P, policy)
+    return ds.with_options(o)
+
+def elements(it, k=None):
+    out, n = [], 0
+    for x in it:
+        out += [v for p in s.experimental_local_results(x) for v in np.asarray(p).tolist()]
+        n += 1
+        if n == k:
+            break
+    return sorted(v for part in s.workers.allgather(out) for v in part)
+
+it = iter(s.experimental_distribute_dataset(build()))
+ck = gs.train.Checkpoint(input=it)
+if phase == "save":
+    head = elements(it, 3)
+    ck.write(os.path.join(directory, "ck"))
+    if s.worker_index == 0:
+        json.dump(head, open(os.path.join(directory, "head.json"), "w"))
+    print("OK saved", flush=True)
+else:
+    try:
+        ck.read(os.path.join(directory, "ck"))
+    except RuntimeError as e:
+        print(f"OK error {s.worker_index}: {e}", flush=True)
+        sys.exit(0)
+    rest = elements(it)
+    head = json.load(open(os.path.join(directory, "head.json")))
+    assert sorted(head + rest) == list(range(96)), (head, rest)
+    assert len(head) == 36
+    print(f"OK resumed {s.worker_index}", flush=True)
+"""
+
+
+@pytest.mark.mpi
+def test_mpi_data_position_moves_to_other_worker_counts(tmp_path):
+    assert_mpi_ok(2, MPI_MOVE, timeout=90, args=(1, "DATA", tmp_path, "save"), expect_lines=2)
+    out = assert_mpi_ok(3, MPI_MOVE, timeout=90, args=(1, "DATA", tmp_path, "load"),
+                        expect_lines=3)
+    assert out.count("OK resumed") == 3, out
+    out = assert_mpi_ok(1, MPI_MOVE, timeout=90, args=(2, "DATA", tmp_path, "load"),
+                        expect_lines=1)
+    assert "OK resumed" in out, out
+
+
+@pytest.mark.mpi
+def test_mpi_off_position_on_other_worker_count_is_an_error_on_every_rank(tmp_path):
+    assert_mpi_ok(2, MPI_MOVE, timeout=90, args=(1, "OFF", tmp_path, "save"), expect_lines=2)
+    out = assert_mpi_ok(3, MPI_MOVE, timeout=90, args=(1, "OFF", tmp_path, "load"),
+                        expect_lines=3)
+    assert out.count("OK error") == 3, out
+    assert "saved on 2 worker(s) x 1 replica(s) per worker (policy AutoShardPolicy.OFF) " \
+           "onto 3 worker(s) x 1 replica(s)" in out, out
