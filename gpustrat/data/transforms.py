@@ -427,10 +427,13 @@ class ShuffleDataset(UnaryDataset):
     def _state_iter(self, ctx):
         return _ShuffleIterator(self, self._input._state_iter(ctx))
 
-    def _epoch_restored(self, epoch: int) -> None:
-        """A restored iterator is at ``epoch``: later iterations reshuffle from the next."""
+    def _epoch_restored(self, epoch: int, seed: int) -> None:
+        """A restored iterator is at ``epoch`` of ``seed``: later iterations reshuffle
+        from the next epoch, with that seed (an unseeded shuffle keeps the seed the
+        saved job drew)."""
         nxt = next(self._epochs)
         self._epochs = itertools.count(max(nxt, epoch + 1))
+        self._seed = int(seed)
 
 
 class RepeatDataset(UnaryDataset):
@@ -883,7 +886,7 @@ class _ShuffleIterator(StateIterator):
     def restore(self, state):
         self._inputs[0].restore(state["input"])
         self._epoch, self._seed = int(state["epoch"]), int(state["seed"])
-        self._node._epoch_restored(self._epoch)
+        self._node._epoch_restored(self._epoch, self._seed)
         if not state["started"]:
             return
         self._started = True

@@ -252,3 +252,16 @@ def test_file_sources_resume_at_the_saved_element(tmp_path, kind):
         it = iter(build())
         next(it)
         assert it.get_state()["position"]["offset"] > 0  # a byte offset, not a count
+
+
+def test_unseeded_shuffle_in_repeat_resumes_exactly_across_epochs():
+    ds = Dataset.range(12).shuffle(12).repeat(3)      # a seed drawn per dataset object
+    it = iter(ds)
+    head = [int(next(it)) for _ in range(5)]
+    state = roundtrip(it.get_state())
+    rest = [int(x) for x in it]
+    other = Dataset.range(12).shuffle(12).repeat(3)   # a restarted job: another seed
+    restored = iter(other)
+    restored.set_state(state)
+    assert [int(x) for x in restored] == rest
+    assert sorted(head + rest) == sorted(list(range(12)) * 3)
