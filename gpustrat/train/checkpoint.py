@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from gpustrat.devices import to_host
 from gpustrat.distribute.variables import Variable
 from gpustrat.train import format as fmt
 
@@ -160,8 +161,10 @@ class Checkpoint:
             for name, obj in self._objects.items():
                 kind = _kind(name, obj)
                 if kind == "variable":
+                    # value(): a read-only view where the variable lives on the host,
+                    # so that saving copies nothing.
                     shared[name] = {"kind": kind, "tree": fmt.encode(
-                        obj.numpy(), shared_arrays, name)}
+                        np.asarray(to_host(obj.value())), shared_arrays, name)}
                 elif kind == "number":
                     shared[name] = {"kind": kind, "tree": fmt.encode(obj, shared_arrays, name)}
                 elif kind == "shared":
@@ -176,13 +179,13 @@ class Checkpoint:
             if rank == 0:
                 data = fmt.temp_name(fmt.data_file(path), token)
                 written.append(data)
-                fmt.write_npz(data, shared_arrays)
+                offsets = fmt.write_arrays(data, shared_arrays)
                 index = fmt.temp_name(fmt.index_file(path), token)
                 written.append(index)
                 fmt.write_json(index, {
                     "format": fmt.FORMAT, "version": fmt.VERSION, "num_workers": size,
                     "save_counter": self.save_counter, "objects": shared,
-                    "per_worker_objects": sorted(local)})
+                    "array_offsets": offsets, "per_worker_objects": sorted(local)})
         except Exception as e:  # noqa: BLE001 - reported on every worker below
             error = _describe(e)
         try:
@@ -241,7 +244,7 @@ class Checkpoint:
                 raise ValueError(f"{fmt.index_file(path)!r} is not a gpustrat checkpoint of "
                                  f"version {fmt.VERSION} (format {index.get('format')!r}, "
                                  f"version {index.get('version')!r})")
-            shared_arrays, _ = fmt.read_npz(fmt.data_file(path))
+            shared_arrays = fmt.read_arrays(fmt.data_file(path), index["array_offsets"])
             saved_w = index["num_workers"]
             wanted = [n for n, o in self._objects.items() if _kind(n, o) == "per_worker"
                       and n in index["per_worker_objects"]]

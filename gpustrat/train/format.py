@@ -11,7 +11,9 @@ Words:
         themselves.
 
 A checkpoint at path ``P`` is the files ``P.index`` (JSON: format, topology, the shared
-objects' encoded trees), ``P.data.npz`` (their arrays) and one ``P.worker-K-of-W.npz``
+objects' encoded trees, and each of their arrays' byte offset in ``P.data``),
+``P.data`` (those arrays, one ``.npy`` record after the other: ``numpy.load`` at the
+offset reads one) and one ``P.worker-K-of-W.npz``
 per worker (its arrays plus, under the key ``__tree__``, its encoded trees as UTF-8
 JSON). ``P.index`` is renamed into place last: a path is a checkpoint exactly when its
 index exists.
@@ -114,6 +116,29 @@ def write_npz(path: str, arrays: dict, tree: Any = None) -> None:
         os.fsync(f.fileno())
 
 
+def write_arrays(path: str, arrays: dict) -> dict:
+    """Write ``arrays`` one after the other as ``.npy`` records (``numpy.save`` each) to
+    ``path``, flush it to disk, and return ``{key: byte offset of its record}``."""
+    offsets = {}
+    with open(path, "wb") as f:
+        for key, a in arrays.items():
+            offsets[key] = f.tell()
+            np.save(f, a, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    return offsets
+
+
+def read_arrays(path: str, offsets: dict) -> dict:
+    """The arrays of a file :func:`write_arrays` wrote (``numpy.load`` at each offset)."""
+    out = {}
+    with open(path, "rb") as f:
+        for key, offset in offsets.items():
+            f.seek(offset)
+            out[key] = np.load(f, allow_pickle=False)
+    return out
+
+
 def write_json(path: str, obj: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1, sort_keys=True)
@@ -145,7 +170,7 @@ def worker_file(prefix: str, rank: int, size: int) -> str:
 
 
 def data_file(prefix: str) -> str:
-    return f"{prefix}.data.npz"
+    return f"{prefix}.data"
 
 
 def index_file(prefix: str) -> str:

@@ -68,11 +68,13 @@ def test_files_start_with_path_and_are_readable_with_numpy(tmp_path):
     ck = gs.train.Checkpoint(w=w, epoch=3)
     path = ck.write(str(tmp_path / "model"))
     files = sorted(os.listdir(tmp_path))
-    assert files == ["model.data.npz", "model.index", "model.worker-0-of-1.npz"]
+    assert files == ["model.data", "model.index", "model.worker-0-of-1.npz"]
     index = json.load(open(path + ".index"))
     assert index["format"] == "gpustrat-checkpoint" and index["num_workers"] == 1
     key = index["objects"]["w"]["tree"]["__array__"]
-    np.testing.assert_array_equal(np.load(path + ".data.npz")[key], [1.5, 2.5])
+    with open(path + ".data", "rb") as f:
+        f.seek(index["array_offsets"][key])
+        np.testing.assert_array_equal(np.load(f), [1.5, 2.5])
     assert index["objects"]["epoch"]["tree"] == 3
     assert ck.save_counter == 0
 
