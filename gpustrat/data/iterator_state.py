@@ -172,16 +172,23 @@ class PrefetchIterator(StateIterator):
                 self._unreturned.append(element)
             yield element
 
+    def start(self) -> "PrefetchIterator":
+        """Start reading ahead now rather than at the first ``next`` (not before a
+        ``restore``)."""
+        if self._threaded and self._prefetcher is None:
+            from gpustrat.data.parallel import Prefetcher  # noqa: PLC0415
+            self._prefetcher = Prefetcher(self._source(), self._buffer_size)
+        return self
+
     def __next__(self):
         if self._replay.items:
             return self._replay.items.popleft()
         if self._threaded:
-            if self._prefetcher is None:
-                from gpustrat.data.parallel import Prefetcher  # noqa: PLC0415
-                self._prefetcher = Prefetcher(self._source(), self._buffer_size)
+            self.start()
             element = next(self._prefetcher)
-            with self._lock:
-                self._unreturned.popleft()
+            # No lock: save() runs on this (the consuming) thread, never between these
+            # two lines, and the producer holds the lock while it reads (maybe slowly).
+            self._unreturned.popleft()
             return element
         t0 = time.perf_counter()
         element = next(self._input)

@@ -31,7 +31,7 @@ def roundtrip(state):
 
 
 SCALAR_OPS = ["map", "pmap", "filter", "shuffle", "repeat", "take", "skip", "shard",
-              "prefetch", "enumerate_first"]
+              "prefetch", "enumerate_first", "interleave", "pinterleave"]
 
 
 @hs.composite
@@ -74,6 +74,11 @@ def pipelines(draw):
                 ds = ds.shard(k % 3 + 1, k % (k % 3 + 1))
             elif op == "prefetch":
                 ds = ds.prefetch(k)
+            elif op in ("interleave", "pinterleave"):
+                ds = ds.interleave(
+                    lambda x: Dataset.range(int(x) % 4).map(lambda y, x=x: x * 10 + y),
+                    cycle_length=k % 3 + 1, block_length=k % 2 + 1,
+                    num_parallel_calls=2 if op == "pinterleave" else None)
             elif op == "enumerate_first":
                 ds = ds.enumerate(k).map(lambda i, x: i * 1000 + x)
         if tail == "batch":
@@ -265,3 +270,33 @@ def test_unseeded_shuffle_in_repeat_resumes_exactly_across_epochs():
     restored.set_state(state)
     assert [int(x) for x in restored] == rest
     assert sorted(head + rest) == sorted(list(range(12)) * 3)
+
+
+def test_interleave_over_unsaveable_datasets_iterates_but_refuses_to_save():
+    def gen():
+        yield from range(3)
+
+    def inner(x):
+        return Dataset.from_generator(gen, output_signature=gs.data.TensorSpec((), np.int64))
+    ds = Dataset.range(3).interleave(inner, cycle_length=2)
+    assert sorted(int(v) for v in ds) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    it = iter(ds)
+    next(it)
+    with pytest.raises(ValueError, match=r"interleave: .*from_generator\(gen\) cannot save"):
+        it.get_state()
+
+
+@pytest.mark.parametrize("parallel", [None, 3])
+def test_interleave_resumes_at_every_position(parallel):
+    def build():
+        return Dataset.range(1, 6).interleave(
+            lambda x: Dataset.range(int(x) * 2).map(lambda y, x=x: x * 100 + y),
+            cycle_length=2, block_length=3, num_parallel_calls=parallel)
+    full = [int(v) for v in build()]
+    assert len(full) == 30
+    for k in range(len(full) + 1):
+        it = iter(build())
+        head = [int(next(it)) for _ in range(k)]
+        restored = iter(build())
+        restored.set_state(roundtrip(it.get_state()))
+        assert head + [int(v) for v in restored] == full, k
