@@ -190,13 +190,14 @@ class PrefetchIterator(StateIterator):
             # two lines, and the producer holds the lock while it reads (maybe slowly).
             self._unreturned.popleft()
             return element
+        if not self._probe_left:
+            return next(self._input)
         t0 = time.perf_counter()
         element = next(self._input)
-        if self._probe_left:
-            self._spent += time.perf_counter() - t0
-            self._probe_left -= 1
-            if not self._probe_left and self._spent / self._probe >= self._min_cost:
-                self._threaded = True
+        self._spent += time.perf_counter() - t0
+        self._probe_left -= 1
+        if not self._probe_left and self._spent / self._probe >= self._min_cost:
+            self._threaded = True
         return element
 
     def save(self) -> dict:
@@ -279,6 +280,29 @@ class ParallelMapIterator(StateIterator):
             self._executor.shutdown(wait=True)
             self._executor = None
         super().close()
+
+
+class IndexedIterator(StateIterator):
+    """A source of ``count`` elements where element ``i`` is ``get(i)``; the state is
+    the next index."""
+
+    __slots__ = ("_count", "_get", "_pos")
+
+    def __init__(self, count: int, get):
+        self._count, self._get, self._pos = count, get, 0
+
+    def __next__(self):
+        pos = self._pos
+        if pos >= self._count:
+            raise StopIteration
+        self._pos = pos + 1
+        return self._get(pos)
+
+    def save(self) -> dict:
+        return {"pos": self._pos}
+
+    def restore(self, state: dict) -> None:
+        self._pos = int(state["pos"])
 
 
 class FunctionIterator(StateIterator):

@@ -19,7 +19,7 @@ import numpy as np
 from gpustrat import nest
 from gpustrat.data import structure as st
 from gpustrat.data.dataset import Dataset, _IterContext, rows_of_batches
-from gpustrat.data.iterator_state import FunctionIterator
+from gpustrat.data.iterator_state import FunctionIterator, IndexedIterator
 from gpustrat.data.spec import STRING, TensorSpec, spec_of
 
 # Range is produced in chunks of this many values: one arange per chunk instead of
@@ -54,15 +54,8 @@ class RangeDataset(Dataset):
 
     def _state_iter(self, ctx):
         start, step, make = self._start, self._step, self._dtype.type
-        n = _range_len(start, self._stop, step)
-
-        def step_fn(it):
-            pos = it.fields["pos"]
-            if pos >= n:
-                raise StopIteration
-            it.fields["pos"] = pos + 1
-            return make(start + pos * step)
-        return FunctionIterator((), step_fn, pos=0)
+        return IndexedIterator(_range_len(start, self._stop, step),
+                               lambda i: make(start + i * step))
 
     def _cardinality(self) -> int:
         return _range_len(self._start, self._stop, self._step)
@@ -92,18 +85,15 @@ class RangeBatchDataset(Dataset):
                             dtype=self._dtype)
 
     def _state_iter(self, ctx):
-        start, step, b = self._start, self._step, self._batch_size
+        start, step, b, dtype = self._start, self._step, self._batch_size, self._dtype
         n = _range_len(start, self._stop, step)
         end = n - n % b if self._drop else n
 
-        def step_fn(it):
-            i = it.fields["pos"]
-            if i >= end:
-                raise StopIteration
-            it.fields["pos"] = i + b
+        def get(k):
+            i = k * b
             return np.arange(start + i * step, start + min(end, i + b) * step, step,
-                             dtype=self._dtype)
-        return FunctionIterator((), step_fn, pos=0)
+                             dtype=dtype)
+        return IndexedIterator(-(-end // b), get)
 
     def _cardinality(self):
         n = _range_len(self._start, self._stop, self._step)
@@ -173,16 +163,10 @@ class TensorSliceDataset(Dataset):
             yield pack(row)
 
     def _state_iter(self, ctx):
-        leaves, pack, n = self._leaves, self._pack, self._n
-        single = len(leaves) == 1 and not nest.is_nested(self._structure)
-
-        def step_fn(it):
-            pos = it.fields["pos"]
-            if pos >= n:
-                raise StopIteration
-            it.fields["pos"] = pos + 1
-            return leaves[0][pos] if single else pack([a[pos] for a in leaves])
-        return FunctionIterator((), step_fn, pos=0)
+        leaves, pack = self._leaves, self._pack
+        if len(leaves) == 1 and not nest.is_nested(self._structure):
+            return IndexedIterator(self._n, leaves[0].__getitem__)
+        return IndexedIterator(self._n, lambda i: pack([a[i] for a in leaves]))
 
     def _cardinality(self):
         return self._n
@@ -221,15 +205,11 @@ class SlicedBatchDataset(Dataset):
         n, b = self._n, self._batch_size
         end = n - n % b if self._drop else n
         leaves, pack = self._leaves, self._pack
-        single = len(leaves) == 1 and not nest.is_nested(self._structure)
-
-        def step_fn(it):
-            i = it.fields["pos"]
-            if i >= end:
-                raise StopIteration
-            it.fields["pos"] = j = i + b
-            return leaves[0][i:j] if single else pack([a[i:j] for a in leaves])
-        return FunctionIterator((), step_fn, pos=0)
+        if len(leaves) == 1 and not nest.is_nested(self._structure):
+            a = leaves[0]
+            return IndexedIterator(-(-end // b), lambda k: a[k * b:min(end, k * b + b)])
+        return IndexedIterator(-(-end // b), lambda k: pack(
+            [a[k * b:min(end, k * b + b)] for a in leaves]))
 
     def _cardinality(self):
         n, b = self._n, self._batch_size
