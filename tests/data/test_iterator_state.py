@@ -41,7 +41,8 @@ def pipelines(draw):
     ops = draw(hs.lists(hs.tuples(hs.sampled_from(SCALAR_OPS), hs.integers(1, 9)),
                         max_size=5))
     tail = draw(hs.sampled_from(["none", "batch", "batch_drop", "batch_unbatch",
-                                 "batch_prefetch", "enumerate", "zip"]))
+                                 "batch_prefetch", "enumerate", "zip", "padded",
+                                 "padded_fused"]))
     b = draw(hs.integers(1, 5))
     seed = draw(hs.integers(0, 2 ** 32))
 
@@ -91,6 +92,13 @@ def pipelines(draw):
             ds = ds.batch(b).prefetch(2)
         elif tail == "enumerate":
             ds = ds.enumerate()
+        elif tail == "padded":
+            ds = ds.map(lambda x: np.arange(int(x) % 5)).padded_batch(b, padded_shapes=[None],
+                                                                      padding_values=-1)
+        elif tail == "padded_fused":
+            ds = ds.padded_batch(b) if source != "slices" or ops else \
+                Dataset.from_tensor_slices(np.arange(n * 2).reshape(n, 2)).padded_batch(
+                    b, padded_shapes=[3], padding_values=7)
         elif tail == "zip":
             ds = Dataset.zip((ds, Dataset.range(1000).map(lambda x: x * 7)))
         return ds
