@@ -158,7 +158,11 @@ class Checkpoint:
             directory = os.path.dirname(path)
             if directory:
                 os.makedirs(directory, exist_ok=True)
-            for name, obj in self._objects.items():
+            # Shared objects first: reading them may be a collective, which every worker
+            # must reach even when its own per-worker state fails afterwards.
+            ordered = sorted(self._objects.items(),
+                             key=lambda item: _kind(*item) == "per_worker")
+            for name, obj in ordered:
                 kind = _kind(name, obj)
                 if kind == "variable":
                     # value(): a read-only view where the variable lives on the host,

@@ -255,3 +255,38 @@ def test_mpi_off_position_on_other_worker_count_is_an_error_on_every_rank(tmp_pa
     assert out.count("OK error") == 3, out
     assert "saved on 2 worker(s) x 1 replica(s) per worker (policy AutoShardPolicy.OFF) " \
            "onto 3 worker(s) x 1 replica(s)" in out, out
+
+
+MPI_ONE_RANK_FAILS = r"""
+import os, sys
+import numpy as np
+import gpustrat as gs
+from gpustrat.data import Dataset
+
+directory = sys.argv[1]
+s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+with s.scope():
+    m = gs.metrics.Mean()
+    m.update_state(np.float32(s.worker_index))
+def gen():
+    yield from range(4)
+# worker 1's own pipeline cannot save its position; worker 0's can
+ds = Dataset.range(4) if s.worker_index == 0 else Dataset.from_generator(
+    gen, output_signature=gs.data.TensorSpec((), np.int64))
+it = iter(ds)
+next(it)
+with s.scope():
+    ck = gs.train.Checkpoint(input=it, metric=m)   # the failing one first
+    try:
+        ck.save(os.path.join(directory, "ck"))
+    except RuntimeError as e:
+        print(f"OK {s.worker_index} {e}", flush=True)
+"""
+
+
+@pytest.mark.mpi
+def test_mpi_a_failure_on_one_worker_is_an_error_on_every_worker(tmp_path):
+    out = assert_mpi_ok(2, MPI_ONE_RANK_FAILS, timeout=60, args=(tmp_path,), expect_lines=2)
+    assert out.count("failed on 1 of 2 workers: worker 1: ValueError: cannot save the "
+                     "position of this dataset iterator: from_generator(gen)") == 2, out
+    assert not [f for f in os.listdir(tmp_path)], os.listdir(tmp_path)
