@@ -94,7 +94,19 @@ s = gs.MultiWorkerMirroredStrategy(devices=[f"cpu:{i}" for i in range(R)])
 rank = s.worker_index
 
 def build():
-    ds = Dataset.range(90).shuffle(20, seed=3).batch(6)
+    if policy == "FILE":
+        paths = []
+        for f in range(4):
+            p = os.path.join(directory, f"part-{f}.txt")
+            if not os.path.exists(p):
+                with open(p + f".tmp{rank}", "w") as out:
+                    out.write("".join(f"{f * 1000 + i}\n" for i in range(20 + 3 * f)))
+                os.replace(p + f".tmp{rank}", p)
+            paths.append(p)
+        ds = gs.data.TextLineDataset(paths).map(
+            lambda line: np.int64(int(line))).batch(6)
+    else:
+        ds = Dataset.range(90).shuffle(20, seed=3).batch(6)
     o = Options()
     o.experimental_distribute.auto_shard_policy = getattr(P, policy)
     return ds.with_options(o)
@@ -131,6 +143,8 @@ mine = [v for step in head + tail2 for piece in step for v in piece]
 every = sorted(v for part in s.workers.allgather(mine) for v in part)
 if policy == "DATA":
     assert every == [x * 1 for x in range(90)], every
+if policy == "FILE":
+    assert every == sorted(f * 1000 + i for f in range(4) for i in range(20 + 3 * f)), every
 print(f"OK rank {rank} files {sorted(os.listdir(directory))}", flush=True)
 """
 
@@ -141,6 +155,13 @@ def test_mpi_resume_mid_epoch_same_topology(tmp_path, replicas):
     out = assert_mpi_ok(2, MPI_RESUME, timeout=120, args=(replicas, "DATA", tmp_path),
                         expect_lines=2)
     assert "ckpt-1.worker-1-of-2.npz" in out and "ckpt-1.index" in out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_mpi_file_sharded_text_resumes_on_the_same_topology(tmp_path, replicas):
+    assert_mpi_ok(2, MPI_RESUME, timeout=120, args=(replicas, "FILE", tmp_path),
+                  expect_lines=2)
 
 
 MPI_CRASH = r"""
