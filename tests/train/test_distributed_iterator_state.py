@@ -311,3 +311,15 @@ def test_mpi_a_failure_on_one_worker_is_an_error_on_every_worker(tmp_path):
     assert out.count("failed on 1 of 2 workers: worker 1: ValueError: cannot save the "
                      "position of this dataset iterator: from_generator(gen)") == 2, out
     assert not [f for f in os.listdir(tmp_path)], os.listdir(tmp_path)
+
+
+def test_restoring_into_another_dataset_is_a_clear_error(tmp_path):
+    s = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    it = iter(s.experimental_distribute_dataset(build()))
+    next(it)
+    path = gs.train.Checkpoint(input=it).save(str(tmp_path / "ck"))
+    other = Dataset.range(41).shuffle(16, seed=5).map(lambda x: x * 10).batch(4).prefetch(2)
+    it2 = iter(s.experimental_distribute_dataset(other))
+    with pytest.raises(RuntimeError, match=r"saved for another dataset: saved for "
+                                           r"\['PrefetchDataset:10'.*'RangeDataset:37'\]"):
+        gs.train.Checkpoint(input=it2).restore(path)
