@@ -123,6 +123,24 @@ class Metric:
             context.pop()
         return [r.values[0] if hasattr(r, "values") else r for r in reduced]
 
+    # --- checkpointing ----------------------------------------------------------------
+    #: A metric's state is its total over every replica: a checkpoint writes it once.
+    _checkpoint_per_worker = False
+
+    def _checkpoint_state(self) -> list:
+        """Each state variable's total over every replica in sync, as host arrays (a
+        collective under several workers: every worker calls it)."""
+        return [v.numpy() for v in self._variables]
+
+    def _restore_checkpoint_state(self, state: list) -> None:
+        """Set the state variables so that :meth:`result` gives the saved totals."""
+        if len(state) != len(self._variables):
+            raise ValueError(f"metric {self.name!r} has {len(self._variables)} state "
+                             f"variables, the checkpoint has {len(state)}: restore into "
+                             "the same metric class")
+        for v, value in zip(self._variables, state):
+            v.assign(np.asarray(value, self.dtype))
+
     def __repr__(self) -> str:
         return f"<gs.metrics.{type(self).__name__} {self.name!r}>"
 

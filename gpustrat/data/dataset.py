@@ -66,11 +66,56 @@ class DatasetIterator:
     reference to the iterator does the same.
     """
 
-    __slots__ = ("_gen", "_dataset")
+    __slots__ = ("_gen", "_dataset", "_stateful")
 
-    def __init__(self, dataset: "Dataset", gen: Iterator):
+    # A checkpoint saves one position per worker (each worker reads its own input).
+    _checkpoint_per_worker = True
+
+    def __init__(self, dataset: "Dataset", gen: Iterator, stateful: bool = False):
         self._gen = gen
         self._dataset = dataset
+        self._stateful = stateful
+
+    def get_state(self) -> dict:
+        """The position of this iterator: what ``next`` has returned so far (never
+        what a prefetch read ahead), as a state tree that :meth:`set_state` takes back.
+
+        Raises:
+            ValueError: a node of the pipeline cannot save its position (the message
+                names it).
+        """
+        if not self._stateful:
+            from gpustrat.data.iterator_state import unsupported_nodes  # noqa: PLC0415
+            why = unsupported_nodes(self._dataset) or ["this iterator was not made by iter()"]
+            raise ValueError("cannot save the position of this dataset iterator: "
+                             + "; ".join(why))
+        from gpustrat.data.iterator_state import fingerprint  # noqa: PLC0415
+        return {"dataset": fingerprint(self._dataset), "position": self._gen.save()}
+
+    def set_state(self, state: dict) -> None:
+        """Continue from a position that :meth:`get_state` returned, for the same
+        dataset (the same transformations over the same sizes).
+
+        Raises:
+            ValueError: the state is of another dataset, or this one cannot restore.
+        """
+        from gpustrat.data.iterator_state import fingerprint  # noqa: PLC0415
+        if not self._stateful:
+            self.get_state()  # raises the error naming the node
+        mine = fingerprint(self._dataset)
+        if list(state["dataset"]) != mine:
+            raise ValueError(f"cannot restore an iterator position saved for another "
+                             f"dataset: saved for {list(state['dataset'])}, this dataset is "
+                             f"{mine} (node:cardinality); restore into the pipeline that "
+                             "was saved")
+        from gpustrat.data.iterator_state import Guarded  # noqa: PLC0415
+        fresh = Guarded(self._dataset._state_iter(_IterContext()))
+        fresh.restore(state["position"])
+        self._gen.close()
+        self._gen = fresh
+
+    _checkpoint_state = get_state
+    _restore_checkpoint_state = set_state
 
     def __iter__(self) -> "DatasetIterator":
         return self
@@ -160,6 +205,20 @@ class Dataset(abc.ABC):
     def _cardinality(self) -> int:
         return UNKNOWN_CARDINALITY
 
+    # --- position saving (see gpustrat.data.iterator_state) ---------------------------
+
+    def _state_iter(self, ctx: _IterContext):
+        """A fresh :class:`~gpustrat.data.iterator_state.StateIterator` over one epoch;
+        only called when :meth:`_state_unsupported` of every node is None."""
+        raise NotImplementedError
+
+    def _state_unsupported(self) -> str | None:
+        """Why this node cannot save its position (None: it can)."""
+        if type(self)._state_iter is Dataset._state_iter:
+            return (f"{type(self).__name__} cannot save its position yet (saving the "
+                    "position of this transformation is not supported)")
+        return None
+
     def _compute_spec(self) -> Any:
         """The element spec; by default the first element's ranks and dtypes (a peek),
         every dimension None: nothing says that later elements have its shape."""
@@ -181,6 +240,11 @@ class Dataset(abc.ABC):
     # --- inspection ------------------------------------------------------------------
 
     def __iter__(self) -> DatasetIterator:
+        from gpustrat.data.iterator_state import unsupported_nodes  # noqa: PLC0415
+        if not unsupported_nodes(self):
+            from gpustrat.data.iterator_state import Guarded  # noqa: PLC0415
+            return DatasetIterator(self, Guarded(self._state_iter(_IterContext())),
+                                   stateful=True)
         return DatasetIterator(self, self._iter(_IterContext()))
 
     @property

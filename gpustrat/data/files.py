@@ -27,6 +27,7 @@ from typing import Any, BinaryIO, Iterator
 import numpy as np
 
 from gpustrat.data.dataset import (AUTOTUNE, Dataset, _IterContext, autotune_parallelism)
+from gpustrat.data.iterator_state import StateIterator
 from gpustrat.data.spec import STRING, TensorSpec
 from gpustrat.data.transforms import _close
 
@@ -291,6 +292,19 @@ class CompressedFileSource(FileSourceDataset):
     def _parse(self, f, path: str) -> Iterator:
         """The elements of one opened (decompressed) file."""
 
+    def _state_unsupported(self):
+        if self._files is None:
+            return (f"{self._what} over a dataset of file names cannot save its position "
+                    "yet: give the file names as a list")
+        if self._parallel_reads > 1:
+            return (f"{self._what} with num_parallel_reads={self._parallel_reads} cannot "
+                    "save its position yet: read the files one at a time "
+                    "(num_parallel_reads=None) to save the position")
+        return None
+
+    def _state_iter(self, ctx):
+        return _FileIterator(self)
+
     def _read_file(self, path):
         f = open_file(path, self._compression, self._what, self._buffer_size)
         try:
@@ -313,3 +327,66 @@ class TextLineDataset(CompressedFileSource):
             if line.endswith(b"\n"):
                 line = line[:-2] if line.endswith(b"\r\n") else line[:-1]
             yield line
+
+
+class _FileIterator(StateIterator):
+    """A file source read file after file; the state is the file's index and name and
+    the byte offset after the last element returned (for a compressed file, the number
+    of elements read from it, which a restore reads past again)."""
+
+    def __init__(self, node: CompressedFileSource):
+        self._node = node
+        self._file, self._offset, self._count = 0, 0, 0
+        self._f = self._parser = None
+
+    def _open(self) -> None:
+        node = self._node
+        path = node._files[self._file]
+        self._f = open_file(path, node._compression, node._what, node._buffer_size)
+        if not node._compression and self._offset:
+            self._f.seek(self._offset)
+        self._parser = node._parse(self._f, path)
+        if node._compression:
+            for _ in range(self._count):
+                next(self._parser)
+
+    def _close_file(self) -> None:
+        if self._parser is not None:
+            self._parser.close()
+            self._f.close()
+        self._f = self._parser = None
+
+    def __next__(self):
+        files = self._node._files
+        while self._file < len(files):
+            if self._parser is None:
+                self._open()
+            try:
+                element = next(self._parser)
+            except StopIteration:
+                self._close_file()
+                self._file, self._offset, self._count = self._file + 1, 0, 0
+                continue
+            self._count += 1
+            if not self._node._compression:
+                self._offset = self._f.tell()
+            return element
+        raise StopIteration
+
+    def save(self):
+        files = self._node._files
+        return {"file": self._file, "offset": self._offset, "count": self._count,
+                "path": files[self._file] if self._file < len(files) else None}
+
+    def restore(self, state):
+        files = self._node._files
+        i = int(state["file"])
+        if i > len(files) or (i < len(files) and files[i] != state["path"]):
+            raise ValueError(f"{self._node._what}: the saved position is in file "
+                             f"{state['path']!r} (number {i}), but this dataset's file "
+                             f"{i} is {files[i] if i < len(files) else 'missing'!r}: restore "
+                             "into a dataset over the same files")
+        self._file, self._offset, self._count = i, int(state["offset"]), int(state["count"])
+
+    def close(self):
+        self._close_file()

@@ -24,6 +24,7 @@ from typing import Callable
 
 from gpustrat.data import autoshard, parallel
 from gpustrat.data import structure as st
+from gpustrat.data.iterator_state import StateIterator
 from gpustrat.data.dataset import (AUTOTUNE, UNKNOWN_CARDINALITY, Dataset, _check_positive,
                                    _IterContext)
 from gpustrat.data.transforms import (UnaryDataset, _close, _function_spec,
@@ -125,6 +126,32 @@ class InterleaveDataset(UnaryDataset):
                     _close(it)
             _close(source)
 
+    def _state_iter(self, ctx):
+        return _InterleaveIterator(self, ctx)
+
+    def _open_state(self, element, ctx: _IterContext, key: tuple | None,
+                    state: dict | None = None):
+        """The state iterator of the dataset ``map_func`` returns for ``element`` (a
+        plain one whose ``save`` raises, naming the node, when that dataset cannot
+        save its position: iteration goes on, only saving is refused)."""
+        from gpustrat.data.iterator_state import (PrefetchIterator,  # noqa: PLC0415
+                                                  unsupported_nodes)
+        ds = st.call_with_element(self._fn, element)
+        if not isinstance(ds, Dataset):
+            raise TypeError(f"interleave: map_func must return a Dataset, got "
+                            f"{type(ds).__name__}")
+        if key is not None:
+            ds = autoshard.seeded_like_every_worker(ds, key)
+        why = unsupported_nodes(ds)
+        it = _Unsaveable(ds._iter(ctx), why) if why else ds._state_iter(ctx)
+        if self._parallelism is not None:
+            it = PrefetchIterator(it, max(2, self._block), False, 0.0, 0)
+        if state is not None:
+            it.restore(state)
+        if self._parallelism is not None:
+            it.start()   # every open slot reads ahead at once, as the parallel interleave does
+        return it
+
     def _cardinality(self):
         return UNKNOWN_CARDINALITY  # as tf.data, even for an empty input
 
@@ -138,3 +165,99 @@ class InterleaveDataset(UnaryDataset):
                                 f"{type(ds).__name__}")
             return ds.element_spec
         return _function_spec(self._input, dataset_spec)
+
+
+class _Unsaveable(StateIterator):
+    """A generator iterated as a state iterator whose position cannot be saved."""
+
+    def __init__(self, gen, why: list):
+        self._gen, self._why = gen, why
+
+    def __next__(self):
+        return next(self._gen)
+
+    def save(self):
+        raise ValueError("interleave: a dataset that map_func returned cannot save its "
+                         "position: " + "; ".join(self._why))
+
+    def close(self):
+        _close(self._gen)
+
+
+class _InterleaveIterator(StateIterator):
+    """``interleave``: the state is the input's, the cursor (slot, elements taken in the
+    block, datasets opened) and, for each open slot, the input element that opened it
+    and its dataset's state: a restore opens the slot again from that element."""
+
+    def __init__(self, node: InterleaveDataset, ctx):
+        self._node, self._ctx = node, ctx
+        self._source = node._input._state_iter(ctx)
+        self._slots: list = [None] * node._cycle     # (element, key, iterator)
+        self._end_of_input = False
+        self._index = self._taken = self._opened = 0
+        agreed = node._agreed_seed
+        self._epoch = None if agreed is None else next(node._epochs)
+
+    @property
+    def _inputs(self):
+        return [self._source] + [s[2] for s in self._slots if s is not None]
+
+    def _key(self, opened: int):
+        agreed = self._node._agreed_seed
+        return None if agreed is None else (agreed, self._epoch, opened)
+
+    def __next__(self):
+        cycle, block = self._node._cycle, self._node._block
+        while not self._end_of_input or any(s is not None for s in self._slots):
+            slot = self._slots[self._index]
+            if slot is not None:
+                try:
+                    element = next(slot[2])
+                except StopIteration:
+                    slot[2].close()
+                    self._slots[self._index] = None
+                    self._index, self._taken = (self._index + 1) % cycle, 0
+                    continue
+                self._taken += 1
+                if self._taken == block:
+                    self._index, self._taken = (self._index + 1) % cycle, 0
+                return element
+            if not self._end_of_input:
+                try:
+                    x = next(self._source)
+                except StopIteration:
+                    self._end_of_input = True
+                    continue
+                key = self._key(self._opened)
+                self._slots[self._index] = (x, self._opened, self._node._open_state(
+                    x, self._ctx, key))
+                self._opened += 1
+            else:
+                self._index, self._taken = (self._index + 1) % cycle, 0
+        raise StopIteration
+
+    def save(self):
+        return {"input": self._source.save(), "end_of_input": self._end_of_input,
+                "index": self._index, "taken": self._taken, "opened": self._opened,
+                "epoch": self._epoch,
+                "slots": [None if s is None else {"element": s[0], "opened": s[1],
+                                                  "state": s[2].save()}
+                          for s in self._slots]}
+
+    def restore(self, state):
+        self._source.restore(state["input"])
+        self._end_of_input = bool(state["end_of_input"])
+        self._index, self._taken = int(state["index"]), int(state["taken"])
+        self._opened, self._epoch = int(state["opened"]), state["epoch"]
+        for i, saved in enumerate(state["slots"]):
+            if saved is None:
+                continue
+            it = self._node._open_state(saved["element"], self._ctx,
+                                        self._key(int(saved["opened"])), saved["state"])
+            self._slots[i] = (saved["element"], int(saved["opened"]), it)
+
+    def close(self):
+        for s in self._slots:
+            if s is not None:
+                s[2].close()
+        self._source.close()

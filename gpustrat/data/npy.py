@@ -27,6 +27,7 @@ import numpy as np
 
 from gpustrat.data.dataset import Dataset
 from gpustrat.data.files import as_path_list
+from gpustrat.data.iterator_state import StateIterator
 from gpustrat.data.spec import TensorSpec
 
 # Rows per window for unbatched iteration: about this many bytes.
@@ -163,6 +164,9 @@ class NpyDataset(Dataset):
     def _batch_fused(self, batch_size, drop_remainder):
         return NpyBatchDataset(self, batch_size, drop_remainder)
 
+    def _state_iter(self, ctx):
+        return _NpyRowIterator(self)
+
 
 class NpyBatchDataset(Dataset):
     """``NpyDataset(...).batch(B)``: each batch one window (a batch spanning two files is
@@ -183,6 +187,9 @@ class NpyBatchDataset(Dataset):
     def _compute_spec(self):
         s = self._source.element_spec
         return TensorSpec((self._batch_size if self._drop else None,) + s.shape, s.dtype)
+
+    def _state_iter(self, ctx):
+        return _NpyRowIterator(self._source, self._batch_size, self._drop)
 
     def _iter(self, ctx):
         b, use_mmap = self._batch_size, self._source._mmap
@@ -205,3 +212,75 @@ class NpyBatchDataset(Dataset):
                 os.close(fd)
         if have and not self._drop:
             yield pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+
+class _NpyRowIterator(StateIterator):
+    """The rows of ``.npy`` files, read a window at a time; the state is the file's
+    index and the next row."""
+
+    def __init__(self, node: NpyDataset, batch_size: int | None = None,
+                 drop_remainder: bool = False):
+        self._node = node
+        self._batch_size, self._drop = batch_size, drop_remainder
+        self._meta = node._meta()
+        self._file, self._row = 0, 0
+        self._window, self._window_start = None, 0
+        self._fd = None
+
+    def _rows(self, want: int) -> np.ndarray | None:
+        """Up to ``want`` rows of the current file's current window (a view), or None
+        at the end of the last file."""
+        while self._file < len(self._meta):
+            m = self._meta[self._file]
+            if self._row >= m.rows:
+                self.close()
+                self._file, self._row = self._file + 1, 0
+                continue
+            w = self._window
+            if w is None or not self._window_start <= self._row < self._window_start + len(w):
+                if self._fd is None:
+                    self._fd = os.open(m.path, os.O_RDONLY)
+                size = max(1, _WINDOW_BYTES // max(1, m.row_items * m.dtype.itemsize))
+                self._window = w = m.read(self._fd, self._row,
+                                          min(m.rows, self._row + size), self._node._mmap)
+                self._window_start = self._row
+            i = self._row - self._window_start
+            out = w[i:i + want]
+            self._row += len(out)
+            return out
+        return None
+
+    def __next__(self):
+        if self._batch_size is None:
+            rows = self._rows(1)
+            if rows is None:
+                raise StopIteration
+            return rows[0]
+        pieces, have, b = [], 0, self._batch_size
+        while have < b:
+            rows = self._rows(b - have)
+            if rows is None:
+                break
+            pieces.append(rows)
+            have += len(rows)
+        if have == 0 or (have < b and self._drop):
+            raise StopIteration
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def save(self):
+        return {"file": self._file, "row": self._row,
+                "path": self._meta[self._file].path if self._file < len(self._meta) else None}
+
+    def restore(self, state):
+        i = int(state["file"])
+        if i < len(self._meta) and self._meta[i].path != state["path"]:
+            raise ValueError(f"NpyDataset: the saved position is in {state['path']!r}, this "
+                             f"dataset's file {i} is {self._meta[i].path!r}: restore into a "
+                             "dataset over the same files")
+        self._file, self._row = i, int(state["row"])
+
+    def close(self):
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._window = None

@@ -172,6 +172,49 @@ class PaddedBatchDataset(UnaryDataset):
             return fused._iter(ctx)  # a slicing source's rows have one shape: no padding
         return self._iter_padded(fused, ctx)
 
+    def _state_iter(self, ctx):
+        # Each batch is built inside one next(): the state is the input's (or the fused
+        # source's) position.
+        from gpustrat.data.iterator_state import FunctionIterator  # noqa: PLC0415
+        fused = self._input._batch_fused(self._batch_size, self._drop)
+        if fused is not None and self._padded_shapes_arg is None:
+            return fused._state_iter(ctx)
+        plan: list = []
+
+        def step_fn(it):
+            source = it._inputs[0]
+            if it.fields["done"]:
+                raise StopIteration
+            if fused is not None:
+                batch = next(source)
+                if not plan:
+                    specs, _, shapes, values = self._plan()
+                    flatten, pack = st.make_plan(batch)
+                    where = [f"component {i}" if len(specs) > 1 else "the elements"
+                             for i in range(len(specs))]
+                    targets = [_target([tuple(v.shape[1:])], p, w)
+                               for v, p, w in zip(flatten(batch), shapes, where)]
+                    plan.extend((flatten, pack, targets, values))
+                flatten, pack, targets, values = plan
+                return pack([_pad_batch(v, t, c)
+                             for v, t, c in zip(flatten(batch), targets, values)])
+            chunk = []
+            for element in source:
+                if not plan:
+                    specs, _, shapes, values = self._plan()
+                    plan.extend((*st.make_plan(element), specs, shapes, values))
+                chunk.append(plan[0](element))
+                if len(chunk) == self._batch_size:
+                    break
+            else:
+                it.fields["done"] = True
+                if not chunk or self._drop:
+                    raise StopIteration
+            _, pack, specs, shapes, values = plan
+            return pack(_pad_columns(chunk, specs, shapes, values))
+        return FunctionIterator(((fused or self._input)._state_iter(ctx),), step_fn,
+                                done=False)
+
     def _iter_padded(self, fused: Dataset | None, ctx):
         it = (fused or self._input)._iter(ctx)
         try:

@@ -19,6 +19,7 @@ import numpy as np
 from gpustrat import nest
 from gpustrat.data import structure as st
 from gpustrat.data.dataset import Dataset, _IterContext, rows_of_batches
+from gpustrat.data.iterator_state import FunctionIterator, IndexedIterator
 from gpustrat.data.spec import STRING, TensorSpec, spec_of
 
 # Range is produced in chunks of this many values: one arange per chunk instead of
@@ -51,6 +52,11 @@ class RangeDataset(Dataset):
             last = start + min(n, c + _RANGE_CHUNK) * step
             yield from np.arange(first, last, step, dtype=self._dtype)
 
+    def _state_iter(self, ctx):
+        start, step, make = self._start, self._step, self._dtype.type
+        return IndexedIterator(_range_len(start, self._stop, step),
+                               lambda i: make(start + i * step))
+
     def _cardinality(self) -> int:
         return _range_len(self._start, self._stop, self._step)
 
@@ -78,6 +84,17 @@ class RangeBatchDataset(Dataset):
             yield np.arange(start + i * step, start + min(end, i + b) * step, step,
                             dtype=self._dtype)
 
+    def _state_iter(self, ctx):
+        start, step, b, dtype = self._start, self._step, self._batch_size, self._dtype
+        n = _range_len(start, self._stop, step)
+        end = n - n % b if self._drop else n
+
+        def get(k):
+            i = k * b
+            return np.arange(start + i * step, start + min(end, i + b) * step, step,
+                             dtype=dtype)
+        return IndexedIterator(-(-end // b), get)
+
     def _cardinality(self):
         n = _range_len(self._start, self._stop, self._step)
         return n // self._batch_size if self._drop else math.ceil(n / self._batch_size)
@@ -98,6 +115,14 @@ class TensorsDataset(Dataset):
 
     def _iter(self, ctx):
         yield self._element
+
+    def _state_iter(self, ctx):
+        def step_fn(it):
+            if it.fields["done"]:
+                raise StopIteration
+            it.fields["done"] = True
+            return self._element
+        return FunctionIterator((), step_fn, done=False)
 
     def _cardinality(self):
         return 1
@@ -137,6 +162,12 @@ class TensorSliceDataset(Dataset):
         for row in zip(*leaves):
             yield pack(row)
 
+    def _state_iter(self, ctx):
+        leaves, pack = self._leaves, self._pack
+        if len(leaves) == 1 and not nest.is_nested(self._structure):
+            return IndexedIterator(self._n, leaves[0].__getitem__)
+        return IndexedIterator(self._n, lambda i: pack([a[i] for a in leaves]))
+
     def _cardinality(self):
         return self._n
 
@@ -169,6 +200,16 @@ class SlicedBatchDataset(Dataset):
         for i in range(0, end, b):
             j = i + b
             yield pack([a[i:j] for a in leaves])
+
+    def _state_iter(self, ctx):
+        n, b = self._n, self._batch_size
+        end = n - n % b if self._drop else n
+        leaves, pack = self._leaves, self._pack
+        if len(leaves) == 1 and not nest.is_nested(self._structure):
+            a = leaves[0]
+            return IndexedIterator(-(-end // b), lambda k: a[k * b:min(end, k * b + b)])
+        return IndexedIterator(-(-end // b), lambda k: pack(
+            [a[k * b:min(end, k * b + b)] for a in leaves]))
 
     def _cardinality(self):
         n, b = self._n, self._batch_size
@@ -235,6 +276,14 @@ class GeneratorDataset(Dataset):
         self._generator = generator
         self._args = tuple(args) if args is not None else ()
         self._signature = output_signature
+
+    def _state_unsupported(self):
+        name = getattr(self._generator, "__name__", type(self._generator).__name__) \
+            if hasattr(self, "_generator") else "the generator"
+        return (f"from_generator({name}) cannot save its position: a Python generator's "
+                "state cannot be saved; build the source from range, from_tensor_slices "
+                "or files, or make the generator's input an index dataset "
+                "(range(n).map(load_item))")
 
     def _iter(self, ctx):
         sig = self._signature

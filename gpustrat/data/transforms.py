@@ -28,6 +28,9 @@ from gpustrat.data import structure as st
 from gpustrat.data.dataset import (AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY,
                                    Dataset, _check_int, _check_positive, _IterContext,
                                    autotune_parallelism, rows_of_batches)
+from gpustrat.data.iterator_state import (FunctionIterator, ParallelMapIterator,
+                                          PrefetchIterator, StateIterator,
+                                          pack_elements, unpack_elements)
 from gpustrat.data.options import Options
 from gpustrat.data.spec import TensorSpec, merge_specs, spec_of, zeros_like_spec
 
@@ -100,6 +103,37 @@ class BatchDataset(UnaryDataset):
                 yield build(chunk)
         finally:
             _close(it)
+
+    def _state_iter(self, ctx):
+        # A batch is built inside one next(): between calls there is no partial buffer,
+        # so the state is the input's.
+        b, drop = self._batch_size, self._drop
+        plan = []
+
+        def build(chunk):
+            if not plan:
+                flatten, pack = st.make_plan(chunk[0])
+                plan.extend((flatten, pack, len(flatten(chunk[0])) == 1
+                             and not nest.is_nested(chunk[0])))
+            flatten, pack, single = plan
+            if single:
+                return st.stack(chunk)
+            columns = zip(*[flatten(e) for e in chunk])
+            return pack([st.stack(list(c)) for c in columns])
+
+        def step_fn(it):
+            if it.fields["done"]:
+                raise StopIteration
+            chunk = []
+            for element in it._inputs[0]:
+                chunk.append(element)
+                if len(chunk) == b:
+                    return build(chunk)
+            it.fields["done"] = True
+            if chunk and not drop:
+                return build(chunk)
+            raise StopIteration
+        return FunctionIterator((self._input._state_iter(ctx),), step_fn, done=False)
 
     def _cardinality(self):
         n = self._input._cardinality()
@@ -198,6 +232,10 @@ class UnbatchDataset(UnaryDataset):
         finally:
             _close(it)
 
+    def _state_iter(self, ctx):
+        self._input_spec()
+        return _UnbatchIterator(self._input._state_iter(ctx))
+
     def _cardinality(self):
         n = self._input._cardinality()
         if n < 0:
@@ -270,6 +308,16 @@ class MapDataset(UnaryDataset):
             deterministic = self.options().deterministic is not False
         yield from parallel.parallel_map(it, call, self._parallelism, deterministic)
 
+    def _state_iter(self, ctx):
+        source = self._input._state_iter(ctx)
+        call = self._call
+        if self._parallelism is None or self._parallelism == 1:
+            return FunctionIterator((source,), lambda it: call(next(it._inputs[0])))
+        deterministic = self._deterministic
+        if deterministic is None:
+            deterministic = self.options().deterministic is not False
+        return ParallelMapIterator(source, call, self._parallelism, deterministic)
+
     def _compute_spec(self):
         # The function decides the spec (see _function_spec).
         return _function_spec(self._input, lambda element: spec_of(self._call(element)))
@@ -299,6 +347,22 @@ class FilterDataset(UnaryDataset):
                     yield element
         finally:
             _close(it)
+
+    def _state_iter(self, ctx):
+        pred = self._predicate
+
+        def step_fn(it):
+            for element in it._inputs[0]:
+                keep = st.call_with_element(pred, element)
+                if type(keep) is not bool:
+                    if np.ndim(keep) != 0:
+                        raise ValueError(f"filter: predicate must return a scalar boolean, "
+                                         f"got a value of shape {np.shape(keep)}")
+                    keep = bool(keep)
+                if keep:
+                    return element
+            raise StopIteration
+        return FunctionIterator((self._input._state_iter(ctx),), step_fn)
 
     def _cardinality(self):
         return UNKNOWN_CARDINALITY  # as tf.data, even for an empty input
@@ -360,6 +424,17 @@ class ShuffleDataset(UnaryDataset):
         finally:
             _close(it)
 
+    def _state_iter(self, ctx):
+        return _ShuffleIterator(self, self._input._state_iter(ctx))
+
+    def _epoch_restored(self, epoch: int, seed: int) -> None:
+        """A restored iterator is at ``epoch`` of ``seed``: later iterations reshuffle
+        from the next epoch, with that seed (an unseeded shuffle keeps the seed the
+        saved job drew)."""
+        nxt = next(self._epochs)
+        self._epochs = itertools.count(max(nxt, epoch + 1))
+        self._seed = int(seed)
+
 
 class RepeatDataset(UnaryDataset):
     """``repeat(count)``: None or -1 repeats forever (an empty input stays empty)."""
@@ -381,6 +456,9 @@ class RepeatDataset(UnaryDataset):
                 _close(it)
             if not got:
                 return
+
+    def _state_iter(self, ctx):
+        return _RepeatIterator(self, ctx)
 
     def _cardinality(self):
         n = self._input._cardinality()
@@ -406,6 +484,17 @@ class TakeDataset(UnaryDataset):
             yield from (it if self._count < 0 else itertools.islice(it, self._count))
         finally:
             _close(it)
+
+    def _state_iter(self, ctx):
+        count = self._count
+
+        def step_fn(it):
+            if 0 <= count <= it.fields["taken"]:
+                raise StopIteration
+            element = next(it._inputs[0])
+            it.fields["taken"] += 1
+            return element
+        return FunctionIterator((self._input._state_iter(ctx),), step_fn, taken=0)
 
     def _cardinality(self):
         n = self._input._cardinality()
@@ -433,6 +522,19 @@ class SkipDataset(UnaryDataset):
             yield from itertools.islice(it, self._count, None)
         finally:
             _close(it)
+
+    def _state_iter(self, ctx):
+        count = self._count
+
+        def step_fn(it):
+            if count < 0:
+                raise StopIteration
+            source = it._inputs[0]
+            while it.fields["skipped"] < count:
+                next(source)
+                it.fields["skipped"] += 1
+            return next(source)
+        return FunctionIterator((self._input._state_iter(ctx),), step_fn, skipped=0)
 
     def _cardinality(self):
         n = self._input._cardinality()
@@ -463,6 +565,17 @@ class ShardDataset(UnaryDataset):
         finally:
             _close(it)
 
+    def _state_iter(self, ctx):
+        index, num = self._index, self._num
+
+        def step_fn(it):
+            source = it._inputs[0]
+            for _ in range(num - 1 if it.fields["started"] else index):
+                next(source)
+            it.fields["started"] = True
+            return next(source)
+        return FunctionIterator((self._input._state_iter(ctx),), step_fn, started=False)
+
     def _cardinality(self):
         n = self._input._cardinality()
         if n < 0:
@@ -484,6 +597,14 @@ class EnumerateDataset(UnaryDataset):
                 yield np.int64(i), element
         finally:
             _close(it)
+
+    def _state_iter(self, ctx):
+        def step_fn(it):
+            element = next(it._inputs[0])
+            i = it.fields["i"]
+            it.fields["i"] = i + 1
+            return np.int64(i), element
+        return FunctionIterator((self._input._state_iter(ctx),), step_fn, i=self._start)
 
     def _compute_spec(self):
         return (TensorSpec((), _INT64), self._input.element_spec)
@@ -519,6 +640,13 @@ class PrefetchDataset(UnaryDataset):
             return parallel.adaptive_prefetch(it, self._buffer_size)
         return parallel.prefetch(it, self._buffer_size)
 
+    def _state_iter(self, ctx):
+        it = self._input._state_iter(ctx)
+        if self._buffer_size == 0:
+            return it
+        return PrefetchIterator(it, self._buffer_size, self._adaptive,
+                                parallel.ADAPTIVE_MIN_COST_S, parallel.ADAPTIVE_PROBE)
+
 
 class OptionsDataset(UnaryDataset):
     """``with_options(options)``: the input, with options attached."""
@@ -534,6 +662,9 @@ class OptionsDataset(UnaryDataset):
 
     def _iter(self, ctx):
         return self._input._iter(ctx)
+
+    def _state_iter(self, ctx):
+        return self._input._state_iter(ctx)
 
 
 class ZipDataset(Dataset):
@@ -569,6 +700,15 @@ class ZipDataset(Dataset):
         finally:
             for it in its:
                 _close(it)
+
+    def _state_iter(self, ctx):
+        nested = nest.is_nested(self._structure)
+        _, pack = st.make_plan(self._structure)
+
+        def step_fn(it):
+            row = [next(i) for i in it._inputs]
+            return pack(row) if nested else row[0]
+        return FunctionIterator([d._state_iter(ctx) for d in self._datasets], step_fn)
 
     def _cardinality(self):
         ns = [d._cardinality() for d in self._datasets]
@@ -609,6 +749,22 @@ class ConcatenateDataset(Dataset):
             finally:
                 _close(it)
 
+    def _state_iter(self, ctx):
+        try:
+            self.element_spec
+        except ValueError:
+            pass
+
+        def step_fn(it):
+            while it.fields["which"] < 2:
+                try:
+                    return next(it._inputs[it.fields["which"]])
+                except StopIteration:
+                    it.fields["which"] += 1
+            raise StopIteration
+        return FunctionIterator((self._first._state_iter(ctx), self._second._state_iter(ctx)),
+                                step_fn, which=0)
+
     def _cardinality(self):
         a, b = self._first._cardinality(), self._second._cardinality()
         if INFINITE_CARDINALITY in (a, b):
@@ -625,3 +781,163 @@ class ConcatenateDataset(Dataset):
             raise TypeError(f"concatenate: the datasets' element specs are incompatible: "
                             f"{a} vs {b} ({e})") from None
 
+
+
+class _UnbatchIterator(StateIterator):
+    """``unbatch``: the state is the input's plus the batch being split and the next row."""
+
+    def __init__(self, source: StateIterator):
+        self._inputs = (source,)
+        self._element, self._rows, self._row = None, [], 0
+        self._plan = None
+
+    def __next__(self):
+        while self._element is None or self._row >= len(self._rows):
+            self._set(next(self._inputs[0]), 0)
+        row = self._rows[self._row]
+        self._row += 1
+        return row
+
+    def _set(self, element, row: int) -> None:
+        if not nest.is_nested(element):
+            if np.ndim(element) == 0:
+                raise ValueError("unbatch: element is a scalar; unbatching needs a "
+                                 "leading dimension")
+            rows = list(element)
+        else:
+            if self._plan is None:
+                self._plan = st.make_plan(element)
+            flatten, pack = self._plan
+            leaves = flatten(element)
+            dims = [st.leading_dim(v) for v in leaves]
+            if len(set(dims)) != 1:
+                raise ValueError(f"unbatch: components have different leading "
+                                 f"dimensions {dims}; they must all be equal")
+            rows = [pack(r) for r in zip(*leaves)]
+        self._element, self._rows, self._row = element, rows, row
+
+    def save(self):
+        current = None if self._element is None or self._row >= len(self._rows) \
+            else {"element": self._element, "row": self._row}
+        return {"input": self._inputs[0].save(), "current": current}
+
+    def restore(self, state):
+        self._inputs[0].restore(state["input"])
+        if state["current"] is not None:
+            self._set(state["current"]["element"], int(state["current"]["row"]))
+
+
+class _ShuffleIterator(StateIterator):
+    """``shuffle`` with the same draws as ``ShuffleDataset._iter``; the state is the
+    buffer, the generator's state, the unused draws and the input's state."""
+
+    def __init__(self, node: ShuffleDataset, source: StateIterator):
+        self._node = node
+        self._inputs = (source,)
+        self._started = False
+        # The epoch and seed are fixed when the iterator is made, so that the position
+        # saved before the first element already says which order the epoch has.
+        self._epoch = next(node._epochs) if node._reshuffle else 0
+        self._seed = node._seed
+        self._rng = None
+        self._buf: list = []
+        self._exhausted = False
+        self._draws, self._k = [], 0
+
+    def _start(self):
+        node = self._node
+        self._rng = np.random.default_rng([self._seed, self._epoch])
+        source = self._inputs[0]
+        self._buf = list(itertools.islice(source, node._buffer_size))
+        self._exhausted = len(self._buf) < node._buffer_size
+        self._draws, self._k = self._rng.random(1024).tolist(), 0
+        self._started = True
+
+    def __next__(self):
+        if not self._started:
+            self._start()
+        buf = self._buf
+        if not buf:
+            raise StopIteration
+        if self._k == 1024:
+            self._draws, self._k = self._rng.random(1024).tolist(), 0
+        idx = int(self._draws[self._k] * len(buf))
+        self._k += 1
+        out = buf[idx]
+        nxt = _MISSING if self._exhausted else next(self._inputs[0], _MISSING)
+        if nxt is _MISSING:
+            self._exhausted = True
+            buf[idx] = buf[-1]
+            buf.pop()
+        else:
+            buf[idx] = nxt
+        return out
+
+    def save(self):
+        if not self._started:
+            return {"started": False, "epoch": self._epoch, "seed": self._seed,
+                    "input": self._inputs[0].save()}
+        return {"started": True, "epoch": self._epoch, "seed": self._seed,
+                "rng": self._rng.bit_generator.state,
+                "buffer": pack_elements(self._buf), "exhausted": self._exhausted,
+                "draws": np.asarray(self._draws[self._k:], np.float64),
+                "input": self._inputs[0].save()}
+
+    def restore(self, state):
+        self._inputs[0].restore(state["input"])
+        self._epoch, self._seed = int(state["epoch"]), int(state["seed"])
+        self._node._epoch_restored(self._epoch, self._seed)
+        if not state["started"]:
+            return
+        self._started = True
+        self._rng = np.random.default_rng()
+        self._rng.bit_generator.state = state["rng"]
+        self._buf = unpack_elements(state["buffer"])
+        self._exhausted = bool(state["exhausted"])
+        self._draws = state["draws"].tolist()
+        self._k = 1024 - len(self._draws)
+        self._draws = [0.0] * self._k + self._draws
+
+
+class _RepeatIterator(StateIterator):
+    """``repeat``: the state is the pass number and the current pass's input state."""
+
+    def __init__(self, node: RepeatDataset, ctx):
+        self._node, self._ctx = node, ctx
+        self._inputs = [None]
+        self._pass, self._got, self._done = 0, False, False
+
+    def __next__(self):
+        node = self._node
+        while not self._done:
+            if self._inputs[0] is None:
+                if 0 <= node._count <= self._pass:
+                    self._done = True
+                    break
+                self._inputs[0] = node._input._state_iter(self._ctx)
+                self._got = False
+            try:
+                element = next(self._inputs[0])
+            except StopIteration:
+                self._inputs[0].close()
+                self._inputs[0] = None
+                if not self._got:
+                    self._done = True
+                    break
+                self._pass += 1
+                continue
+            self._got = True
+            return element
+        raise StopIteration
+
+    def save(self):
+        current = self._inputs[0]
+        return {"pass": self._pass, "got": self._got, "done": self._done,
+                "input": None if current is None else current.save()}
+
+    def restore(self, state):
+        self._pass, self._got, self._done = int(state["pass"]), bool(state["got"]), \
+            bool(state["done"])
+        if state["input"] is not None:
+            self._inputs[0] = self._node._input._state_iter(self._ctx)
+            self._inputs[0].restore(state["input"])

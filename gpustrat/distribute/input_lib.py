@@ -137,8 +137,23 @@ class _DistributedBase:
         raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
 
     def __iter__(self) -> "DistributedIterator":
-        return DistributedIterator(self._strategy, self._epoch_steps(), self._options,
-                                   self.element_spec, self._stats)
+        return DistributedIterator(self._strategy, self, self._options, self.element_spec,
+                                   self._stats)
+
+    def _epoch(self, start_state=None):
+        """``(steps, start)`` of a new epoch: the steps generator, and the position of
+        this worker's dataset iterator before its first element (None where the
+        pipeline cannot save its position; the reason is then in ``start``'s place as
+        a string). ``start_state`` restores that position first."""
+        source = iter(self._dataset)
+        if start_state is not None:
+            source.set_state(start_state)
+        try:
+            start = source.get_state() if hasattr(source, "get_state") else \
+                f"{type(self._dataset).__name__} has no iterator position to save"
+        except ValueError as e:
+            start = str(e)
+        return self._epoch_steps(source), start
 
 
 def _spec_or_none(dataset) -> Any:
@@ -252,13 +267,13 @@ class DistributedDataset(_DistributedBase):
                             f"{'infinite' if n == -1 else 'unknown'}")
         return n
 
-    def _epoch_steps(self):
+    def _epoch_steps(self, source):
         if self._whole:
-            return ([element] for element in self._dataset)
+            return ([element] for element in source)
         s = self._strategy
         local, workers = len(s.local_devices), s.workers
         splitter = Splitter(s.num_replicas_in_sync)
-        steps = deal_steps(iter(self._dataset), splitter, workers.rank, workers.size, local,
+        steps = deal_steps(source, splitter, workers.rank, workers.size, local,
                            self._stream)
         if workers.size == 1:
             return steps
@@ -310,13 +325,13 @@ class DistributedDatasetsFromFunction(_DistributedBase):
             return self._dataset.cardinality() if hasattr(self._dataset, "cardinality") else -2
         return n if self._strategy.num_workers == 1 else -2
 
-    def _epoch_steps(self):
+    def _epoch_steps(self, source):
         if self._whole:
-            return ([element] for element in self._dataset)
+            return ([element] for element in source)
         s = self._strategy
         local, workers = len(s.local_devices), s.workers
         splitter = Splitter(1, "distribute_datasets_from_function")
-        steps = _take_in_turn(iter(self._dataset), local, splitter)
+        steps = _take_in_turn(source, local, splitter)
         if workers.size == 1:
             return steps
         return end_of_data.agreed_steps(steps, workers, local, self._steps_per_epoch(),
@@ -418,23 +433,112 @@ class DistributedIterator:
     """Iterator over a distributed dataset: ``next``/``get_next`` raise at the end,
     ``get_next_as_optional`` returns an :class:`Optional`."""
 
-    def __init__(self, strategy, steps, options: InputOptions, element_spec, stats):
+    # A checkpoint saves one position per worker.
+    _checkpoint_per_worker = True
+
+    def __init__(self, strategy, dataset, options: InputOptions, element_spec, stats):
         self._strategy = strategy
+        self._source = dataset
+        self._options = options
         self.element_spec = element_spec
         self._stats = stats
-        self._placer = Placer(strategy.local_devices, steps,
-                              fetch_to_device=options.experimental_fetch_to_device,
-                              buffer_size=options.experimental_per_replica_buffer_size)
         self._single = len(strategy.local_devices) == 1
+        self._start_epoch(None)
+
+    def _start_epoch(self, start_state) -> None:
+        steps, self._start = self._source._epoch(start_state)
+        self._returned = 0
+        self._placer = Placer(self._strategy.local_devices, steps,
+                              fetch_to_device=self._options.experimental_fetch_to_device,
+                              buffer_size=self._options.experimental_per_replica_buffer_size)
+
+    @property
+    def distribute_strategy(self):
+        return self._strategy
 
     def __iter__(self):
         return self
 
     def __next__(self):
         step = self._placer.next()  # raises StopIteration at the end
+        self._returned += 1
         if self._single:
             return step[0]
         return _regroup_pieces(step, self._strategy.local_devices)
+
+    def _topology(self) -> list:
+        s = self._strategy
+        return [s.num_workers, len(s.local_devices)]
+
+    def get_state(self) -> dict:
+        """This worker's position: the steps ``next`` has returned this epoch and its
+        dataset iterator's position at the start of the epoch (never what the
+        prefetchers read ahead). Every worker saves its own.
+
+        Raises:
+            ValueError: the pipeline cannot save its position (the message names the
+                transformation).
+        """
+        if isinstance(self._start, str):
+            raise ValueError(f"cannot save the position of this distributed iterator: "
+                             f"{self._start}")
+        return {"steps": self._returned, "start": self._start,
+                "topology": self._topology(), "worker": self._strategy.worker_index,
+                "policy": str(getattr(self._source, "auto_shard_policy", "FUNCTION")),
+                "batch_aligned": self._batch_aligned()}
+
+    def _batch_aligned(self) -> bool:
+        """Whether step k is global batch k on every worker, whatever the topology: a
+        distributed dataset on one worker, or under the DATA policy."""
+        from gpustrat.data import AutoShardPolicy  # noqa: PLC0415
+        return isinstance(self._source, DistributedDataset) and (
+            self._strategy.num_workers == 1 or
+            self._source.auto_shard_policy is AutoShardPolicy.DATA)
+
+    def _restore_checkpoint_state_from(self, states: list) -> None:
+        """Restore from the positions every worker of another worker count saved: the
+        same global batch position on every worker, when the steps were batch-aligned."""
+        steps = {int(st["steps"]) for st in states}
+        if not all(st.get("batch_aligned") for st in states) or len(steps) != 1:
+            saved = states[0]["topology"]
+            raise ValueError(
+                f"cannot restore a distributed iterator saved on {saved[0]} worker(s) x "
+                f"{saved[1]} replica(s) per worker (policy {states[0]['policy']}) onto "
+                f"{self._topology()[0]} worker(s) x {self._topology()[1]} replica(s) per "
+                "worker: only positions saved under the DATA policy (or on one worker) "
+                "can move to another topology; restart with the saved topology")
+        self.set_state(states[0])
+
+    def set_state(self, state: dict) -> None:
+        """Continue from a position :meth:`get_state` returned on the same number of
+        workers and replicas per worker. Collective under several workers (the steps
+        before the position are read again, without running them).
+
+        Raises:
+            ValueError: the position was saved on another topology, or for another
+                dataset.
+        """
+        saved, mine = list(state["topology"]), self._topology()
+        # Batch-aligned positions are a number of global batches: any topology that is
+        # batch-aligned too continues with the same remaining batches.
+        moves = state.get("batch_aligned") and self._batch_aligned()
+        if saved != mine and not moves:
+            raise ValueError(
+                f"cannot restore a distributed iterator saved on {saved[0]} worker(s) x "
+                f"{saved[1]} replica(s) per worker onto {mine[0]} worker(s) x {mine[1]} "
+                "replica(s) per worker: restoring an input position onto another "
+                "topology is not supported yet; restart with the saved topology")
+        if not moves and int(state["worker"]) != self._strategy.worker_index:
+            raise ValueError(f"this position was saved by worker {state['worker']}, not "
+                             f"worker {self._strategy.worker_index}")
+        self._placer.close()
+        self._start_epoch(state["start"])
+        for _ in range(int(state["steps"])):
+            self._placer.next()
+        self._returned = int(state["steps"])
+
+    _checkpoint_state = get_state
+    _restore_checkpoint_state = set_state
 
     def get_next(self):
         """The next step; raises :class:`gpustrat.errors.OutOfRangeError` at the end."""

@@ -141,6 +141,7 @@ class Optimizer:
         return count
 
     def _build(self, variables) -> None:
+        pending = self.__dict__.get("_restored_slots") or {}
         for v in variables:
             if v in self._slots:
                 continue
@@ -149,6 +150,48 @@ class Optimizer:
                 made[s] = zeros(strategy_of(v), v.shape, v.dtype, f"{v.name}/{s}")
                 self._slot_list.append(made[s])
             self._slots[v] = made
+            for s, value in pending.pop(v.name, {}).items():
+                if s in made:
+                    made[s].assign(value)
+
+    # --- checkpointing ----------------------------------------------------------------
+    #: The optimizer's state is the same on every worker: a checkpoint writes it once.
+    _checkpoint_per_worker = False
+
+    def _checkpoint_state(self) -> dict:
+        """``iterations`` and every slot (keyed by its variable's name), as host arrays.
+
+        Slots restored before the optimizer made them (a checkpoint read before the
+        first step) and not yet claimed are saved again as they were read.
+        """
+        slots = {v.name: {s: slot.numpy() for s, slot in made.items()}
+                 for v, made in self._slots.items()}
+        for name, made in (self.__dict__.get("_restored_slots") or {}).items():
+            slots.setdefault(name, made)
+        return {"iterations": self._iterations.numpy(), "slots": slots}
+
+    def _restore_checkpoint_state(self, state: dict) -> None:
+        """Set ``iterations`` and the slots from :meth:`_checkpoint_state`'s output.
+
+        Slots of variables this optimizer has not trained yet are kept and assigned when
+        the first step makes them, as TensorFlow defers a restore to the slot's creation.
+        """
+        self._iterations.assign(np.asarray(state["iterations"], np.int64))
+        pending = {}
+        by_name = {v.name: made for v, made in self._slots.items()}
+        for name, saved in state["slots"].items():
+            made = by_name.get(name)
+            if made is None:
+                pending[name] = dict(saved)
+                continue
+            for s, value in saved.items():
+                if s not in made:
+                    raise ValueError(
+                        f"{type(self).__name__} {self.name!r}: the checkpoint has slot "
+                        f"{s!r} for variable {name!r}, but this optimizer's slots are "
+                        f"{list(self.slot_names)}: restore into the same optimizer class")
+                made[s].assign(value)
+        self._restored_slots = pending
 
     # --- the step -------------------------------------------------------------------
     def apply_gradients(self, grads_and_vars: Iterable, name=None,

@@ -1,0 +1,356 @@
+"""Iterators that can save and restore their position: the state protocol of ``gs.data``.
+
+Words:
+    state iterator: one node's iterator over one epoch (a :class:`StateIterator`), made
+        by the node's ``_state_iter()``. ``next`` as a generator; ``save()`` returns the
+        node's state tree (see :mod:`gpustrat.train.format`) after the elements ``next``
+        has returned so far, and ``restore(state)``, called on a fresh iterator of the
+        same node before its first ``next``, makes it continue from there. A node's
+        state holds its own counters and buffers and its inputs' states.
+    position: what ``next`` has returned. Read-ahead (``prefetch``, parallel ``map``)
+        never counts: their state holds the upstream position reached by the read-ahead
+        plus the elements read but not yet returned, which a restored iterator returns
+        first (prefetched elements are handed back, in-flight map calls are re-done).
+
+Every node of a pipeline needs a state iterator for ``iter(dataset)`` to be saved; a
+node without one (``node._state_unsupported()`` says why) makes ``get_state`` raise an
+error naming it, never a wrong position.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from gpustrat import nest
+
+
+class StateIterator:
+    """Base of the state iterators (see the module docstring)."""
+
+    _inputs: tuple = ()
+
+    def __iter__(self) -> "StateIterator":
+        return self
+
+    def __next__(self):
+        raise NotImplementedError
+
+    def save(self) -> dict:
+        raise NotImplementedError
+
+    def restore(self, state: dict) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        for it in self._inputs:
+            if it is not None:
+                it.close()
+
+
+class Guarded(StateIterator):
+    """The root of an epoch's chain: at the end, or after an error (raised once), the
+    chain is closed (its threads joined) and later ``next`` calls raise StopIteration,
+    as a generator that ended does."""
+
+    def __init__(self, root: StateIterator):
+        self._root = root
+        self._inputs = (root,)
+        self._ended = False
+        self._failed: str | None = None
+
+    def __next__(self):
+        if self._ended:
+            raise StopIteration
+        try:
+            return next(self._root)
+        except StopIteration:
+            self._ended = True
+            self._root.close()
+            raise
+        except BaseException as e:
+            self._ended = True
+            self._failed = f"{type(e).__name__}: {e}"
+            self._root.close()
+            raise
+
+    def save(self) -> dict:
+        if self._failed is not None:
+            raise ValueError(f"cannot save the position of a dataset iterator whose "
+                             f"pipeline raised {self._failed}: restore the last saved "
+                             "position instead")
+        return self._root.save()
+
+    def restore(self, state: dict) -> None:
+        self._root.restore(state)
+
+    def close(self) -> None:
+        self._ended = True
+        self._root.close()
+
+
+def pack_elements(elements: list) -> dict:
+    """A list of elements in a compact form: one stacked array per component when every
+    element has the same structure of NumPy scalars or arrays of one shape, else the list."""
+    if elements:
+        first = elements[0]
+        flat = [nest.flatten(e) for e in elements]
+        leaves0 = flat[0]
+
+        def same(i):
+            a = leaves0[i]
+            if not isinstance(a, (np.ndarray, np.generic)) or \
+                    (isinstance(a, np.ndarray) and a.ndim == 0) or a.dtype.hasobject:
+                return False
+            return all(len(f) == len(leaves0) and type(f[i]) is type(a) and
+                       np.shape(f[i]) == np.shape(a) and f[i].dtype == a.dtype for f in flat)
+        if leaves0 and all(same(i) for i in range(len(leaves0))):
+            columns = [np.stack([f[i] for f in flat]) for i in range(len(leaves0))]
+            return {"template": first, "columns": columns}
+    return {"list": list(elements)}
+
+
+def unpack_elements(packed: dict) -> list:
+    if "list" in packed:
+        return list(packed["list"])
+    template, columns = packed["template"], packed["columns"]
+    n = len(columns[0])
+    if not nest.is_nested(template):
+        return [columns[0][i] for i in range(n)]
+    return [nest.pack_sequence_as(template, [c[i] for c in columns]) for i in range(n)]
+
+
+class Replay:
+    """Elements to hand out again before reading the input further (a restored
+    prefetch buffer, or the inputs of map calls that were in flight)."""
+
+    def __init__(self):
+        self.items: collections.deque = collections.deque()
+
+    def set(self, packed: dict) -> None:
+        self.items = collections.deque(unpack_elements(packed))
+
+
+class PrefetchIterator(StateIterator):
+    """``prefetch``: a background thread reads ahead; the state is the input's state at
+    the read-ahead point plus the elements read and not yet returned (handed back first
+    by a restored iterator).
+
+    ``adaptive``: the first ``probe`` elements are timed inline, and the thread starts
+    only when they cost at least ``min_cost_s`` each (as the adaptive prefetch does).
+    """
+
+    def __init__(self, input_it: StateIterator, buffer_size: int, adaptive: bool,
+                 min_cost_s: float, probe: int):
+        self._input = input_it
+        self._inputs = (input_it,)
+        self._buffer_size = buffer_size
+        self._lock = threading.Lock()
+        self._unreturned: collections.deque = collections.deque()
+        self._replay = Replay()
+        self._prefetcher = None
+        self._threaded = not adaptive
+        self._probe_left = probe if adaptive else 0
+        self._spent = 0.0
+        self._min_cost = min_cost_s
+        self._probe = probe
+
+    def _source(self):
+        # Runs in the thread: each element is recorded as read-and-unreturned under the
+        # lock, atomically with advancing the input, so that save() sees a consistent pair.
+        while True:
+            with self._lock:
+                try:
+                    element = next(self._input)
+                except StopIteration:
+                    return
+                self._unreturned.append(element)
+            yield element
+
+    def start(self) -> "PrefetchIterator":
+        """Start reading ahead now rather than at the first ``next`` (not before a
+        ``restore``)."""
+        if self._threaded and self._prefetcher is None:
+            from gpustrat.data.parallel import Prefetcher  # noqa: PLC0415
+            self._prefetcher = Prefetcher(self._source(), self._buffer_size)
+        return self
+
+    def __next__(self):
+        if self._replay.items:
+            return self._replay.items.popleft()
+        if self._threaded:
+            self.start()
+            element = next(self._prefetcher)
+            # No lock: save() runs on this (the consuming) thread, never between these
+            # two lines, and the producer holds the lock while it reads (maybe slowly).
+            self._unreturned.popleft()
+            return element
+        if not self._probe_left:
+            return next(self._input)
+        t0 = time.perf_counter()
+        element = next(self._input)
+        self._spent += time.perf_counter() - t0
+        self._probe_left -= 1
+        if not self._probe_left and self._spent / self._probe >= self._min_cost:
+            self._threaded = True
+        return element
+
+    def save(self) -> dict:
+        with self._lock:
+            pending = list(self._replay.items) + list(self._unreturned)
+            return {"input": self._input.save(), "pending": pack_elements(pending),
+                    "threaded": self._threaded, "probe_left": self._probe_left,
+                    "spent": self._spent}
+
+    def restore(self, state: dict) -> None:
+        self._input.restore(state["input"])
+        self._replay.set(state["pending"])
+        self._threaded = bool(state["threaded"])
+        self._probe_left, self._spent = int(state["probe_left"]), float(state["spent"])
+
+    def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+        super().close()
+
+
+class ParallelMapIterator(StateIterator):
+    """Parallel ``map``: up to ``2 * parallelism`` calls in flight. The state is the
+    input's state plus the input elements of the calls in flight, which a restored
+    iterator maps again (in their order) before reading further."""
+
+    def __init__(self, input_it: StateIterator, call, parallelism: int, deterministic: bool):
+        self._input = input_it
+        self._inputs = (input_it,)
+        self._call = call
+        self._parallelism = parallelism
+        self._deterministic = deterministic
+        self._executor = None
+        self._pending: collections.deque = collections.deque()  # (element, future)
+        self._replay = Replay()
+        self._exhausted = False
+
+    def _pull(self):
+        if self._replay.items:
+            return self._replay.items.popleft()
+        return next(self._input)
+
+    def __next__(self):
+        if self._executor is None:
+            self._executor = cf.ThreadPoolExecutor(max_workers=self._parallelism,
+                                                   thread_name_prefix="gpustrat-map")
+        while not self._exhausted and len(self._pending) < 2 * self._parallelism:
+            try:
+                element = self._pull()
+            except StopIteration:
+                self._exhausted = True
+                break
+            self._pending.append((element, self._executor.submit(self._call, element)))
+        if not self._pending:
+            raise StopIteration
+        if self._deterministic:
+            _, future = self._pending.popleft()
+        else:
+            done, _ = cf.wait([f for _, f in self._pending], return_when=cf.FIRST_COMPLETED)
+            k = next(i for i, (_, f) in enumerate(self._pending) if f in done)
+            _, future = self._pending[k]
+            del self._pending[k]
+        return future.result()
+
+    def save(self) -> dict:
+        elements = [e for e, _ in self._pending] + list(self._replay.items)
+        return {"input": self._input.save(), "in_flight": pack_elements(elements),
+                "exhausted": self._exhausted}
+
+    def restore(self, state: dict) -> None:
+        self._input.restore(state["input"])
+        self._replay.set(state["in_flight"])
+        self._exhausted = bool(state["exhausted"]) and not self._replay.items
+
+    def close(self) -> None:
+        if self._executor is not None:
+            for _, f in self._pending:
+                f.cancel()
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        super().close()
+
+
+class IndexedIterator(StateIterator):
+    """A source of ``count`` elements where element ``i`` is ``get(i)``; the state is
+    the next index."""
+
+    __slots__ = ("_count", "_get", "_pos")
+
+    def __init__(self, count: int, get):
+        self._count, self._get, self._pos = count, get, 0
+
+    def __next__(self):
+        pos = self._pos
+        if pos >= self._count:
+            raise StopIteration
+        self._pos = pos + 1
+        return self._get(pos)
+
+    def save(self) -> dict:
+        return {"pos": self._pos}
+
+    def restore(self, state: dict) -> None:
+        self._pos = int(state["pos"])
+
+
+class FunctionIterator(StateIterator):
+    """A node whose only state is a few counters and its inputs' states: ``step(self)``
+    returns the next element (raising StopIteration), ``fields`` are the counters."""
+
+    def __init__(self, inputs, step, **fields):
+        self._inputs = list(inputs)
+        self._step = step
+        self.fields = dict(fields)
+
+    def __next__(self):
+        return self._step(self)
+
+    def save(self) -> dict:
+        return {"fields": dict(self.fields),
+                "inputs": [None if it is None else it.save() for it in self._inputs]}
+
+    def restore(self, state: dict) -> None:
+        self.fields.update(state["fields"])
+        for it, s in zip(self._inputs, state["inputs"]):
+            if it is not None and s is not None:
+                it.restore(s)
+
+
+def unsupported_nodes(dataset) -> list[str]:
+    """Why each node of ``dataset``'s graph cannot save its position (empty: all can)."""
+    out, seen, todo = [], set(), [dataset]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        why = node._state_unsupported()
+        if why:
+            out.append(why)
+        todo.extend(node._inputs())
+    return out
+
+
+def fingerprint(dataset) -> list:
+    """What a saved position must be restored into: each node's type and cardinality,
+    depth first (another transformation or another size gives another fingerprint)."""
+    out = []
+
+    def walk(node):
+        out.append(f"{type(node).__name__}:{node._cardinality()}")
+        for i in node._inputs():
+            walk(i)
+    walk(dataset)
+    return out

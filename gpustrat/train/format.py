@@ -1,0 +1,177 @@
+"""The checkpoint file format: state trees as JSON plus ``.npz`` arrays, written atomically.
+
+Words:
+    state tree: what an object's ``_checkpoint_state()`` returns: nested dicts, lists,
+        tuples, None, bools, ints, floats, strings, bytes, NumPy arrays and scalars.
+    encoded tree: the JSON form of a state tree. Arrays are replaced by
+        ``{"__array__": key}`` (``{"__scalar__": key}`` for a NumPy scalar) naming an
+        entry of the accompanying ``.npz`` file; tuples become ``{"__tuple__": [...]}``,
+        dicts ``{"__dict__": [[key, value], ...]}`` (keys may be ints or tuples),
+        bytes ``{"__bytes__": base64}``. Lists, strings, numbers, bools and None are
+        themselves.
+
+A checkpoint at path ``P`` is the files ``P.index`` (JSON: format, topology, the shared
+objects' encoded trees, and each of their arrays' byte offset in ``P.data``),
+``P.data`` (those arrays, one ``.npy`` record after the other: ``numpy.load`` at the
+offset reads one) and one ``P.worker-K-of-W.npz``
+per worker (its arrays plus, under the key ``__tree__``, its encoded trees as UTF-8
+JSON). ``P.index`` is renamed into place last: a path is a checkpoint exactly when its
+index exists.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+FORMAT = "gpustrat-checkpoint"
+VERSION = 1
+TREE_KEY = "__tree__"
+
+
+def encode(tree: Any, arrays: dict, prefix: str) -> Any:
+    """The JSON form of ``tree``; its arrays go into ``arrays`` under keys from ``prefix``."""
+    if tree is None or isinstance(tree, (bool, str)):
+        return tree
+    if isinstance(tree, (int, float)) and not isinstance(tree, np.generic):
+        return tree
+    if isinstance(tree, np.ndarray) or isinstance(tree, np.generic):
+        arr = np.asarray(tree)
+        if arr.dtype.hasobject:
+            raise TypeError(f"checkpoint: {prefix!r} is an array of Python objects "
+                            f"(dtype {arr.dtype}), which .npz cannot store without pickle; "
+                            "use numeric, bool, bytes or unicode arrays")
+        key = f"{prefix}#{len(arrays)}"
+        arrays[key] = arr
+        return {"__scalar__" if isinstance(tree, np.generic) else "__array__": key}
+    if isinstance(tree, bytes):
+        return {"__bytes__": base64.b64encode(tree).decode("ascii")}
+    if isinstance(tree, tuple):
+        return {"__tuple__": [encode(x, arrays, prefix) for x in tree]}
+    if isinstance(tree, list):
+        return [encode(x, arrays, prefix) for x in tree]
+    if isinstance(tree, dict):
+        return {"__dict__": [[encode(k, arrays, prefix), encode(v, arrays, prefix)]
+                             for k, v in tree.items()]}
+    raise TypeError(f"checkpoint: cannot save a {type(tree).__name__} ({tree!r:.80}) "
+                    f"under {prefix!r}: state holds numbers, strings, bytes, NumPy arrays "
+                    "and lists, tuples and dicts of them")
+
+
+def decode(tree: Any, arrays) -> Any:
+    """The state tree of an encoded tree whose arrays are in ``arrays`` (a mapping)."""
+    if isinstance(tree, list):
+        return [decode(x, arrays) for x in tree]
+    if isinstance(tree, dict):
+        if "__array__" in tree:
+            return np.array(arrays[tree["__array__"]])
+        if "__scalar__" in tree:
+            return np.asarray(arrays[tree["__scalar__"]])[()]
+        if "__tuple__" in tree:
+            return tuple(decode(x, arrays) for x in tree["__tuple__"])
+        if "__bytes__" in tree:
+            return base64.b64decode(tree["__bytes__"])
+        return {_hashable(decode(k, arrays)): decode(v, arrays) for k, v in tree["__dict__"]}
+    return tree
+
+
+def _hashable(key):
+    return key.item() if isinstance(key, np.generic) else key
+
+
+# --- files ----------------------------------------------------------------------------
+
+def temp_name(final: str, token: str) -> str:
+    """The temporary name a file is written under before it is renamed to ``final``."""
+    return f"{final}.tmp-{token}"
+
+
+def fsync_dir(directory: str) -> None:
+    """Make renames in ``directory`` durable (where the file system allows it)."""
+    try:
+        fd = os.open(directory or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_npz(path: str, arrays: dict, tree: Any = None) -> None:
+    """Write ``arrays`` (and ``tree`` as JSON under :data:`TREE_KEY`) to ``path``,
+    uncompressed, and flush it to disk."""
+    out = dict(arrays)
+    if tree is not None:
+        out[TREE_KEY] = np.frombuffer(json.dumps(tree).encode("utf-8"), np.uint8)
+    with open(path, "wb") as f:
+        np.savez(f, **out)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_arrays(path: str, arrays: dict) -> dict:
+    """Write ``arrays`` one after the other as ``.npy`` records (``numpy.save`` each) to
+    ``path``, flush it to disk, and return ``{key: byte offset of its record}``."""
+    offsets = {}
+    with open(path, "wb") as f:
+        for key, a in arrays.items():
+            offsets[key] = f.tell()
+            np.save(f, a, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    return offsets
+
+
+def read_arrays(path: str, offsets: dict) -> dict:
+    """The arrays of a file :func:`write_arrays` wrote (``numpy.load`` at each offset)."""
+    out = {}
+    with open(path, "rb") as f:
+        for key, offset in offsets.items():
+            f.seek(offset)
+            out[key] = np.load(f, allow_pickle=False)
+    return out
+
+
+def write_json(path: str, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_json(path: str) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_npz(path: str) -> tuple[dict, Any]:
+    """``(arrays, tree)`` of a file written by :func:`write_npz` (tree None if absent)."""
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    raw = arrays.pop(TREE_KEY, None)
+    tree = None if raw is None else json.loads(raw.tobytes().decode("utf-8"))
+    return arrays, tree
+
+
+def replace(src: str, dst: str) -> None:
+    """Rename ``src`` over ``dst`` atomically."""
+    os.replace(src, dst)
+
+
+def worker_file(prefix: str, rank: int, size: int) -> str:
+    return f"{prefix}.worker-{rank}-of-{size}.npz"
+
+
+def data_file(prefix: str) -> str:
+    return f"{prefix}.data"
+
+
+def index_file(prefix: str) -> str:
+    return f"{prefix}.index"

@@ -1,0 +1,310 @@
+"""Saving and restoring the position of gs.data iterators: restore-and-continue yields
+exactly what the uninterrupted iterator would have yielded, over random pipelines."""
+
+import io
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as hs
+
+import gpustrat as gs
+from gpustrat import nest
+from gpustrat.data import Dataset
+from gpustrat.train import format as fmt
+
+
+def canon(element):
+    return [(np.asarray(x).dtype.str, np.asarray(x).tolist()) for x in nest.flatten(element)], \
+        type(element).__name__
+
+
+def roundtrip(state):
+    """The state as a checkpoint file would give it back (JSON + .npz)."""
+    arrays = {}
+    tree = fmt.encode(state, arrays, "it")
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    buf.seek(0)
+    import json
+    with np.load(buf, allow_pickle=False) as z:
+        return fmt.decode(json.loads(json.dumps(tree)), {k: z[k] for k in z.files})
+
+
+SCALAR_OPS = ["map", "pmap", "filter", "shuffle", "repeat", "take", "skip", "shard",
+              "prefetch", "enumerate_first", "interleave", "pinterleave"]
+
+
+@hs.composite
+def pipelines(draw):
+    n = draw(hs.integers(0, 40))
+    source = draw(hs.sampled_from(["range", "slices", "tuple_slices", "concat"]))
+    ops = draw(hs.lists(hs.tuples(hs.sampled_from(SCALAR_OPS), hs.integers(1, 9)),
+                        max_size=5))
+    tail = draw(hs.sampled_from(["none", "batch", "batch_drop", "batch_unbatch",
+                                 "batch_prefetch", "enumerate", "zip", "padded",
+                                 "padded_fused"]))
+    b = draw(hs.integers(1, 5))
+    seed = draw(hs.integers(0, 2 ** 32))
+
+    def build():
+        if source == "range":
+            ds = Dataset.range(n)
+        elif source == "slices":
+            ds = Dataset.from_tensor_slices(np.arange(n, dtype=np.int64) * 3)
+        elif source == "tuple_slices":
+            ds = Dataset.from_tensor_slices((np.arange(n), np.arange(n) * 10)).map(
+                lambda a, c: a + c)
+        else:
+            ds = Dataset.range(n // 2).concatenate(Dataset.range(100, 100 + n - n // 2))
+        for op, k in ops:
+            if op == "map":
+                ds = ds.map(lambda x: x * 2 + 1)
+            elif op == "pmap":
+                ds = ds.map(lambda x: x - 1, num_parallel_calls=k)
+            elif op == "filter":
+                ds = ds.filter(lambda x, k=k: x % (k + 1) != 0)
+            elif op == "shuffle":
+                ds = ds.shuffle(k, seed=seed + k)
+            elif op == "repeat":
+                ds = ds.repeat(k % 3 + 1)
+            elif op == "take":
+                ds = ds.take(k * 3)
+            elif op == "skip":
+                ds = ds.skip(k)
+            elif op == "shard":
+                ds = ds.shard(k % 3 + 1, k % (k % 3 + 1))
+            elif op == "prefetch":
+                ds = ds.prefetch(k)
+            elif op in ("interleave", "pinterleave"):
+                ds = ds.interleave(
+                    lambda x: Dataset.range(int(x) % 4).map(lambda y, x=x: x * 10 + y),
+                    cycle_length=k % 3 + 1, block_length=k % 2 + 1,
+                    num_parallel_calls=2 if op == "pinterleave" else None)
+            elif op == "enumerate_first":
+                ds = ds.enumerate(k).map(lambda i, x: i * 1000 + x)
+        if tail == "batch":
+            ds = ds.batch(b)
+        elif tail == "batch_drop":
+            ds = ds.batch(b, drop_remainder=True)
+        elif tail == "batch_unbatch":
+            ds = ds.batch(b).unbatch()
+        elif tail == "batch_prefetch":
+            ds = ds.batch(b).prefetch(2)
+        elif tail == "enumerate":
+            ds = ds.enumerate()
+        elif tail == "padded":
+            ds = ds.map(lambda x: np.arange(int(x) % 5)).padded_batch(b, padded_shapes=[None],
+                                                                      padding_values=-1)
+        elif tail == "padded_fused":
+            ds = ds.padded_batch(b) if source != "slices" or ops else \
+                Dataset.from_tensor_slices(np.arange(n * 2).reshape(n, 2)).padded_batch(
+                    b, padded_shapes=[3], padding_values=7)
+        elif tail == "zip":
+            ds = Dataset.zip((ds, Dataset.range(1000).map(lambda x: x * 7)))
+        return ds
+    return build
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(pipelines(), hs.floats(0, 1), hs.integers(0, 3))
+def test_restore_and_continue_yields_the_uninterrupted_sequence(build, where, again):
+    full = [canon(e) for e in iter(build())]
+    k = int(where * len(full))
+    it = iter(build())
+    got = [canon(next(it)) for _ in range(k)]
+    state = roundtrip(it.get_state())
+    assert got == full[:k]
+    # The saved iterator itself goes on unchanged by the save.
+    assert [canon(e) for e in it] == full[k:]
+    # A fresh pipeline (a restarted job) restored at k continues exactly.
+    restored = iter(build())
+    restored.set_state(state)
+    rest = []
+    for _ in range(again):  # save again mid-way through the restored iterator
+        e = next(restored, None)
+        if e is None:
+            break
+        rest.append(canon(e))
+        s2 = roundtrip(restored.get_state())
+        restored = iter(build())
+        restored.set_state(s2)
+    rest += [canon(e) for e in restored]
+    assert rest == full[k:]
+
+
+def test_repeat_of_reshuffled_dataset_continues_with_later_epochs():
+    def build():
+        return Dataset.range(10).shuffle(10, seed=3).repeat(4)
+    full = [int(x) for x in build()]
+    it = iter(build())
+    head = [int(next(it)) for _ in range(13)]
+    restored = iter(build())
+    restored.set_state(roundtrip(it.get_state()))
+    assert head + [int(x) for x in restored] == full
+    # Later epochs are still different orders of the same elements.
+    assert full[:10] != full[10:20] and sorted(full[:10]) == sorted(full[10:20])
+
+
+def test_prefetch_read_ahead_is_handed_back_not_lost():
+    def slow_square(x):
+        return x * x
+    ds = Dataset.range(50).map(slow_square, num_parallel_calls=4).prefetch(16)
+    it = iter(ds)
+    first = [int(next(it)) for _ in range(5)]
+    import time
+    time.sleep(0.1)  # the prefetcher and map workers run ahead
+    state = it.get_state()
+    assert first == [0, 1, 4, 9, 16]
+    restored = iter(ds)
+    restored.set_state(state)
+    assert [int(x) for x in restored] == [x * x for x in range(5, 50)]
+
+
+def test_nondeterministic_parallel_map_delivers_each_element_once():
+    ds = Dataset.range(60).map(lambda x: x + 1, num_parallel_calls=4, deterministic=False)
+    it = iter(ds)
+    head = [int(next(it)) for _ in range(17)]
+    restored = iter(ds)
+    restored.set_state(roundtrip(it.get_state()))
+    assert sorted(head + [int(x) for x in restored]) == list(range(1, 61))
+
+
+def test_unsupported_transformations_raise_naming_them():
+    def gen():
+        yield from range(3)
+    it = iter(Dataset.from_generator(gen, output_signature=gs.data.TensorSpec((), np.int64)))
+    next(it)
+    with pytest.raises(ValueError, match=r"from_generator\(gen\) cannot save its position"):
+        it.get_state()
+    it = iter(Dataset.range(8).window(2))
+    with pytest.raises(ValueError, match="WindowDataset cannot save its position"):
+        it.get_state()
+
+
+def test_restore_into_another_dataset_is_an_error():
+    it = iter(Dataset.range(10).batch(2))
+    next(it)
+    state = it.get_state()
+    other = iter(Dataset.range(12).batch(2))
+    with pytest.raises(ValueError, match="saved for another dataset"):
+        other.set_state(state)
+    with pytest.raises(ValueError, match="saved for another dataset"):
+        iter(Dataset.range(10).map(lambda x: x).batch(2)).set_state(state)
+
+
+def test_shuffle_state_grows_with_the_buffer_not_the_dataset():
+    ds = Dataset.range(10 ** 6).shuffle(1000, seed=1).batch(32)
+    it = iter(ds)
+    for _ in range(100):
+        next(it)
+    arrays = {}
+    tree = fmt.encode(it.get_state(), arrays, "it")
+    import json
+    size = len(json.dumps(tree)) + sum(a.nbytes for a in arrays.values())
+    buffer_bytes = 1000 * 8
+    assert size - buffer_bytes < 64 * 1024, size
+
+
+def test_checkpoint_of_a_dataset_iterator(tmp_path):
+    ds = Dataset.from_tensor_slices({"x": np.arange(20.0), "y": np.arange(20)}).shuffle(
+        5, seed=2).batch(3).prefetch(2)
+    it = iter(ds)
+    for _ in range(3):
+        next(it)
+    ck = gs.train.Checkpoint(iterator=it, step=3)
+    path = ck.save(str(tmp_path / "ckpt"))
+    rest = [canon(e) for e in it]
+    assert len(rest) == 4
+    it2 = iter(ds)   # the dataset's next epoch, until restored
+    gs.train.Checkpoint(iterator=it2, step=0).restore(path)
+    assert [canon(e) for e in it2] == rest
+
+
+@pytest.mark.parametrize("kind", ["text", "tfrecord", "text_gzip", "npy", "npy_batch"])
+def test_file_sources_resume_at_the_saved_element(tmp_path, kind):
+    paths = []
+    for f in range(3):
+        if kind.startswith("text"):
+            p = tmp_path / f"f{f}.txt"
+            data = "".join(f"line {f}-{i}\n" for i in range(5 + f)).encode()
+            if kind == "text_gzip":
+                import gzip
+                data = gzip.compress(data)
+            p.write_bytes(data)
+        elif kind == "tfrecord":
+            p = tmp_path / f"f{f}.tfrecord"
+            with gs.data.experimental.TFRecordWriter(str(p)) if hasattr(
+                    gs.data.experimental, "TFRecordWriter") else __import__(
+                    "gpustrat.data.tfrecord", fromlist=["x"]).TFRecordWriter(str(p)) as w:
+                for i in range(4 + f):
+                    w.write(f"rec {f}-{i}".encode() * (i + 1))
+        else:
+            p = tmp_path / f"f{f}.npy"
+            np.save(p, np.arange((4 + f) * 3, dtype=np.float32).reshape(-1, 3) + 100 * f)
+        paths.append(str(p))
+
+    def build():
+        if kind == "text":
+            return gs.data.TextLineDataset(paths)
+        if kind == "text_gzip":
+            return gs.data.TextLineDataset(paths, compression_type="GZIP")
+        if kind == "tfrecord":
+            return gs.data.TFRecordDataset(paths)
+        ds = Dataset.from_npy(paths)
+        return ds.batch(2) if kind == "npy_batch" else ds
+    full = [canon(e) for e in build()]
+    assert len(full) >= 6
+    for k in range(len(full) + 1):
+        it = iter(build())
+        head = [canon(next(it)) for _ in range(k)]
+        state = roundtrip(it.get_state())
+        restored = iter(build())
+        restored.set_state(state)
+        assert head + [canon(e) for e in restored] == full, k
+    if kind in ("text", "tfrecord"):
+        it = iter(build())
+        next(it)
+        assert it.get_state()["position"]["offset"] > 0  # a byte offset, not a count
+
+
+def test_unseeded_shuffle_in_repeat_resumes_exactly_across_epochs():
+    ds = Dataset.range(12).shuffle(12).repeat(3)      # a seed drawn per dataset object
+    it = iter(ds)
+    head = [int(next(it)) for _ in range(5)]
+    state = roundtrip(it.get_state())
+    rest = [int(x) for x in it]
+    other = Dataset.range(12).shuffle(12).repeat(3)   # a restarted job: another seed
+    restored = iter(other)
+    restored.set_state(state)
+    assert [int(x) for x in restored] == rest
+    assert sorted(head + rest) == sorted(list(range(12)) * 3)
+
+
+def test_interleave_over_unsaveable_datasets_iterates_but_refuses_to_save():
+    def gen():
+        yield from range(3)
+
+    def inner(x):
+        return Dataset.from_generator(gen, output_signature=gs.data.TensorSpec((), np.int64))
+    ds = Dataset.range(3).interleave(inner, cycle_length=2)
+    assert sorted(int(v) for v in ds) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    it = iter(ds)
+    next(it)
+    with pytest.raises(ValueError, match=r"interleave: .*from_generator\(gen\) cannot save"):
+        it.get_state()
+
+
+@pytest.mark.parametrize("parallel", [None, 3])
+def test_interleave_resumes_at_every_position(parallel):
+    def build():
+        return Dataset.range(1, 6).interleave(
+            lambda x: Dataset.range(int(x) * 2).map(lambda y, x=x: x * 100 + y),
+            cycle_length=2, block_length=3, num_parallel_calls=parallel)
+    full = [int(v) for v in build()]
+    assert len(full) == 30
+    for k in range(len(full) + 1):
+        it = iter(build())
+        head = [int(next(it)) for _ in range(k)]
+        restored = iter(build())
+        restored.set_state(roundtrip(it.get_state()))
+        assert head + [int(v) for v in restored] == full, k
