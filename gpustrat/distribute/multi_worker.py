@@ -24,14 +24,37 @@ _OPS = {**{op: op for op in ReduceOp}, **{op.name.lower(): op for op in ReduceOp
 _NUMERIC = "biufc"  # NumPy dtype kinds that take the short path
 
 
+def default_worker_devices(n_gpus: int, local_rank: int, local_size: int
+                           ) -> tuple[list[Device], str | None]:
+    """A worker's default devices and, when there is no good default, why.
+
+    ``n_gpus`` GPUs are visible to this worker, which is rank ``local_rank`` of the
+    ``local_size`` workers on its node: none gives no device (the caller takes the
+    CPU); one gives ``gpu:0`` (each worker may see its own GPU as device 0, the way
+    ``srun --gpus-per-task=1`` or a per-rank ``CUDA_VISIBLE_DEVICES`` arranges it);
+    at least one per worker gives ``gpu:<local_rank>``.
+    """
+    if n_gpus == 0:
+        return [], None
+    if n_gpus == 1:
+        return [Device("gpu", 0)], None
+    if local_rank < n_gpus:
+        return [Device("gpu", local_rank)], None
+    return [], (f"node-local rank {local_rank} of {local_size} workers on a node with "
+                f"{n_gpus} visible GPUs: launch at most {n_gpus} ranks per node, give "
+                "each rank its own GPU (CUDA_VISIBLE_DEVICES), or pass devices=")
+
+
 class MultiWorkerMirroredStrategy(Strategy):
     """Synchronous data parallelism over MPI workers.
 
     Args:
         devices: this worker's local devices (e.g. ``["cpu:0", "cpu:1"]`` for two
-            replicas per worker). Default: the GPU whose index is this worker's
-            node-local rank (ranks of one node found with a shared-memory split), else
-            ``cpu:0``. Every worker must hold the same number of devices.
+            replicas per worker). Default: one GPU per worker, the one whose index is
+            this worker's node-local rank (ranks of one node found with a
+            shared-memory split), or ``gpu:0`` when each worker sees a single GPU (a
+            launcher that sets ``CUDA_VISIBLE_DEVICES`` per rank); ``cpu:0`` without a
+            GPU. Every worker must hold the same number of devices.
         communicator: an mpi4py communicator whose ranks are the workers (default
             ``COMM_WORLD``); the strategy works on its own duplicate, so several
             strategies coexist in one process.
@@ -46,17 +69,20 @@ class MultiWorkerMirroredStrategy(Strategy):
         from gpustrat.collectives.mpi import MpiWorkerGroup  # noqa: PLC0415 - inits MPI
         from gpustrat.distribute.failures import install_abort_on_error  # noqa: PLC0415
         workers = MpiWorkerGroup(communicator)
+        problem = None
         if devices is None:
-            n = gpu_count()
-            local = workers.node_local_rank()
-            if n and local >= n:
-                raise ValueError(
-                    f"worker {workers.rank} is node-local rank {local} but its node has only "
-                    f"{n} GPU(s): launch at most {n} ranks per node, or pass devices=")
-            devs = [Device("gpu", local)] if n else [Device("cpu", 0)]
+            devs, problem = default_worker_devices(
+                gpu_count(), workers.node_local_rank(), workers.node_local_size())
+            devs = devs or [Device("cpu", 0)]
         else:
             devs = resolve_devices(devices)
-        counts = workers.allgather(len(devs))
+        # One collective tells every worker both the device counts and any worker's
+        # problem, so that all raise together.
+        found = workers.allgather((len(devs), problem))
+        problems = [f"worker {r}: {p}" for r, (_, p) in enumerate(found) if p]
+        if problems:
+            raise ValueError("; ".join(problems))
+        counts = [c for c, _ in found]
         if len(set(counts)) != 1:
             raise ValueError(f"workers hold different numbers of devices ({counts}, by rank); "
                              "every worker must hold the same number of local replicas")
