@@ -159,20 +159,36 @@ def fused_all_reduce(comm: Communicator, tensors: Sequence[Sequence], op,
             disagreeing on its shape or dtype.
     """
     out: list = [None] * len(tensors)  # out[j]: tensor j's results, one per replica
-    for bucket, bucket_shapes, reduced in _reduced_buckets(comm, tensors, op, bucket_bytes,
-                                                           layout):
-        if len(reduced) == 1:
-            per_tensor = [[v] for v in _unpack_views(reduced[0], bucket_shapes)]
-        else:
-            per_replica = [_unpack_views(r, bucket_shapes) for r in reduced]
-            # map/zip run in C: one list per tensor without a Python-level loop body.
-            per_tensor = list(map(list, zip(*per_replica)))
+    for bucket, runs, reduced in _reduced_buckets(comm, tensors, op, bucket_bytes, layout):
+        per_replica = [_unpack_views(r, runs) for r in reduced]
+        # map/zip run in C: one list per tensor without a Python-level loop body.
+        per_tensor = list(map(list, zip(*per_replica)))
         lo, hi = bucket[0], bucket[-1] + 1
         if hi - lo == len(bucket):
             out[lo:hi] = per_tensor
         else:
             for j, results in zip(bucket, per_tensor):
                 out[j] = results
+    return out
+
+
+def fused_all_reduce_single(comm: Communicator, tensors: Sequence[Sequence], op,
+                            bucket_bytes: int | None = None,
+                            layout: "FusionLayout | None" = None) -> list:
+    """:func:`fused_all_reduce` for a communicator with one local replica: ``out[j]`` is
+    tensor ``j``'s result itself (not a list of one)."""
+    if comm.num_local != 1:
+        raise ValueError(f"fused_all_reduce_single needs one local replica, but the "
+                         f"communicator has {comm.num_local}: use fused_all_reduce")
+    out: list = [None] * len(tensors)
+    for bucket, runs, reduced in _reduced_buckets(comm, tensors, op, bucket_bytes, layout):
+        views = _unpack_views(reduced[0], runs)
+        lo, hi = bucket[0], bucket[-1] + 1
+        if hi - lo == len(bucket):
+            out[lo:hi] = views
+        else:
+            for j, v in zip(bucket, views):
+                out[j] = v
     return out
 
 
@@ -203,7 +219,7 @@ class FusionLayout:
     def __init__(self, shapes: tuple, dtypes: tuple, buckets: tuple):
         self.shapes = shapes
         self.dtypes = dtypes
-        #: ``(indices, lo, hi, start, total, dtype, arena total, shapes)`` per bucket
+        #: ``(indices, lo, hi, start, total, dtype, arena total, runs)`` per bucket
         #: (see :func:`_buckets_of`).
         self.buckets = buckets
         #: Free for a caller to remember a description of the layout in.
@@ -239,7 +255,7 @@ def check_layout(comm: Communicator, tensors: Sequence[Sequence],
 
 
 def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout):
-    """Yield ``(bucket, shapes of its tensors, reduced buffers)`` for each bucket."""
+    """Yield ``(bucket, how to cut it into tensors, reduced buffers)`` for each bucket."""
     op = ReduceOp.from_value(op)
     if not tensors:
         return
@@ -247,7 +263,7 @@ def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout):
         tensors, layout = check_layout(comm, tensors, bucket_bytes)
     n_local = comm.num_local
     arenas: dict = {}
-    for bucket, lo, hi, start, total, dtype, arena_total, bucket_shapes in layout.buckets:
+    for bucket, lo, hi, start, total, dtype, arena_total, runs in layout.buckets:
         rows = tensors[lo:hi] if hi else [tensors[j] for j in bucket]
         buffers = []
         for i in range(n_local):
@@ -263,10 +279,11 @@ def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout):
         # The packed buffers are ours: the backend may reduce in them, and the results
         # are views of them.
         reduced = comm.all_reduce_inplace(buffers, op)
-        yield bucket, bucket_shapes, reduced
+        yield bucket, runs, reduced
 
 
 _layouts: dict = {}
+_last_layout: list = [None]  # (shapes, dtypes, bucket bytes, layout) of the last call
 
 
 def layout_of(shapes: Sequence[tuple], dtypes: Sequence[np.dtype],
@@ -275,6 +292,11 @@ def layout_of(shapes: Sequence[tuple], dtypes: Sequence[np.dtype],
     callers that already checked their tensors' shapes and dtypes."""
     if bucket_bytes is None:
         bucket_bytes = bucket_bytes_from_env()
+    last = _last_layout[0]
+    # The last layout again (a training loop's): two whole-list compares, no hashing.
+    if last is not None and last[2] == bucket_bytes and last[0] == shapes and \
+            last[1] == dtypes:
+        return last[3]
     key = (tuple(shapes), tuple(dtypes), bucket_bytes)
     hit = _layouts.get(key)
     if hit is None:
@@ -282,14 +304,17 @@ def layout_of(shapes: Sequence[tuple], dtypes: Sequence[np.dtype],
         if len(_layouts) >= 256:
             _layouts.clear()
         _layouts[key] = hit
+    if type(shapes) is list and type(dtypes) is list:
+        _last_layout[0] = (shapes, dtypes, bucket_bytes, hit)
     return hit
 
 
 def _buckets_of(shapes, dtypes, bucket_bytes: int) -> tuple:
-    """One ``(indices, lo, hi, start, total, dtype, arena total, shapes)`` per bucket,
+    """One ``(indices, lo, hi, start, total, dtype, arena total, runs)`` per bucket,
     where ``tensors[lo:hi]`` are its tensors when they are consecutive (``hi`` is 0 when
     not), ``start`` and ``total`` its slice of its dtype's arena (in elements), and
-    ``arena total`` that arena's size."""
+    ``arena total`` that arena's size, and ``runs`` how its reduced buffer is cut into
+    one view per tensor (see :func:`_runs`)."""
     sizes = [math.prod(s) for s in shapes]
     plan = plan_buckets(sizes, dtypes, bucket_bytes)
     # Host buckets of one dtype are consecutive slices of one arena per replica (see
@@ -305,7 +330,7 @@ def _buckets_of(shapes, dtypes, bucket_bytes: int) -> tuple:
         start = arena_elems.get(dtype, 0)
         arena_elems[dtype] = start + total
         specs.append([bucket, lo, hi, start, total, dtype, None,
-                      [shapes[j] for j in bucket]])
+                      _runs([shapes[j] for j in bucket])])
     for spec in specs:
         spec[6] = arena_elems[spec[5]]
     return tuple(map(tuple, specs))
@@ -351,29 +376,38 @@ def _pack_host(tensors, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def _unpack_views(buffer, shapes) -> list:
-    """Views of ``buffer`` (NumPy or CuPy), one per shape; runs of one shape are cut in one reshape (fast for the
-    common case of many same-shaped tensors)."""
-    parts: list = []
+def _runs(shapes) -> tuple:
+    """How :func:`_unpack_views` cuts a buffer of tensors of these ``shapes``, back to
+    back: one ``(start, stop, shape, several)`` per run of one shape; a run of several
+    tensors is cut with one reshape to ``shape`` = ``(count,) + their shape`` (fast for
+    the common case of many same-shaped tensors)."""
+    runs = []
     start = 0
     k = 0
     n = len(shapes)
     while k < n:
-        shape = shapes[k]
+        shape = tuple(shapes[k])
         run = k + 1
-        while run < n and shapes[run] == shape:
+        while run < n and tuple(shapes[run]) == shape:
             run += 1
         count = run - k
-        size = 1
-        for d in shape:
-            size *= d
-        block = buffer[start:start + count * size]
-        if count == 1:
-            parts.append(block.reshape(shape))
-        else:
-            parts.extend(block.reshape((count,) + tuple(shape)))
-        start += count * size
+        stop = start + count * math.prod(shape)
+        runs.append((start, stop, (count,) + shape if count > 1 else shape, count > 1))
+        start = stop
         k = run
+    return tuple(runs)
+
+
+def _unpack_views(buffer, runs) -> list:
+    """Views of ``buffer`` (NumPy or CuPy), one per tensor, cut as ``runs`` (see
+    :func:`_runs`) says."""
+    parts: list = []
+    for start, stop, shape, several in runs:
+        block = buffer[start:stop].reshape(shape)
+        if several:
+            parts.extend(block)
+        else:
+            parts.append(block)
     return parts
 
 

@@ -18,7 +18,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from gpustrat.collectives.fusion import check_layout, fused_all_reduce
+from gpustrat.collectives.fusion import (check_layout, fused_all_reduce,
+                                         fused_all_reduce_single)
 from gpustrat.distribute import context
 from gpustrat.distribute.collective_ops import as_array
 from gpustrat.distribute.distributed_variables import DistributedVariable, as_components
@@ -143,9 +144,9 @@ class StrategyExtended:
             if layout.described is None:
                 layout.described = _describe(tensors)
             agree_tensors(strategy, tensors, what, layouts=layout.described)
+            if single:
+                return fused_all_reduce_single(comm, tensors, op, layout=layout)
             out = fused_all_reduce(comm, tensors, op, layout=layout)
-        if single:
-            return [r[0] for r in out]
         return [r[0] if len(r) == 1 else Mirrored(r) for r in out]
 
 
