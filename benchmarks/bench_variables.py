@@ -168,8 +168,11 @@ def _mpi_size(gs, strategy, repeats: int, size: int) -> None:
     if not np.array_equal(np.concatenate([np.asarray(c) for c in check]), want):
         raise AssertionError("batch_reduce_to differs from a bare Allreduce")
     t_bare = t_reduce = t_step = float("inf")
-    inner = max(2, min(20, 4_000_000 // bare.nbytes))
-    for _ in range(repeats):
+    # Many short samples: on a shared machine the best of many catches quiet moments
+    # that the best of a few long ones misses (every rank runs the same counts).
+    inner = max(2, min(20, 2_000_000 // bare.nbytes))
+    samples = max(repeats, min(300, 400_000_000 // (inner * bare.nbytes)))
+    for _ in range(samples):
         comm.Barrier()
         t0 = time.perf_counter()
         for _ in range(inner):

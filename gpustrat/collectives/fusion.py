@@ -25,6 +25,7 @@ environment variable (default 64 MiB, as Horovod's fusion threshold).
 
 from __future__ import annotations
 
+import math
 import operator
 import sys
 import threading
@@ -135,7 +136,8 @@ def _as_arrays(tensors):
 
 
 def fused_all_reduce(comm: Communicator, tensors: Sequence[Sequence], op,
-                     bucket_bytes: int | None = None) -> list[list]:
+                     bucket_bytes: int | None = None,
+                     layout: "FusionLayout | None" = None) -> list[list]:
     """All-reduce many tensors with one collective per bucket.
 
     Args:
@@ -144,6 +146,9 @@ def fused_all_reduce(comm: Communicator, tensors: Sequence[Sequence], op,
             ``i``'s device; shapes and dtypes equal over replicas (and workers).
         op: a :class:`~gpustrat.reduce_util.ReduceOp` or its name.
         bucket_bytes: bucket size; None reads ``GPUSTRAT_FUSION_BUCKET_BYTES``.
+        layout: what :func:`check_layout` gave for these tensors (it replaces
+            ``bucket_bytes`` and the checks: for callers that check once and use the
+            layout for something else too).
     Returns:
         ``out[j][i]``: the reduction of tensor ``j`` on local replica ``i`` (what
         ``comm.all_reduce([tensors[j][i] for i ...], op)[i]`` returns): views of the
@@ -154,8 +159,8 @@ def fused_all_reduce(comm: Communicator, tensors: Sequence[Sequence], op,
             disagreeing on its shape or dtype.
     """
     out: list = [None] * len(tensors)  # out[j]: tensor j's results, one per replica
-    for bucket, bucket_shapes, reduced in _reduced_buckets(comm, tensors, op, bucket_bytes):
-        per_replica = [_unpack_views(r, bucket_shapes) for r in reduced]
+    for bucket, runs, reduced in _reduced_buckets(comm, tensors, op, bucket_bytes, layout):
+        per_replica = [_unpack_views(r, runs) for r in reduced]
         # map/zip run in C: one list per tensor without a Python-level loop body.
         per_tensor = list(map(list, zip(*per_replica)))
         lo, hi = bucket[0], bucket[-1] + 1
@@ -167,8 +172,29 @@ def fused_all_reduce(comm: Communicator, tensors: Sequence[Sequence], op,
     return out
 
 
+def fused_all_reduce_single(comm: Communicator, tensors: Sequence[Sequence], op,
+                            bucket_bytes: int | None = None,
+                            layout: "FusionLayout | None" = None) -> list:
+    """:func:`fused_all_reduce` for a communicator with one local replica: ``out[j]`` is
+    tensor ``j``'s result itself (not a list of one)."""
+    if comm.num_local != 1:
+        raise ValueError(f"fused_all_reduce_single needs one local replica, but the "
+                         f"communicator has {comm.num_local}: use fused_all_reduce")
+    out: list = [None] * len(tensors)
+    for bucket, runs, reduced in _reduced_buckets(comm, tensors, op, bucket_bytes, layout):
+        views = _unpack_views(reduced[0], runs)
+        lo, hi = bucket[0], bucket[-1] + 1
+        if hi - lo == len(bucket):
+            out[lo:hi] = views
+        else:
+            for j, v in zip(bucket, views):
+                out[j] = v
+    return out
+
+
 def fused_all_reduce_flat(comm: Communicator, tensors: Sequence[Sequence], op,
-                          bucket_bytes: int | None = None) -> list[tuple[list, list]]:
+                          bucket_bytes: int | None = None,
+                          layout: "FusionLayout | None" = None) -> list[tuple[list, list]]:
     """:func:`fused_all_reduce`, giving each bucket's reduced fusion buffers instead of
     one result per tensor: for code that works on the tensors of a bucket as one flat
     array (an optimizer updating all its variables with a few large operations).
@@ -180,61 +206,134 @@ def fused_all_reduce_flat(comm: Communicator, tensors: Sequence[Sequence], op,
         arena that a later call reuses once nothing refers to them.
     """
     return [(bucket, reduced)
-            for bucket, _, reduced in _reduced_buckets(comm, tensors, op, bucket_bytes)]
+            for bucket, _, reduced in _reduced_buckets(comm, tensors, op, bucket_bytes,
+                                                       layout)]
 
 
-def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes):
-    """Yield ``(bucket, shapes of its tensors, reduced buffers)`` for each bucket."""
-    op = ReduceOp.from_value(op)
+class FusionLayout:
+    """The shapes and dtypes of a list of tensors and their buckets (see
+    :func:`check_layout`); made once per list of layouts and bucket size."""
+
+    __slots__ = ("shapes", "dtypes", "buckets", "described")
+
+    def __init__(self, shapes: tuple, dtypes: tuple, buckets: tuple):
+        self.shapes = shapes
+        self.dtypes = dtypes
+        #: ``(indices, lo, hi, start, total, dtype, arena total, runs)`` per bucket
+        #: (see :func:`_buckets_of`).
+        self.buckets = buckets
+        #: Free for a caller to remember a description of the layout in.
+        self.described = None
+
+
+def check_layout(comm: Communicator, tensors: Sequence[Sequence],
+                 bucket_bytes: int | None = None) -> tuple[list, FusionLayout]:
+    """Check ``tensors`` as :func:`fused_all_reduce` does and plan their buckets.
+
+    Returns:
+        ``(tensors, layout)``: the tensors (Python scalars and lists made arrays) and
+        their :class:`FusionLayout`, to pass on as ``fused_all_reduce(..., layout=)``.
+        Equal layouts give the same object (remembered: a training loop reduces the
+        same layouts every step).
+    Raises:
+        ValueError: as :func:`fused_all_reduce`.
+    """
     if bucket_bytes is None:
         bucket_bytes = bucket_bytes_from_env()
-    if not tensors:
-        return
     _check_counts(comm, tensors)
     try:
         first = list(map(_FIRST, tensors))
         shapes = list(map(_SHAPE, first))
         dtypes = list(map(_DTYPE, first))
-        sizes = list(map(_SIZE, first))
     except AttributeError:  # Python scalars or lists among the values
         tensors = _as_arrays(tensors)
         first = list(map(_FIRST, tensors))
         shapes = list(map(_SHAPE, first))
         dtypes = list(map(_DTYPE, first))
-        sizes = list(map(_SIZE, first))
     _check_layouts(comm, tensors, shapes, dtypes)
-    plan = plan_buckets(sizes, dtypes, int(bucket_bytes))
+    return tensors, layout_of(shapes, dtypes, int(bucket_bytes))
+
+
+def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout):
+    """Yield ``(bucket, how to cut it into tensors, reduced buffers)`` for each bucket."""
+    op = ReduceOp.from_value(op)
+    if not tensors:
+        return
+    if layout is None:
+        tensors, layout = check_layout(comm, tensors, bucket_bytes)
     n_local = comm.num_local
-    # Host buckets of one dtype are consecutive slices of one arena per replica (see
-    # _host_arena), so a call with many buckets allocates nothing once warm.
-    arena_elems: dict = {}
-    for bucket in plan:
-        d = dtypes[bucket[0]]
-        arena_elems[d] = arena_elems.get(d, 0) + sum(sizes[j] for j in bucket)
     arenas: dict = {}
-    offsets: dict = {}
-    for bucket in plan:
-        lo, hi = bucket[0], bucket[-1] + 1
-        contiguous = hi - lo == len(bucket)
-        rows = tensors[lo:hi] if contiguous else [tensors[j] for j in bucket]
-        total = sum(sizes[lo:hi]) if contiguous else sum(sizes[j] for j in bucket)
-        dtype = dtypes[lo]
-        start = offsets.get(dtype, 0)
-        offsets[dtype] = start + total
+    for bucket, lo, hi, start, total, dtype, arena_total, runs in layout.buckets:
+        rows = tensors[lo:hi] if hi else [tensors[j] for j in bucket]
         buffers = []
         for i in range(n_local):
-            parts = list(map(operator.itemgetter(i), rows))
+            parts = list(map(_ITEMS[i], rows)) if i < len(_ITEMS) else \
+                [row[i] for row in rows]
             if is_gpu_array(parts[0]):
                 buffers.append(_pack_gpu(parts))
                 continue
             arena = arenas.get((dtype, i))
             if arena is None:
-                arena = arenas[dtype, i] = _host_arena(arena_elems[dtype], dtype, i)
+                arena = arenas[dtype, i] = _host_arena(arena_total, dtype, i)
             buffers.append(_pack_host(parts, arena[start:start + total]))
         # The packed buffers are ours: the backend may reduce in them, and the results
         # are views of them.
         reduced = comm.all_reduce_inplace(buffers, op)
-        yield bucket, (shapes[lo:hi] if contiguous else [shapes[j] for j in bucket]), reduced
+        yield bucket, runs, reduced
+
+
+_layouts: dict = {}
+_last_layout: list = [None]  # (shapes, dtypes, bucket bytes, layout) of the last call
+
+
+def layout_of(shapes: Sequence[tuple], dtypes: Sequence[np.dtype],
+              bucket_bytes: int | None = None) -> FusionLayout:
+    """The :class:`FusionLayout` of tensors of these shapes and dtypes (remembered), for
+    callers that already checked their tensors' shapes and dtypes."""
+    if bucket_bytes is None:
+        bucket_bytes = bucket_bytes_from_env()
+    last = _last_layout[0]
+    # The last layout again (a training loop's): two whole-list compares, no hashing.
+    if last is not None and last[2] == bucket_bytes and last[0] == shapes and \
+            last[1] == dtypes:
+        return last[3]
+    key = (tuple(shapes), tuple(dtypes), bucket_bytes)
+    hit = _layouts.get(key)
+    if hit is None:
+        hit = FusionLayout(key[0], key[1], _buckets_of(shapes, dtypes, bucket_bytes))
+        if len(_layouts) >= 256:
+            _layouts.clear()
+        _layouts[key] = hit
+    if type(shapes) is list and type(dtypes) is list:
+        _last_layout[0] = (shapes, dtypes, bucket_bytes, hit)
+    return hit
+
+
+def _buckets_of(shapes, dtypes, bucket_bytes: int) -> tuple:
+    """One ``(indices, lo, hi, start, total, dtype, arena total, runs)`` per bucket,
+    where ``tensors[lo:hi]`` are its tensors when they are consecutive (``hi`` is 0 when
+    not), ``start`` and ``total`` its slice of its dtype's arena (in elements), and
+    ``arena total`` that arena's size, and ``runs`` how its reduced buffer is cut into
+    one view per tensor (see :func:`_runs`)."""
+    sizes = [math.prod(s) for s in shapes]
+    plan = plan_buckets(sizes, dtypes, bucket_bytes)
+    # Host buckets of one dtype are consecutive slices of one arena per replica (see
+    # _host_arena), so a call with many buckets allocates nothing once warm.
+    arena_elems: dict = {}
+    specs = []
+    for bucket in plan:
+        lo, hi = bucket[0], bucket[-1] + 1
+        if hi - lo != len(bucket):
+            hi = 0
+        dtype = dtypes[bucket[0]]
+        total = sum(sizes[j] for j in bucket)
+        start = arena_elems.get(dtype, 0)
+        arena_elems[dtype] = start + total
+        specs.append([bucket, lo, hi, start, total, dtype, None,
+                      _runs([shapes[j] for j in bucket])])
+    for spec in specs:
+        spec[6] = arena_elems[spec[5]]
+    return tuple(map(tuple, specs))
 
 
 # --- host: NumPy ------------------------------------------------------------------------
@@ -242,7 +341,7 @@ def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes):
 _pool = threading.local()
 # C-level getters: the per-tensor bookkeeping of 1,000 tensors is a map, not a loop.
 _FIRST = operator.itemgetter(0)
-_SIZE = operator.attrgetter("size")
+_ITEMS = [operator.itemgetter(i) for i in range(64)]
 _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
 
@@ -277,29 +376,38 @@ def _pack_host(tensors, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def _unpack_views(buffer, shapes) -> list:
-    """Views of ``buffer`` (NumPy or CuPy), one per shape; runs of one shape are cut in one reshape (fast for the
-    common case of many same-shaped tensors)."""
-    parts: list = []
+def _runs(shapes) -> tuple:
+    """How :func:`_unpack_views` cuts a buffer of tensors of these ``shapes``, back to
+    back: one ``(start, stop, shape, several)`` per run of one shape; a run of several
+    tensors is cut with one reshape to ``shape`` = ``(count,) + their shape`` (fast for
+    the common case of many same-shaped tensors)."""
+    runs = []
     start = 0
     k = 0
     n = len(shapes)
     while k < n:
-        shape = shapes[k]
+        shape = tuple(shapes[k])
         run = k + 1
-        while run < n and shapes[run] == shape:
+        while run < n and tuple(shapes[run]) == shape:
             run += 1
         count = run - k
-        size = 1
-        for d in shape:
-            size *= d
-        block = buffer[start:start + count * size]
-        if count == 1:
-            parts.append(block.reshape(shape))
-        else:
-            parts.extend(block.reshape((count,) + tuple(shape)))
-        start += count * size
+        stop = start + count * math.prod(shape)
+        runs.append((start, stop, (count,) + shape if count > 1 else shape, count > 1))
+        start = stop
         k = run
+    return tuple(runs)
+
+
+def _unpack_views(buffer, runs) -> list:
+    """Views of ``buffer`` (NumPy or CuPy), one per tensor, cut as ``runs`` (see
+    :func:`_runs`) says."""
+    parts: list = []
+    for start, stop, shape, several in runs:
+        block = buffer[start:stop].reshape(shape)
+        if several:
+            parts.extend(block)
+        else:
+            parts.append(block)
     return parts
 
 

@@ -18,7 +18,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from gpustrat.collectives.fusion import fused_all_reduce
+from gpustrat.collectives.fusion import (check_layout, fused_all_reduce,
+                                         fused_all_reduce_single)
 from gpustrat.distribute import context
 from gpustrat.distribute.collective_ops import as_array
 from gpustrat.distribute.distributed_variables import DistributedVariable, as_components
@@ -113,10 +114,15 @@ class StrategyExtended:
         devices = strategy.local_devices
         on_host = not any(d.is_gpu for d in devices)
         single = len(devices) == 1
-        tensors = []
-        for value, _ in value_destination_pairs:
-            # The common cases (host arrays: one per replica, or one replica's own) need
-            # no placement: a gradient step passes a hundred of them.
+        values = [value for value, _ in value_destination_pairs]
+        if on_host and single and set(map(type, values)) == {np.ndarray}:
+            # The common case (one replica's own host arrays, e.g. a gradient step's
+            # hundred gradients) needs no placement: checked in C, wrapped in one pass.
+            tensors = [[value] for value in values]
+            values = ()
+        else:
+            tensors = []
+        for value in values:
             if on_host and single and type(value) is np.ndarray:
                 tensors.append([value])
                 continue
@@ -127,9 +133,21 @@ class StrategyExtended:
                 tensors.append([as_array(c, d) for c, d in zip(comps, devices)])
         if not tensors:
             return []
-        agree_tensors(strategy, tensors, f"batch_reduce_to({op.name})")
-        return [r[0] if len(r) == 1 else Mirrored(r)
-                for r in fused_reduce(strategy.communicator, tensors, op)]
+        what = f"batch_reduce_to({op.name})"
+        comm = strategy.communicator
+        if len(tensors) == 1:
+            agree_tensors(strategy, tensors, what)
+            out = [comm.all_reduce(tensors[0], op)]
+        else:
+            # Checked and planned once, for the agreement and the fusion both.
+            tensors, layout = check_layout(comm, tensors)
+            if layout.described is None:
+                layout.described = _describe(tensors)
+            agree_tensors(strategy, tensors, what, layouts=layout.described)
+            if single:
+                return fused_all_reduce_single(comm, tensors, op, layout=layout)
+            out = fused_all_reduce(comm, tensors, op, layout=layout)
+        return [r[0] if len(r) == 1 else Mirrored(r) for r in out]
 
 
 def _components(strategy, value: Any, op: ReduceOp) -> tuple:

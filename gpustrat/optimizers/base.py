@@ -27,7 +27,7 @@ import numpy as np
 from gpustrat.devices import on_device_of, to_host
 from gpustrat.distribute import context
 from gpustrat.distribute.distributed_variables import DistributedVariable, strategy_of, zeros
-from gpustrat.collectives.fusion import fused_all_reduce_flat
+from gpustrat.collectives.fusion import fused_all_reduce_flat, layout_of
 from gpustrat.distribute.extended import agree_tensors, describe_layouts, fused_reduce
 from gpustrat.distribute.variables import Variable, VariableAggregation
 from gpustrat.reduce_util import ReduceOp
@@ -303,7 +303,10 @@ class Optimizer:
             wire = self.compression
             packed = tensors if wire is None else [[_cast(t, wire) for t in row]
                                                    for row in tensors]
-            buckets = fused_all_reduce_flat(plan.owner.communicator, packed, ReduceOp.SUM)
+            # plan.gradients checked the shapes and dtypes: the fusion need not again.
+            buckets = fused_all_reduce_flat(plan.owner.communicator, packed, ReduceOp.SUM,
+                                            layout=None if wire is not None else
+                                            layout_of(plan.shapes, plan.dtypes))
             if wire is not None:
                 buckets = [(b, [_cast(x, plan.dtypes[0]) for x in bufs])
                            for b, bufs in buckets]
