@@ -47,51 +47,17 @@ class StateIterator:
     def restore(self, state: dict) -> None:
         raise NotImplementedError
 
+    def fast_iter(self):
+        """What ``next`` may be called on instead of this object (after any
+        ``restore``): the same elements, and :meth:`save` still sees the position. By
+        default this object; a source returns a C-level iterator whose position
+        :meth:`save` reads from the iterator's own counter."""
+        return self
+
     def close(self) -> None:
         for it in self._inputs:
             if it is not None:
                 it.close()
-
-
-class Guarded(StateIterator):
-    """The root of an epoch's chain: at the end, or after an error (raised once), the
-    chain is closed (its threads joined) and later ``next`` calls raise StopIteration,
-    as a generator that ended does."""
-
-    def __init__(self, root: StateIterator):
-        self._root = root
-        self._inputs = (root,)
-        self._ended = False
-        self._failed: str | None = None
-
-    def __next__(self):
-        if self._ended:
-            raise StopIteration
-        try:
-            return next(self._root)
-        except StopIteration:
-            self._ended = True
-            self._root.close()
-            raise
-        except BaseException as e:
-            self._ended = True
-            self._failed = f"{type(e).__name__}: {e}"
-            self._root.close()
-            raise
-
-    def save(self) -> dict:
-        if self._failed is not None:
-            raise ValueError(f"cannot save the position of a dataset iterator whose "
-                             f"pipeline raised {self._failed}: restore the last saved "
-                             "position instead")
-        return self._root.save()
-
-    def restore(self, state: dict) -> None:
-        self._root.restore(state)
-
-    def close(self) -> None:
-        self._ended = True
-        self._root.close()
 
 
 def pack_elements(elements: list) -> dict:
@@ -283,26 +249,43 @@ class ParallelMapIterator(StateIterator):
 
 
 class IndexedIterator(StateIterator):
-    """A source of ``count`` elements where element ``i`` is ``get(i)``; the state is
-    the next index."""
+    """A source of ``count`` elements where element ``k`` is ``get(start + k * step)``,
+    or with ``width``, ``get(slice(i, i + width))`` for ``i = start + k * step`` (the
+    batches of an array); the state is the next ``k``.
 
-    __slots__ = ("_count", "_get", "_pos")
+    The elements come from ``map(get, ...)`` over a range iterator, all C: ``fast_iter``
+    hands that out, and ``save`` derives the position from the range iterator's length
+    hint (what is left), so nothing is counted per element. An element whose ``get``
+    raised counts as read, as an element the pipeline failed on."""
 
-    def __init__(self, count: int, get):
-        self._count, self._get, self._pos = count, get, 0
+    __slots__ = ("_count", "_get", "_start", "_step", "_width", "_left", "_it")
+
+    def __init__(self, count: int, get, start: int = 0, step: int = 1,
+                 width: int | None = None):
+        self._count, self._get = count, get
+        self._start, self._step, self._width = start, step, width
+        self._seek(0)
+
+    def _seek(self, pos: int) -> None:
+        first, stop, step = (self._start + pos * self._step,
+                             self._start + self._count * self._step, self._step)
+        self._left = keys = iter(range(first, stop, step))
+        if self._width is not None:
+            w = self._width
+            keys = map(slice, keys, range(first + w, stop + w, step))
+        self._it = map(self._get, keys)
 
     def __next__(self):
-        pos = self._pos
-        if pos >= self._count:
-            raise StopIteration
-        self._pos = pos + 1
-        return self._get(pos)
+        return next(self._it)
+
+    def fast_iter(self):
+        return self._it
 
     def save(self) -> dict:
-        return {"pos": self._pos}
+        return {"pos": self._count - self._left.__length_hint__()}
 
     def restore(self, state: dict) -> None:
-        self._pos = int(state["pos"])
+        self._seek(int(state["pos"]))
 
 
 class FunctionIterator(StateIterator):

@@ -53,9 +53,8 @@ class RangeDataset(Dataset):
             yield from np.arange(first, last, step, dtype=self._dtype)
 
     def _state_iter(self, ctx):
-        start, step, make = self._start, self._step, self._dtype.type
-        return IndexedIterator(_range_len(start, self._stop, step),
-                               lambda i: make(start + i * step))
+        return IndexedIterator(_range_len(self._start, self._stop, self._step),
+                               self._dtype.type, self._start, self._step)
 
     def _cardinality(self) -> int:
         return _range_len(self._start, self._stop, self._step)
@@ -205,11 +204,12 @@ class SlicedBatchDataset(Dataset):
         n, b = self._n, self._batch_size
         end = n - n % b if self._drop else n
         leaves, pack = self._leaves, self._pack
+        # Batch k is the slice [k*b, k*b + b): the last one of a partial epoch ends
+        # past ``end == n``, where slicing stops at n.
         if len(leaves) == 1 and not nest.is_nested(self._structure):
-            a = leaves[0]
-            return IndexedIterator(-(-end // b), lambda k: a[k * b:min(end, k * b + b)])
-        return IndexedIterator(-(-end // b), lambda k: pack(
-            [a[k * b:min(end, k * b + b)] for a in leaves]))
+            return IndexedIterator(-(-end // b), leaves[0].__getitem__, step=b, width=b)
+        return IndexedIterator(-(-end // b), lambda s: pack([a[s] for a in leaves]),
+                               step=b, width=b)
 
     def _cardinality(self):
         n, b = self._n, self._batch_size
