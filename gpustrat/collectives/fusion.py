@@ -167,8 +167,42 @@ def fused_all_reduce(comm: Communicator, tensors: Sequence[Sequence], op,
     return out
 
 
+class KnownLayout:
+    """The shapes and dtypes of a list of tensors that a caller has checked on every
+    local replica (``tensors[j][i]`` has ``shapes[j]`` and ``dtypes[j]``), and their
+    bucket plan per bucket size, worked out once: a training loop reduces the same
+    layout every step, so passing one to :func:`fused_all_reduce_flat` skips the
+    per-call checks and planning."""
+
+    __slots__ = ("shapes", "dtypes", "sizes", "_plans")
+
+    def __init__(self, shapes: Sequence, dtypes: Sequence):
+        self.shapes = list(shapes)
+        self.dtypes = [np.dtype(d) for d in dtypes]
+        self.sizes = [int(np.prod(sh, dtype=np.int64)) for sh in self.shapes]
+        self._plans: dict = {}
+
+    def plan(self, bucket_bytes: int) -> tuple[list, dict]:
+        """``(buckets, elements per dtype)`` for this bucket size."""
+        hit = self._plans.get(bucket_bytes)
+        if hit is None:
+            hit = self._plans[bucket_bytes] = _plan_with_arenas(
+                self.sizes, self.dtypes, bucket_bytes)
+        return hit
+
+
+def _plan_with_arenas(sizes, dtypes, bucket_bytes: int) -> tuple[list, dict]:
+    plan = plan_buckets(sizes, dtypes, int(bucket_bytes))
+    arena_elems: dict = {}
+    for bucket in plan:
+        d = dtypes[bucket[0]]
+        arena_elems[d] = arena_elems.get(d, 0) + sum(sizes[j] for j in bucket)
+    return plan, arena_elems
+
+
 def fused_all_reduce_flat(comm: Communicator, tensors: Sequence[Sequence], op,
-                          bucket_bytes: int | None = None) -> list[tuple[list, list]]:
+                          bucket_bytes: int | None = None,
+                          layout: KnownLayout | None = None) -> list[tuple[list, list]]:
     """:func:`fused_all_reduce`, giving each bucket's reduced fusion buffers instead of
     one result per tensor: for code that works on the tensors of a bucket as one flat
     array (an optimizer updating all its variables with a few large operations).
@@ -178,39 +212,42 @@ def fused_all_reduce_flat(comm: Communicator, tensors: Sequence[Sequence], op,
         and one 1-D reduced buffer per local replica, holding those tensors flattened,
         back to back. The buffers are the caller's; host buffers are slices of a pooled
         arena that a later call reuses once nothing refers to them.
+
+    ``layout``: the tensors' :class:`KnownLayout`, when the caller has checked them
+    (then they are not checked again, and the buckets are planned once per layout).
     """
-    return [(bucket, reduced)
-            for bucket, _, reduced in _reduced_buckets(comm, tensors, op, bucket_bytes)]
+    return [(bucket, reduced) for bucket, _, reduced in
+            _reduced_buckets(comm, tensors, op, bucket_bytes, layout)]
 
 
-def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes):
+def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout=None):
     """Yield ``(bucket, shapes of its tensors, reduced buffers)`` for each bucket."""
     op = ReduceOp.from_value(op)
     if bucket_bytes is None:
         bucket_bytes = bucket_bytes_from_env()
     if not tensors:
         return
-    _check_counts(comm, tensors)
-    try:
-        first = list(map(_FIRST, tensors))
-        shapes = list(map(_SHAPE, first))
-        dtypes = list(map(_DTYPE, first))
-        sizes = list(map(_SIZE, first))
-    except AttributeError:  # Python scalars or lists among the values
-        tensors = _as_arrays(tensors)
-        first = list(map(_FIRST, tensors))
-        shapes = list(map(_SHAPE, first))
-        dtypes = list(map(_DTYPE, first))
-        sizes = list(map(_SIZE, first))
-    _check_layouts(comm, tensors, shapes, dtypes)
-    plan = plan_buckets(sizes, dtypes, int(bucket_bytes))
+    if layout is not None:
+        shapes, dtypes, sizes = layout.shapes, layout.dtypes, layout.sizes
+        plan, arena_elems = layout.plan(bucket_bytes)
+    else:
+        _check_counts(comm, tensors)
+        try:
+            first = list(map(_FIRST, tensors))
+            shapes = list(map(_SHAPE, first))
+            dtypes = list(map(_DTYPE, first))
+            sizes = list(map(_SIZE, first))
+        except AttributeError:  # Python scalars or lists among the values
+            tensors = _as_arrays(tensors)
+            first = list(map(_FIRST, tensors))
+            shapes = list(map(_SHAPE, first))
+            dtypes = list(map(_DTYPE, first))
+            sizes = list(map(_SIZE, first))
+        _check_layouts(comm, tensors, shapes, dtypes)
+        # Host buckets of one dtype are consecutive slices of one arena per replica
+        # (see _host_arena), so a call with many buckets allocates nothing once warm.
+        plan, arena_elems = _plan_with_arenas(sizes, dtypes, bucket_bytes)
     n_local = comm.num_local
-    # Host buckets of one dtype are consecutive slices of one arena per replica (see
-    # _host_arena), so a call with many buckets allocates nothing once warm.
-    arena_elems: dict = {}
-    for bucket in plan:
-        d = dtypes[bucket[0]]
-        arena_elems[d] = arena_elems.get(d, 0) + sum(sizes[j] for j in bucket)
     arenas: dict = {}
     offsets: dict = {}
     for bucket in plan:
