@@ -270,7 +270,12 @@ class Dataset(abc.ABC):
     # --- inspection ------------------------------------------------------------------
 
     def __iter__(self) -> DatasetIterator:
-        if not unsupported_nodes(self):
+        # Whether every node can save its position, walked once per node: datasets are
+        # immutable, and a copy (another id) walks again.
+        saveable = self.__dict__.get("_saveable")
+        if saveable is None or saveable[0] != id(self):
+            saveable = self.__dict__["_saveable"] = (id(self), not unsupported_nodes(self))
+        if saveable[1]:
             state = self._state_iter(_IterContext())
             return DatasetIterator(self, state.fast_iter(), state)
         return DatasetIterator(self, self._iter(_IterContext()))

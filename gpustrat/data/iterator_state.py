@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import functools
 import threading
 import time
 from typing import Any
@@ -249,31 +250,23 @@ class ParallelMapIterator(StateIterator):
 
 
 class IndexedIterator(StateIterator):
-    """A source of ``count`` elements where element ``k`` is ``get(start + k * step)``,
-    or with ``width``, ``get(slice(i, i + width))`` for ``i = start + k * step`` (the
-    batches of an array); the state is the next ``k``.
+    """A source of ``count`` elements where element ``k`` is ``get(start + k * step)``;
+    the state is the next ``k``.
 
-    The elements come from ``map(get, ...)`` over a range iterator, all C: ``fast_iter``
-    hands that out, and ``save`` derives the position from the range iterator's length
-    hint (what is left), so nothing is counted per element. An element whose ``get``
-    raised counts as read, as an element the pipeline failed on."""
+    The keys come from a range iterator, and the elements from ``body(keys)`` (by
+    default ``map(get, keys)``, all C; a generator that slices in its own frame is
+    as cheap): ``fast_iter`` hands that out, and ``save`` derives the position from
+    the range iterator's length hint (what is left), so nothing is counted per
+    element. ``body`` must take exactly one key per element it returns. A key whose
+    element raised counts as read, as an element the pipeline failed on."""
 
-    __slots__ = ("_count", "_get", "_start", "_step", "_width", "_left", "_it")
+    __slots__ = ("_count", "_body", "_start", "_step", "_left", "_it")
 
-    def __init__(self, count: int, get, start: int = 0, step: int = 1,
-                 width: int | None = None):
-        self._count, self._get = count, get
-        self._start, self._step, self._width = start, step, width
-        self._seek(0)
-
-    def _seek(self, pos: int) -> None:
-        first, stop, step = (self._start + pos * self._step,
-                             self._start + self._count * self._step, self._step)
-        self._left = keys = iter(range(first, stop, step))
-        if self._width is not None:
-            w = self._width
-            keys = map(slice, keys, range(first + w, stop + w, step))
-        self._it = map(self._get, keys)
+    def __init__(self, count: int, get=None, start: int = 0, step: int = 1, body=None):
+        self._count, self._start, self._step = count, start, step
+        self._body = body if body is not None else functools.partial(map, get)
+        self._left = iter(range(start, start + count * step, step))
+        self._it = self._body(self._left)
 
     def __next__(self):
         return next(self._it)
@@ -285,7 +278,10 @@ class IndexedIterator(StateIterator):
         return {"pos": self._count - self._left.__length_hint__()}
 
     def restore(self, state: dict) -> None:
-        self._seek(int(state["pos"]))
+        step = self._step
+        self._left = iter(range(self._start + int(state["pos"]) * step,
+                                self._start + self._count * step, step))
+        self._it = self._body(self._left)
 
 
 class FunctionIterator(StateIterator):

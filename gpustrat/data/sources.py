@@ -201,15 +201,29 @@ class SlicedBatchDataset(Dataset):
             yield pack([a[i:j] for a in leaves])
 
     def _state_iter(self, ctx):
+        count, body = self.__dict__.get("_batches") or self._batch_body()
+        return IndexedIterator(count, None, 0, self._batch_size, body)
+
+    def _batch_body(self) -> tuple:
+        """``(number of batches, body)``: ``body(starts)`` yields the batch at each
+        start (the last one of a partial epoch ends past n, where slicing stops at n);
+        worked out once, as every epoch's iterator needs it."""
         n, b = self._n, self._batch_size
         end = n - n % b if self._drop else n
         leaves, pack = self._leaves, self._pack
-        # Batch k is the slice [k*b, k*b + b): the last one of a partial epoch ends
-        # past ``end == n``, where slicing stops at n.
         if len(leaves) == 1 and not nest.is_nested(self._structure):
-            return IndexedIterator(-(-end // b), leaves[0].__getitem__, step=b, width=b)
-        return IndexedIterator(-(-end // b), lambda s: pack([a[s] for a in leaves]),
-                               step=b, width=b)
+            a = leaves[0]
+
+            def body(starts):
+                for i in starts:
+                    yield a[i:i + b]
+        else:
+            def body(starts):
+                for i in starts:
+                    j = i + b
+                    yield pack([x[i:j] for x in leaves])
+        self.__dict__["_batches"] = (-(-end // b), body)
+        return self.__dict__["_batches"]
 
     def _cardinality(self):
         n, b = self._n, self._batch_size
