@@ -46,10 +46,12 @@ TARGET_SEPARATE, TARGET_TF, TARGET_BANDWIDTH = 5.0, 3.0, 0.8
 
 #: TensorFlow 2.21 (tensorflow-cpu), Keras SGD ``apply_gradients`` of 100 x 1,000 float32
 #: under MirroredStrategy on 2 logical CPUs inside tf.function: ms per step, the best of
-#: 5 runs of 200 steps (``TF_SCRIPT`` below, run with TensorFlow's own venv). The fastest
-#: of 4 such runs on the project's shared 2-core machine (2026-11-23, load average 6-7;
-#: the others gave 2.0, 3.0 and 6.9 ms): the figure most favourable to TensorFlow.
-TF_RECORDED_MS = 1.32
+#: 5 runs of 200 steps (``TF_SCRIPT`` below, run with TensorFlow's own venv:
+#: ``/work/tfvenv/bin/python -c "$TF_SCRIPT" 100 1000 200``). The fastest of 9 such runs
+#: on the project's shared 2-core machine on 2026-11-23, 21:55-22:10 UTC, load average
+#: 2-5 from other jobs (the others gave 1.08-4.0 ms): the figure most favourable to
+#: TensorFlow. (Recorded earlier the same day at load average 6-7: 1.32 ms.)
+TF_RECORDED_MS = 1.02
 
 TF_SCRIPT = r"""
 import sys, time, numpy as np, tensorflow as tf

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from gpustrat.data.iterator_state import fingerprint, unsupported_nodes
 from gpustrat.data.options import Options
 from gpustrat.data.spec import spec_of, unknown_dims
 
@@ -57,6 +58,10 @@ class _IterContext:
         self.peek = peek
 
 
+# What an ended or failed iterator's ``next`` reads: raises StopIteration.
+_ENDED = iter(())
+
+
 class DatasetIterator:
     """An iterator over one epoch of a dataset.
 
@@ -66,15 +71,19 @@ class DatasetIterator:
     reference to the iterator does the same.
     """
 
-    __slots__ = ("_gen", "_dataset", "_stateful")
+    __slots__ = ("_gen", "_dataset", "_state", "_failed")
 
     # A checkpoint saves one position per worker (each worker reads its own input).
     _checkpoint_per_worker = True
 
-    def __init__(self, dataset: "Dataset", gen: Iterator, stateful: bool = False):
+    def __init__(self, dataset: "Dataset", gen: Iterator, state=None):
+        # ``state``: the root StateIterator of the epoch (None: the pipeline cannot save
+        # its position), and ``gen`` what ``next`` is called on: its fast_iter(), often
+        # a C-level iterator, so that tracking the position costs nothing per element.
         self._gen = gen
         self._dataset = dataset
-        self._stateful = stateful
+        self._state = state
+        self._failed: str | None = None
 
     def get_state(self) -> dict:
         """The position of this iterator: what ``next`` has returned so far (never
@@ -82,15 +91,18 @@ class DatasetIterator:
 
         Raises:
             ValueError: a node of the pipeline cannot save its position (the message
-                names it).
+                names it), or the pipeline raised an error (a position after an error
+                is not saved: restore the last saved one).
         """
-        if not self._stateful:
-            from gpustrat.data.iterator_state import unsupported_nodes  # noqa: PLC0415
+        if self._state is None:
             why = unsupported_nodes(self._dataset) or ["this iterator was not made by iter()"]
             raise ValueError("cannot save the position of this dataset iterator: "
                              + "; ".join(why))
-        from gpustrat.data.iterator_state import fingerprint  # noqa: PLC0415
-        return {"dataset": fingerprint(self._dataset), "position": self._gen.save()}
+        if self._failed is not None:
+            raise ValueError(f"cannot save the position of a dataset iterator whose "
+                             f"pipeline raised {self._failed}: restore the last saved "
+                             "position instead")
+        return {"dataset": fingerprint(self._dataset), "position": self._state.save()}
 
     def set_state(self, state: dict) -> None:
         """Continue from a position that :meth:`get_state` returned, for the same
@@ -99,8 +111,7 @@ class DatasetIterator:
         Raises:
             ValueError: the state is of another dataset, or this one cannot restore.
         """
-        from gpustrat.data.iterator_state import fingerprint  # noqa: PLC0415
-        if not self._stateful:
+        if self._state is None:
             self.get_state()  # raises the error naming the node
         mine = fingerprint(self._dataset)
         if list(state["dataset"]) != mine:
@@ -108,11 +119,10 @@ class DatasetIterator:
                              f"dataset: saved for {list(state['dataset'])}, this dataset is "
                              f"{mine} (node:cardinality); restore into the pipeline that "
                              "was saved")
-        from gpustrat.data.iterator_state import Guarded  # noqa: PLC0415
-        fresh = Guarded(self._dataset._state_iter(_IterContext()))
+        fresh = self._dataset._state_iter(_IterContext())
         fresh.restore(state["position"])
-        self._gen.close()
-        self._gen = fresh
+        self._close()
+        self._state, self._gen, self._failed = fresh, fresh.fast_iter(), None
 
     _checkpoint_state = get_state
     _restore_checkpoint_state = set_state
@@ -121,11 +131,31 @@ class DatasetIterator:
         return self
 
     def __next__(self):
-        return next(self._gen)
+        try:
+            return next(self._gen)
+        except StopIteration:
+            self._close()
+            raise
+        except BaseException as e:
+            # As a generator that raised: the chain is closed (its threads joined), later
+            # ``next`` calls raise StopIteration, and the position is no longer saved.
+            if self._state is not None:
+                self._failed = f"{type(e).__name__}: {e}"
+            self._close()
+            raise
 
     def get_next(self):
         """The next element; raises ``StopIteration`` at the end (as ``next``)."""
-        return next(self._gen)
+        return self.__next__()
+
+    def _close(self) -> None:
+        if self._state is not None:
+            if self._gen is _ENDED:
+                return
+            self._gen = _ENDED
+            self._state.close()
+        else:
+            self._gen.close()
 
     @property
     def element_spec(self):
@@ -133,7 +163,7 @@ class DatasetIterator:
 
     def close(self) -> None:
         """Stop the pipeline and join its threads; later ``next`` calls raise StopIteration."""
-        self._gen.close()
+        self._close()
 
     def __enter__(self) -> "DatasetIterator":
         return self
@@ -143,7 +173,7 @@ class DatasetIterator:
 
     def __del__(self):
         try:
-            self._gen.close()
+            self._close()
         except Exception:  # interpreter shutdown: nothing left to stop
             pass
 
@@ -240,11 +270,14 @@ class Dataset(abc.ABC):
     # --- inspection ------------------------------------------------------------------
 
     def __iter__(self) -> DatasetIterator:
-        from gpustrat.data.iterator_state import unsupported_nodes  # noqa: PLC0415
-        if not unsupported_nodes(self):
-            from gpustrat.data.iterator_state import Guarded  # noqa: PLC0415
-            return DatasetIterator(self, Guarded(self._state_iter(_IterContext())),
-                                   stateful=True)
+        # Whether every node can save its position, walked once per node: datasets are
+        # immutable, and a copy (another id) walks again.
+        saveable = self.__dict__.get("_saveable")
+        if saveable is None or saveable[0] != id(self):
+            saveable = self.__dict__["_saveable"] = (id(self), not unsupported_nodes(self))
+        if saveable[1]:
+            state = self._state_iter(_IterContext())
+            return DatasetIterator(self, state.fast_iter(), state)
         return DatasetIterator(self, self._iter(_IterContext()))
 
     @property

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import functools
 import threading
 import time
 from typing import Any
@@ -47,51 +48,17 @@ class StateIterator:
     def restore(self, state: dict) -> None:
         raise NotImplementedError
 
+    def fast_iter(self):
+        """What ``next`` may be called on instead of this object (after any
+        ``restore``): the same elements, and :meth:`save` still sees the position. By
+        default this object; a source returns a C-level iterator whose position
+        :meth:`save` reads from the iterator's own counter."""
+        return self
+
     def close(self) -> None:
         for it in self._inputs:
             if it is not None:
                 it.close()
-
-
-class Guarded(StateIterator):
-    """The root of an epoch's chain: at the end, or after an error (raised once), the
-    chain is closed (its threads joined) and later ``next`` calls raise StopIteration,
-    as a generator that ended does."""
-
-    def __init__(self, root: StateIterator):
-        self._root = root
-        self._inputs = (root,)
-        self._ended = False
-        self._failed: str | None = None
-
-    def __next__(self):
-        if self._ended:
-            raise StopIteration
-        try:
-            return next(self._root)
-        except StopIteration:
-            self._ended = True
-            self._root.close()
-            raise
-        except BaseException as e:
-            self._ended = True
-            self._failed = f"{type(e).__name__}: {e}"
-            self._root.close()
-            raise
-
-    def save(self) -> dict:
-        if self._failed is not None:
-            raise ValueError(f"cannot save the position of a dataset iterator whose "
-                             f"pipeline raised {self._failed}: restore the last saved "
-                             "position instead")
-        return self._root.save()
-
-    def restore(self, state: dict) -> None:
-        self._root.restore(state)
-
-    def close(self) -> None:
-        self._ended = True
-        self._root.close()
 
 
 def pack_elements(elements: list) -> dict:
@@ -283,26 +250,38 @@ class ParallelMapIterator(StateIterator):
 
 
 class IndexedIterator(StateIterator):
-    """A source of ``count`` elements where element ``i`` is ``get(i)``; the state is
-    the next index."""
+    """A source of ``count`` elements where element ``k`` is ``get(start + k * step)``;
+    the state is the next ``k``.
 
-    __slots__ = ("_count", "_get", "_pos")
+    The keys come from a range iterator, and the elements from ``body(keys)`` (by
+    default ``map(get, keys)``, all C; a generator that slices in its own frame is
+    as cheap): ``fast_iter`` hands that out, and ``save`` derives the position from
+    the range iterator's length hint (what is left), so nothing is counted per
+    element. ``body`` must take exactly one key per element it returns. A key whose
+    element raised counts as read, as an element the pipeline failed on."""
 
-    def __init__(self, count: int, get):
-        self._count, self._get, self._pos = count, get, 0
+    __slots__ = ("_count", "_body", "_start", "_step", "_left", "_it")
+
+    def __init__(self, count: int, get=None, start: int = 0, step: int = 1, body=None):
+        self._count, self._start, self._step = count, start, step
+        self._body = body if body is not None else functools.partial(map, get)
+        self._left = iter(range(start, start + count * step, step))
+        self._it = self._body(self._left)
 
     def __next__(self):
-        pos = self._pos
-        if pos >= self._count:
-            raise StopIteration
-        self._pos = pos + 1
-        return self._get(pos)
+        return next(self._it)
+
+    def fast_iter(self):
+        return self._it
 
     def save(self) -> dict:
-        return {"pos": self._pos}
+        return {"pos": self._count - self._left.__length_hint__()}
 
     def restore(self, state: dict) -> None:
-        self._pos = int(state["pos"])
+        step = self._step
+        self._left = iter(range(self._start + int(state["pos"]) * step,
+                                self._start + self._count * step, step))
+        self._it = self._body(self._left)
 
 
 class FunctionIterator(StateIterator):

@@ -236,6 +236,15 @@ class _NpyRowIterator(StateIterator):
                 self.close()
                 self._file, self._row = self._file + 1, 0
                 continue
+            if self._batch_size is not None:
+                # Batches read exactly their rows (as one piece where they can): a
+                # larger window would stay alive, and be concatenated, behind each batch.
+                if self._fd is None:
+                    self._fd = os.open(m.path, os.O_RDONLY)
+                stop = min(m.rows, self._row + want)
+                out = m.read(self._fd, self._row, stop, self._node._mmap)
+                self._row = stop
+                return out
             w = self._window
             if w is None or not self._window_start <= self._row < self._window_start + len(w):
                 if self._fd is None:

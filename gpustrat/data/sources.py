@@ -53,9 +53,8 @@ class RangeDataset(Dataset):
             yield from np.arange(first, last, step, dtype=self._dtype)
 
     def _state_iter(self, ctx):
-        start, step, make = self._start, self._step, self._dtype.type
-        return IndexedIterator(_range_len(start, self._stop, step),
-                               lambda i: make(start + i * step))
+        return IndexedIterator(_range_len(self._start, self._stop, self._step),
+                               self._dtype.type, self._start, self._step)
 
     def _cardinality(self) -> int:
         return _range_len(self._start, self._stop, self._step)
@@ -202,14 +201,29 @@ class SlicedBatchDataset(Dataset):
             yield pack([a[i:j] for a in leaves])
 
     def _state_iter(self, ctx):
+        count, body = self.__dict__.get("_batches") or self._batch_body()
+        return IndexedIterator(count, None, 0, self._batch_size, body)
+
+    def _batch_body(self) -> tuple:
+        """``(number of batches, body)``: ``body(starts)`` yields the batch at each
+        start (the last one of a partial epoch ends past n, where slicing stops at n);
+        worked out once, as every epoch's iterator needs it."""
         n, b = self._n, self._batch_size
         end = n - n % b if self._drop else n
         leaves, pack = self._leaves, self._pack
         if len(leaves) == 1 and not nest.is_nested(self._structure):
             a = leaves[0]
-            return IndexedIterator(-(-end // b), lambda k: a[k * b:min(end, k * b + b)])
-        return IndexedIterator(-(-end // b), lambda k: pack(
-            [a[k * b:min(end, k * b + b)] for a in leaves]))
+
+            def body(starts):
+                for i in starts:
+                    yield a[i:i + b]
+        else:
+            def body(starts):
+                for i in starts:
+                    j = i + b
+                    yield pack([x[i:j] for x in leaves])
+        self.__dict__["_batches"] = (-(-end // b), body)
+        return self.__dict__["_batches"]
 
     def _cardinality(self):
         n, b = self._n, self._batch_size

@@ -20,6 +20,7 @@ on plain arrays (NumPy, or CuPy on a GPU replica), in place.
 from __future__ import annotations
 
 import operator
+from itertools import repeat
 from typing import Iterable
 
 import numpy as np
@@ -249,8 +250,7 @@ class Optimizer:
         if len(per_replica) == 1:
             tensors = plan.gradients(per_replica[0].grads)
         else:
-            tensors = plan.gradients(list(zip(*[a.grads for a in per_replica])),
-                                     per_replica=True)
+            tensors = plan.gradients_by_replica([a.grads for a in per_replica])
         reduce = reduce and plan.owner is not None and plan.owner.num_replicas_in_sync > 1
         if reduce and plan.layouts is None:
             plan.layouts = describe_layouts(tensors, plan.keys)
@@ -368,6 +368,14 @@ def _check_positive(what: str, value) -> None:
 
 def _check_pairs(grads_and_vars) -> tuple[list, list]:
     pairs = list(grads_and_vars)
+    # The common case (tuples of a gradient and a variable, every gradient given) is
+    # checked with whole-list operations in C; the loops below name what is wrong.
+    if pairs and set(map(type, pairs)) == {tuple} and set(map(len, pairs)) == {2}:
+        grads, variables = map(list, zip(*pairs))
+        if all(map(isinstance, variables, repeat(Variable, len(variables)))) and \
+                not any(map(operator.is_, grads, repeat(None, len(grads)))) and \
+                len(set(map(id, variables))) == len(variables):
+            return grads, variables
     for p in pairs:
         if not (isinstance(p, (tuple, list)) and len(p) == 2):
             raise TypeError("apply_gradients takes (gradient, variable) pairs, e.g. "
@@ -386,4 +394,3 @@ def _check_pairs(grads_and_vars) -> tuple[list, list]:
         raise ValueError("apply_gradients: a variable appears twice; sum its gradients "
                          "first")
     return [g for g, _ in kept], variables
-

@@ -33,14 +33,6 @@ _DTYPE = operator.attrgetter("dtype")
 _ITEM = [operator.itemgetter(i) for i in range(64)]
 
 
-def _IS_NDARRAY(a) -> bool:
-    return type(a) is np.ndarray
-
-
-def _is_n(row, n) -> bool:
-    return len(row) == n
-
-
 def _components(v) -> tuple:
     return v.values if isinstance(v, DistributedVariable) else (v,)
 
@@ -73,7 +65,24 @@ class StepPlan:
         self.dtypes = [v.dtype for v in variables]
         #: What the workers agree on each step (made on the first reduction).
         self.layouts = None
+        #: The gradients' layout for the fused reduction (what gradients() checks).
+        self._host_types = [np.ndarray] * len(variables)
         self.flat = FlatArenas.adopt(self, optimizer)
+
+    def _host_column_ok(self, column: list) -> bool:
+        """Whether one replica's gradients are NumPy arrays of the variables' shapes and
+        dtypes (whole-list compares, in C)."""
+        return (list(map(type, column)) == self._host_types
+                and list(map(_SHAPE, column)) == self.shapes
+                and list(map(_DTYPE, column)) == self.dtypes)
+
+    def gradients_by_replica(self, columns: list) -> list:
+        """:meth:`gradients` of ``columns[i]``, replica i's list of gradients (one per
+        variable), as every replica passes them inside ``strategy.run``."""
+        if not self.gpu and len(columns) == self.n_local and \
+                all(map(self._host_column_ok, columns)):
+            return list(zip(*columns))
+        return self.gradients(list(zip(*columns)), per_replica=True)
 
     def gradients(self, grads: list, per_replica: bool = False) -> list:
         """``out[j][i]``: gradient j on local replica i's device, in variable j's dtype.
@@ -86,17 +95,9 @@ class StepPlan:
             # whole-list compares (in C) instead of one by one.
             rows = grads if per_replica else \
                 [g.values if type(g) is PerReplica else (g,) * n for g in grads]
-            if all(map(_is_n, rows, [n] * len(rows))):
-                ok = True
-                for i in range(n):
-                    column = list(map(_ITEM[i], rows))
-                    if not (all(map(_IS_NDARRAY, column))
-                            and list(map(_SHAPE, column)) == self.shapes
-                            and list(map(_DTYPE, column)) == self.dtypes):
-                        ok = False
-                        break
-                if ok:
-                    return rows
+            if set(map(len, rows)) == {n} and \
+                    all(self._host_column_ok(list(map(_ITEM[i], rows))) for i in range(n)):
+                return rows
         out = []
         for j, g in enumerate(grads):
             if per_replica or isinstance(g, DistributedValues):

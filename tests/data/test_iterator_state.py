@@ -308,3 +308,24 @@ def test_interleave_resumes_at_every_position(parallel):
         restored = iter(build())
         restored.set_state(roundtrip(it.get_state()))
         assert head + [int(v) for v in restored] == full, k
+
+
+@pytest.mark.parametrize("use_mmap", [True, False])
+def test_npy_batches_hold_only_their_own_rows(tmp_path, use_mmap):
+    # A batch that is a view of a larger read-ahead window keeps the whole window alive
+    # (prefetch buffers several batches): peak memory grows with the window, not B.
+    import mmap
+
+    from gpustrat.data.npy import NpyDataset
+    path = tmp_path / "a.npy"
+    np.save(path, np.arange(3000 * 256, dtype=np.float32).reshape(3000, 256))
+    it = iter(NpyDataset(str(path), mmap=use_mmap).batch(16))
+    for k in range(3):
+        batch = next(it)
+        np.testing.assert_array_equal(batch[:, 0], np.arange(16 * k, 16 * k + 16) * 256)
+        owner = batch
+        while isinstance(owner, np.ndarray) and owner.base is not None:
+            owner = owner.base
+        held = owner.nbytes if isinstance(owner, np.ndarray) else len(memoryview(owner))
+        assert held < batch.nbytes + mmap.ALLOCATIONGRANULARITY, (held, batch.nbytes)
+    assert it.get_state()["position"] == {"file": 0, "row": 48, "path": str(path)}

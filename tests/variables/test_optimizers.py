@@ -251,3 +251,37 @@ def test_a_step_count_held_elsewhere_is_read_each_time():
         Elsewhere.count = n
         assert opt.learning_rate == 0.1
     assert seen == [3, 7]
+
+
+def test_warm_step_still_checks_each_replica_and_each_pair():
+    # After a step has built the plan, the whole-list checks must still catch one bad
+    # gradient on one replica, and odd pairs, with the same messages.
+    strategy = gs.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
+    try:
+        with strategy.scope():
+            vs = [gs.Variable(np.zeros(4, np.float32), name=f"w{j}") for j in range(3)]
+            opt = gs.optimizers.SGD(1.0)
+
+        def grads(shape1=(4,), dtype1=np.float32):
+            ctx = gs.get_replica_context()
+            i = ctx.replica_id_in_sync_group
+            return [np.ones(shape1 if (i == 1 and j == 2) else (4,),
+                            dtype1 if (i == 2 and j == 0) else np.float32)
+                    for j in range(3)]
+        strategy.run(lambda: opt.apply_gradients(zip(grads(), vs)))
+        assert np.asarray(vs[2]).tolist() == [-3.0] * 4
+        with pytest.raises(ValueError, match=r"'w2' has shape \(5,\)"):
+            strategy.run(lambda: opt.apply_gradients(zip(grads(shape1=(5,)), vs)))
+        with pytest.raises(TypeError, match="floating point"):
+            strategy.run(lambda: opt.apply_gradients(zip(grads(dtype1=np.int32), vs)))
+        with pytest.raises(ValueError, match="appears twice"):
+            strategy.run(lambda: opt.apply_gradients(zip(grads(), [vs[0], vs[1], vs[0]])))
+        with pytest.raises(TypeError, match="pairs"):
+            strategy.run(lambda: opt.apply_gradients([(np.ones(4), vs[0], 1)]))
+        # float64 gradients are cast; None skips a variable; lists work as pairs.
+        strategy.run(lambda: opt.apply_gradients(
+            [[np.ones(4), vs[0]], [None, vs[1]], (np.ones(4, np.float32), vs[2])]))
+        assert [np.asarray(v)[0] for v in vs] == [-6.0, -3.0, -6.0]
+        assert int(opt.iterations) == 2
+    finally:
+        strategy.close()
