@@ -108,7 +108,8 @@ def new_communicator(nccl, ndev: int, uid, rank: int):
     """
     raw = unique_id_bytes(uid)
     forms = {"bytes": lambda: raw, "chars": lambda: unique_id_signed_chars(raw)}
-    order = [_accepted_form[0]] + [f for f in forms if f != _accepted_form[0]]
+    first = _accepted_form[0]  # read once: another thread may change it meanwhile
+    order = [first] + [f for f in forms if f != first]
     errors = []
     for form in order:
         try:
