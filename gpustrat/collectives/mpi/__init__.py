@@ -38,12 +38,13 @@ group is made, never when gpustrat is imported.
 from gpustrat.collectives.mpi.communicator import MpiCommunicator
 from gpustrat.collectives.mpi.group import MpiWorkerGroup
 from gpustrat.collectives.mpi.header import kind_code
-from gpustrat.collectives.mpi.waits import (DEFAULT_TIMEOUT, ENV_DEBUG, ENV_TIMEOUT,
-                                            debug_from_env, mpi, mpi_world, reduce_args,
-                                            timeout_from_env, wait)
+from gpustrat.collectives.mpi.waits import (DEFAULT_TIMEOUT, ENV_DEBUG, ENV_INPUT_STEPS,
+                                            ENV_TIMEOUT, debug_from_env,
+                                            input_steps_from_env, mpi, mpi_world,
+                                            reduce_args, timeout_from_env, wait)
 from gpustrat.errors import CollectiveMismatch, CollectiveTimeout, LayoutMismatch
 
-__all__ = ["DEFAULT_TIMEOUT", "ENV_DEBUG", "ENV_TIMEOUT", "CollectiveMismatch",
-           "CollectiveTimeout", "LayoutMismatch", "MpiCommunicator", "MpiWorkerGroup",
-           "debug_from_env", "kind_code", "mpi", "mpi_world", "reduce_args",
-           "timeout_from_env", "wait"]
+__all__ = ["DEFAULT_TIMEOUT", "ENV_DEBUG", "ENV_INPUT_STEPS", "ENV_TIMEOUT",
+           "CollectiveMismatch", "CollectiveTimeout", "LayoutMismatch", "MpiCommunicator",
+           "MpiWorkerGroup", "debug_from_env", "input_steps_from_env", "kind_code", "mpi",
+           "mpi_world", "reduce_args", "timeout_from_env", "wait"]

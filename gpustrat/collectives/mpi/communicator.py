@@ -14,7 +14,7 @@ from gpustrat.collectives.mpi import waits as _waits
 from gpustrat.collectives.mpi.group import MpiWorkerGroup
 from gpustrat.collectives.mpi.header import _BLOCKING_BYTES, _INLINE, _Channel
 from gpustrat.collectives.mpi.waits import (_BOOL_NP_OPS, _MEAN, _NP_OPS, _describe,
-                                            reduce_args)
+                                            input_steps_from_env, reduce_args)
 from gpustrat.devices import Device, to_host
 from gpustrat.reduce_util import ReduceOp
 
@@ -81,6 +81,8 @@ class MpiCommunicator(HostCommunicator):
         # Data collectives get their own communicator: replica threads and input
         # pipeline threads may each be inside a collective at the same moment.
         self._ch = _Channel(workers.dup_comm(), workers.exits)
+        if input_steps_from_env():
+            self._ch.steps = workers
         self._results = _Results()
         self._plans: dict = {}
         self._gather_plans: dict = {}

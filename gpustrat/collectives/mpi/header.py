@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from gpustrat.collectives.mpi import waits as _waits
-from gpustrat.collectives.mpi.waits import (ENV_DEBUG, _describe, _shown, debug_from_env,
-                                            mpi, timeout_from_env, wait)
+from gpustrat.collectives.mpi.waits import (ENV_DEBUG, ENV_INPUT_STEPS, _describe, _shown,
+                                            debug_from_env, mpi, timeout_from_env, wait)
 from gpustrat.errors import CollectiveMismatch, LayoutMismatch
 
 # --- the header every collective starts with ----------------------------------------
@@ -23,7 +23,9 @@ from gpustrat.errors import CollectiveMismatch, LayoutMismatch
 # per rank (a persistent request: starting it is one MPI call), eight int64 slots:
 #   0     the kind of collective: a checksum of its name, e.g. "all_reduce(SUM)"
 #   1     a checksum of the layout (shape and dtype; "*" where sizes may differ)
-#   2     debug mode: a checksum of the calling line of user code; else 0
+#   2     low 32 bits: debug mode: a checksum of the calling line of user code; else 0
+#         high 32 bits: the data channel's input step (steps this worker has taken from
+#         distributed iterators, modulo 2**31); 0 on control channels
 #   3     a size that may differ between ranks (rows of a gather, bytes of a pickle)
 #   4..7  the payload itself when it fits in 32 bytes (a few numbers)
 # Slots 0-2 must be equal on every rank. Every rank sees every header, so all take the
@@ -37,6 +39,7 @@ _INLINE = 32
 _BLOCKING_BYTES = 1 << 16
 _AGREE = 24  # leading bytes of a header that every rank must share
 _PACK = struct.Struct("=4q").pack_into
+_STEP_MASK = 0x7FFFFFFF  # the input step travels modulo 2**31 in slot 2's high half
 
 _kind_codes: dict = {}
 
@@ -91,7 +94,7 @@ class _Channel:
     """One MPI communicator with deadline waits and the header agreement."""
 
     __slots__ = ("comm", "rank", "size", "timeout", "debug", "calls", "exits", "pending",
-                 "_send", "_recv", "_sendb", "_offsets", "_req", "_views")
+                 "steps", "_send", "_recv", "_sendb", "_offsets", "_req", "_views")
 
     def __init__(self, comm, exits: "_ExitWatch | None" = None):
         self.comm = comm
@@ -103,6 +106,9 @@ class _Channel:
         self.exits = exits
         # (what, hint, shape shown) of the next collective, for its layout error.
         self.pending = None
+        # The worker group whose input_steps every header carries (data channels), or
+        # None (control channels: the end-of-data agreement runs inside next()).
+        self.steps = None
         self._send = np.zeros(_SLOTS, np.int64)
         self._recv = np.zeros((self.size, _SLOTS), np.int64)
         self._sendb = memoryview(self._send).cast("B")
@@ -129,7 +135,11 @@ class _Channel:
             kind = pending[0]
             shape = pending[2]
         sendb = self._sendb
-        _PACK(sendb, 0, kind_code(kind), layout, _site_code() if self.debug else 0, count)
+        steps = self.steps
+        mark = 0 if steps is None else (steps.input_steps & _STEP_MASK) << 32
+        if self.debug:
+            mark |= _site_code()
+        _PACK(sendb, 0, kind_code(kind), layout, mark, count)
         if payload is not None:
             sendb[32:32 + len(payload)] = payload
         req = self._req
@@ -162,6 +172,22 @@ class _Channel:
                 None if dtype is None else str(dtype), public, site)
         infos = self.allgather_raw(mine, "describing collectives that disagree")
         n = self.calls
+        steps = (hdr[:, 2] >> 32).tolist()
+        if len(set(steps)) > 1:
+            # Ranks at different input steps: whatever they called, one of them skipped
+            # or added a collective inside the input loop (the calls are shown too).
+            at = ", ".join(f"rank {r} at input step {s}" for r, s in enumerate(steps))
+            parts = []
+            for r, (k, w, s, d, pub, site) in enumerate(infos):
+                text = f"{pub} [{_describe(k, s, d)}]" if pub else _describe(k, s, d)
+                parts.append(f"rank {r} called {text}" + (f" at {site}" if site else ""))
+            raise CollectiveMismatch(
+                f"{at}: a rank skipped or added a collective (collective #{n} of this "
+                "communicator on this rank; input steps count the steps each worker has "
+                "taken from distributed datasets: " + "; ".join(parts) + "). Every rank "
+                "must make the same collective calls in the same order on every step; a "
+                "program that takes steps in one thread while another makes collectives "
+                f"can turn this check off with {ENV_INPUT_STEPS}=0")
         if kinds or not layouts:
             parts = []
             for r, (k, w, s, d, pub, at) in enumerate(infos):

@@ -13,6 +13,7 @@ from gpustrat.reduce_util import ReduceOp
 
 ENV_TIMEOUT = "GPUSTRAT_TIMEOUT"
 ENV_DEBUG = "GPUSTRAT_DEBUG_COLLECTIVES"
+ENV_INPUT_STEPS = "GPUSTRAT_CHECK_INPUT_STEPS"
 DEFAULT_TIMEOUT = 300.0
 
 # Polling: back-to-back Tests for _SPIN_S (the clock read every _SPIN tests), then Test
@@ -61,6 +62,13 @@ def timeout_from_env() -> float:
 def debug_from_env() -> bool:
     """Whether ``GPUSTRAT_DEBUG_COLLECTIVES`` turns the agreement checks on."""
     return os.environ.get(ENV_DEBUG, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def input_steps_from_env() -> bool:
+    """Whether data collectives compare input steps (``GPUSTRAT_CHECK_INPUT_STEPS``,
+    on unless set to 0)."""
+    return os.environ.get(ENV_INPUT_STEPS, "").strip().lower() not in ("0", "false", "no",
+                                                                        "off")
 
 
 # --- dtype and op table -------------------------------------------------------------
