@@ -148,7 +148,8 @@ class _Channel:
                                                        [self._recv, _waits._MPI.INT64_T])
         req.Start()
         if not req.Test():
-            self.wait(req, lambda: _describe(kind, shape, dtype))
+            wait(req, lambda: _describe(kind, shape, dtype), self.rank, self.timeout,
+                 self.exits)
         raw = self._recv.tobytes()
         ref = raw[:_AGREE]
         for off in self._offsets:
