@@ -91,6 +91,15 @@ class Rendezvous:
                  combine: Callable[[list], list]) -> Any:
         if self.returned is not None:
             raise self._unmatched(index, signature)
+        if self.n == 1 and self.streams is None:
+            # One replica: nobody to meet or wake, and no signatures to compare; the
+            # lock still orders collectives from threads the function started.
+            with self._cond:
+                if self._broken is not None:
+                    raise ReplicaAborted("another replica failed") from self._broken
+                if self.returned is not None:
+                    raise self._unmatched(index, signature)
+                return combine([value])[index]
         if self._count + 1 < self.n and self.on_wait is not None:
             self.on_wait()
         with self._cond:
@@ -121,8 +130,7 @@ class Rendezvous:
                 except BaseException as e:  # every replica gets the same error
                     self._outcome = (None, e)
                 self._generation += 1
-                if self.n > 1:  # one replica: nobody waits (notify_all costs ~1 us)
-                    self._cond.notify_all()
+                self._cond.notify_all()
             else:
                 while (self._generation == gen and self._broken is None
                        and self.returned is None):
