@@ -110,6 +110,7 @@ def _identity(op: ReduceOp, dtype) -> Any:
 # Keyed by id(op): hashing an Enum member runs Python code, an id does not.
 _NAMES_AXIS_NONE = {id(op): f"reduce({op.name}, axis=None)" for op in ReduceOp}
 _NAMES_AXIS: dict = {}
+_MEAN = ReduceOp.MEAN  # a module global: reading an Enum member runs Python code
 
 
 def _arrays(comps: Sequence[Any], devices) -> list:
@@ -137,7 +138,7 @@ def reduce_components(comm: Communicator, op: ReduceOp, comps: Sequence[Any],
         # rides in the header of the reduce itself.
         comm.agree_layout(first.shape, first.dtype, _NAMES_AXIS_NONE[id(op)], _HINT_AXIS_NONE)
         return comm.reduce(arrays, op)
-    if len(arrays) == 1 and op is not ReduceOp.MEAN:
+    if len(arrays) == 1 and op is not _MEAN:
         a = arrays[0]
         if a.ndim and -a.ndim <= axis < a.ndim and a.shape[axis] == 1 and \
                 a.dtype.kind != "b":
