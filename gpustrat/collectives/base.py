@@ -183,6 +183,11 @@ class WorkerGroup(abc.ABC):
 
     size: int = 1
     rank: int = 0
+    # Steps this worker has taken from the distributed iterators of strategies on this
+    # group (counted where a step is handed to the caller). Data collectives between
+    # workers compare it, so that a rank that skipped or added a collective inside an
+    # input loop is found at the next collective (see docs/mpi.md).
+    input_steps: int = 0
 
     @abc.abstractmethod
     def allgather(self, obj: Any) -> list:

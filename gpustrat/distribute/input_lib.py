@@ -443,6 +443,7 @@ class DistributedIterator:
         self.element_spec = element_spec
         self._stats = stats
         self._single = len(strategy.local_devices) == 1
+        self._workers = strategy.workers  # counts the steps handed out (input_steps)
         self._start_epoch(None)
 
     def _start_epoch(self, start_state) -> None:
@@ -462,6 +463,9 @@ class DistributedIterator:
     def __next__(self):
         step = self._placer.next()  # raises StopIteration at the end
         self._returned += 1
+        # Every worker hands out the same steps (the end-of-data agreement pads the
+        # shorter ones), so collectives between workers compare this count.
+        self._workers.input_steps += 1
         if self._single:
             return step[0]
         return _regroup_pieces(step, self._strategy.local_devices)

@@ -42,7 +42,11 @@ def check_leaf(x: Any, op: ReduceOp | None, what: str, where: str) -> None:
     what to do."""
     dtype = getattr(x, "dtype", None)
     if isinstance(dtype, np.dtype):
-        kind = "f" if dtype.name == "bfloat16" else dtype.kind  # ml_dtypes: kind "V"
+        kind = dtype.kind
+        if kind in "iufc":  # the common case, before anything costs (dtype.name does)
+            return
+        if kind == "V" and dtype.name == "bfloat16":  # ml_dtypes' bfloat16: kind "V"
+            kind = "f"
         shown = f"an array of dtype {dtype}"
     elif isinstance(x, bool):
         kind, shown = "b", f"the bool {x}"
@@ -106,6 +110,7 @@ def _identity(op: ReduceOp, dtype) -> Any:
 # Keyed by id(op): hashing an Enum member runs Python code, an id does not.
 _NAMES_AXIS_NONE = {id(op): f"reduce({op.name}, axis=None)" for op in ReduceOp}
 _NAMES_AXIS: dict = {}
+_MEAN = ReduceOp.MEAN  # a module global: reading an Enum member runs Python code
 
 
 def _arrays(comps: Sequence[Any], devices) -> list:
@@ -118,7 +123,8 @@ def reduce_components(comm: Communicator, op: ReduceOp, comps: Sequence[Any],
                       axis: int | None) -> Any:
     """Reduce one leaf given as one component per local replica."""
     for i, c in enumerate(comps):
-        check_leaf(c, op, "strategy.reduce", f"component {i}")
+        if type(c) is not np.ndarray or c.dtype.kind not in "iufc":  # else nothing to check
+            check_leaf(c, op, "strategy.reduce", f"component {i}")
     arrays = _arrays(comps, comm.devices)
     if axis is None:
         first = arrays[0]
@@ -132,7 +138,7 @@ def reduce_components(comm: Communicator, op: ReduceOp, comps: Sequence[Any],
         # rides in the header of the reduce itself.
         comm.agree_layout(first.shape, first.dtype, _NAMES_AXIS_NONE[id(op)], _HINT_AXIS_NONE)
         return comm.reduce(arrays, op)
-    if len(arrays) == 1 and op is not ReduceOp.MEAN:
+    if len(arrays) == 1 and op is not _MEAN:
         a = arrays[0]
         if a.ndim and -a.ndim <= axis < a.ndim and a.shape[axis] == 1 and \
                 a.dtype.kind != "b":
@@ -212,12 +218,15 @@ def _mean_along_axis(comm: Communicator, arrays, ax: int):
 def gather_components(comm: Communicator, comps: Sequence[Any], axis: int) -> Any:
     """Concatenate one leaf's components from every replica in sync along ``axis``."""
     for i, c in enumerate(comps):
-        check_leaf(c, None, "strategy.gather", f"component {i}")
+        if type(c) is not np.ndarray or c.dtype.kind not in "iufc":  # else nothing to check
+            check_leaf(c, None, "strategy.gather", f"component {i}")
     arrays = _arrays(comps, comm.devices)
     if arrays[0].ndim == 0:
         raise ValueError("gather needs per-replica values with at least one dimension; "
                          "got scalars")
     ax = _normalize_axis(axis, arrays[0].ndim)
+    if len(arrays) == 1:  # one array: no shapes to compare
+        return comm.all_gather(arrays, ax)[0]
     rest = [a.shape[:ax] + a.shape[ax + 1:] for a in arrays]
     if any(r != rest[0] or a.ndim != arrays[0].ndim for r, a in zip(rest, arrays)):
         raise ValueError(f"gather along axis {axis} needs shapes that differ only along "

@@ -11,6 +11,8 @@ from gpustrat import nest
 from gpustrat.values import PerReplica, regroup, select_replica
 
 _merge = threading.local()
+# By id: an Enum member's .name and hash run Python code on every collective.
+_OP_NAMES = {id(op): op.name for op in ReduceOp}
 
 
 def in_merge_call() -> bool:
@@ -59,7 +61,7 @@ class ReplicaContext:
         replica receives the same result. ``reduce_op`` is a ReduceOp or its name."""
         op = ReduceOp.from_value(reduce_op)
         comm = self._strategy.communicator
-        sig = collective_ops.leaf_signature("all_reduce", op.name, value)
+        sig = collective_ops.leaf_signature("all_reduce", _OP_NAMES[id(op)], value)
         reduction.check_leaves(sig, value, op, "all_reduce", self._replica_id)
         return self._exchange(
             sig, value, lambda vals: collective_ops.all_reduce_structures(comm, vals, op))

@@ -91,6 +91,15 @@ class Rendezvous:
                  combine: Callable[[list], list]) -> Any:
         if self.returned is not None:
             raise self._unmatched(index, signature)
+        if self.n == 1 and self.streams is None:
+            # One replica: nobody to meet or wake, and no signatures to compare; the
+            # lock still orders collectives from threads the function started.
+            with self._cond:
+                if self._broken is not None:
+                    raise ReplicaAborted("another replica failed") from self._broken
+                if self.returned is not None:
+                    raise self._unmatched(index, signature)
+                return combine([value])[index]
         if self._count + 1 < self.n and self.on_wait is not None:
             self.on_wait()
         with self._cond:

@@ -1,0 +1,291 @@
+"""The data plane: collectives over the CPU replicas of several workers."""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Sequence
+
+import numpy as np
+
+from gpustrat.collectives.base import layout_code
+from gpustrat.collectives.host import HostCommunicator, divide
+from gpustrat.collectives.mpi import waits as _waits
+from gpustrat.collectives.mpi.group import MpiWorkerGroup
+from gpustrat.collectives.mpi.header import _BLOCKING_BYTES, _INLINE, _Channel
+from gpustrat.collectives.mpi.waits import (_BOOL_NP_OPS, _MEAN, _NP_OPS, _describe,
+                                            input_steps_from_env, reduce_args)
+from gpustrat.devices import Device, to_host
+from gpustrat.reduce_util import ReduceOp
+
+class _Results:
+    """Result arrays of large collectives, reused once the caller has let go of them.
+
+    A fresh multi-megabyte array per call costs page faults that take longer than the
+    transfer itself. An array handed out is reused only when nothing but this cache
+    refers to it (a view, a memoryview or any other holder keeps it out), so a result
+    never changes under a caller.
+    """
+
+    __slots__ = ("_arrays",)
+    _KEEP = 2  # per layout: the result a loop still holds while it asks for the next
+
+    def __init__(self):
+        self._arrays: dict = {}
+
+    def get(self, shape: tuple, dtype) -> np.ndarray:
+        key = (shape, dtype)
+        kept = self._arrays.get(key)
+        if kept is None:
+            if len(self._arrays) >= 32:
+                self._arrays.clear()
+            kept = self._arrays[key] = []
+        for a in kept:
+            if sys.getrefcount(a) == 3:  # `kept`, `a` and getrefcount's argument
+                return a
+        a = np.empty(shape, dtype)
+        if len(kept) < self._KEEP:
+            kept.append(a)
+        else:
+            kept[0] = a
+        return a
+
+
+# --- data plane -------------------------------------------------------------------
+
+_REDUCE_KINDS = {op: f"all_reduce({op.name})" for op in ReduceOp}
+
+
+class MpiCommunicator(HostCommunicator):
+    """Collectives over CPU replicas of several workers: local NumPy reduction first
+    (HostCommunicator), then the header and one MPI collective between workers.
+
+    Args:
+        devices: this worker's CPU devices (every worker must hold the same number).
+        workers: the :class:`MpiWorkerGroup` of the job.
+    """
+
+    def __init__(self, devices: Sequence[Device], workers: MpiWorkerGroup):
+        if not isinstance(workers, MpiWorkerGroup):
+            raise TypeError(f"MpiCommunicator needs an MpiWorkerGroup, got "
+                            f"{type(workers).__name__}")
+        super().__init__(devices)
+        gpus = [d.name for d in self.devices if d.is_gpu]
+        if gpus:
+            raise ValueError(f"MpiCommunicator moves host (NumPy) arrays; devices {gpus} "
+                             "are GPUs: use select.make_communicator, which stages GPU "
+                             "buffers or uses NCCL")
+        self.workers = workers
+        self.num_workers = workers.size
+        self.worker_index = workers.rank
+        # Data collectives get their own communicator: replica threads and input
+        # pipeline threads may each be inside a collective at the same moment.
+        self._ch = _Channel(workers.dup_comm(), workers.exits)
+        if input_steps_from_env():
+            self._ch.steps = workers
+        self._results = _Results()
+        self._plans: dict = {}
+        self._gather_plans: dict = {}
+        sizes = workers.allgather(self.num_local)
+        if len(set(sizes)) > 1:
+            raise ValueError(f"every worker must hold the same number of local replicas, "
+                             f"but the workers hold {sizes} (worker i at position i)")
+
+    @staticmethod
+    def _check_dtype(x: np.ndarray, what: str) -> None:
+        if x.dtype.hasobject:
+            raise TypeError(f"{what}: arrays of Python objects (dtype {x.dtype}) cannot "
+                            "travel between workers; use a numeric dtype")
+
+    def agree_layout(self, shape, dtype, what, hint=""):
+        # Rides with the next collective: its header carries the layout, and this only
+        # says how to explain a disagreement (no communication here).
+        self._ch.pending = (what() if callable(what) else what, hint, shape)
+
+    def agree(self, key, what, hint=""):
+        # A header of its own: the layout checksum is the key's. A layout named for the
+        # next data collective stays pending for it.
+        ch = self._ch
+        saved, ch.pending = ch.pending, None
+        what = what() if callable(what) else what
+        try:
+            ch.header(what, layout_code(key, np.uint8), 0, None, key, np.dtype(np.uint8), hint)
+        finally:
+            ch.pending = saved
+
+    def reduce(self, buffers, op):
+        if type(op) is not ReduceOp:
+            op = ReduceOp.from_value(op)
+        if len(buffers) == 1:
+            x = buffers[0]
+            if type(x) is not np.ndarray:
+                x = np.asarray(to_host(x))
+            # The caller's array is sent as it is (never modified): no copy.
+            out = self._allreduce(x, op, owned=False)
+            return divide(out, self.num_replicas) if op is _MEAN else out
+        return super().reduce(buffers, op)  # local reduction into a new array first
+
+    def _across_workers_reduce(self, x, op):
+        return self._allreduce(x, op, owned=True)
+
+    def _allreduce(self, x: np.ndarray, op: ReduceOp, owned: bool) -> np.ndarray:
+        """All-reduce ``x`` between workers (MEAN sums; the caller divides). ``owned``:
+        ``x`` may be overwritten and returned."""
+        ch = self._ch
+        shape, dtype = x.shape, x.dtype
+        # Keyed by id(op): hashing an Enum member runs Python code, an id does not.
+        plan = self._plans.get((shape, dtype, id(op)))
+        if plan is None:
+            plan = self._plan(shape, dtype, op)
+        hit, lcode, nbytes, views, kind, ufunc = plan
+        small = views is not None
+        ch.header(kind, lcode, nbytes, x.tobytes() if small else None, shape, dtype)
+        if small:
+            if views:
+                # Rank by rank, in rank order, so every rank computes the same bits.
+                out = ufunc(views[0], views[1]) if len(views) > 1 else views[0].copy()
+                for v in views[2:]:
+                    out = ufunc(out, v)
+            else:
+                rows = ch.payloads(dtype, shape, nbytes)
+                if dtype.kind == "b":
+                    out = _BOOL_NP_OPS[op].reduce(rows, axis=0)
+                else:  # float16: summed in float32, rounded once
+                    out = _NP_OPS[op].reduce(rows, axis=0, dtype=hit[2]).astype(dtype)
+            if type(out) is not np.ndarray:  # 0-d operands give a NumPy scalar
+                out = np.asarray(out)
+        else:
+            mtype, mop, up = hit
+            if up is not None:
+                out = x.astype(up)
+                src = _waits._MPI.IN_PLACE
+            elif owned and x.flags.c_contiguous and x.flags.writeable:
+                out, src = x, _waits._MPI.IN_PLACE
+            else:
+                out = self._results.get(x.shape, x.dtype)
+                src = [x if x.flags.c_contiguous else np.ascontiguousarray(x), mtype]
+            if nbytes >= _BLOCKING_BYTES:
+                # Every rank's header has arrived, so every rank is in this reduce: the
+                # blocking call (as fast as a bare Allreduce) cannot wait on an absent
+                # rank, only on one killed during the transfer, which the launcher ends.
+                ch.comm.Allreduce(src, [out, mtype], mop)
+            else:
+                req = ch.comm.Iallreduce(src, [out, mtype], mop)
+                if not req.Test():
+                    ch.wait(req, lambda: _describe(kind, x.shape, x.dtype))
+            if up is not None:
+                out = out.astype(x.dtype)
+        return out
+
+    def _plan(self, shape: tuple, dtype, op: ReduceOp) -> tuple:
+        """What a reduce of this layout needs, worked out once: ``(reduce_args, layout
+        checksum, bytes, per-rank payload views, kind, NumPy ufunc)``; the views are None
+        when the payload does not ride in the header, () when it does but is combined
+        as a whole (booleans, float16)."""
+        hit = reduce_args(dtype, op)
+        nbytes = dtype.itemsize * math.prod(shape)
+        views = None
+        if nbytes <= _INLINE:
+            views = () if hit[2] is not None or dtype.kind == "b" else \
+                self._ch.rank_payloads(dtype, shape, nbytes)
+        plan = (hit, layout_code(shape, dtype), nbytes, views, _REDUCE_KINDS[op],
+                _NP_OPS[op])
+        if len(self._plans) < 1024:
+            self._plans[(shape, dtype, id(op))] = plan
+        return plan
+
+    def all_gather(self, buffers, axis=0):
+        if len(buffers) == 1 and type(buffers[0]) is np.ndarray:
+            return [self._gather(buffers[0], axis)]
+        bufs = [np.asarray(to_host(b)) for b in buffers]
+        local = np.concatenate(bufs, axis=axis) if len(bufs) > 1 else bufs[0]
+        out = self._gather(local, axis)
+        return [out] + [out.copy() for _ in range(self.num_local - 1)]
+
+    def _across_workers_gather(self, x, axis):
+        return self._gather(x, axis)
+
+    def _gather_plan(self, x: np.ndarray, axis: int) -> tuple:
+        """``(axis, kind, layout checksum, other axes, bytes per row)`` for gathering
+        arrays of ``x``'s layout along ``axis``, checked and worked out once."""
+        self._check_dtype(x, "all_gather")
+        if x.ndim == 0:
+            raise ValueError("all_gather concatenates along an axis, but the values are "
+                             "scalars: gather x[None] (or reshape to at least 1-D)")
+        if not -x.ndim <= axis < x.ndim:
+            raise ValueError(f"all_gather axis {axis} is out of range for shape {x.shape}")
+        ax = axis % x.ndim
+        rest = x.shape[:ax] + x.shape[ax + 1:]
+        # Sizes along the gathered axis may differ; the other axes and dtype may not.
+        shown = x.shape[:ax] + ("*",) + x.shape[ax + 1:]
+        plan = (ax, f"all_gather(axis={ax})", layout_code(shown, x.dtype), rest,
+                x.dtype.itemsize * math.prod(rest))
+        if len(self._gather_plans) < 1024:
+            self._gather_plans[(x.shape, x.dtype, axis)] = plan
+        return plan
+
+    def _gather(self, x: np.ndarray, axis: int) -> np.ndarray:
+        MPI = _waits._MPI
+        plan = self._gather_plans.get((x.shape, x.dtype, axis))
+        if plan is None:
+            plan = self._gather_plan(x, axis)
+        ax, kind, lcode, rest, row_bytes = plan
+        front = np.moveaxis(x, ax, 0) if ax else x
+        if not front.flags.c_contiguous:
+            front = np.ascontiguousarray(front)
+        ch = self._ch
+        nbytes = front.nbytes
+        small = nbytes <= _INLINE
+        hdr = ch.header(kind, lcode, front.shape[0], front.tobytes() if small else None,
+                        x.shape, x.dtype)
+        rows = hdr[:, 3].tolist()
+        total = sum(rows)
+        if max(rows) * row_bytes <= _INLINE:
+            if min(rows) == max(rows):  # the same rows everywhere: one copy
+                out = ch.payloads(x.dtype, front.shape, nbytes).copy().reshape(
+                    (total,) + rest)
+            else:
+                raw = ch._recv.view(np.uint8)
+                out = np.empty((total,) + rest, x.dtype)
+                flat = out.reshape(-1).view(np.uint8)
+                at = 0
+                for r, n in enumerate(rows):
+                    nb = n * row_bytes
+                    flat[at:at + nb] = raw[r, 32:32 + nb]
+                    at += nb
+        else:
+            out = self._results.get((total,) + rest, x.dtype)
+            if min(rows) == max(rows):
+                if nbytes >= _BLOCKING_BYTES:
+                    # As in _allreduce: every rank is in this gather, so the blocking
+                    # call cannot wait on an absent rank.
+                    ch.comm.Allgather([front, MPI.BYTE], [out, MPI.BYTE])
+                    return np.ascontiguousarray(np.moveaxis(out, 0, ax)) if ax else out
+                req = ch.comm.Iallgather([front, MPI.BYTE], [out, MPI.BYTE])
+            else:
+                counts = np.array(rows, np.int64) * row_bytes
+                displs = np.zeros(ch.size, np.int64)
+                np.cumsum(counts[:-1], out=displs[1:])
+                req = ch.comm.Iallgatherv([front, MPI.BYTE],
+                                          [out, (counts, displs), MPI.BYTE])
+            ch.wait(req, lambda: _describe(kind, x.shape, x.dtype))
+        return np.ascontiguousarray(np.moveaxis(out, 0, ax)) if ax else out
+
+    def _across_workers_bcast(self, x, root_worker):
+        MPI = _waits._MPI
+        self._check_dtype(x, "broadcast")
+        ch = self._ch
+        kind = f"broadcast(root worker {root_worker})"
+        buf = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+        small = buf.nbytes <= _INLINE
+        ch.header(kind, layout_code(x.shape, x.dtype), 0,
+                  buf.tobytes() if small and self.worker_index == root_worker else None,
+                  x.shape, x.dtype)
+        if small:
+            return ch.payloads(x.dtype, x.shape, buf.nbytes)[root_worker].copy()
+        ch.wait(ch.comm.Ibcast([buf, MPI.BYTE], root=root_worker),
+                lambda: _describe(kind, x.shape, x.dtype))
+        return buf
+
+    def close(self) -> None:
+        self._ch.close()

@@ -1,0 +1,274 @@
+"""The 64-byte header that every collective between workers starts with: one channel
+(a duplicated communicator) with deadline waits and the agreement of every rank."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import sys
+import zlib
+from typing import Any
+
+import numpy as np
+
+from gpustrat.collectives.mpi import waits as _waits
+from gpustrat.collectives.mpi.waits import (ENV_DEBUG, ENV_INPUT_STEPS, _describe, _shown,
+                                            debug_from_env, mpi, timeout_from_env, wait)
+from gpustrat.errors import CollectiveMismatch, LayoutMismatch
+
+# --- the header every collective starts with ----------------------------------------
+
+# Every collective between workers starts with one Allgather of a fixed 64-byte record
+# per rank (a persistent request: starting it is one MPI call), eight int64 slots:
+#   0     the kind of collective: a checksum of its name, e.g. "all_reduce(SUM)"
+#   1     a checksum of the layout (shape and dtype; "*" where sizes may differ)
+#   2     low 32 bits: debug mode: a checksum of the calling line of user code; else 0
+#         high 32 bits: the data channel's input step (steps this worker has taken from
+#         distributed iterators, modulo 2**31); 0 on control channels
+#   3     a size that may differ between ranks (rows of a gather, bytes of a pickle)
+#   4..7  the payload itself when it fits in 32 bytes (a few numbers)
+# Slots 0-2 must be equal on every rank. Every rank sees every header, so all take the
+# same branch: go on with the data collective, which then pairs with its like on every
+# rank (or, for a payload that rode in the header, combine the headers' payloads
+# locally: one collective in all), or raise the same error on every rank.
+_SLOTS = 8
+_INLINE = 32
+# Reduces and equal-size gathers of at least this many bytes per rank use the blocking
+# MPI call once the headers agree: MPICH runs its non-blocking ones up to a third slower.
+_BLOCKING_BYTES = 1 << 16
+_AGREE = 24  # leading bytes of a header that every rank must share
+_PACK = struct.Struct("=4q").pack_into
+_STEP_MASK = 0x7FFFFFFF  # the input step travels modulo 2**31 in slot 2's high half
+
+_kind_codes: dict = {}
+
+
+def kind_code(kind: str) -> int:
+    """The checksum of a collective's name that travels in slot 0 (remembered)."""
+    code = _kind_codes.get(kind)
+    if code is None:
+        code = _kind_codes[kind] = zlib.crc32(kind.encode())
+    return code
+
+
+# The public calls a collective can serve, by the qualified name of their function, so
+# that an error names what the user called.
+_PUBLIC = {
+    "Strategy.reduce": "strategy.reduce", "Strategy.gather": "strategy.gather",
+    "MultiWorkerMirroredStrategy.reduce": "strategy.reduce",
+    "MultiWorkerMirroredStrategy.gather": "strategy.gather",
+    "ReplicaContext.all_reduce": "all_reduce in strategy.run",
+    "ReplicaContext.all_gather": "all_gather in strategy.run",
+    "agreed_steps": "the input pipeline's end-of-data agreement",
+    "MpiCommunicator.__init__": "creating a strategy",
+    "MultiWorkerMirroredStrategy.__init__": "creating a strategy",
+}
+_PKG = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+_STDLIB = os.path.dirname(os.__file__) + os.sep
+
+
+def _caller() -> tuple:
+    """``(public call, "file:line" of the user code that made it)`` for this collective:
+    the outermost gpustrat function users call on the stack, and the first frame of
+    user code beyond it (either may be None)."""
+    f = sys._getframe(1)
+    public = None
+    while f is not None:
+        code = f.f_code
+        name = code.co_filename
+        if name.startswith(_PKG):
+            public = _PUBLIC.get(getattr(code, "co_qualname", code.co_name), public)
+        elif not name.startswith(_STDLIB) or "site-packages" in name:
+            return public, f"{name}:{f.f_lineno}"
+        f = f.f_back
+    return public, None
+
+
+def _site_code() -> int:
+    site = _caller()[1]
+    return 0 if site is None else zlib.crc32(site.encode())
+
+
+class _Channel:
+    """One MPI communicator with deadline waits and the header agreement."""
+
+    __slots__ = ("comm", "rank", "size", "timeout", "debug", "calls", "exits", "pending",
+                 "steps", "_send", "_recv", "_sendb", "_offsets", "_req", "_views")
+
+    def __init__(self, comm, exits: "_ExitWatch | None" = None):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.timeout = timeout_from_env()
+        self.debug = debug_from_env()
+        self.calls = 0
+        self.exits = exits
+        # (what, hint, shape shown) of the next collective, for its layout error.
+        self.pending = None
+        # The worker group whose input_steps every header carries (data channels), or
+        # None (control channels: the end-of-data agreement runs inside next()).
+        self.steps = None
+        self._send = np.zeros(_SLOTS, np.int64)
+        self._recv = np.zeros((self.size, _SLOTS), np.int64)
+        self._sendb = memoryview(self._send).cast("B")
+        rec = 8 * _SLOTS
+        self._offsets = range(rec, rec * self.size, rec)
+        self._req = None
+        self._views: dict = {}
+
+    def wait(self, request, what) -> None:
+        wait(request, what, self.rank, self.timeout, self.exits)
+
+    def header(self, kind: str, layout: int, count: int, payload, shape, dtype,
+               hint: str = "") -> np.ndarray:
+        """Allgather this rank's header; return every rank's (a ``(size, 8)`` int64 array
+        that the next collective overwrites), or raise the same error on every rank when
+        they disagree.
+
+        ``payload``: bytes (at most 32) that ride in the header, or None. ``shape``,
+        ``dtype`` and ``hint`` are only used to explain a disagreement.
+        """
+        self.calls += 1
+        pending = self.pending
+        if pending is not None:  # the public call's own name, e.g. reduce(SUM, axis=0)
+            kind = pending[0]
+            shape = pending[2]
+        sendb = self._sendb
+        steps = self.steps
+        mark = 0 if steps is None else (steps.input_steps & _STEP_MASK) << 32
+        if self.debug:
+            mark |= _site_code()
+        _PACK(sendb, 0, kind_code(kind), layout, mark, count)
+        if payload is not None:
+            sendb[32:32 + len(payload)] = payload
+        req = self._req
+        if req is None:
+            req = self._req = self.comm.Allgather_init([self._send, _waits._MPI.INT64_T],
+                                                       [self._recv, _waits._MPI.INT64_T])
+        req.Start()
+        if not req.Test():
+            wait(req, lambda: _describe(kind, shape, dtype), self.rank, self.timeout,
+                 self.exits)
+        raw = self._recv.tobytes()
+        ref = raw[:_AGREE]
+        for off in self._offsets:
+            if raw[off:off + _AGREE] != ref:
+                self._disagree(kind, shape, dtype, hint)
+        self.pending = None
+        return self._recv
+
+    def _disagree(self, kind: str, shape, dtype, hint: str) -> None:
+        """Raise on every rank: every rank saw the same headers, so all come here and
+        make the same allgather of their descriptions."""
+        hdr = self._recv
+        kinds = (hdr[:, 0] != hdr[0, 0]).any()
+        layouts = (hdr[:, 1] != hdr[0, 1]).any()
+        pending, self.pending = self.pending, None
+        what = kind
+        if pending is not None:
+            hint = pending[1]
+        public, site = _caller()
+        mine = (kind, what, None if shape is None else _shown(shape),
+                None if dtype is None else str(dtype), public, site)
+        infos = self.allgather_raw(mine, "describing collectives that disagree")
+        n = self.calls
+        steps = (hdr[:, 2] >> 32).tolist()
+        if len(set(steps)) > 1:
+            # Ranks at different input steps: whatever they called, one of them skipped
+            # or added a collective inside the input loop (the calls are shown too).
+            at = ", ".join(f"rank {r} at input step {s}" for r, s in enumerate(steps))
+            parts = []
+            for r, (k, w, s, d, pub, site) in enumerate(infos):
+                text = f"{pub} [{_describe(k, s, d)}]" if pub else _describe(k, s, d)
+                parts.append(f"rank {r} called {text}" + (f" at {site}" if site else ""))
+            raise CollectiveMismatch(
+                f"{at}: a rank skipped or added a collective (collective #{n} of this "
+                "communicator on this rank; input steps count the steps each worker has "
+                "taken from distributed datasets: " + "; ".join(parts) + "). Every rank "
+                "must make the same collective calls in the same order on every step; a "
+                "program that takes steps in one thread while another makes collectives "
+                f"can turn this check off with {ENV_INPUT_STEPS}=0")
+        if kinds or not layouts:
+            parts = []
+            for r, (k, w, s, d, pub, at) in enumerate(infos):
+                text = f"{pub} [{_describe(k, s, d)}]" if pub else _describe(k, s, d)
+                parts.append(f"rank {r} called {text}" + (f" at {at}" if at else ""))
+            why = ("" if kinds else " (the same collective from different lines of "
+                   f"code, which {ENV_DEBUG}=1 reports)")
+            raise CollectiveMismatch(
+                f"workers called different collectives at collective #{n} of this "
+                f"communicator{why}: " + "; ".join(parts) + ". Every rank must make the "
+                "same collective calls, with the same shapes and dtypes, in the same "
+                "order (a branch on rank-local data, or a rank that skipped a call?)")
+        layouts = [(s, d) for _, _, s, d, _, _ in infos]
+        parts = "; ".join(f"rank {r}: {s} {d}" for r, (s, d) in enumerate(layouts))
+        if kind.startswith("all_gather"):
+            raise LayoutMismatch(
+                f"{what} between workers: shapes may differ only along the gathered axis "
+                f"and dtypes must match, but the workers hold {parts}. Cast and reshape "
+                "the values the same way on every worker")
+        raise LayoutMismatch(f"{what}: every worker must contribute the same shape and "
+                             f"dtype, but the workers hold {parts}"
+                             + (f". {hint}" if hint else ""))
+
+    def payloads(self, dtype, shape, nbytes: int) -> np.ndarray:
+        """Every rank's inline payload, as a ``(size,) + shape`` view of the headers
+        (remembered: the headers' buffer lives as long as the channel)."""
+        key = (dtype, shape)
+        view = self._views.get(key)
+        if view is None:
+            rows = self._recv.view(np.uint8)[:, 32:32 + nbytes]
+            view = rows.view(dtype).reshape((self.size,) + tuple(shape))
+            if len(self._views) < 256:
+                self._views[key] = view
+        return view
+
+    def rank_payloads(self, dtype, shape, nbytes: int) -> tuple:
+        """:meth:`payloads` as one view per rank (remembered)."""
+        key = (dtype, shape, "ranks")
+        views = self._views.get(key)
+        if views is None:
+            rows = self.payloads(dtype, shape, nbytes)
+            views = tuple(rows[r:r + 1].reshape(shape) for r in range(self.size))
+            if len(self._views) < 256:
+                self._views[key] = views
+        return views
+
+    def allgather_raw(self, obj: Any, what) -> list:
+        """Every rank's picklable ``obj``: sizes, then the pickles in one Iallgatherv
+        (no header: for explaining a disagreement that every rank has seen)."""
+        MPI = mpi()
+        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+        sizes = np.empty(self.size, np.int64)
+        mine = np.array([data.size], np.int64)
+        self.wait(self.comm.Iallgather([mine, MPI.INT64_T], [sizes, MPI.INT64_T]), what)
+        return self._gatherv(data, sizes, what)
+
+    def _gatherv(self, data: np.ndarray, sizes: np.ndarray, what) -> list:
+        MPI = mpi()
+        displs = np.zeros(self.size, np.int64)
+        np.cumsum(sizes[:-1], out=displs[1:])
+        out = np.empty(int(sizes.sum()), np.uint8)
+        self.wait(self.comm.Iallgatherv([data, MPI.BYTE],
+                                        [out, (sizes, displs), MPI.BYTE]), what)
+        return [pickle.loads(out[d:d + s].tobytes()) for d, s in zip(displs, sizes)]
+
+    def allgather_obj(self, obj: Any, kind: str = "allgather") -> list:
+        """Every rank's picklable ``obj`` after a header (small pickles ride in it)."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        small = len(data) <= _INLINE
+        hdr = self.header(kind, 0, len(data), data if small else None, None, None)
+        sizes = hdr[:, 3].copy()
+        if sizes.max() <= _INLINE:
+            raw = self._recv.view(np.uint8)
+            return [pickle.loads(raw[r, 32:32 + s].tobytes()) for r, s in enumerate(sizes)]
+        return self._gatherv(np.frombuffer(data, np.uint8), sizes, kind)
+
+    def close(self) -> None:
+        if self._req is not None:
+            self._req.Free()
+            self._req = None
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None
