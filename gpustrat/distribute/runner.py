@@ -70,7 +70,10 @@ class Rendezvous:
 
     def __init__(self, n: int):
         self.n = n
-        self._cond = threading.Condition(threading.Lock())
+        # The condition's lock, also taken directly where nobody waits (a C-level
+        # ``with``; the Condition's own __enter__ is Python code).
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._slots: list = [None] * n
         self._sigs: list = [None] * n
         self._count = 0
@@ -143,6 +146,18 @@ class Rendezvous:
         if error is not None:
             raise error
         return results[index]
+
+    def call_alone(self, index: int, kind: str, what: Any, collective: Callable,
+                   value: Any, arg: Any) -> Any:
+        """:meth:`exchange` for a worker's only replica on a CPU, given one array:
+        ``collective([value], arg)[0]`` under the same checks, with no signature built
+        (``kind`` and ``what`` name the collective in errors)."""
+        with self._lock:
+            if self._broken is not None:
+                raise ReplicaAborted("another replica failed") from self._broken
+            if self.returned is not None:
+                raise self._unmatched(index, (kind, what))
+            return collective([value], arg)[0]
 
     def _unmatched(self, index: int, signature: Any) -> Exception:
         if self.returned == NO_STEP:

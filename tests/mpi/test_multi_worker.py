@@ -435,3 +435,70 @@ def test_reduce_of_values_whose_layout_differs_between_workers_fails_on_every_ra
                f"and dtype, but the workers hold rank 0: {rank0}; rank 1: {rank1}" in line, line
         hint = "pass axis=0" if axis == "None" else "only along the reduced axis"
         assert hint in line, line
+
+
+ONE_ARRAY_IN_RUN = r"""
+import numpy as np
+import gpustrat as gs
+from gpustrat import ReduceOp
+s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+W, r = s.num_workers, s.worker_index
+ctx = gs.get_replica_context
+ranks = np.arange(W)
+for dtype in (np.float32, np.float64, np.int32, np.int64, np.complex64):
+    for shape in ((), (1,), (3, 2)):
+        every = [np.asarray(np.arange(int(np.prod(shape)) or 1).reshape(shape) + 3 * k,
+                            dtype) for k in ranks]
+        x = every[r]
+        for op, want in (("sum", sum(every)), (ReduceOp.SUM, sum(every)),
+                         ("MEAN", sum(every) / W), ("max", np.max(every, axis=0)),
+                         (ReduceOp.MIN, np.min(every, axis=0))):
+            if dtype is np.complex64 and op in ("max", ReduceOp.MIN):
+                continue
+            got = s.run(lambda v: ctx().all_reduce(op, v), args=(x,))
+            nested = s.run(lambda v: ctx().all_reduce(op, [v]), args=(x,))[0]
+            assert np.shape(got) == shape and type(got) is type(nested), (op, dtype, got)
+            assert got.dtype == nested.dtype, (op, dtype, got.dtype, nested.dtype)
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+            np.testing.assert_array_equal(got, nested)
+        if shape:
+            for axis in (0, -1):
+                got = s.run(lambda v: ctx().all_gather(v, axis), args=(x,))
+                np.testing.assert_array_equal(got, np.concatenate(every, axis=axis))
+# Rows that differ between workers along the gathered axis.
+x = np.full((r + 1, 2), r, np.float32)
+got = s.run(lambda v: ctx().all_gather(v, 0), args=(x,))
+np.testing.assert_array_equal(got, np.concatenate([np.full((k + 1, 2), k, np.float32)
+                                                   for k in ranks]))
+# Bad input raises the same error on every rank, and the next collective still works.
+for call, err, words in (
+        (lambda: ctx().all_reduce("avg", np.ones(2)), ValueError, "unknown reduce op"),
+        (lambda: ctx().all_gather(np.ones(2), 3), ValueError, "out of range"),
+        (lambda: ctx().all_gather(np.ones(()), 0), ValueError, "scalar"),
+        (lambda: ctx().all_reduce("sum", np.array([object()])), TypeError, "")):
+    try:
+        s.run(call)
+    except err as e:
+        assert words in str(e), e
+    else:
+        raise AssertionError(f"no {err.__name__}")
+    assert float(s.run(lambda: ctx().all_reduce("sum", np.ones(1)))[0]) == W
+# Outside run a replica context issues no collective.
+c = s.run(ctx)
+try:
+    c.all_reduce("sum", np.ones(1))
+except RuntimeError as e:
+    assert "outside strategy.run" in str(e), e
+else:
+    raise AssertionError("a collective outside run did not raise")
+print(f"OK rank {r}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_one_array_collectives_in_run_match_the_structure_path(n):
+    """A worker's only CPU replica reducing or gathering one NumPy array (the short
+    path) gets the same values and dtypes as the same array inside a list, for every
+    op spelling, and the same errors on every rank."""
+    out = assert_mpi_ok(n, ONE_ARRAY_IN_RUN, timeout=150)
+    assert out.count("OK rank") == n

@@ -125,6 +125,11 @@ class MpiCommunicator(HostCommunicator):
             return divide(out, self.num_replicas) if op is _MEAN else out
         return super().reduce(buffers, op)  # local reduction into a new array first
 
+    def all_reduce(self, buffers, op):
+        if len(buffers) == 1 and self.num_local == 1:
+            return [self.reduce(buffers, op)]  # no other local replica to copy for
+        return super().all_reduce(buffers, op)
+
     def _across_workers_reduce(self, x, op):
         return self._allreduce(x, op, owned=True)
 
