@@ -211,8 +211,10 @@ class MpiCommunicator(HostCommunicator):
         return self._gather(x, axis)
 
     def _gather_plan(self, x: np.ndarray, axis: int) -> tuple:
-        """``(axis, kind, layout checksum, other axes, bytes per row)`` for gathering
-        arrays of ``x``'s layout along ``axis``, checked and worked out once."""
+        """``(axis, kind, layout checksum, other axes, bytes per row, the headers' view
+        of every rank's rows when they ride there, the result's shape when every rank
+        has ``x``'s rows)`` for gathering arrays of ``x``'s layout along ``axis``, checked
+        and worked out once."""
         self._check_dtype(x, "all_gather")
         if x.ndim == 0:
             raise ValueError("all_gather concatenates along an axis, but the values are "
@@ -223,8 +225,13 @@ class MpiCommunicator(HostCommunicator):
         rest = x.shape[:ax] + x.shape[ax + 1:]
         # Sizes along the gathered axis may differ; the other axes and dtype may not.
         shown = x.shape[:ax] + ("*",) + x.shape[ax + 1:]
-        plan = (ax, f"all_gather(axis={ax})", layout_code(shown, x.dtype), rest,
-                x.dtype.itemsize * math.prod(rest))
+        row_bytes = x.dtype.itemsize * math.prod(rest)
+        # The same rows on every rank, in the headers: their view and the result's shape.
+        front = (x.shape[ax],) + rest
+        nbytes = row_bytes * x.shape[ax]
+        inline = self._ch.payloads(x.dtype, front, nbytes) if nbytes <= _INLINE else None
+        plan = (ax, f"all_gather(axis={ax})", layout_code(shown, x.dtype), rest, row_bytes,
+                inline, (self.num_workers * x.shape[ax],) + rest)
         if len(self._gather_plans) < 1024:
             self._gather_plans[(x.shape, x.dtype, axis)] = plan
         return plan
@@ -234,7 +241,7 @@ class MpiCommunicator(HostCommunicator):
         plan = self._gather_plans.get((x.shape, x.dtype, axis))
         if plan is None:
             plan = self._gather_plan(x, axis)
-        ax, kind, lcode, rest, row_bytes = plan
+        ax, kind, lcode, rest, row_bytes, inline, same_shape = plan
         front = np.moveaxis(x, ax, 0) if ax else x
         if not front.flags.c_contiguous:
             front = np.ascontiguousarray(front)
@@ -244,11 +251,11 @@ class MpiCommunicator(HostCommunicator):
         hdr = ch.header(kind, lcode, front.shape[0], front.tobytes() if small else None,
                         x.shape, x.dtype)
         rows = hdr[:, 3].tolist()
-        total = sum(rows)
-        if max(rows) * row_bytes <= _INLINE:
-            if min(rows) == max(rows):  # the same rows everywhere: one copy
-                out = ch.payloads(x.dtype, front.shape, nbytes).copy().reshape(
-                    (total,) + rest)
+        total, most = sum(rows), max(rows)
+        same = most * len(rows) == total  # the same rows everywhere
+        if most * row_bytes <= _INLINE:
+            if same:  # every rank has this rank's rows: one copy
+                out = inline.copy().reshape(same_shape)
             else:
                 raw = ch._recv.view(np.uint8)
                 out = np.empty((total,) + rest, x.dtype)
@@ -260,7 +267,7 @@ class MpiCommunicator(HostCommunicator):
                     at += nb
         else:
             out = self._results.get((total,) + rest, x.dtype)
-            if min(rows) == max(rows):
+            if same:
                 if nbytes >= _BLOCKING_BYTES:
                     # As in _allreduce: every rank is in this gather, so the blocking
                     # call cannot wait on an absent rank.
