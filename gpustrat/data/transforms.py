@@ -323,6 +323,17 @@ class MapDataset(UnaryDataset):
         return _function_spec(self._input, lambda element: spec_of(self._call(element)))
 
 
+def _kept(pred, element) -> bool:
+    """``filter``'s verdict on one element: the predicate's scalar boolean."""
+    keep = st.call_with_element(pred, element)
+    if type(keep) is not bool:
+        if np.ndim(keep) != 0:
+            raise ValueError(f"filter: predicate must return a scalar boolean, "
+                             f"got a value of shape {np.shape(keep)}")
+        keep = bool(keep)
+    return keep
+
+
 class FilterDataset(UnaryDataset):
     """``filter(predicate)``."""
 
@@ -337,13 +348,7 @@ class FilterDataset(UnaryDataset):
         pred = self._predicate
         try:
             for element in it:
-                keep = st.call_with_element(pred, element)
-                if type(keep) is not bool:
-                    if np.ndim(keep) != 0:
-                        raise ValueError(f"filter: predicate must return a scalar boolean, "
-                                         f"got a value of shape {np.shape(keep)}")
-                    keep = bool(keep)
-                if keep:
+                if _kept(pred, element):
                     yield element
         finally:
             _close(it)
@@ -353,13 +358,7 @@ class FilterDataset(UnaryDataset):
 
         def step_fn(it):
             for element in it._inputs[0]:
-                keep = st.call_with_element(pred, element)
-                if type(keep) is not bool:
-                    if np.ndim(keep) != 0:
-                        raise ValueError(f"filter: predicate must return a scalar boolean, "
-                                         f"got a value of shape {np.shape(keep)}")
-                    keep = bool(keep)
-                if keep:
+                if _kept(pred, element):
                     return element
             raise StopIteration
         return FunctionIterator((self._input._state_iter(ctx),), step_fn)

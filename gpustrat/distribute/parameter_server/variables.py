@@ -44,7 +44,26 @@ def request(server: int, op: str, args: tuple = (), arrays=()):
     return _requester(server, op, args, arrays)
 
 
-class RemoteVariable(Variable):
+class _FetchedReads:
+    """Reads of a variable held elsewhere: each one is a fresh copy from ``_fetch``
+    (``value()`` read-only, as a variable's value is)."""
+
+    def value(self):
+        a = self._fetch()
+        a.flags.writeable = False
+        return a
+
+    def read_value(self):
+        return self._fetch()
+
+    def numpy(self) -> np.ndarray:
+        return self._fetch()
+
+    def _read_for_array(self):
+        return self._fetch()
+
+
+class RemoteVariable(_FetchedReads, Variable):
     """A variable held by parameter server ``server`` (see the module docstring)."""
 
     _kind = "RemoteVariable"
@@ -93,20 +112,6 @@ class RemoteVariable(Variable):
         _, (arr,) = request(self._server, "read", (self._vid, self._shape, self._dtype.str))
         return arr
 
-    def value(self):
-        a = self._fetch()
-        a.flags.writeable = False
-        return a
-
-    def read_value(self):
-        return self._fetch()
-
-    def numpy(self) -> np.ndarray:
-        return self._fetch()
-
-    def _read_for_array(self):
-        return self._fetch()
-
     def _update(self, op: str, value) -> "RemoteVariable":
         arr = wire.contiguous(to_host(self._coerce(value, op)))
         request(self._server, op, (self._vid,), [arr])
@@ -135,7 +140,7 @@ def shard_rows(rows: int, num_shards: int) -> list:
     return [base + (1 if i < extra else 0) for i in range(num_shards)]
 
 
-class ShardedVariable(Variable):
+class ShardedVariable(_FetchedReads, Variable):
     """A variable split along axis 0 over servers (``tf.distribute.ShardedVariable``).
 
     ``variables`` lists the shards (remote variables) in order; reading concatenates
@@ -177,20 +182,6 @@ class ShardedVariable(Variable):
 
     def _fetch(self) -> np.ndarray:
         return np.concatenate([s._fetch() for s in self._shards], axis=0)
-
-    def value(self):
-        a = self._fetch()
-        a.flags.writeable = False
-        return a
-
-    def read_value(self):
-        return self._fetch()
-
-    def numpy(self) -> np.ndarray:
-        return self._fetch()
-
-    def _read_for_array(self):
-        return self._fetch()
 
     def _split(self, arr) -> list:
         bounds = np.cumsum([s.shape[0] for s in self._shards])[:-1]
