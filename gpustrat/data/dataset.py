@@ -375,14 +375,18 @@ class Dataset(abc.ABC):
         return NpyDataset(path, mmap=mmap)
 
     @staticmethod
-    def zip(*args, datasets=None) -> "Dataset":
+    def zip(*args, datasets=None, name: str | None = None) -> "Dataset":
         """Elements made of one element of each dataset: ``zip(a, b)``, ``zip((a, b))``
-        or ``zip(datasets={"x": a, "y": b})``; any nesting of datasets is allowed."""
+        or ``zip(datasets={"x": a, "y": b})``; any nesting of datasets in tuples, dicts
+        and namedtuples is allowed (not lists, as in tf.data)."""
         from gpustrat.data.transforms import ZipDataset
         if datasets is not None:
             if args:
                 raise TypeError("zip: pass datasets positionally or as datasets=, not both")
             structure = datasets
+        elif not args:
+            raise TypeError("zip needs at least one dataset: Dataset.zip(a, b), "
+                            "Dataset.zip((a, b)) or Dataset.zip({\"x\": a, \"y\": b})")
         elif len(args) == 1:
             structure = args[0]
         else:

@@ -666,17 +666,32 @@ class OptionsDataset(UnaryDataset):
         return self._input._state_iter(ctx)
 
 
+def _check_zip_structure(structure: Any) -> None:
+    """Datasets in tuples, dicts and namedtuples. A list is refused, as tf.data does: it
+    would make elements whose lists are structures, where a list is otherwise one array."""
+    stack = [structure]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, list):
+            raise TypeError(f"zip takes a (nested) structure of Datasets in tuples and dicts, "
+                            f"found a list of {len(x)}: use a tuple instead")
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, tuple):
+            stack.extend(x)
+        elif not isinstance(x, Dataset):
+            raise TypeError(f"zip takes a (nested) structure of Datasets, found "
+                            f"{type(x).__name__} {x!r:.60}")
+
+
 class ZipDataset(Dataset):
     """``Dataset.zip(structure of datasets)``: stops at the shortest input."""
 
     def __init__(self, structure: Any):
+        _check_zip_structure(structure)
         flat = nest.flatten(structure)
         if not flat:
-            raise ValueError("zip needs at least one dataset")
-        for d in flat:
-            if not isinstance(d, Dataset):
-                raise TypeError(f"zip takes a (nested) structure of Datasets, found "
-                                f"{type(d).__name__}")
+            raise ValueError(f"zip: {structure!r} holds no dataset; zip needs at least one")
         self._structure = structure
         self._datasets = tuple(flat)
 
