@@ -469,7 +469,7 @@ class Dataset(abc.ABC):
         from gpustrat.data.transforms import ShardDataset
         return ShardDataset(self, num_shards, index)
 
-    def enumerate(self, start: int = 0) -> "Dataset":
+    def enumerate(self, start: int = 0, name: str | None = None) -> "Dataset":
         """Pairs ``(i, element)`` with an int64 counter starting at ``start``."""
         from gpustrat.data.transforms import EnumerateDataset
         return EnumerateDataset(self, start)

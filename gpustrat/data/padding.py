@@ -34,14 +34,23 @@ from gpustrat.data.transforms import UnaryDataset, _close
 
 
 def _as_shape(shape: Any, where: str) -> tuple:
-    """A padded shape given by the user as a tuple of ints / None (-1 means None)."""
+    """A padded shape given by the user: a list or tuple (or array) of ints and None
+    (-1 means None), or one int ``n`` for the shape ``(n,)``, as ``tf.TensorShape``
+    reads it. Anything that is no shape is a ValueError, an entry of another kind than
+    an int a TypeError (TensorFlow's exception types)."""
     if isinstance(shape, TensorSpec):
         shape = shape.shape
     if isinstance(shape, np.ndarray):
         shape = shape.tolist()
-    if isinstance(shape, (int, np.integer)) or not isinstance(shape, (tuple, list)):
-        raise TypeError(f"padded_batch: the padded shape of {where} must be a list or tuple "
-                        f"of ints or None, got {shape!r}")
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        if shape < 0:
+            raise ValueError(f"padded_batch: the padded shape {shape!r} of {where} is "
+                             "negative; give a size of at least 0 (or [None] for the "
+                             "batch's largest)")
+        return (int(shape),)
+    if not isinstance(shape, (tuple, list)):
+        raise ValueError(f"padded_batch: the padded shape of {where} must be a list or "
+                         f"tuple of ints or None (or one int), got {shape!r}")
     out = []
     for d in shape:
         if d is None or (isinstance(d, (int, np.integer)) and not isinstance(d, bool)
@@ -49,6 +58,9 @@ def _as_shape(shape: Any, where: str) -> tuple:
             out.append(None)
         elif isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0:
             out.append(int(d))
+        elif isinstance(d, (int, np.integer, tuple, list)) and not isinstance(d, bool):
+            raise ValueError(f"padded_batch: the padded shape {shape!r} of {where} has "
+                             f"the entry {d!r}; entries must be non-negative ints or None")
         else:
             raise TypeError(f"padded_batch: the padded shape {shape!r} of {where} has the "
                             f"entry {d!r}; entries must be non-negative ints or None")
@@ -57,17 +69,24 @@ def _as_shape(shape: Any, where: str) -> tuple:
 
 def _flatten_up_to(spec: Any, value: Any, what: str) -> list:
     """``value``'s entries at the leaf positions of ``spec`` (a shape is a tuple, so
-    the walk follows the spec's structure, not the value's)."""
+    the walk follows the spec's structure, not the value's). Another kind of structure
+    than the elements' is a TypeError, other keys or another length a ValueError."""
     if not nest.is_nested(spec):
         return [value]
     if isinstance(spec, dict):
-        if not isinstance(value, dict) or sorted(value) != sorted(spec):
-            raise ValueError(f"padded_batch: {what} must be a dict with the keys "
-                             f"{sorted(spec)} like the elements, got {value!r}")
+        if not isinstance(value, dict):
+            raise TypeError(f"padded_batch: {what} must be a dict with the keys "
+                            f"{sorted(spec)} like the elements, got {value!r}")
+        if sorted(value) != sorted(spec):
+            raise ValueError(f"padded_batch: {what} has the keys {sorted(value)}, but the "
+                             f"elements have the keys {sorted(spec)}")
         return [v for k in sorted(spec) for v in _flatten_up_to(spec[k], value[k], what)]
-    if not isinstance(value, (tuple, list)) or len(value) != len(spec):
-        raise ValueError(f"padded_batch: {what} must have the structure of the elements "
-                         f"({len(spec)} components), got {value!r}")
+    if not isinstance(value, (tuple, list)):
+        raise TypeError(f"padded_batch: {what} must be a tuple of {len(spec)} like the "
+                        f"elements, got {value!r}")
+    if len(value) != len(spec):
+        raise ValueError(f"padded_batch: {what} has {len(value)} entries, but the "
+                         f"elements have {len(spec)} components: give one per component")
     return [v for s, e in zip(spec, value) for v in _flatten_up_to(s, e, what)]
 
 

@@ -111,6 +111,7 @@ class TensorsDataset(Dataset):
 
     def __init__(self, tensors: Any):
         self._element = st.normalize(tensors)
+        st.check_has_component(self._element, "from_tensors")
 
     def _iter(self, ctx):
         yield self._element

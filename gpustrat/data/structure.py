@@ -80,6 +80,23 @@ def normalize(element: Any) -> Any:
     return tuple(normalize(v) for v in element)
 
 
+def has_component(element: Any) -> bool:
+    """Whether a structure holds at least one leaf. An element must (as in tf.data,
+    which refuses ``{}``, ``()`` and ``{"x": ()}`` but takes ``(x, {})``)."""
+    if isinstance(element, dict):
+        return any(has_component(v) for v in element.values())
+    if isinstance(element, tuple):
+        return any(has_component(v) for v in element)
+    return True
+
+
+def check_has_component(element: Any, what: str) -> None:
+    """ValueError naming ``what`` when ``element`` has no leaf at all."""
+    if not has_component(element):
+        raise ValueError(f"{what} gave the element {element!r}, which has no component: "
+                         "a dataset element needs at least one array, number or string")
+
+
 def make_plan(structure: Any) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
     """``(flatten, pack)`` functions specialised for elements shaped like ``structure``.
 

@@ -262,6 +262,9 @@ def _resolve_parallelism(num_parallel_calls, what: str) -> int | None:
     return n
 
 
+_STRUCTURES = (tuple, dict)
+
+
 class MapDataset(UnaryDataset):
     """``map(fn, num_parallel_calls, deterministic)``."""
 
@@ -281,7 +284,12 @@ class MapDataset(UnaryDataset):
             # As tf.data: a returned list is a tuple of components (often the result of a
             # function giving several arrays), not one array stacked from them.
             out = tuple(out)
-        return st.normalize(out)
+        out = st.normalize(out)
+        if isinstance(out, _STRUCTURES) and not (
+                type(out) is tuple and out and not isinstance(out[0], _STRUCTURES)):
+            # (A tuple led by a leaf, the common structure, has a component.)
+            st.check_has_component(out, "map's function")
+        return out
 
     def _in_order(self) -> "MapDataset | None":
         """This map keeping the input order, or None when it already does (a parallel

@@ -18,6 +18,7 @@ import argparse
 import collections
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -38,6 +39,8 @@ class Api:
             self.Dataset, self.TensorSpec = tf.data.Dataset, tf.TensorSpec
             self._strategy = lambda: tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
         else:
+            # This checkout's gpustrat, not one installed elsewhere.
+            sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
             import gpustrat as gs
             self.Dataset, self.TensorSpec = gs.data.Dataset, gs.data.TensorSpec
             self._strategy = lambda: gs.MirroredStrategy(["cpu:0", "cpu:1"])
