@@ -168,7 +168,7 @@ MPI_CRASH = r"""
 import os, sys
 import numpy as np
 import gpustrat as gs
-from gpustrat.train import checkpoint as ckmod
+from gpustrat.train import saving as ckmod
 
 directory, phase = sys.argv[1], sys.argv[2]
 s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
