@@ -146,8 +146,8 @@ class Checkpoint:
         """Wait until the asynchronous save in flight (if any) is written and committed;
         raise its error, on every worker. Collective under several workers."""
         background = self.__dict__.get("_background")
-        if background is not None and background.pending:
-            background.wait(_workers_of(self._graph()))
+        if background is not None:
+            background.wait()
 
     # --- restoring --------------------------------------------------------------------
     def restore(self, save_path: str, options: CheckpointOptions | None = None

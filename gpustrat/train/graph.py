@@ -113,9 +113,9 @@ def _walk_checkpoint(objects: dict, owner, prefix: str, seen: dict, out: list) -
             continue
         if not _visit(obj, key, seen, out) and not _is_checkpoint(obj):
             raise TypeError(
-                f"Checkpoint: {key!r} is a {type(obj).__name__} that holds no savable "
-                "object (gs.Variable, optimizer, metric, iterator, Checkpoint, or a "
-                "container or object holding them), so nothing of it would be saved; "
+                f"Checkpoint: {key!r} ({type(obj).__name__}) holds no savable object "
+                "(gs.Variable, optimizer, metric, iterator, Checkpoint, or a container "
+                "or object holding them), so nothing of it would be saved; "
                 "numbers are saved only as a Checkpoint's own entries, e.g. "
                 "Checkpoint(step=3)")
 

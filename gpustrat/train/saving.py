@@ -274,6 +274,7 @@ class Background:
         self._job: Job | None = None
         self._error: BaseException | None = None
         self._deferred = False
+        self._workers = None
 
     def commit_group(self, workers):
         """The group a background commit runs on, or None where it must wait for the
@@ -290,6 +291,7 @@ class Background:
     def start(self, job: Job, workers) -> None:
         group = self.commit_group(workers)
         self._job, self._error, self._deferred = job, None, group is None
+        self._workers = workers
 
         def run():
             job.write()
@@ -308,7 +310,7 @@ class Background:
     def pending(self) -> bool:
         return self._job is not None
 
-    def wait(self, workers) -> None:
+    def wait(self) -> None:
         """Wait for the save in flight; commit it here where the thread could not;
         raise its error. Collective where the commit is done here."""
         job = self._job
@@ -317,7 +319,7 @@ class Background:
         self._thread.join()
         self._job = self._thread = None
         if self._deferred:
-            job.commit(workers)
+            job.commit(self._workers)
             return
         error, self._error = self._error, None
         if error is not None:
