@@ -291,9 +291,7 @@ def to_host_async(x, out: np.ndarray | None = None) -> tuple[np.ndarray, object]
             stream = cp.cuda.get_current_stream()
             if out is None or out.shape != x.shape or out.dtype != x.dtype:
                 out = pinned_empty(x.shape, x.dtype)
-            src = x if x.flags.c_contiguous else cp.ascontiguousarray(x)
-            if src.nbytes:
-                src.data.copy_to_host_async(out.ctypes.data, src.nbytes, stream)
+            x.get(stream=stream, out=out, blocking=False)
             return out, stream.record()
     host = np.asarray(to_host(x))
     if out is None or out.shape != host.shape or out.dtype != host.dtype:
