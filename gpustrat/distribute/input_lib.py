@@ -531,10 +531,9 @@ class DistributedIterator:
         """Restore from the positions saved by another number of workers: this worker
         continues from saved worker ``k mod W``'s (see
         :func:`~gpustrat.distribute.input_position.source_state`)."""
-        self.set_state(input_position.source_state(states, self._strategy.worker_index),
-                       other_workers=True)
+        self.set_state(input_position.source_state(states, self._strategy.worker_index))
 
-    def set_state(self, state: dict, other_workers: bool = False) -> None:
+    def set_state(self, state: dict) -> None:
         """Continue from a position :meth:`get_state` returned. Under DATA and OFF (and
         on one worker) it may come from any number of workers and replicas: the rest of
         the epoch is what this topology takes from that point of the dataset's stream;
@@ -547,12 +546,8 @@ class DistributedIterator:
             ValueError: the position was saved on a topology it cannot move from, or
                 for another dataset.
         """
-        mine = self._topology()
-        worker = self._strategy.worker_index
-        if other_workers and state.get("stream") == "global":
-            worker = int(state["worker"])   # any saved worker's position will do
-        input_position.check_compatible(state, self._stream_kind(), mine, self._policy(),
-                                        worker)
+        input_position.check_compatible(state, self._stream_kind(), self._topology(),
+                                        self._policy(), self._strategy.worker_index)
         self._placer.close()
         if "origin" not in state:
             # distribute_datasets_from_function: the same topology, the same steps.
@@ -561,11 +556,9 @@ class DistributedIterator:
                 self._placer.next()
             self._returned = int(state["steps"])
             return
-        saved = state["topology"]
-        layout = input_position.Layout(saved[0], saved[1], state["layout"] == "dealt",
-                                       int(state["worker"]))
-        self._start_epoch(state["start"],
-                          resume=(layout, tuple(state["origin"]), int(state["steps"])))
+        self._start_epoch(state["start"], resume=(input_position.Layout.of(state),
+                                                  tuple(state["origin"]),
+                                                  int(state["steps"])))
 
     _checkpoint_state = get_state
     _restore_checkpoint_state = set_state

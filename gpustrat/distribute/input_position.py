@@ -51,6 +51,12 @@ class Layout:
         self.worker = int(worker)
         self.num_pieces = self.num_workers * self.local
 
+    @classmethod
+    def of(cls, state: dict) -> "Layout":
+        """The layout that took the steps of a saved distributed iterator position."""
+        workers, local = state["topology"]
+        return cls(workers, local, state["layout"] == "dealt", int(state["worker"]))
+
     def __repr__(self) -> str:
         return (f"Layout({self.num_workers}x{self.local}, "
                 f"{'dealt' if self.dealt else 'stream'})")
