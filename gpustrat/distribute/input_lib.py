@@ -534,18 +534,18 @@ class DistributedIterator:
         self.set_state(input_position.source_state(states, self._strategy.worker_index))
 
     def set_state(self, state: dict) -> None:
-        """Continue from a position :meth:`get_state` returned. Under DATA and OFF (and
-        on one worker) it may come from any number of workers and replicas: the rest of
-        the epoch is what this topology takes from that point of the dataset's stream;
-        under FILE from the same number of workers, any number of replicas; for
-        ``distribute_datasets_from_function`` from the same topology. Reads the epoch's
-        input up to the position again (no model code runs); a collective under
-        several workers where the steps' counts are agreed.
+        """Continue from a position :meth:`get_state` returned: under DATA and OFF (and
+        on one worker) saved on any number of workers and replicas (the rest of the
+        epoch is what this topology takes from that point of the dataset's stream), under
+        FILE on the same number of workers, for ``distribute_datasets_from_function`` on
+        the same topology. Reads the epoch's input up to the position again (no model
+        code runs); a collective under several workers (the steps' counts are agreed).
 
         Raises:
             ValueError: the position was saved on a topology it cannot move from, or
                 for another dataset.
         """
+        state = input_position.upgrade(state)
         input_position.check_compatible(state, self._stream_kind(), self._topology(),
                                         self._policy(), self._strategy.worker_index)
         self._placer.close()

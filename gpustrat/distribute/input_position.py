@@ -175,6 +175,20 @@ def source_state(states: list, worker: int) -> dict:
     return states[worker % len(states)]
 
 
+def upgrade(state: dict) -> dict:
+    """A position saved before positions named their stream (a step count from the start
+    of the epoch, with ``batch_aligned``), in today's form."""
+    if "stream" in state:
+        return state
+    policy = str(state.get("policy", "FUNCTION"))
+    if policy == "FUNCTION":
+        return {**state, "stream": "function"}
+    dealt = bool(state.get("batch_aligned"))
+    kind = "global" if dealt or not policy.endswith("FILE") else "worker"
+    return {**state, "stream": kind, "origin": [0, 0],
+            "layout": "dealt" if dealt else "stream"}
+
+
 def check_compatible(state: dict, kind: str, topology: list, policy: str,
                      worker: int) -> None:
     """Raise ValueError unless a position saved as ``state`` can continue on a topology

@@ -60,6 +60,19 @@ def test_batch_aligned_position_moves_to_another_replica_count(tmp_path, before,
     assert flat(steps_of(s, it)) == rest
 
 
+def test_a_position_in_the_earlier_form_restores():
+    # Positions saved before they named their stream: a step count and batch_aligned.
+    s = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    it = iter(s.experimental_distribute_dataset(build()))
+    steps_of(s, it, 4)
+    state = it.get_state()
+    earlier = {k: state[k] for k in ("steps", "start", "topology", "worker", "policy")}
+    earlier["batch_aligned"] = True
+    it2 = iter(s.experimental_distribute_dataset(build()))
+    it2.set_state(earlier)
+    assert steps_of(s, it2) == steps_of(s, it)
+
+
 def test_other_topology_is_a_clear_error_where_steps_are_not_batches(tmp_path):
     def fn(ctx):
         return Dataset.range(40).batch(2)
