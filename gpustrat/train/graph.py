@@ -8,7 +8,8 @@ Words:
         only as a :class:`~gpustrat.train.checkpoint.Checkpoint`'s own entry.
     node: what leads to savables without being one: a nested ``Checkpoint``, a dict,
         list or tuple, or a plain user object (one with a ``__dict__``, such as a model
-        class), whose attributes are followed.
+        class, of a class from neither gpustrat nor the standard library), whose
+        attributes are followed.
     key: the path from the root ``Checkpoint`` to a savable, its names joined by ``/``:
         a ``Checkpoint`` entry's name, a dict key, a list or tuple index, an attribute
         name (``"model/layers/0/kernel"``). ``%`` and ``/`` inside a name are written
@@ -24,6 +25,7 @@ numbers are its own business, as TensorFlow tracks only trackable attributes.
 
 from __future__ import annotations
 
+import sys
 import types
 from typing import Iterator
 
@@ -68,11 +70,12 @@ def _is_checkpoint(obj) -> bool:
 
 def _plain(obj) -> bool:
     """A user object whose attributes are followed: not gpustrat's own (a strategy or a
-    dataset is no model container), not a leaf value."""
+    dataset is no model container) nor the standard library's (a logger, a lock), not
+    a leaf value."""
     if isinstance(obj, _LEAF_TYPES) or isinstance(obj, NUMBER_TYPES):
         return False
-    module = type(obj).__module__ or ""
-    if module == "gpustrat" or module.startswith("gpustrat."):
+    top = (type(obj).__module__ or "").partition(".")[0]
+    if top in ("gpustrat", "builtins") or top in sys.stdlib_module_names:
         return False
     return hasattr(obj, "__dict__")
 

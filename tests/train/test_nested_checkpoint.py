@@ -2,6 +2,7 @@
 objects, and plain model objects, saved under path-like keys and restored by structure."""
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -26,6 +27,8 @@ class Model:
         self.name = "mlp"
         self.parent = self                 # a cycle
         self.tied = self.layers[0].kernel  # the same variable again: saved once
+        self.log = logging.getLogger("gpustrat")   # the standard library's: not followed
+        self.strategy = gs.get_strategy()          # gpustrat's, not savable: not followed
 
 
 def values(model):
@@ -117,6 +120,8 @@ def test_containers_and_objects_without_savables_are_errors():
         gs.train.Checkpoint(cfg=Empty()).write("/nonexistent/never")
     with pytest.raises(TypeError, match="cannot save ds=RangeDataset"):
         gs.train.Checkpoint(ds=Dataset.range(3))
+    with pytest.raises(TypeError, match="cannot save log=Logger"):
+        gs.train.Checkpoint(log=logging.getLogger("gpustrat"))
 
 
 def test_an_object_shared_between_entries_is_saved_once(tmp_path):
