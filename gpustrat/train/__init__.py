@@ -3,8 +3,9 @@
 :class:`Checkpoint` saves and restores variables, optimizers, metrics, dataset and
 distributed iterators and plain numbers, also nested in Checkpoints, containers and model
 objects; :class:`CheckpointManager` numbers checkpoints in a directory and keeps the last
-few; :class:`CheckpointOptions` asks for an asynchronous save. Names load on first use: importing this package
-initialises no MPI. ``docs/checkpoint.md`` describes the format and the guarantees.
+few; :class:`CheckpointOptions` asks for an asynchronous save. Names load on first use:
+importing this package initialises no MPI. ``docs/checkpoint.md`` describes the format
+and the guarantees.
 """
 
 from gpustrat._lazy import attach as _attach

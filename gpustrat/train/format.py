@@ -66,8 +66,8 @@ def encode(tree: Any, arrays: dict, prefix: str, leaf: Callable[[Any], bool] | N
     if isinstance(tree, list):
         return [encode(x, arrays, prefix, leaf) for x in tree]
     if isinstance(tree, dict):
-        return {"__dict__": [[encode(k, arrays, prefix, leaf), encode(v, arrays, prefix, leaf)]
-                             for k, v in tree.items()]}
+        return {"__dict__": [[encode(k, arrays, prefix, leaf),
+                              encode(v, arrays, prefix, leaf)] for k, v in tree.items()]}
     raise TypeError(f"checkpoint: cannot save a {type(tree).__name__} ({tree!r:.80}) "
                     f"under {prefix!r}: state holds numbers, strings, bytes, NumPy arrays "
                     "and lists, tuples and dicts of them")
