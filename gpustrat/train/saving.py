@@ -146,8 +146,11 @@ def take(entries: list, workers, path: str, save_counter: int,
                     kind, state = type(e.obj).__name__, e.obj._checkpoint_state()
                 trees[e.key] = {"kind": kind, "tree": fmt.encode(
                     state, arrays, e.key, leaf=lambda x: isinstance(x, Variable))}
+            # Only worker 0 writes the shared arrays; the others read them (a read may
+            # be a collective) without copying them to the host.
+            keep = per_worker or snap.rank == 0
             for key, a in arrays.items():
-                arrays[key] = _host(a, key, buffers, snap.events)
+                arrays[key] = _host(a, key, buffers, snap.events, keep)
         except Exception as e:  # noqa: BLE001 - reported on every worker below
             error = error or describe(e)
     paths = workers.allgather((path, error)) if workers.size > 1 else [(path, error)]
@@ -159,10 +162,12 @@ def take(entries: list, workers, path: str, save_counter: int,
     return snap
 
 
-def _host(a, key: str, buffers: dict | None, events: list) -> np.ndarray:
+def _host(a, key: str, buffers: dict | None, events: list, keep: bool = True):
     if isinstance(a, Variable):
         # value(): a read-only view where the variable lives on the host.
         a = a.value()
+    if not keep:
+        return None
     if buffers is None:
         return np.asarray(to_host(a))
     host, event = to_host_async(a, buffers.get(key))
