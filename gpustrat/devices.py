@@ -273,6 +273,33 @@ def to_host(x) -> np.ndarray:
     return np.asarray(x)
 
 
+def to_host_async(x, out: np.ndarray | None = None) -> tuple[np.ndarray, object]:
+    """A host copy of ``x`` that later updates of ``x`` do not change: ``(copy, event)``.
+
+    A CuPy array is copied into ``out`` (page-locked host memory; a new one when ``out``
+    is None or of another shape or dtype) on ``x``'s device's current stream of the
+    calling thread, without waiting: the copy comes after the work queued there so far
+    (the last update) and before the work queued later (the next update, which
+    ``strategy.run`` orders after that stream). Read the copy only after
+    ``event.synchronize()``. Host data is copied into ``out`` now, and ``event`` is
+    None. Reusing ``out`` from one call to the next avoids allocating (and, for pinned
+    memory, registering) the buffer again.
+    """
+    if is_gpu_array(x):
+        cp = cupy()
+        with cp.cuda.Device(x.device.id):
+            stream = cp.cuda.get_current_stream()
+            if out is None or out.shape != x.shape or out.dtype != x.dtype:
+                out = pinned_empty(x.shape, x.dtype)
+            x.get(stream=stream, out=out, blocking=False)
+            return out, stream.record()
+    host = np.asarray(to_host(x))
+    if out is None or out.shape != host.shape or out.dtype != host.dtype:
+        return np.array(host, copy=True), None
+    np.copyto(out, host)
+    return out, None
+
+
 def to_device(x, device: Device, stream=None, copy: bool = False):
     """Place ``x`` on ``device``: no copy when it is already there (unless ``copy``).
 

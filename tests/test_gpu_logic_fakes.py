@@ -39,6 +39,11 @@ class FakeCupy:
                         "stream": fake.exported_stream if fake.exported_stream != "current"
                         else (ptr or 1)}
 
+            def get(self, stream=None, order="C", out=None, blocking=True):
+                fake.log.append(("get", self.device.id, fake.current_device(),
+                                 (stream or get_current_stream()).name, blocking))
+                return out if out is not None else np.zeros(self.shape, self.dtype)
+
         # kernels/_launch.py recognises CuPy arrays by their class's module.
         ndarray.__module__ = "cupy._core.core"
 

@@ -209,6 +209,12 @@ class WorkerGroup(abc.ABC):
         """Stop every worker of the job (after an unrecoverable error on this one)."""
         raise SystemExit(code)
 
+    def concurrent_collectives(self) -> bool:
+        """Whether collectives on two duplicates of this group may run at the same time
+        from two threads of a worker (MPI: the library gave ``MPI_THREAD_MULTIPLE``).
+        Without it, only one thread at a time may make collectives."""
+        return False
+
     def duplicate(self) -> "WorkerGroup":
         """A group of the same workers whose collectives never interleave with this
         group's (collective: every worker calls it). For control messages sent from

@@ -17,13 +17,14 @@ The pipeline of one epoch, per worker:
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 from typing import Any, Callable
 
 from gpustrat import nest
-from gpustrat.distribute import end_of_data
+from gpustrat.distribute import end_of_data, input_position
 from gpustrat.distribute.placement import Placer
-from gpustrat.distribute.splitting import Splitter, deal_steps, stream_steps_per_batch
+from gpustrat.distribute.splitting import Splitter, deal_steps
 from gpustrat.errors import OutOfRangeError
 from gpustrat.values import PerReplica
 
@@ -140,11 +141,13 @@ class _DistributedBase:
         return DistributedIterator(self._strategy, self, self._options, self.element_spec,
                                    self._stats)
 
-    def _epoch(self, start_state=None):
-        """``(steps, start)`` of a new epoch: the steps generator, and the position of
-        this worker's dataset iterator before its first element (None where the
-        pipeline cannot save its position; the reason is then in ``start``'s place as
-        a string). ``start_state`` restores that position first."""
+    def _epoch(self, start_state=None, resume=None):
+        """``(steps, start, origin)`` of a new epoch: the steps generator, the position
+        of this worker's dataset iterator before its first element (the reason, as a
+        string, where the pipeline cannot save its position), and the stream position
+        the steps start at. ``start_state`` restores that iterator position first;
+        ``resume = (layout, origin, steps)`` then continues after ``steps`` steps that
+        ``layout`` took from ``origin`` (see :mod:`~gpustrat.distribute.input_position`)."""
         source = iter(self._dataset)
         if start_state is not None:
             source.set_state(start_state)
@@ -153,7 +156,12 @@ class _DistributedBase:
                 f"{type(self._dataset).__name__} has no iterator position to save"
         except ValueError as e:
             start = str(e)
-        return self._epoch_steps(source), start
+        if resume is None:
+            return self._epoch_steps(source), start, (0, 0)
+        layout, origin, steps = resume
+        position, current = input_position.replay(
+            source, layout, origin, steps, Splitter(self._strategy.num_replicas_in_sync))
+        return self._epoch_steps(source, position, current), start, position
 
 
 def _spec_or_none(dataset) -> Any:
@@ -236,21 +244,28 @@ class DistributedDataset(_DistributedBase):
             self.element_spec = _per_replica_spec(
                 dataset, None if self._counts_differ else strategy.num_replicas_in_sync)
 
-    def _steps_per_epoch(self) -> int | None:
+    def layout(self) -> input_position.Layout:
+        """How this topology cuts the batches into steps (one worker: dealt)."""
+        s = self._strategy
+        return input_position.Layout(s.num_workers, len(s.local_devices),
+                                     not self._stream or s.num_workers == 1,
+                                     s.worker_index)
+
+    def stream_kind(self) -> str:
+        """``"worker"`` where each worker reads its own files (FILE on several workers),
+        else ``"global"``: every worker reads the dataset's stream whole."""
+        return "worker" if self._counts_differ and self._strategy.num_workers > 1 \
+            else "global"
+
+    def _steps_per_epoch(self, position=(0, 0), current_rows=None) -> int | None:
         card = self._dataset.cardinality()
         if card < 0:
             return None
-        if not self._stream or self._strategy.num_workers == 1 or card == 0:
-            return card
+        layout = self.layout()
         # FILE and OFF: a batch gives as many steps as it has non-empty pieces (local
         # replicas at a time), so the rows of the batches must be known too.
-        rows = _batch_rows(self._dataset, card)
-        if rows is None:
-            return None
-        full, last = rows
-        n, local = self._strategy.num_replicas_in_sync, len(self._strategy.local_devices)
-        return (card - 1) * stream_steps_per_batch(full, n, local) + \
-            stream_steps_per_batch(last, n, local)
+        rows = None if layout.dealt or card == 0 else _batch_rows(self._dataset, card)
+        return layout.steps_left(card, rows, position, current_rows)
 
     def cardinality(self) -> int:
         """Steps per epoch on this worker, or -1 (infinite) / -2 (unknown)."""
@@ -267,14 +282,20 @@ class DistributedDataset(_DistributedBase):
                             f"{'infinite' if n == -1 else 'unknown'}")
         return n
 
-    def _epoch_steps(self, source):
-        if self._whole:
-            return ([element] for element in source)
+    def _epoch_steps(self, source, position=(0, 0), current=None):
         s = self._strategy
         local, workers = len(s.local_devices), s.workers
         splitter = Splitter(s.num_replicas_in_sync)
+        # A batch consumed in part before a restore: its steps from the position on.
+        head = [] if current is None else \
+            input_position.clipped_steps(current, position[1], self.layout(), splitter)
+        if self._whole:
+            steps = ([element] for element in source)
+            return itertools.chain(head, steps) if head else steps
         steps = deal_steps(source, splitter, workers.rank, workers.size, local,
                            self._stream)
+        if head:
+            steps = itertools.chain(head, steps)
         if workers.size == 1:
             return steps
         # Even under DATA and OFF, where every worker should run the same steps, the
@@ -282,8 +303,10 @@ class DistributedDataset(_DistributedBase):
         # counts that is one allgather per epoch. Under DATA a worker with fewer steps
         # would lose the others' pieces of the batches it lacks: an error on every rank.
         from gpustrat.data import AutoShardPolicy  # noqa: PLC0415
+        rows = None if current is None else splitter.rows(splitter.flatten(current))
         return end_of_data.agreed_steps(
-            steps, workers, local, self._steps_per_epoch(), splitter.empty_like, self._stats,
+            steps, workers, local, self._steps_per_epoch(position, rows),
+            splitter.empty_like, self._stats,
             same_steps=self.auto_shard_policy is AutoShardPolicy.DATA)
 
 
@@ -446,8 +469,8 @@ class DistributedIterator:
         self._workers = strategy.workers  # counts the steps handed out (input_steps)
         self._start_epoch(None)
 
-    def _start_epoch(self, start_state) -> None:
-        steps, self._start = self._source._epoch(start_state)
+    def _start_epoch(self, start_state, resume=None) -> None:
+        steps, self._start, self._origin = self._source._epoch(start_state, resume)
         self._returned = 0
         self._placer = Placer(self._strategy.local_devices, steps,
                               fetch_to_device=self._options.experimental_fetch_to_device,
@@ -474,10 +497,20 @@ class DistributedIterator:
         s = self._strategy
         return [s.num_workers, len(s.local_devices)]
 
+    def _policy(self) -> str:
+        return str(getattr(self._source, "auto_shard_policy", "FUNCTION"))
+
+    def _stream_kind(self) -> str:
+        if isinstance(self._source, DistributedDataset):
+            return self._source.stream_kind()
+        return "function"
+
     def get_state(self) -> dict:
-        """This worker's position: the steps ``next`` has returned this epoch and its
-        dataset iterator's position at the start of the epoch (never what the
-        prefetchers read ahead). Every worker saves its own.
+        """This worker's position: its dataset iterator's position at the start of the
+        epoch, where this iterator's steps started (``origin``, a stream position, see
+        :mod:`~gpustrat.distribute.input_position`) and the steps ``next`` has returned
+        since (never what the prefetchers read ahead), with the topology that took them.
+        Every worker saves its own.
 
         Raises:
             ValueError: the pipeline cannot save its position (the message names the
@@ -486,60 +519,46 @@ class DistributedIterator:
         if isinstance(self._start, str):
             raise ValueError(f"cannot save the position of this distributed iterator: "
                              f"{self._start}")
-        return {"steps": self._returned, "start": self._start,
-                "topology": self._topology(), "worker": self._strategy.worker_index,
-                "policy": str(getattr(self._source, "auto_shard_policy", "FUNCTION")),
-                "batch_aligned": self._batch_aligned()}
-
-    def _batch_aligned(self) -> bool:
-        """Whether step k is global batch k on every worker, whatever the topology: a
-        distributed dataset on one worker, or under the DATA policy."""
-        from gpustrat.data import AutoShardPolicy  # noqa: PLC0415
-        return isinstance(self._source, DistributedDataset) and (
-            self._strategy.num_workers == 1 or
-            self._source.auto_shard_policy is AutoShardPolicy.DATA)
+        state = {"steps": self._returned, "start": self._start,
+                 "topology": self._topology(), "worker": self._strategy.worker_index,
+                 "policy": self._policy(), "stream": self._stream_kind()}
+        if isinstance(self._source, DistributedDataset):
+            state["origin"] = [int(v) for v in self._origin]
+            state["layout"] = "dealt" if self._source.layout().dealt else "stream"
+        return state
 
     def _restore_checkpoint_state_from(self, states: list) -> None:
-        """Restore from the positions every worker of another worker count saved: the
-        same global batch position on every worker, when the steps were batch-aligned."""
-        steps = {int(st["steps"]) for st in states}
-        if not all(st.get("batch_aligned") for st in states) or len(steps) != 1:
-            saved = states[0]["topology"]
-            raise ValueError(
-                f"cannot restore a distributed iterator saved on {saved[0]} worker(s) x "
-                f"{saved[1]} replica(s) per worker (policy {states[0]['policy']}) onto "
-                f"{self._topology()[0]} worker(s) x {self._topology()[1]} replica(s) per "
-                "worker: only positions saved under the DATA policy (or on one worker) "
-                "can move to another topology; restart with the saved topology")
-        self.set_state(states[0])
+        """Restore from the positions saved by another number of workers: this worker
+        continues from saved worker ``k mod W``'s (see
+        :func:`~gpustrat.distribute.input_position.source_state`)."""
+        self.set_state(input_position.source_state(states, self._strategy.worker_index))
 
     def set_state(self, state: dict) -> None:
-        """Continue from a position :meth:`get_state` returned on the same number of
-        workers and replicas per worker. Collective under several workers (the steps
-        before the position are read again, without running them).
+        """Continue from a position :meth:`get_state` returned: under DATA and OFF (and
+        on one worker) saved on any number of workers and replicas (the rest of the
+        epoch is what this topology takes from that point of the dataset's stream), under
+        FILE on the same number of workers, for ``distribute_datasets_from_function`` on
+        the same topology. Reads the epoch's input up to the position again (no model
+        code runs); a collective under several workers (the steps' counts are agreed).
 
         Raises:
-            ValueError: the position was saved on another topology, or for another
-                dataset.
+            ValueError: the position was saved on a topology it cannot move from, or
+                for another dataset.
         """
-        saved, mine = list(state["topology"]), self._topology()
-        # Batch-aligned positions are a number of global batches: any topology that is
-        # batch-aligned too continues with the same remaining batches.
-        moves = state.get("batch_aligned") and self._batch_aligned()
-        if saved != mine and not moves:
-            raise ValueError(
-                f"cannot restore a distributed iterator saved on {saved[0]} worker(s) x "
-                f"{saved[1]} replica(s) per worker onto {mine[0]} worker(s) x {mine[1]} "
-                "replica(s) per worker: restoring an input position onto another "
-                "topology is not supported yet; restart with the saved topology")
-        if not moves and int(state["worker"]) != self._strategy.worker_index:
-            raise ValueError(f"this position was saved by worker {state['worker']}, not "
-                             f"worker {self._strategy.worker_index}")
+        state = input_position.upgrade(state)
+        input_position.check_compatible(state, self._stream_kind(), self._topology(),
+                                        self._policy(), self._strategy.worker_index)
         self._placer.close()
-        self._start_epoch(state["start"])
-        for _ in range(int(state["steps"])):
-            self._placer.next()
-        self._returned = int(state["steps"])
+        if "origin" not in state:
+            # distribute_datasets_from_function: the same topology, the same steps.
+            self._start_epoch(state["start"])
+            for _ in range(int(state["steps"])):
+                self._placer.next()
+            self._returned = int(state["steps"])
+            return
+        self._start_epoch(state["start"], resume=(input_position.Layout.of(state),
+                                                  tuple(state["origin"]),
+                                                  int(state["steps"])))
 
     _checkpoint_state = get_state
     _restore_checkpoint_state = set_state

@@ -160,16 +160,17 @@ class Optimizer:
     _checkpoint_per_worker = False
 
     def _checkpoint_state(self) -> dict:
-        """``iterations`` and every slot (keyed by its variable's name), as host arrays.
+        """``iterations`` and every slot (keyed by its variable's name), as the
+        variables themselves: the checkpoint reads them when it writes (without a copy
+        where it can, or into its own copy for an asynchronous save).
 
         Slots restored before the optimizer made them (a checkpoint read before the
         first step) and not yet claimed are saved again as they were read.
         """
-        slots = {v.name: {s: slot.numpy() for s, slot in made.items()}
-                 for v, made in self._slots.items()}
+        slots = {v.name: dict(made) for v, made in self._slots.items()}
         for name, made in (self.__dict__.get("_restored_slots") or {}).items():
             slots.setdefault(name, made)
-        return {"iterations": self._iterations.numpy(), "slots": slots}
+        return {"iterations": self._iterations, "slots": slots}
 
     def _restore_checkpoint_state(self, state: dict) -> None:
         """Set ``iterations`` and the slots from :meth:`_checkpoint_state`'s output.

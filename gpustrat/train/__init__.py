@@ -1,17 +1,21 @@
 """``gs.train``: checkpoints of a training job (``tf.train.Checkpoint``'s names).
 
 :class:`Checkpoint` saves and restores variables, optimizers, metrics, dataset and
-distributed iterators and plain numbers; :class:`CheckpointManager` numbers checkpoints
-in a directory and keeps the last few. Names load on first use: importing this package
-initialises no MPI. ``docs/checkpoint.md`` describes the format and the guarantees.
+distributed iterators and plain numbers, also nested in Checkpoints, containers and model
+objects; :class:`CheckpointManager` numbers checkpoints in a directory and keeps the last
+few; :class:`CheckpointOptions` asks for an asynchronous save. Names load on first use:
+importing this package initialises no MPI. ``docs/checkpoint.md`` describes the format
+and the guarantees.
 """
 
 from gpustrat._lazy import attach as _attach
 
 _NAMES = {
     "Checkpoint": "gpustrat.train.checkpoint",
-    "CheckpointManager": "gpustrat.train.checkpoint",
-    "latest_checkpoint": "gpustrat.train.checkpoint",
+    "CheckpointLoadStatus": "gpustrat.train.checkpoint",
+    "CheckpointManager": "gpustrat.train.manager",
+    "CheckpointOptions": "gpustrat.train.saving",
+    "latest_checkpoint": "gpustrat.train.manager",
 }
 
 __all__ = sorted(_NAMES)

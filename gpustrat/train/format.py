@@ -2,7 +2,9 @@
 
 Words:
     state tree: what an object's ``_checkpoint_state()`` returns: nested dicts, lists,
-        tuples, None, bools, ints, floats, strings, bytes, NumPy arrays and scalars.
+        tuples, None, bools, ints, floats, strings, bytes, NumPy arrays and scalars, and
+        ``gs.Variable`` objects (their values are read when the checkpoint is written,
+        without a copy where possible; restoring gives arrays back).
     encoded tree: the JSON form of a state tree. Arrays are replaced by
         ``{"__array__": key}`` (``{"__scalar__": key}`` for a NumPy scalar) naming an
         entry of the accompanying ``.npz`` file; tuples become ``{"__tuple__": [...]}``,
@@ -24,7 +26,7 @@ from __future__ import annotations
 import base64
 import json
 import os
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -33,8 +35,13 @@ VERSION = 1
 TREE_KEY = "__tree__"
 
 
-def encode(tree: Any, arrays: dict, prefix: str) -> Any:
-    """The JSON form of ``tree``; its arrays go into ``arrays`` under keys from ``prefix``."""
+def encode(tree: Any, arrays: dict, prefix: str, leaf: Callable[[Any], bool] | None = None
+           ) -> Any:
+    """The JSON form of ``tree``; its arrays go into ``arrays`` under keys from ``prefix``.
+
+    ``leaf(value)`` True marks a value of another type as an array to be (a variable,
+    read when the arrays are written): it goes into ``arrays`` as it is.
+    """
     if tree is None or isinstance(tree, (bool, str)):
         return tree
     if isinstance(tree, (int, float)) and not isinstance(tree, np.generic):
@@ -48,15 +55,19 @@ def encode(tree: Any, arrays: dict, prefix: str) -> Any:
         key = f"{prefix}#{len(arrays)}"
         arrays[key] = arr
         return {"__scalar__" if isinstance(tree, np.generic) else "__array__": key}
+    if leaf is not None and leaf(tree):
+        key = f"{prefix}#{len(arrays)}"
+        arrays[key] = tree
+        return {"__array__": key}
     if isinstance(tree, bytes):
         return {"__bytes__": base64.b64encode(tree).decode("ascii")}
     if isinstance(tree, tuple):
-        return {"__tuple__": [encode(x, arrays, prefix) for x in tree]}
+        return {"__tuple__": [encode(x, arrays, prefix, leaf) for x in tree]}
     if isinstance(tree, list):
-        return [encode(x, arrays, prefix) for x in tree]
+        return [encode(x, arrays, prefix, leaf) for x in tree]
     if isinstance(tree, dict):
-        return {"__dict__": [[encode(k, arrays, prefix), encode(v, arrays, prefix)]
-                             for k, v in tree.items()]}
+        return {"__dict__": [[encode(k, arrays, prefix, leaf),
+                              encode(v, arrays, prefix, leaf)] for k, v in tree.items()]}
     raise TypeError(f"checkpoint: cannot save a {type(tree).__name__} ({tree!r:.80}) "
                     f"under {prefix!r}: state holds numbers, strings, bytes, NumPy arrays "
                     "and lists, tuples and dicts of them")

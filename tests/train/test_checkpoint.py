@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import gpustrat as gs
-from gpustrat.train import checkpoint as ckpt_mod
+from gpustrat.train import saving as ckpt_mod
 
 
 def _train_state(strategy):

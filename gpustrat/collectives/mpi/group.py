@@ -109,6 +109,10 @@ class MpiWorkerGroup(WorkerGroup):
         """``MPI_Abort``: the MPI launcher ends every rank of the job."""
         self.comm.Abort(code)
 
+    def concurrent_collectives(self) -> bool:
+        MPI = mpi()
+        return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+
     def duplicate(self) -> "MpiWorkerGroup":
         """A new group on a duplicate of this group's communicator (collective)."""
         return MpiWorkerGroup(self.comm)

@@ -1,0 +1,162 @@
+"""The object graph of a checkpoint: which objects it saves, under which keys.
+
+Words:
+    savable: a ``gs.Variable``; an object that saves its own state
+        (``_checkpoint_state()`` returns a state tree, ``_restore_checkpoint_state(tree)``
+        takes it back; ``_checkpoint_per_worker`` says whether each worker has its own,
+        as an input position, or all share one, as an optimizer); or a plain number, but
+        only as a :class:`~gpustrat.train.checkpoint.Checkpoint`'s own entry.
+    node: what leads to savables without being one: a nested ``Checkpoint``, a dict,
+        list or tuple, or a plain user object (one with a ``__dict__``, such as a model
+        class, of a class from neither gpustrat nor the standard library), whose
+        attributes are followed.
+    key: the path from the root ``Checkpoint`` to a savable, its names joined by ``/``:
+        a ``Checkpoint`` entry's name, a dict key, a list or tuple index, an attribute
+        name (``"model/layers/0/kernel"``). ``%`` and ``/`` inside a name are written
+        ``%25`` and ``%2F``.
+
+The graph is walked in order (entries, dict keys and attributes in insertion order,
+sequences by index). An object met again (a variable shared by two layers) or a cycle is
+saved once, under the first key; restoring walks the same way, so the same structure
+gives the same keys. Inside containers and plain objects, values that lead to no savable
+(strings, arrays, functions, numbers) are not part of the graph: a plain object's
+numbers are its own business, as TensorFlow tracks only trackable attributes.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Iterator
+
+import numpy as np
+
+from gpustrat.distribute.variables import Variable
+
+NUMBER_TYPES = (bool, int, float, np.bool_, np.integer, np.floating)
+_LEAF_TYPES = (str, bytes, bytearray, complex, type(None), np.ndarray, np.generic,
+               types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+               types.MethodType, type)
+
+
+class Entry:
+    """One savable of the graph: its key, its kind, the object, and (for a number) the
+    ``Checkpoint`` and name that hold it."""
+
+    __slots__ = ("key", "kind", "obj", "owner", "name")
+
+    def __init__(self, key: str, kind: str, obj, owner=None, name: str | None = None):
+        self.key, self.kind, self.obj, self.owner, self.name = key, kind, obj, owner, name
+
+    @property
+    def category(self) -> str:
+        """``"variable"``, ``"number"`` or ``"state"`` (anything saving its own state)."""
+        return self.kind if self.kind in ("variable", "number") else "state"
+
+
+def savable_kind(obj) -> str | None:
+    """``"variable"``, ``"shared"``, ``"per_worker"``, or None when ``obj`` saves nothing
+    by itself (numbers are told apart by the caller: only a Checkpoint holds them)."""
+    if isinstance(obj, Variable):
+        return "variable"
+    if hasattr(obj, "_checkpoint_state") and hasattr(obj, "_restore_checkpoint_state"):
+        return "per_worker" if getattr(obj, "_checkpoint_per_worker", False) else "shared"
+    return None
+
+
+def _is_checkpoint(obj) -> bool:
+    return getattr(type(obj), "_is_gpustrat_checkpoint", False)
+
+
+def _plain(obj) -> bool:
+    """A user object whose attributes are followed: not gpustrat's own (a strategy or a
+    dataset is no model container) nor the standard library's (a logger, a lock), not
+    a leaf value."""
+    if isinstance(obj, _LEAF_TYPES) or isinstance(obj, NUMBER_TYPES):
+        return False
+    top = (type(obj).__module__ or "").partition(".")[0]
+    if top in ("gpustrat", "builtins") or top in sys.stdlib_module_names:
+        return False
+    return hasattr(obj, "__dict__")
+
+
+def check_entry(name: str, obj) -> None:
+    """Raise TypeError unless ``obj`` can be a ``Checkpoint``'s entry ``name``."""
+    if isinstance(obj, NUMBER_TYPES) or savable_kind(obj) is not None or \
+            _is_checkpoint(obj) or isinstance(obj, (dict, list, tuple)) or _plain(obj):
+        return
+    raise TypeError(f"Checkpoint: cannot save {name}={type(obj).__name__}: a checkpoint "
+                    "holds gs.Variable, optimizers, metrics, dataset and distributed "
+                    "iterators, plain numbers, nested Checkpoints, and dicts, lists, "
+                    "tuples and plain objects whose items or attributes are those")
+
+
+def escape(name) -> str:
+    return str(name).replace("%", "%25").replace("/", "%2F")
+
+
+def walk(objects: dict, root_owner) -> list[Entry]:
+    """The savables reachable from a ``Checkpoint``'s entries ``objects``, in order.
+
+    Raises:
+        TypeError: an entry of a ``Checkpoint`` (a nested one too) that is a container
+            or plain object leading to no savable, with its key.
+    """
+    seen: dict[int, bool] = {id(root_owner): True}
+    out: list[Entry] = []
+    _walk_checkpoint(objects, root_owner, "", seen, out)
+    return out
+
+
+def _walk_checkpoint(objects: dict, owner, prefix: str, seen: dict, out: list) -> None:
+    for name, obj in objects.items():
+        key = prefix + escape(name)
+        if isinstance(obj, NUMBER_TYPES):
+            out.append(Entry(key, "number", obj, owner, name))
+            continue
+        if not _visit(obj, key, seen, out) and not _is_checkpoint(obj):
+            raise TypeError(
+                f"Checkpoint: {key!r} ({type(obj).__name__}) holds no savable object "
+                "(gs.Variable, optimizer, metric, iterator, Checkpoint, or a container "
+                "or object holding them), so nothing of it would be saved; "
+                "numbers are saved only as a Checkpoint's own entries, e.g. "
+                "Checkpoint(step=3)")
+
+
+def _visit(obj, key: str, seen: dict, out: list) -> bool:
+    """Add the savables reachable from ``obj``; whether any is reachable (saved here or
+    under an earlier key)."""
+    if id(obj) in seen:
+        return seen[id(obj)]
+    kind = savable_kind(obj)
+    if kind is not None:
+        seen[id(obj)] = True
+        out.append(Entry(key, kind, obj))
+        return True
+    if _is_checkpoint(obj):
+        seen[id(obj)] = True
+        _walk_checkpoint(obj._objects, obj, key + "/", seen, out)
+        return True
+    seen[id(obj)] = False   # a cycle back here adds nothing
+    found = False
+    for name, value in _children(obj):
+        found = _visit(value, f"{key}/{escape(name)}", seen, out) or found
+    seen[id(obj)] = found
+    return found
+
+
+def _children(obj) -> Iterator[tuple]:
+    """A node's (name, value) pairs; nothing for a value that is no node."""
+    if isinstance(obj, dict):
+        items = list(obj.items())
+    elif isinstance(obj, (list, tuple)):
+        items = list(enumerate(obj))
+    elif _plain(obj):
+        items = list(vars(obj).items())
+    else:
+        return
+    # Containers of plain values can be long (a list of floats): only the values that
+    # may lead to a savable are followed.
+    for name, value in items:
+        if not isinstance(value, _LEAF_TYPES) and not isinstance(value, NUMBER_TYPES):
+            yield name, value
