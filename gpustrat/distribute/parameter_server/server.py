@@ -4,7 +4,9 @@ Requests (see :mod:`.channel`) are handled in arrival order, so each update is a
 on its variable; updates from different workers interleave (asynchronous training).
 Optimizer steps run here: a worker sends the gradients, the server runs the
 optimizer's ``update_step`` on its arrays and keeps the optimizer's slots (momentum,
-Adam's moments) beside the variables.
+Adam's moments) beside the variables. Each slot is a variable of this server, under a
+negative id of its own (the coordinator numbers the others from 0), so that it is read
+and assigned as any variable is.
 """
 
 from __future__ import annotations
@@ -37,7 +39,11 @@ class Server:
         self.vars: dict = {}
         self.nbytes = 0
         self.optimizers: dict = {}
+        #: (optimizer key, variable id) -> {slot name: the slot's variable id}
         self.slots: dict = {}
+        #: (optimizer key, variable id) -> {slot name: the slot's array}, for steps
+        self.slot_arrays: dict = {}
+        self._next_slot_id = -1
         self._scratch: dict = {}
         self._header = np.empty(4, np.int64)
 
@@ -194,10 +200,10 @@ class Server:
             return "need optimizer", []
         for vid, grad in zip(vids, arrays):
             var = self._var(vid)
-            slots = self.slots.get((key, vid))
-            if slots is None:
-                slots = self.slots[(key, vid)] = {
-                    s: np.zeros_like(var.array) for s in opt.slot_names}
+            slots = self.slot_arrays.get((key, vid))
+            if slots is None or len(slots) != len(opt.slot_names):
+                self._make_slots(key, vid, opt.slot_names)
+                slots = self.slot_arrays[(key, vid)]
             if grad.shape != var.array.shape:
                 raise ValueError(f"the gradient of variable {var.name!r} has shape "
                                  f"{grad.shape} but the variable has {var.array.shape}")
@@ -205,12 +211,32 @@ class Server:
                             lr, step, var.name)
         return None, []
 
+    def _make_slots(self, key, vid: int, names) -> dict:
+        """The slots ``names`` of variable ``vid`` for optimizer ``key``, made (zeros)
+        where missing; ``{name: slot variable id}``."""
+        var = self._var(vid)
+        ids = self.slots.setdefault((key, vid), {})
+        arrays = self.slot_arrays.setdefault((key, vid), {})
+        for name in names:
+            if name not in ids:
+                sid = self._next_slot_id
+                self._next_slot_id -= 1
+                self.vars[sid] = _Var(np.zeros_like(var.array), f"{var.name}/{name}")
+                ids[name] = sid
+                arrays[name] = self.vars[sid].array
+        return dict(ids)
+
     def op_slot(self, key, vid: int, name: str, arrays):
-        slots = self.slots.get((key, vid))
-        if slots is None or name not in slots:
-            raise KeyError(f"no slot {name!r} for variable {self._var(vid).name!r} yet "
-                           "(slots are made on the first step that trains it)")
-        return None, [slots[name]]
+        """The id of a slot variable, None before the first step made it."""
+        self._var(vid)
+        return self.slots.get((key, vid), {}).get(name), []
+
+    def op_make_slots(self, key, vid: int, names: tuple, arrays):
+        return self._make_slots(key, vid, names), []
+
+    def op_slots(self, key, arrays):
+        """``{variable id: {slot name: slot variable id}}`` of optimizer ``key``."""
+        return {vid: dict(ids) for (k, vid), ids in self.slots.items() if k == key}, []
 
     def op_stats(self, arrays):
         return {"variables": len(self.vars), "nbytes": self.nbytes}, []

@@ -84,10 +84,15 @@ class ParameterServerStrategy(Strategy):
         super().__init__(devs, make_communicator(devs), inline=True)
         self._next_vid = 0
         self._next_server = 0
+        #: Every variable made in the scope, in order (a sharded one whole): what an
+        #: optimizer's slots on the servers belong to.
+        self._variables: list = []
         self._send_lock = threading.Lock()
         self._coordinator = None
         self._stopped = False
         atexit.register(self._shutdown)
+        global _coordinator_strategy
+        _coordinator_strategy = self
 
     # --- what it is -----------------------------------------------------------------
     @property
@@ -123,13 +128,16 @@ class ParameterServerStrategy(Strategy):
             sync = VariableSynchronization.ON_WRITE
         shards = self._num_shards(name, arr)
         if shards <= 1:
-            return self._remote(arr, name, trainable, sync, agg)
-        rows = remote.shard_rows(arr.shape[0], shards)
-        bounds = np.cumsum(rows)[:-1]
-        parts = [self._remote(wire.contiguous(p), f"{name}/part_{i}", trainable, sync,
-                              agg)
-                 for i, p in enumerate(np.split(arr, bounds, axis=0))]
-        return remote.ShardedVariable._from_shards(parts, name)
+            made = self._remote(arr, name, trainable, sync, agg)
+        else:
+            rows = remote.shard_rows(arr.shape[0], shards)
+            bounds = np.cumsum(rows)[:-1]
+            parts = [self._remote(wire.contiguous(p), f"{name}/part_{i}", trainable, sync,
+                                  agg)
+                     for i, p in enumerate(np.split(arr, bounds, axis=0))]
+            made = remote.ShardedVariable._from_shards(parts, name)
+        self._variables.append(made)
+        return made
 
     def _num_shards(self, name: str, arr) -> int:
         if self._partitioner is None or arr.ndim == 0:
@@ -264,6 +272,19 @@ class DeferredDataset:
         raise TypeError("under ParameterServerStrategy a distributed dataset is made on "
                         "each worker: pass it to coordinator.create_per_worker_dataset and "
                         "iterate that")
+
+
+_coordinator_strategy = None
+
+
+def coordinator_strategy(what: str) -> ParameterServerStrategy:
+    """This process's strategy, when it is the coordinator (``what`` is read or written
+    only there)."""
+    if _coordinator_strategy is None:
+        raise RuntimeError(f"{what} are read and written on the coordinator (e.g. by "
+                           "gs.train.Checkpoint after ParameterServerStrategy(...)), not "
+                           "inside a scheduled function")
+    return _coordinator_strategy
 
 
 # --- the worker's side, inside its function process ----------------------------------
