@@ -85,6 +85,8 @@ def test_importing_the_names_starts_no_mpi():
             "gs.distribute.cluster_resolver.MpiClusterResolver\n"
             "gs.distribute.experimental.ParameterServerStrategy\n"
             "gs.distribute.coordinator.ClusterCoordinator, gs.distribute.coordinator.RemoteValue\n"
+            "gs.distribute.experimental.coordinator.PerWorkerValues\n"
+            "gs.distribute.coordinator.experimental_get_current_worker_index\n"
             "gs.distribute.experimental.partitioners.FixedShardsPartitioner\n"
             "gs.distribute.ShardedVariable\n"
             "assert gs.distribute.experimental.coordinator.ClusterCoordinator is "
@@ -199,3 +201,29 @@ def test_sharding_delivers_every_row_once(rows, cols, shards, max_bytes):
         assert sharded.shape == (rows, cols)
         assert [p.shape[0] for p in pieces] == sizes
         assert np.array_equal(np.concatenate(pieces), value)
+
+
+# --- per-worker values -------------------------------------------------------------------
+
+def test_per_worker_values_are_found_in_arguments_and_need_a_coordinator():
+    from gpustrat.distribute.parameter_server import values as V
+    a, b = V.PerWorkerValues([1, 2]), V.PerWorkerValues((np.zeros(2), np.ones(2)))
+    assert a.values == (1, 2) and len(b) == 2
+    found = V.find_unplaced((a, [{"k": b}], a), {"x": (b,), "y": {3: 4, "z": a}})
+    assert len(found) == 2 and {id(x) for x in found} == {id(a), id(b)}
+    b._ident = 5  # placed: not found again
+    assert V.find_unplaced(([b],), None) == []
+    # A placed one travels as its number; one met before any coordinator exists is
+    # a TypeError saying what to do.
+    blob, _ = wire.pack(b)
+    assert len(blob) < 200
+    with pytest.raises(TypeError, match="make the coordinator first"):
+        wire.pack({"v": a})
+    with pytest.raises(TypeError, match="list or tuple"):
+        V.PerWorkerValues(3)
+    with pytest.raises(TypeError, match="lives on worker 1"):
+        wire.pack(V.WorkerLocal(1, "resource"))
+    with pytest.raises(RuntimeError, match="inside a scheduled function"):
+        next(V.PerWorkerIterator(b))
+    with pytest.raises(RuntimeError, match="not on the coordinator"):
+        gs.distribute.coordinator.experimental_get_current_worker_index()

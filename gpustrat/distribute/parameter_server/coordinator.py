@@ -25,7 +25,7 @@ from gpustrat.distribute.parameter_server.channel import (TAG_RESULT, TAG_RESULT
                                                            Backoff, ServerLostError)
 from gpustrat.distribute.parameter_server.values import (  # noqa: F401 - names of the API
     PerWorkerDataset, PerWorkerIterator, PerWorkerValues, RemoteValue, WorkerLocal,
-    experimental_get_current_worker_index, find_unplaced)
+    experimental_get_current_worker_index, find_unplaced, set_coordinator)
 
 log = logging.getLogger("gpustrat.distribute.coordinator")
 
@@ -66,6 +66,7 @@ class ClusterCoordinator:
             raise ValueError("this ParameterServerStrategy already has a "
                              "ClusterCoordinator: make one per strategy")
         strategy._coordinator = self
+        set_coordinator(self)
         self.strategy = strategy
         self.max_retries = int(max_retries)
         self._ch = strategy._channel
@@ -89,9 +90,9 @@ class ClusterCoordinator:
     def schedule(self, fn, args=None, kwargs=None) -> RemoteValue:
         """Queue ``fn(*args, **kwargs)`` to run on some worker; returns its RemoteValue.
 
-        A :class:`PerWorkerValues` among the arguments (per-worker iterators too) is
-        the running worker's value in the function; a finished RemoteValue is its
-        result.
+        A :class:`PerWorkerValues` sent with the function (an argument, a global or
+        closure value; per-worker iterators too) is the running worker's value there;
+        a finished RemoteValue is its result.
 
         Raises:
             TypeError: ``fn`` is not callable, or it (or an argument, or a global it

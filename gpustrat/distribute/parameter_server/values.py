@@ -3,12 +3,11 @@ workers.
 
 Words:
 - :class:`RemoteValue`: the future result of one scheduled function.
-- :class:`PerWorkerValues`: one value per worker. Passed to ``schedule`` (among its
-  ``args``/``kwargs``, at any depth of lists, tuples and dicts), it arrives in the
-  function as the value of the worker running it. The values are *placed* on the
-  workers once (each worker keeps its own in its function process) and referred to by
-  a number from then on, so passing one costs a few bytes per call, whatever the
-  values' size.
+- :class:`PerWorkerValues`: one value per worker. Sent with a scheduled function (an
+  argument, or a global or closure value of the function), it arrives there as the
+  value of the worker running it. The values are *placed* on the workers once (each
+  worker keeps its own in its function process) and referred to by a number from then
+  on, so sending one costs a few bytes per call, whatever the values' size.
 - *per-worker resource*: a value made on every worker by calling a function there
   (``ClusterCoordinator.create_per_worker_resources``): a dataset, an iterator, a
   cache. The coordinator holds a :class:`PerWorkerValues` of placeholders
@@ -99,12 +98,13 @@ class PerWorkerValues:
     ``tf.distribute.coordinator.PerWorkerValue``).
 
     ``PerWorkerValues([v0, v1, ...])`` takes the values in worker order, one per
-    worker; a function given it among ``schedule``'s arguments gets the value of the
-    worker that runs it. The values travel to their workers at the first ``schedule``
-    that passes them (each value as functions' arguments travel), and stay there: a
-    function that changes its worker's value in place changes it for the next
-    function on that worker. ``ClusterCoordinator.create_per_worker_resources`` makes
-    one whose values are made on the workers.
+    worker; a scheduled function given it (among ``schedule``'s arguments, or as a
+    global or closure value) gets the value of the worker that runs it. The values
+    travel to their workers at the first ``schedule`` that sends them (each value as
+    functions' arguments travel), and stay there: a function that changes its
+    worker's value in place changes it for the next function on that worker.
+    ``ClusterCoordinator.create_per_worker_resources`` makes one whose values are made
+    on the workers.
 
     Raises (at ``schedule``):
         ValueError: not one value per worker.
@@ -131,11 +131,11 @@ class PerWorkerValues:
         return len(self._values)
 
     def __reduce__(self):
-        if self._ident is None:
-            raise TypeError(
-                "a PerWorkerValues reaches a scheduled function through schedule's args "
-                "or kwargs (where each function gets its worker's value), not through a "
-                "global, a closure or another object: pass it as an argument")
+        if self._ident is None:  # met as a global or closure value: placed now
+            if _coordinator is None:
+                raise TypeError("a PerWorkerValues is sent with functions scheduled by a "
+                                "ClusterCoordinator: make the coordinator first")
+            _coordinator._place(self)
         return (_local_value, (self._ident,))
 
     def __repr__(self) -> str:
@@ -157,8 +157,19 @@ def _local_value(ident: int):
                            "it was made)") from None
 
 
+#: The ClusterCoordinator of this process (there is one per strategy, one strategy per
+#: coordinator process), which places PerWorkerValues met while sending a function.
+_coordinator = None
+
+
+def set_coordinator(coordinator) -> None:
+    global _coordinator
+    _coordinator = coordinator
+
+
 def find_unplaced(args, kwargs) -> list:
-    """The PerWorkerValues among ``args`` and ``kwargs`` not yet on the workers."""
+    """The PerWorkerValues among ``args`` and ``kwargs`` not yet on the workers (placed
+    before the function is packed, so that their errors keep their type)."""
     out, seen = [], set()
     stack = [tuple(args or ()), dict(kwargs or {})]
     while stack:
