@@ -20,9 +20,9 @@ import threading
 import time
 
 from gpustrat import nest
-from gpustrat.distribute.parameter_server import wire
+from gpustrat.distribute.parameter_server import doorbell, wire
 from gpustrat.distribute.parameter_server.channel import (TAG_RESULT, TAG_RESULT_DATA,
-                                                           Backoff, ServerLostError)
+                                                           ServerLostError)
 from gpustrat.distribute.parameter_server.values import (  # noqa: F401 - names of the API
     PerWorkerDataset, PerWorkerIterator, PerWorkerValues, RemoteValue, WorkerLocal,
     experimental_get_current_worker_index, find_unplaced, set_coordinator)
@@ -113,7 +113,12 @@ class ClusterCoordinator:
             c = _Closure(next(self._ids), name, blob, arrays)
             self._queue.append(c)
             self._cv.notify_all()
+        self._wake_dispatcher()
         return c.value
+
+    def _wake_dispatcher(self) -> None:
+        # It may sleep on its doorbell (waiting for results), not on the condition.
+        self._ch.ring(self._ch.rank, doorbell.RESULTS)
 
     def join(self) -> None:
         """Wait until every scheduled function has finished; raise the first error of
@@ -201,6 +206,8 @@ class ClusterCoordinator:
         until each has it."""
         with self._cv:
             self._setup_replies[ident] = {}
+            self._cv.notify_all()
+        self._wake_dispatcher()
         for w, (blob, arrays) in enumerate(payloads):
             self.strategy._send_to_worker(w, ("setup", kind, ident, blob), arrays)
         deadline = time.monotonic() + self._ch.timeout
@@ -224,6 +231,7 @@ class ClusterCoordinator:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
+        self._wake_dispatcher()
         self._thread.join(timeout=10)
 
     def _dispatch(self) -> None:
@@ -245,7 +253,9 @@ class ClusterCoordinator:
     def _dispatch_loop(self) -> None:
         comm = self._ch.comm
         first_worker = 1 + self.strategy.num_ps
-        backoff = Backoff()
+        backoff = self._ch.backoff()
+        sleep = self._ch.sleeper(doorbell.RESULTS)  # workers ring it with each result
+        pending: list = []  # sends to workers not yet complete
         any_source, status = _any_source(), _status()
         while True:
             with self._cv:
@@ -257,18 +267,23 @@ class ClusterCoordinator:
                     self._cv.wait(0.05)
                     continue
             for w, c in sends:
-                self.strategy._send_to_worker(w, ("run", c.id, c.blob), c.arrays)
+                # Not waited for here: the worker may be sending a result meanwhile.
+                pending.append(self.strategy._send_to_worker(
+                    w, ("run", c.id, c.blob), c.arrays, wait=False))
+            if pending:
+                pending = self._ch.done(pending)
             msg = comm.improbe(source=any_source, tag=TAG_RESULT, status=status)
             if msg is None:
                 if sends:
                     backoff.reset()
                 else:
-                    backoff()
+                    backoff(sleep)
                 continue
             backoff.reset()
             source = status.Get_source()
             header, ms = msg.recv()
-            arrays = wire.mpi_recv_arrays(comm, source, TAG_RESULT_DATA, ms) if ms else []
+            arrays = self._ch.recv_arrays(source, TAG_RESULT_DATA, ms, doorbell.RESULTS) \
+                if ms else []
             self._handle(source - first_worker, header, arrays)
 
     def _assign(self) -> list:

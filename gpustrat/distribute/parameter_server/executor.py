@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 import sys
 import threading
 import traceback
-from multiprocessing.connection import Connection
 
 from gpustrat.distribute.parameter_server import variables as remote
 from gpustrat.distribute.parameter_server import wire
@@ -98,7 +98,7 @@ def main(fd: int, parent: int | None = None) -> None:
     _die_with_parent()
     if parent is not None and os.getppid() != parent:
         return  # the rank died before the request above took effect
-    conn = state["conn"] = Connection(fd)
+    conn = state["conn"] = wire.Pipe(socket.socket(fileno=fd))
     remote.set_requester(_request)
     while True:
         try:

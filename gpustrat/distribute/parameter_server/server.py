@@ -18,7 +18,7 @@ import numpy as np
 
 from gpustrat.distribute.parameter_server import wire
 from gpustrat.distribute.parameter_server.channel import (ERR_OFFSET, FAST_OPS, TAG_FAST,
-                                                           Backoff, Channel)
+                                                           Channel)
 
 
 class _Var:
@@ -49,14 +49,15 @@ class Server:
 
     def serve(self, watch=None) -> None:
         comm = self.ch.comm
-        backoff = Backoff()
+        backoff = self.ch.backoff()
+        sleep = self.ch.sleeper()  # every request rings this rank's doorbell
         any_source, any_tag = _any_source(), _any_tag()
         status = _status()
         while True:
             # Any tag: per source, a request's header always comes before its data.
             msg = comm.improbe(source=any_source, tag=any_tag, status=status)
             if msg is None:
-                backoff()
+                backoff(sleep)
                 if watch is not None and backoff.delay >= 1e-3:
                     watch()
                 continue
@@ -68,7 +69,7 @@ class Server:
             (op, tag, args), ms = msg.recv()
             arrays = self._receive(source, tag, ms, op, args) if ms else []
             if op == "stop":
-                wire.mpi_send(comm, source, tag, ("ok", None))
+                self.ch.send(source, tag, ("ok", None))
                 return
             try:
                 payload, out = getattr(self, "op_" + op)(*args, arrays=arrays)
@@ -80,7 +81,7 @@ class Server:
                 if not isinstance(e, (ValueError, TypeError, KeyError, MemoryError)):
                     reply = ("error", ("RuntimeError", reply[1][1] + "\n" +
                                        traceback.format_exc()))
-            wire.mpi_send(comm, source, tag, reply, out, data_tag=tag)
+            self.ch.send(source, tag, reply, out, data_tag=tag)
 
     def _fast(self, msg, source: int) -> None:
         """A read or update (see channel.FAST_CODES)."""
@@ -92,17 +93,34 @@ class Server:
         if nbytes:
             var = self.vars.get(vid)
             if code == 1 and var is not None and var.array.nbytes == nbytes:
-                comm.Recv(wire.raw(var.array), source=source, tag=tag)  # in place
+                self.ch.recv_into(source, tag, [var.array])  # in place
                 comm.Send(_ACK, dest=source, tag=tag)
+                self.ch.ring(source)
                 return
             value = self._scratch.get(("fast", nbytes))
             if value is None:
                 value = self._scratch[("fast", nbytes)] = np.empty(nbytes, np.uint8)
-            comm.Recv(wire.raw(value), source=source, tag=tag)
+            self.ch.recv_into(source, tag, [value])
+            if code in (2, 3) and var is not None and var.array.nbytes == nbytes:
+                # Acknowledged on arrival, applied right after: the caller need not
+                # wait for the arithmetic, and every later request (of any process)
+                # is handled after it, so each still sees the update.
+                comm.Send(_ACK, dest=source, tag=tag)
+                self.ch.ring(source)
+                a = var.array
+                delta = value.view(a.dtype).reshape(a.shape)
+                if code == 2:
+                    a += delta
+                else:
+                    a -= delta
+                return
         try:
             var = self._var(vid)
             if code == 0:
-                comm.Send(wire.raw(var.array), dest=source, tag=tag)
+                sent = comm.Isend(wire.raw(var.array), dest=source, tag=tag)
+                self.ch.ring(source)
+                # Until the reader has the bytes, no update may change them.
+                self.ch.wait([sent], source, f"sending variable {var.name!r} to it")
                 return
             a = var.array
             if nbytes != a.nbytes:
@@ -116,8 +134,9 @@ class Server:
             else:
                 a -= value
             comm.Send(_ACK, dest=source, tag=tag)
+            self.ch.ring(source)
         except Exception as e:  # noqa: BLE001 - the caller raises it
-            wire.mpi_send(comm, source, tag + ERR_OFFSET, ("error", (
+            self.ch.send(source, tag + ERR_OFFSET, ("error", (
                 type(e).__name__, f"parameter server {self.index} (rank {self.ch.rank}): "
                 f"{e}")))
 
@@ -128,7 +147,7 @@ class Server:
         var = self.vars.get(args[0]) if op == "assign" and args else None
         if var is not None and len(ms) == 1 and np.dtype(ms[0][0]) == var.array.dtype \
                 and tuple(ms[0][1]) == var.array.shape:
-            self.ch.comm.Recv(wire.raw(var.array), source=source, tag=tag)
+            self.ch.recv_into(source, tag, [var.array])
             return [var.array]
         out = []
         for dt, shape in ms:
@@ -136,8 +155,8 @@ class Server:
             buf = self._scratch.get(key)
             if buf is None:
                 buf = self._scratch[key] = np.empty(shape, np.dtype(dt))
-            self.ch.comm.Recv(wire.raw(buf), source=source, tag=tag)
             out.append(buf)
+        self.ch.recv_into(source, tag, out)
         return out
 
     # --- operations: (args..., arrays) -> (payload, arrays) ---------------------------

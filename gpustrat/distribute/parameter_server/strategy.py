@@ -18,7 +18,8 @@ import traceback
 import numpy as np
 
 from gpustrat.distribute.parameter_server import variables as remote
-from gpustrat.distribute.parameter_server import wire
+from gpustrat.distribute.parameter_server import doorbell, wire
+from gpustrat.distribute.parameter_server.doorbell import job_id
 from gpustrat.distribute.parameter_server.channel import (TAG_RESULT, TAG_RESULT_DATA,
                                                            TAG_TASK, TAG_TASK_DATA, Channel,
                                                            Orphaned, ServerLostError, Watch,
@@ -69,7 +70,8 @@ class ParameterServerStrategy(Strategy):
         self._memory_limit = server_memory_limit
         role, index = cluster_resolver.task_type, cluster_resolver.task_id
         cluster_resolver._start(role == "chief")
-        ch = Channel(mpi_world().Dup(), timeout_from_env())
+        ch = Channel(mpi_world().Dup(), timeout_from_env(),
+                     job_id(*cluster_resolver._coordinator_process))
         ch.server_ranks = [cluster_resolver.rank_of("ps", i) for i in range(self._num_ps)]
         ch.worker_ranks = [cluster_resolver.rank_of("worker", i)
                            for i in range(self._num_workers)]
@@ -184,10 +186,16 @@ class ParameterServerStrategy(Strategy):
     experimental_distribute_datasets_from_function = distribute_datasets_from_function
 
     # --- ending ---------------------------------------------------------------------
-    def _send_to_worker(self, worker: int, header, arrays=()) -> None:
-        with self._send_lock:
-            wire.mpi_send(self._channel.comm, self._channel.worker_ranks[worker], TAG_TASK,
-                          header, arrays, data_tag=TAG_TASK_DATA)
+    def _send_to_worker(self, worker: int, header, arrays=(), wait: bool = True):
+        """Send a task; ``wait=False`` returns the pending send (see Channel.send)."""
+        ch = self._channel
+        with self._send_lock:  # one message's pieces are posted together
+            pending = ch.send(ch.worker_ranks[worker], TAG_TASK, header, arrays,
+                              data_tag=TAG_TASK_DATA, wait=False)
+        if not wait:
+            return pending
+        ch.wait(pending[0], ch.worker_ranks[worker], f"sending a task to worker {worker}")
+        return None
 
     def _shutdown(self) -> None:
         """Stop the workers, then the servers (at the coordinator's exit)."""
@@ -203,9 +211,9 @@ class ParameterServerStrategy(Strategy):
             try:
                 while True:
                     (header, ms) = ch.wait_message(rank, TAG_RESULT,
-                                                   f"stopping worker {w}")
+                                                   f"stopping worker {w}", doorbell.RESULTS)
                     if ms:
-                        wire.mpi_recv_arrays(ch.comm, rank, TAG_RESULT_DATA, ms)
+                        ch.recv_arrays(rank, TAG_RESULT_DATA, ms, doorbell.RESULTS)
                     if header[0] == "stopped":
                         break
             except ServerLostError as e:
