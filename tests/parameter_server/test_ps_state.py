@@ -109,9 +109,15 @@ with strategy.scope():
     b = gs.Variable(np.zeros(2, np.float32), name="b")
     adam = gs.optimizers.Adam(0.05)
     sgd = gs.optimizers.SGD(0.1, momentum=0.5)
+    # A learning-rate schedule is evaluated by the caller at the step's number.
+    decayed = gs.optimizers.Adam(lambda step: 0.1 / (1 + step))
 coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
 lw, lb = gs.Variable(init.copy()), gs.Variable(np.zeros(2, np.float32))
 ladam, lsgd = gs.optimizers.Adam(0.05), gs.optimizers.SGD(0.1, momentum=0.5)
+ldecayed = gs.optimizers.Adam(lambda step: 0.1 / (1 + step))
+with strategy.scope():
+    w2 = gs.Variable(init, name="w2")
+lw2 = gs.Variable(init.copy())
 
 try:
     adam.get_slot(w, "m")
@@ -127,12 +133,17 @@ def train(i):
     gw, gb = grads(i)
     adam.apply_gradients([(gw, w)])
     sgd.apply_gradients([(gb, b)])
+    decayed.apply_gradients([(gw, w2)])
 
 for i in range(3):  # one at a time: the same order as the local optimizers
     coord.schedule(train, args=(i,)).fetch()
     gw, gb = grads(i)
     ladam.apply_gradients([(gw, lw)])
     lsgd.apply_gradients([(gb, lb)])
+    ldecayed.apply_gradients([(gw, lw2)])
+assert np.allclose(w.numpy(), lw.numpy(), rtol=1e-6), (w.numpy(), lw.numpy())
+assert np.allclose(w2.numpy(), lw2.numpy(), rtol=1e-6), (w2.numpy(), lw2.numpy())
+assert int(adam.iterations.numpy()) == int(decayed.iterations.numpy()) == 3
 
 m, v = adam.get_slot(w, "m"), adam.get_slot(w, "v")
 kind = type(w).__name__

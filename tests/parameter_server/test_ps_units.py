@@ -227,3 +227,58 @@ def test_per_worker_values_are_found_in_arguments_and_need_a_coordinator():
         next(V.PerWorkerIterator(b))
     with pytest.raises(RuntimeError, match="not on the coordinator"):
         gs.distribute.coordinator.experimental_get_current_worker_index()
+
+
+# --- waiting: doorbells and the function-process pipe ------------------------------------
+
+def test_a_doorbell_wakes_its_sleeper_and_keeps_a_ring_nobody_waited_for():
+    import time
+
+    from gpustrat.distribute.parameter_server import doorbell
+    job = doorbell.job_id("testhost", 12345)
+    bell = doorbell.Doorbell(doorbell.address(job, 3, doorbell.REPLIES))
+    ringer = doorbell.Ringer(job)
+    try:
+        assert bell.sock is not None, "Linux has the abstract socket namespace"
+        t0 = time.perf_counter()
+        assert bell.sleep(0.05) is False  # nobody rang: the whole timeout
+        assert time.perf_counter() - t0 >= 0.04
+        ringer.ring(3)  # before anybody sleeps: kept, so the next sleep ends at once
+        t0 = time.perf_counter()
+        assert bell.sleep(5.0) is True
+        assert time.perf_counter() - t0 < 2.0
+        assert bell.drain() is False  # the sleep took the ring
+        # A ring from another thread ends a sleep in progress.
+        threading.Timer(0.05, ringer.ring, args=(3,)).start()
+        t0 = time.perf_counter()
+        assert bell.sleep(5.0) is True and time.perf_counter() - t0 < 2.0
+        ringer.ring(4)  # nobody there (another machine, or gone): dropped quietly
+        # Many rings while nobody reads: the socket fills, rings are dropped, one wakes.
+        for _ in range(5000):
+            ringer.ring(3)
+        assert bell.sleep(1.0) is True and bell.drain() is False
+    finally:
+        bell.close()
+        ringer.close()
+
+
+def test_the_pipe_moves_headers_and_large_arrays_in_pieces():
+    import socket
+
+    a_end, b_end = socket.socketpair()
+    a, b = wire.Pipe(a_end), wire.Pipe(b_end)
+    big = np.arange(3 << 20, dtype=np.float32).reshape(-1, 3)  # larger than a socket buffer
+    small, empty = np.float64(2.5).reshape(()), np.zeros((0, 4), np.int8)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(b.recv()))
+    reader.start()
+    a.send(("var", 1, {"k": [1, 2]}), [big, small, empty])
+    reader.join(timeout=60)
+    header, arrays = got[0]
+    assert header == ("var", 1, {"k": [1, 2]})
+    assert np.array_equal(arrays[0], big) and arrays[0].dtype == big.dtype
+    assert arrays[1].shape == () and arrays[1] == 2.5 and arrays[2].shape == (0, 4)
+    a.close()
+    with pytest.raises(EOFError):
+        b.recv()
+    b.close()

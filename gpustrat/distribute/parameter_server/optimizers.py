@@ -92,22 +92,37 @@ def _apply(optimizer, grads: list, variables: list):
             vids, arrays = per_server.setdefault(part._server, ([], []))
             vids.append(part._vid)
             arrays.append(wire.contiguous(piece))
-    # Counting the step first gives each concurrent step its own step number.
-    _, (count,) = request(iterations._server, "assign_read",
-                          (iterations._vid, "assign_add"), [np.ones((), np.int64)])
-    step = int(count)
+    # Counting the step first gives each concurrent step its own step number. With a
+    # fixed learning rate, the server holding ``iterations`` counts it in the same
+    # request as its part of the step (one round trip less).
     lr = optimizer._learning_rate
-    if callable(lr):
-        lr = lr(step - 1)
+    home = iterations._server
+    step = None
+    if callable(lr) or home not in per_server:
+        _, (count,) = request(home, "assign_read", (iterations._vid, "assign_add"),
+                              [np.ones((), np.int64)])
+        step = int(count)
+        if callable(lr):
+            lr = lr(step - 1)
     lr = float(to_host(lr)) if not isinstance(lr, (int, float)) else float(lr)
-    blob = None
-    for server, (vids, arrays) in per_server.items():
-        reply, _ = request(server, "apply", (key, lr, step, vids), arrays)
-        if reply == "need optimizer":
-            blob = blob or _server_copy(optimizer)
-            request(server, "optimizer", (key, blob))
-            request(server, "apply", (key, lr, step, vids), arrays)
+    blob = [None]
+    if step is None:
+        step = _apply_on(optimizer, home, key, lr, None, per_server.pop(home), blob)
+    for server, work in per_server.items():
+        _apply_on(optimizer, server, key, lr, step, work, blob)
     return iterations
+
+
+def _apply_on(optimizer, server: int, key: int, lr: float, step, work, blob: list) -> int:
+    """Server ``server``'s part of a step (sending it the optimizer first if it has not
+    got it); returns the step number."""
+    vids, arrays = work
+    reply, _ = request(server, "apply", (key, lr, step, vids), arrays)
+    if reply == "need optimizer":
+        blob[0] = blob[0] or _server_copy(optimizer)
+        request(server, "optimizer", (key, blob[0]))
+        reply, _ = request(server, "apply", (key, lr, step, vids), arrays)
+    return reply
 
 
 def _gradient(g, v) -> np.ndarray:

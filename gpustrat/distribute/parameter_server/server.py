@@ -213,10 +213,17 @@ class Server:
             self.optimizers[key] = pickle.loads(blob)
         return None, []
 
-    def op_apply(self, key, lr: float, step: int, vids: list, arrays):
+    def op_apply(self, key, lr: float, step, vids: list, arrays):
+        """One optimizer step on variables ``vids``; ``step`` None: this server holds
+        the optimizer's ``iterations`` (variable ``key``) and counts the step first.
+        Returns the step."""
         opt = self.optimizers.get(key)
         if opt is None:
             return "need optimizer", []
+        if step is None:
+            count = self._var(key).array
+            count += 1
+            step = int(count)
         for vid, grad in zip(vids, arrays):
             var = self._var(vid)
             slots = self.slot_arrays.get((key, vid))
@@ -228,7 +235,7 @@ class Server:
                                  f"{grad.shape} but the variable has {var.array.shape}")
             opt.update_step(var.array, grad.astype(var.array.dtype, copy=False), slots,
                             lr, step, var.name)
-        return None, []
+        return step, []
 
     def _make_slots(self, key, vid: int, names) -> dict:
         """The slots ``names`` of variable ``vid`` for optimizer ``key``, made (zeros)
