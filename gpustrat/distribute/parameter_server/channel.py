@@ -12,11 +12,12 @@ Tags:
 - ``TAG_FAST``: variable reads and updates in one message each way (see
   ``FAST_CODES``), the transfers that decide training speed.
 
-Waits poll (``improbe``, ``Test``) and spin only briefly (an answer expected within
-microseconds must not wait for a time slice), then sleep, backing off to 1 ms, so an
-idle or waiting rank leaves its core to the ranks and function processes that compute
-(see :class:`Backoff`). A request to a server that does not answer within
-``GPUSTRAT_TIMEOUT`` seconds raises :class:`ServerLostError`.
+Transfers are nonblocking. Waits poll (``improbe``, ``Test``) and spin only briefly
+(an answer expected within microseconds must not wait for a time slice), then sleep
+on the thread's doorbell, which the sender of what is waited for rings (see
+:mod:`.doorbell` and :class:`Backoff`), so an idle or waiting rank leaves its core to
+the ranks and function processes that compute. A request to a server that does not
+answer within ``GPUSTRAT_TIMEOUT`` seconds raises :class:`ServerLostError`.
 """
 
 from __future__ import annotations
