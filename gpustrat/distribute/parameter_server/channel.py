@@ -207,7 +207,8 @@ class Channel:
 
     @staticmethod
     def done(pending: list) -> list:
-        """``pending`` (``(requests, arrays)`` of :meth:`send`) less what completed."""
+        """``pending`` (tuples that start with the requests of :meth:`send`) less what
+        completed."""
         test = _test_all()
         return [p for p in pending if not test(p[0])]
 

@@ -259,8 +259,14 @@ class ClusterCoordinator:
         any_source, status = _any_source(), _status()
         while True:
             with self._cv:
-                if self._stop:
-                    return
+                stop = self._stop
+            if stop:
+                # MPI reads a send's buffers until the worker has them: keep them.
+                for requests, _, rank in pending:
+                    self._ch.wait(requests, rank, "sending a task to a worker",
+                                  doorbell.RESULTS)
+                return
+            with self._cv:
                 sends = self._assign()
                 in_flight = any(self._busy) or self._setup_replies
                 if not sends and not in_flight and not self._queue:
@@ -268,8 +274,9 @@ class ClusterCoordinator:
                     continue
             for w, c in sends:
                 # Not waited for here: the worker may be sending a result meanwhile.
-                pending.append(self.strategy._send_to_worker(
-                    w, ("run", c.id, c.blob), c.arrays, wait=False))
+                pending.append((*self.strategy._send_to_worker(
+                    w, ("run", c.id, c.blob), c.arrays, wait=False),
+                    self._ch.worker_ranks[w]))
             if pending:
                 pending = self._ch.done(pending)
             msg = comm.improbe(source=any_source, tag=TAG_RESULT, status=status)
