@@ -11,7 +11,9 @@ Targets:
   with fewer free cores than ranks the ratio says so, not the design).
 
 Also shown: scheduling overhead per function on an idle worker (``schedule(noop)``
-then ``fetch()``, one at a time) and per function when many are queued (``join``).
+then ``fetch()``, one at a time) and per function when many are queued (``join``),
+and the processor time each kind of process takes (from ``/proc``): per training step,
+and per second while the job is idle (waiting ranks sleep instead of spinning).
 
 Every time is the best of several repeats in each of ``--jobs`` launches. The suite
 launches its MPI jobs itself, alternating ``mpiexec -n 4`` (coordinator, 1 server, 2
@@ -82,12 +84,49 @@ def _bare(world, repeats: int, n: int) -> dict:
     return out
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system processor seconds of process ``pid`` so far (0 if gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+class _RoleClock:
+    """Processor seconds by kind of process: the coordinator, the servers, the worker
+    ranks and their function processes."""
+
+    def __init__(self, pids: list, num_ps: int):
+        self.roles = {"coordinator": [pids[0]], "servers": pids[1:1 + num_ps],
+                      "worker ranks": pids[1 + num_ps:]}
+        self.roles["function processes"] = [c for p in self.roles["worker ranks"]
+                                            for c in _children(p)]
+
+    def read(self) -> dict:
+        return {k: sum(map(_cpu_seconds, v)) for k, v in self.roles.items()}
+
+    @staticmethod
+    def diff(a: dict, b: dict, per: float) -> dict:
+        return {k: (b[k] - a[k]) / per for k in a}
+
+
 def _mpi_child(repeats: int, quick: bool) -> None:
     from mpi4py import MPI
 
     import gpustrat as gs
     world = MPI.COMM_WORLD
     n_io = 20 if quick else 100
+    pids = world.gather(os.getpid(), root=0)
     bare = _bare(world, repeats, n_io)
     resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
     strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
@@ -125,14 +164,23 @@ def _mpi_child(repeats: int, quick: bool) -> None:
         for _ in range(n_train):
             coord.schedule(train_step, args=(x,))
         coord.join()
+    clock = _RoleClock(pids, strategy.num_ps)
+    before = clock.read()
     t_train = _best(train, 1, repeats) / n_train
+    cpu_step = _RoleClock.diff(before, clock.read(), n_train * repeats)
+    time.sleep(0.2)
+    before, idle_s = clock.read(), 1.0 if quick else 3.0
+    time.sleep(idle_s)
+    cpu_idle = _RoleClock.diff(before, clock.read(), idle_s)
     print("RESULT " + json.dumps({
         "workers": strategy.num_workers, "bytes": MIB,
         "bare_read_ms": bare["read"] * 1e3, "bare_update_ms": bare["update"] * 1e3,
         "read_ms": t_read * 1e3, "update_ms": t_update * 1e3,
         "read_ratio": bare["read"] / t_read, "update_ratio": bare["update"] / t_update,
         "schedule_fetch_us": t_sched * 1e6, "schedule_queued_us": t_queued * 1e6,
-        "train_steps_per_s": 1.0 / t_train}), flush=True)
+        "train_steps_per_s": 1.0 / t_train,
+        "cpu_ms_per_step": {k: v * 1e3 for k, v in cpu_step.items()},
+        "idle_cpu_percent": {k: v * 100 for k, v in cpu_idle.items()}}), flush=True)
 
 
 def run_job(nprocs: int, repeats: int, quick: bool, timeout: float = 600) -> dict:
@@ -165,9 +213,16 @@ def _best_rows(rows: list) -> dict:
                 best[k] = min(best[k], v)
             elif k == "train_steps_per_s":
                 best[k] = max(best[k], v)
+            elif isinstance(v, dict):
+                best[k] = {role: min(best[k][role], x) for role, x in v.items()}
     best["read_ratio"] = best["bare_read_ms"] / best["read_ms"]
     best["update_ratio"] = best["bare_update_ms"] / best["update_ms"]
     return best
+
+
+def _spread(rows: list, key: str) -> str:
+    values = sorted(r[key] for r in rows)
+    return f"{values[0]:.2f}-{values[-1]:.2f}x" if len(values) > 1 else f"{values[0]:.2f}x"
 
 
 def main(argv=None) -> dict:
@@ -194,14 +249,23 @@ def main(argv=None) -> dict:
           f"{args.jobs} jobs; "
           f"machine load: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"  1 MiB read:   bare Send/Recv {two['bare_read_ms']:7.3f} ms   v.numpy() "
-          f"{two['read_ms']:7.3f} ms   {two['read_ratio']:.2f}x the bare rate")
+          f"{two['read_ms']:7.3f} ms   {two['read_ratio']:.2f}x the bare rate "
+          f"(each job: {_spread(twos + ones, 'read_ratio')})")
     print(f"  1 MiB update: bare Send/Recv {two['bare_update_ms']:7.3f} ms   "
-          f"v.assign_add {two['update_ms']:7.3f} ms   {two['update_ratio']:.2f}x the bare rate")
+          f"v.assign_add {two['update_ms']:7.3f} ms   {two['update_ratio']:.2f}x the bare rate "
+          f"(each job: {_spread(twos + ones, 'update_ratio')})")
     print(f"  scheduling: schedule(noop).fetch() {two['schedule_fetch_us']:8.1f} us per "
           f"function on an idle worker; {two['schedule_queued_us']:8.1f} us per function "
           "queued (2 workers)")
+    pairs = sorted(t["train_steps_per_s"] / o["train_steps_per_s"] for t, o in zip(twos, ones))
     print(f"  training: {one['train_steps_per_s']:.1f} steps/s with 1 worker, "
-          f"{two['train_steps_per_s']:.1f} with 2: {scaling:.2f}x")
+          f"{two['train_steps_per_s']:.1f} with 2: {scaling:.2f}x (jobs launched one after "
+          f"the other: {pairs[0]:.2f}-{pairs[-1]:.2f}x)")
+    for label, row in (("2 workers", two), ("1 worker", one)):
+        print(f"  processor time, {label}: per step " + ", ".join(
+            f"{k} {v:.2f} ms" for k, v in row["cpu_ms_per_step"].items()) +
+            "; idle " + ", ".join(f"{k} {v:.1f}%" for k, v in
+                                  row["idle_cpu_percent"].items()))
     verdicts = [
         targets.check("1 MiB variable read vs bare Send/Recv", two["read_ratio"],
                       TARGET_BYTES_RATIO, "x"),

@@ -8,6 +8,11 @@ the components over every replica of every worker in one fused reduction (a coll
 every worker must call it) and returns the metric's value. Inside ``run``, ``result()``
 is the replica's own. In cross-replica context ``update_state`` adds to the first local
 replica's component. Made outside any scope, a metric is plain.
+
+Under ``ParameterServerStrategy`` a metric made in the scope keeps its state on the
+parameter servers: every update (from any scheduled function, on any worker) is added
+there, one at a time, and :meth:`Metric.result` (on the coordinator, or inside a
+function) reads the total of every update so far.
 """
 
 from __future__ import annotations
@@ -90,7 +95,9 @@ class Metric:
         for v, a in zip(self._variables, amounts):
             comps = _components(v)
             target = comps[0]
-            if not isinstance(v, DistributedVariable):
+            if getattr(v, "_atomic_updates", False):
+                pass  # held on a parameter server, which applies one update at a time
+            elif not isinstance(v, DistributedVariable):
                 strategy, replica_ctx = context.current()
                 if replica_ctx is not None and len(strategy.local_devices) > 1:
                     raise ValueError(

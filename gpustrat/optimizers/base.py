@@ -108,11 +108,19 @@ class Optimizer:
 
     @property
     def variables(self) -> list:
-        """``iterations`` and every slot, in the order they were made."""
+        """``iterations`` and every slot, in the order they were made (on parameter
+        servers: in the order their variables were made)."""
+        held = getattr(self._iterations, "_optimizer_slot_variables", None)
+        if held is not None:  # the optimizer's state is on parameter servers
+            return [self._iterations] + held(self)
         return [self._iterations] + list(self._slot_list)
 
     def get_slot(self, var: Variable, name: str) -> Variable:
-        """Slot ``name`` of ``var`` (made on the first step that trained ``var``)."""
+        """Slot ``name`` of ``var`` (made on the first step that trained ``var``): a
+        variable like ``var`` (mirrored, or on ``var``'s parameter server)."""
+        held = getattr(var, "_get_slot", None)
+        if held is not None:
+            return held(self, name)
         try:
             return self._slots[var][name]
         except KeyError:
@@ -167,6 +175,9 @@ class Optimizer:
         Slots restored before the optimizer made them (a checkpoint read before the
         first step) and not yet claimed are saved again as they were read.
         """
+        held = getattr(self._iterations, "_optimizer_checkpoint_state", None)
+        if held is not None:  # read from the parameter servers
+            return held(self)
         slots = {v.name: dict(made) for v, made in self._slots.items()}
         for name, made in (self.__dict__.get("_restored_slots") or {}).items():
             slots.setdefault(name, made)
@@ -178,6 +189,10 @@ class Optimizer:
         Slots of variables this optimizer has not trained yet are kept and assigned when
         the first step makes them, as TensorFlow defers a restore to the slot's creation.
         """
+        held = getattr(self._iterations, "_restore_optimizer_checkpoint_state", None)
+        if held is not None:  # written to the parameter servers
+            held(self, state)
+            return
         self._iterations.assign(np.asarray(state["iterations"], np.int64))
         pending = {}
         by_name = {v.name: made for v, made in self._slots.items()}

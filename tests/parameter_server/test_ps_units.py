@@ -85,6 +85,8 @@ def test_importing_the_names_starts_no_mpi():
             "gs.distribute.cluster_resolver.MpiClusterResolver\n"
             "gs.distribute.experimental.ParameterServerStrategy\n"
             "gs.distribute.coordinator.ClusterCoordinator, gs.distribute.coordinator.RemoteValue\n"
+            "gs.distribute.experimental.coordinator.PerWorkerValues\n"
+            "gs.distribute.coordinator.experimental_get_current_worker_index\n"
             "gs.distribute.experimental.partitioners.FixedShardsPartitioner\n"
             "gs.distribute.ShardedVariable\n"
             "assert gs.distribute.experimental.coordinator.ClusterCoordinator is "
@@ -199,3 +201,84 @@ def test_sharding_delivers_every_row_once(rows, cols, shards, max_bytes):
         assert sharded.shape == (rows, cols)
         assert [p.shape[0] for p in pieces] == sizes
         assert np.array_equal(np.concatenate(pieces), value)
+
+
+# --- per-worker values -------------------------------------------------------------------
+
+def test_per_worker_values_are_found_in_arguments_and_need_a_coordinator():
+    from gpustrat.distribute.parameter_server import values as V
+    a, b = V.PerWorkerValues([1, 2]), V.PerWorkerValues((np.zeros(2), np.ones(2)))
+    assert a.values == (1, 2) and len(b) == 2
+    found = V.find_unplaced((a, [{"k": b}], a), {"x": (b,), "y": {3: 4, "z": a}})
+    assert len(found) == 2 and {id(x) for x in found} == {id(a), id(b)}
+    b._ident = 5  # placed: not found again
+    assert V.find_unplaced(([b],), None) == []
+    # A placed one travels as its number; one met before any coordinator exists is
+    # a TypeError saying what to do.
+    blob, _ = wire.pack(b)
+    assert len(blob) < 200
+    with pytest.raises(TypeError, match="make the coordinator first"):
+        wire.pack({"v": a})
+    with pytest.raises(TypeError, match="list or tuple"):
+        V.PerWorkerValues(3)
+    with pytest.raises(TypeError, match="lives on worker 1"):
+        wire.pack(V.WorkerLocal(1, "resource"))
+    with pytest.raises(RuntimeError, match="inside a scheduled function"):
+        next(V.PerWorkerIterator(b))
+    with pytest.raises(RuntimeError, match="not on the coordinator"):
+        gs.distribute.coordinator.experimental_get_current_worker_index()
+
+
+# --- waiting: doorbells and the function-process pipe ------------------------------------
+
+def test_a_doorbell_wakes_its_sleeper_and_keeps_a_ring_nobody_waited_for():
+    import time
+
+    from gpustrat.distribute.parameter_server import doorbell
+    job = doorbell.job_id("testhost", 12345)
+    bell = doorbell.Doorbell(doorbell.address(job, 3, doorbell.REPLIES))
+    ringer = doorbell.Ringer(job)
+    try:
+        assert bell.sock is not None, "Linux has the abstract socket namespace"
+        t0 = time.perf_counter()
+        assert bell.sleep(0.05) is False  # nobody rang: the whole timeout
+        assert time.perf_counter() - t0 >= 0.04
+        ringer.ring(3)  # before anybody sleeps: kept, so the next sleep ends at once
+        t0 = time.perf_counter()
+        assert bell.sleep(5.0) is True
+        assert time.perf_counter() - t0 < 2.0
+        assert bell.drain() is False  # the sleep took the ring
+        # A ring from another thread ends a sleep in progress.
+        threading.Timer(0.05, ringer.ring, args=(3,)).start()
+        t0 = time.perf_counter()
+        assert bell.sleep(5.0) is True and time.perf_counter() - t0 < 2.0
+        ringer.ring(4)  # nobody there (another machine, or gone): dropped quietly
+        # Many rings while nobody reads: the socket fills, rings are dropped, one wakes.
+        for _ in range(5000):
+            ringer.ring(3)
+        assert bell.sleep(1.0) is True and bell.drain() is False
+    finally:
+        bell.close()
+        ringer.close()
+
+
+def test_the_pipe_moves_headers_and_large_arrays_in_pieces():
+    import socket
+
+    a_end, b_end = socket.socketpair()
+    a, b = wire.Pipe(a_end), wire.Pipe(b_end)
+    big = np.arange(3 << 20, dtype=np.float32).reshape(-1, 3)  # larger than a socket buffer
+    small, empty = np.float64(2.5).reshape(()), np.zeros((0, 4), np.int8)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(b.recv()))
+    reader.start()
+    a.send(("var", 1, {"k": [1, 2]}), [big, small, empty])
+    reader.join(timeout=60)
+    header, arrays = got[0]
+    assert header == ("var", 1, {"k": [1, 2]})
+    assert np.array_equal(arrays[0], big) and arrays[0].dtype == big.dtype
+    assert arrays[1].shape == () and arrays[1] == 2.5 and arrays[2].shape == (0, 4)
+    a.close()
+    with pytest.raises(EOFError):
+        b.recv()
+    b.close()

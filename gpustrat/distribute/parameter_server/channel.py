@@ -12,21 +12,24 @@ Tags:
 - ``TAG_FAST``: variable reads and updates in one message each way (see
   ``FAST_CODES``), the transfers that decide training speed.
 
-Waits poll (``improbe``) with a sleep backing off to 1 ms, so an idle rank does not
-burn a core, and a request to a server that does not answer within
-``GPUSTRAT_TIMEOUT`` seconds raises :class:`ServerLostError`.
+Transfers are nonblocking. Waits poll (``improbe``, ``Test``) and spin only briefly
+(an answer expected within microseconds must not wait for a time slice), then sleep
+on the thread's doorbell, which the sender of what is waited for rings (see
+:mod:`.doorbell` and :class:`Backoff`), so an idle or waiting rank leaves its core to
+the ranks and function processes that compute. A request to a server that does not
+answer within ``GPUSTRAT_TIMEOUT`` seconds raises :class:`ServerLostError`.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
+import socket
 import threading
 import time
 
 import numpy as np
 
-from gpustrat.distribute.parameter_server import wire
+from gpustrat.distribute.parameter_server import doorbell, wire
 
 TAG_REQ = 1
 TAG_TASK = 2
@@ -46,6 +49,22 @@ FAST_CODES = {"read": 0, "assign": 1, "assign_add": 2, "assign_sub": 3}
 FAST_OPS = {v: k for k, v in FAST_CODES.items()}
 
 _MAX_SLEEP_S = 1e-3
+_RUNG_SLEEP_S = 0.05
+_FIRST_SLEEP_S = 1e-5
+#: Linux rounds a sleeping thread's wake-up up by its timer slack (50 us by default):
+#: 1 us lets the first, short sleeps of a wait be as short as asked.
+_TIMER_SLACK_NS = 1000
+_slack = threading.local()
+
+
+def _fine_timers() -> None:
+    """Give the calling thread a timer slack of 1 us (once per thread; Linux only)."""
+    _slack.done = True
+    try:
+        import ctypes  # noqa: PLC0415
+        ctypes.CDLL(None, use_errno=True).prctl(29, _TIMER_SLACK_NS, 0, 0, 0)  # SET_TIMERSLACK
+    except (OSError, AttributeError):
+        pass
 
 
 class ServerLostError(RuntimeError):
@@ -55,31 +74,45 @@ class ServerLostError(RuntimeError):
 
 class Backoff:
     """Waiting in polling loops: spin for ``spin_s`` (an answer expected within
-    microseconds must not wait for a time slice), then yield the core for a while,
-    then sleep, doubling up to 1 ms, so an idle rank does not burn a core."""
+    microseconds must not wait for a time slice), then sleep, from 10 us doubling up to
+    1 ms, so that a waiting process gives its core to those that compute (MPI's own
+    blocking waits spin; Python's sleep releases the core). ``__call__(wait)`` sleeps
+    in ``wait(seconds)`` instead: a doorbell's ``sleep`` (see :mod:`.doorbell`), which
+    returns True as soon as it is rung, and the wait spins again. ``cap`` is the
+    longest sleep; ``rung``: every sender of what is waited for rings the doorbell
+    (all on this machine), so the wait sleeps ``cap`` at once (see
+    :meth:`Channel.backoff`)."""
 
-    __slots__ = ("delay", "spin_s", "since")
+    __slots__ = ("delay", "spin_s", "since", "cap", "first")
 
-    def __init__(self, spin_s: float = 2e-3):
+    def __init__(self, spin_s: float = 50e-6, cap: float = _MAX_SLEEP_S,
+                 rung: bool = False):
         self.spin_s = spin_s
+        self.cap = cap
+        # A wait that every sender rings needs no short sleeps: the ring ends it.
+        self.first = cap if rung else _FIRST_SLEEP_S
         self.reset()
 
     def reset(self) -> None:
-        self.delay = 2e-5
+        self.delay = self.first
         self.since = None
 
-    def __call__(self) -> None:
-        now = time.monotonic()
+    def __call__(self, wait=None) -> None:
+        now = time.perf_counter()
         if self.since is None:
             self.since = now
-        elapsed = now - self.since
-        if elapsed < self.spin_s:
             return
-        if elapsed < self.spin_s + 0.005:
-            os.sched_yield()
+        if now - self.since < self.spin_s:
             return
-        time.sleep(self.delay)
-        self.delay = min(2 * self.delay, _MAX_SLEEP_S)
+        if not getattr(_slack, "done", False):
+            _fine_timers()
+        if wait is None:
+            time.sleep(self.delay)
+        elif wait(self.delay):
+            # Woken (a doorbell): what was waited for is arriving, spin again.
+            self.reset()
+            return
+        self.delay = min(2 * self.delay, self.cap)
 
 
 class Orphaned(Exception):
@@ -104,9 +137,10 @@ class Watch:
 
 
 class Channel:
-    """The job's communicator plus request/answer helpers (thread-safe)."""
+    """The job's communicator plus request/answer helpers (thread-safe), and the
+    doorbells of this rank (see :mod:`.doorbell`; ``job`` names them, None for none)."""
 
-    def __init__(self, comm, timeout: float):
+    def __init__(self, comm, timeout: float, job: str | None = None):
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -118,15 +152,116 @@ class Channel:
         self.worker_ranks: list = []
         #: ranks that did not answer in time
         self.lost: set = set()
+        slots = (doorbell.REPLIES, doorbell.RESULTS) if self.rank == 0 else \
+            (doorbell.REPLIES,)
+        self.bells = {s: doorbell.Doorbell(doorbell.address(job, self.rank, s))
+                      for s in slots} if job is not None else {}
+        self._ringer = doorbell.Ringer(job) if job is not None else None
+        #: The longest sleep of a wait for a message that its sender rings: long when
+        #: every rank has a doorbell on this machine (a ring ends the sleep at once),
+        #: else 1 ms (a rank on another machine cannot ring).
+        self.cap = _MAX_SLEEP_S
+        if job is not None:
+            # A collective: every rank makes its channel in the strategy's constructor.
+            mine = (socket.gethostname(), all(b.sock is not None
+                                              for b in self.bells.values()))
+            every = comm.allgather(mine)
+            if len({host for host, _ in every}) == 1 and all(ok for _, ok in every):
+                self.cap = _RUNG_SLEEP_S
+
+    def backoff(self, spin_s: float = 50e-6) -> Backoff:
+        """A Backoff for a wait that the sender of what is waited for rings."""
+        return Backoff(spin_s, self.cap, rung=self.cap > _MAX_SLEEP_S)
+
+    def ring(self, rank: int, slot: int = doorbell.REPLIES) -> None:
+        """Wake ``rank``'s thread waiting on doorbell ``slot`` (a message was sent)."""
+        if self._ringer is not None:
+            self._ringer.ring(rank, slot)
+
+    def sleeper(self, slot: int = doorbell.REPLIES):
+        """What a Backoff of a thread waiting on doorbell ``slot`` sleeps in."""
+        bell = self.bells.get(slot)
+        return bell.sleep if bell is not None else None
+
+    def send(self, dest: int, tag: int, header, arrays=(), data_tag: int | None = None,
+             slot: int = doorbell.REPLIES, sleep_slot: int = doorbell.REPLIES,
+             wait: bool = True):
+        """Send a small picklable ``header`` with the arrays' layouts on ``tag``, then
+        each array's bytes on ``data_tag`` (default ``tag``), ring ``dest``'s doorbell
+        ``slot`` and wait (on this thread's doorbell ``sleep_slot``) until ``dest``
+        has taken them. Nonblocking sends and a sleeping wait: MPI's blocking send
+        spins until the receiver takes a large message.
+
+        With ``wait=False``, returns ``(requests, arrays)`` instead: the caller keeps
+        both until :meth:`done` says the requests completed (a loop that also
+        receives must not wait for a peer that may be sending to it)."""
+        comm = self.comm
+        requests = [comm.isend((header, wire.metas(arrays)), dest=dest, tag=tag)]
+        dt = tag if data_tag is None else data_tag
+        requests += [comm.Isend(wire.raw(a), dest=dest, tag=dt) for a in arrays]
+        self.ring(dest, slot)
+        if not wait:
+            return requests, arrays
+        self.wait(requests, dest, "sending to it", sleep_slot)
+        return None
+
+    @staticmethod
+    def done(pending: list) -> list:
+        """``pending`` (tuples that start with the requests of :meth:`send`) less what
+        completed."""
+        test = _test_all()
+        return [p for p in pending if not test(p[0])]
+
+    def recv_arrays(self, source: int, data_tag: int, ms: list,
+                    sleep_slot: int = doorbell.REPLIES) -> list:
+        """The arrays that follow a header of :meth:`send` (``ms``: their layouts)."""
+        out = wire.empty_like_metas(ms)
+        self.recv_into(source, data_tag, out, sleep_slot)
+        return out
+
+    def recv_into(self, source: int, data_tag: int, arrays: list,
+                  sleep_slot: int = doorbell.REPLIES) -> None:
+        """Receive the arrays that follow a header into ``arrays`` (C-contiguous)."""
+        comm = self.comm
+        self.wait([comm.Irecv(wire.raw(a), source=source, tag=data_tag) for a in arrays],
+                  source, "receiving from it", sleep_slot)
+
+    def wait(self, requests: list, peer: int, what: str,
+             sleep_slot: int = doorbell.REPLIES, spin_s: float = 50e-6) -> None:
+        """Wait for MPI ``requests`` with ``peer``: spin briefly, then sleep on this
+        thread's doorbell (see :class:`Backoff`); a peer that takes no part within
+        ``GPUSTRAT_TIMEOUT`` is lost (:class:`ServerLostError`)."""
+        test = _test_all()
+        if test(requests):
+            return
+        backoff = Backoff(spin_s)
+        sleep = self.sleeper(sleep_slot)
+        deadline = time.monotonic() + self.timeout
+        while not test(requests):
+            if time.monotonic() > deadline:
+                self.lost.add(peer)
+                raise ServerLostError(
+                    f"{what}: rank {peer} did not take part within {self.timeout:g} s "
+                    "(GPUSTRAT_TIMEOUT): it has probably been lost. The job cannot "
+                    "continue: restart it and restore the variables from a checkpoint")
+            backoff(sleep)
+
+    def close(self) -> None:
+        for bell in self.bells.values():
+            bell.close()
+        if self._ringer is not None:
+            self._ringer.close()
 
     def reply_tag(self) -> int:
         with self._lock:
             return _REPLY_FIRST + next(self._tags) % _REPLY_SPAN
 
-    def wait_message(self, source: int, tag: int, what):
-        """The next message from ``source`` on ``tag`` (polling with a deadline)."""
+    def wait_message(self, source: int, tag: int, what, slot: int = doorbell.REPLIES):
+        """The next message from ``source`` on ``tag`` (polling with a deadline; the
+        sender rings doorbell ``slot``)."""
         comm = self.comm
-        backoff = Backoff()
+        backoff = self.backoff()
+        sleep = self.sleeper(slot)
         deadline = time.monotonic() + self.timeout
         while True:
             msg = comm.improbe(source=source, tag=tag)
@@ -139,7 +274,7 @@ class Channel:
                     f"within {self.timeout:g} s (GPUSTRAT_TIMEOUT): it has probably been "
                     "lost. The job cannot continue: restart it and restore the variables "
                     "from a checkpoint")
-            backoff()
+            backoff(sleep)
 
     def request(self, server: int, op: str, args: tuple = (), arrays=()):
         """Ask server ``server`` (its index) to do ``op``; returns (payload, arrays)."""
@@ -154,10 +289,10 @@ class Channel:
             return None, []
         dest = self.server_ranks[server]
         tag = self.reply_tag()
-        wire.mpi_send(self.comm, dest, TAG_REQ, (op, tag, args), arrays, data_tag=tag)
+        self.send(dest, TAG_REQ, (op, tag, args), arrays, data_tag=tag)
         (status, payload), ms = self.wait_message(
             dest, tag, lambda: f"{op} on parameter server {server} (rank {dest})")
-        out = wire.mpi_recv_arrays(self.comm, dest, tag, ms) if ms else []
+        out = self.recv_arrays(dest, tag, ms) if ms else []
         if status != "ok":
             kind, text = payload
             raise _ERRORS.get(kind, RuntimeError)(text)
@@ -170,22 +305,30 @@ class Channel:
         tag = self.reply_tag()
         nbytes = 0 if value is None else value.nbytes
         header = np.array([code, tag, vid, nbytes], np.int64)
-        pending = comm.Irecv(wire.raw(answer), source=dest, tag=tag)
-        comm.Send(header, dest=dest, tag=TAG_FAST)
+        pending = [comm.Irecv(wire.raw(answer), source=dest, tag=tag)]
+        comm.Send(header, dest=dest, tag=TAG_FAST)  # 32 bytes: sent at once
         if nbytes:
             # A second, contiguous message: MPI moves it as fast as a bare Send (one
             # message of header and value through a struct datatype is packed, slower).
-            comm.Send(wire.raw(value), dest=dest, tag=tag)
-        backoff = Backoff()
+            pending.append(comm.Isend(wire.raw(value), dest=dest, tag=tag))
+        self.ring(dest)
+        test = _test_all()
+        if test(pending):
+            return
+        # Spin about as long as the bytes take to move, then sleep (see Backoff).
+        backoff = self.backoff(50e-6 + (nbytes + answer.nbytes) / 4e9)
+        sleep = self.sleeper()
         deadline = time.monotonic() + self.timeout
         polls = 0
-        while not pending.Test():
+        while not test(pending):
             polls += 1
             if polls & 15 == 0:
                 msg = comm.improbe(source=dest, tag=tag + ERR_OFFSET)
                 if msg is not None:
-                    pending.Cancel()
-                    pending.Wait()
+                    pending[0].Cancel()
+                    pending[0].Wait()
+                    if nbytes:  # the server takes the value before it answers
+                        self.wait(pending[1:], dest, f"{op} on parameter server {server}")
                     _, (kind, text) = msg.recv()[0]
                     raise _ERRORS.get(kind, RuntimeError)(text)
                 if time.monotonic() > deadline:
@@ -195,7 +338,12 @@ class Channel:
                         f"answer within {self.timeout:g} s (GPUSTRAT_TIMEOUT): it has "
                         "probably been lost. The job cannot continue: restart it and "
                         "restore the variables from a checkpoint")
-            backoff()
+            backoff(sleep)
+
+
+def _test_all():
+    from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
+    return mpi().Request.Testall
 
 
 _ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "MemoryError": MemoryError,

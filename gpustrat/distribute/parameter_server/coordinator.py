@@ -20,59 +20,17 @@ import threading
 import time
 
 from gpustrat import nest
-from gpustrat.distribute.parameter_server import wire
+from gpustrat.distribute.parameter_server import doorbell, wire
 from gpustrat.distribute.parameter_server.channel import (TAG_RESULT, TAG_RESULT_DATA,
-                                                           Backoff, ServerLostError)
+                                                           ServerLostError)
+from gpustrat.distribute.parameter_server.values import (  # noqa: F401 - names of the API
+    PerWorkerDataset, PerWorkerIterator, PerWorkerValues, RemoteValue, WorkerLocal,
+    experimental_get_current_worker_index, find_unplaced, set_coordinator)
 
 log = logging.getLogger("gpustrat.distribute.coordinator")
 
 #: Functions a worker may have at once: the one running and the next.
 _DEPTH = 2
-
-
-class RemoteValue:
-    """The future result of a scheduled function (``tf.distribute.experimental.
-    coordinator.RemoteValue``)."""
-
-    def __init__(self, name: str):
-        self._name = name
-        self._event = threading.Event()
-        self._value = None
-        self._error = None
-
-    def _set(self, value) -> None:
-        self._value = value
-        self._event.set()
-
-    def _fail(self, error: BaseException) -> None:
-        self._error = error
-        self._event.set()
-
-    def fetch(self):
-        """Wait for the function and return its result (NumPy values), or raise its
-        error."""
-        self._event.wait()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-    def get(self):
-        """The same as :meth:`fetch`."""
-        return self.fetch()
-
-    def __reduce__(self):
-        # As an argument of a scheduled function: its result, once there is one.
-        if self._ready() and self._error is None:
-            return (_identity, (self._value,))
-        raise TypeError(f"the RemoteValue of {self._name} is not ready (or failed): pass "
-                        "remote_value.fetch() to a scheduled function, not the RemoteValue")
-
-    def _ready(self) -> bool:
-        return self._event.is_set()
-
-    def __repr__(self) -> str:
-        state = "ready" if self._ready() else "pending"
-        return f"<RemoteValue of {self._name} ({state})>"
 
 
 class _Closure:
@@ -85,50 +43,6 @@ class _Closure:
         self.arrays = arrays
         self.value = RemoteValue(name)
         self.lost_on: list = []
-
-
-class PerWorkerDataset:
-    """A dataset made on every worker (``create_per_worker_dataset``); ``iter()`` gives
-    a :class:`PerWorkerIterator`."""
-
-    def __init__(self, coordinator, ident: int):
-        self._coordinator = coordinator
-        self._id = ident
-
-    def __iter__(self) -> "PerWorkerIterator":
-        return self._coordinator._make_iterator(self._id)
-
-    def __reduce__(self):
-        raise TypeError("pass iter(per_worker_dataset) to scheduled functions, not the "
-                        "per-worker dataset itself")
-
-
-class PerWorkerIterator:
-    """An iterator on every worker; inside a scheduled function ``next()`` takes the
-    next element from the worker running it."""
-
-    def __init__(self, ident: int):
-        self._id = ident
-
-    def __reduce__(self):
-        return (PerWorkerIterator, (self._id,))
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        from gpustrat.distribute.parameter_server import executor  # noqa: PLC0415
-        it = executor.state["iterators"].get(self._id)
-        if it is None:
-            raise RuntimeError("a per-worker iterator is read inside a scheduled function "
-                               "(on a worker), not on the coordinator")
-        return next(it)
-
-    def get_next(self):
-        return next(self)
-
-    def __repr__(self) -> str:
-        return f"<PerWorkerIterator #{self._id}>"
 
 
 class ClusterCoordinator:
@@ -152,6 +66,7 @@ class ClusterCoordinator:
             raise ValueError("this ParameterServerStrategy already has a "
                              "ClusterCoordinator: make one per strategy")
         strategy._coordinator = self
+        set_coordinator(self)
         self.strategy = strategy
         self.max_retries = int(max_retries)
         self._ch = strategy._channel
@@ -175,11 +90,14 @@ class ClusterCoordinator:
     def schedule(self, fn, args=None, kwargs=None) -> RemoteValue:
         """Queue ``fn(*args, **kwargs)`` to run on some worker; returns its RemoteValue.
 
-        Per-worker iterators and values among the arguments become the running worker's.
+        A :class:`PerWorkerValues` sent with the function (an argument, a global or
+        closure value; per-worker iterators too) is the running worker's value there;
+        a finished RemoteValue is its result.
 
         Raises:
             TypeError: ``fn`` is not callable, or it (or an argument, or a global it
                 uses) cannot be sent to a worker.
+            ValueError: a PerWorkerValues without one value per worker.
             The error of a previously scheduled function not yet raised by join/done.
         """
         if not callable(fn):
@@ -188,12 +106,19 @@ class ClusterCoordinator:
         if self._broken is not None:
             raise self._broken
         name = f"function {wire.describe_function(fn)!r}"
+        for values in find_unplaced(args, kwargs):
+            self._place(values)
         blob, arrays = wire.pack((fn, tuple(args or ()), dict(kwargs or {})), name)
         with self._cv:
             c = _Closure(next(self._ids), name, blob, arrays)
             self._queue.append(c)
             self._cv.notify_all()
+        self._wake_dispatcher()
         return c.value
+
+    def _wake_dispatcher(self) -> None:
+        # It may sleep on its doorbell (waiting for results), not on the condition.
+        self._ch.ring(self._ch.rank, doorbell.RESULTS)
 
     def join(self) -> None:
         """Wait until every scheduled function has finished; raise the first error of
@@ -222,7 +147,7 @@ class ClusterCoordinator:
             self._errors.clear()
         raise err
 
-    # --- per-worker datasets ----------------------------------------------------------
+    # --- values on the workers ----------------------------------------------------------
     def create_per_worker_dataset(self, dataset_fn) -> PerWorkerDataset:
         """Make a dataset on every worker: ``dataset_fn()`` (no argument) is called there,
         or a dataset (or a distributed dataset of the strategy) is sent there.
@@ -231,35 +156,74 @@ class ClusterCoordinator:
             TypeError: it cannot be sent, or it did not give a dataset (on the worker
                 named).
         """
-        ident = next(self._setup_ids)
-        blob, arrays = wire.pack(dataset_fn, "the dataset function")
-        self._setup_all("dataset", ident, blob, arrays)
-        return PerWorkerDataset(self, ident)
+        from gpustrat.distribute.parameter_server.executor import make_dataset  # noqa
+        return PerWorkerDataset(self, self._create_resources(
+            make_dataset, (dataset_fn,), {}, "dataset", "the dataset function"))
 
-    def _make_iterator(self, ds_id: int) -> PerWorkerIterator:
-        ident = next(self._setup_ids)
-        self._setup_all("iter", ident, ds_id, [])
-        return PerWorkerIterator(ident)
+    def create_per_worker_resources(self, fn, args=None, kwargs=None) -> PerWorkerValues:
+        """Call ``fn(*args, **kwargs)`` on every worker and keep each result there; the
+        returned :class:`PerWorkerValues` (of :class:`WorkerLocal` placeholders here)
+        passed to ``schedule`` gives each function its worker's object. A worker whose
+        function process is replaced calls ``fn`` again.
 
-    def _setup_all(self, kind: str, ident: int, payload, arrays) -> None:
+        Raises:
+            TypeError: ``fn`` or an argument cannot be sent to a worker.
+            RuntimeError (or the TypeError it raised): ``fn`` failed on some worker
+                (each such worker is named).
+        """
+        if not callable(fn):
+            raise TypeError(f"create_per_worker_resources needs a callable, got {fn!r}")
+        return self._create_resources(fn, tuple(args or ()), dict(kwargs or {}),
+                                      "resource")
+
+    def _create_resources(self, fn, args: tuple, kwargs: dict, what: str,
+                          described: str | None = None) -> PerWorkerValues:
+        for values in find_unplaced(args, kwargs):
+            self._place(values)
+        name = described or f"function {wire.describe_function(fn)!r}"
+        blob, arrays = wire.pack((fn, args, kwargs), name)
+        ident = next(self._setup_ids)
+        self._setup("call", ident, [(blob, arrays)] * self._n, what)
+        made = PerWorkerValues([WorkerLocal(w, what) for w in range(self._n)])
+        made._ident = ident
+        made._placed_by = self
+        return made
+
+    def _place(self, values: PerWorkerValues) -> None:
+        """Send each worker its value of ``values`` (once)."""
+        if len(values) != self._n:
+            raise ValueError(f"a PerWorkerValues has {len(values)} values but the strategy "
+                             f"has {self._n} workers: give exactly one value per worker")
+        payloads = [wire.pack(v, f"the value of worker {w} in a PerWorkerValues")
+                    for w, v in enumerate(values.values)]
+        ident = next(self._setup_ids)
+        self._setup("value", ident, payloads, "value")
+        values._ident = ident
+        values._placed_by = self
+
+    def _setup(self, kind: str, ident: int, payloads: list, what: str) -> None:
+        """Make value ``ident`` on every worker (``payloads[w]`` for worker w) and wait
+        until each has it."""
         with self._cv:
             self._setup_replies[ident] = {}
-        for w in range(self._n):
-            self.strategy._send_to_worker(w, ("setup", kind, ident, payload), arrays)
+            self._cv.notify_all()
+        self._wake_dispatcher()
+        for w, (blob, arrays) in enumerate(payloads):
+            self.strategy._send_to_worker(w, ("setup", kind, ident, blob), arrays)
         deadline = time.monotonic() + self._ch.timeout
         with self._cv:
             while len(self._setup_replies[ident]) < self._n:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"workers did not make the {kind} within "
-                                       f"{self._ch.timeout:g} s")
+                    self._setup_replies.pop(ident, None)
+                    raise TimeoutError(f"workers did not make the per-worker {what} within "
+                                       f"{self._ch.timeout:g} s (GPUSTRAT_TIMEOUT)")
                 self._cv.wait(0.1)
             replies = self._setup_replies.pop(ident)
         bad = sorted((w, e) for w, e in replies.items() if e is not None)
         if bad:
             kinds = {e[0] for _, e in bad}
             cls = TypeError if kinds == {"TypeError"} else RuntimeError
-            raise cls("making the per-worker " + ("dataset" if kind == "dataset" else
-                                                  "iterator") + " failed on " +
+            raise cls(f"making the per-worker {what} failed on " +
                       "; ".join(f"worker {w}: {e[1]}" for w, e in bad))
 
     # --- the dispatcher thread ----------------------------------------------------------
@@ -267,6 +231,7 @@ class ClusterCoordinator:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
+        self._wake_dispatcher()
         self._thread.join(timeout=10)
 
     def _dispatch(self) -> None:
@@ -288,30 +253,44 @@ class ClusterCoordinator:
     def _dispatch_loop(self) -> None:
         comm = self._ch.comm
         first_worker = 1 + self.strategy.num_ps
-        backoff = Backoff()
+        backoff = self._ch.backoff()
+        sleep = self._ch.sleeper(doorbell.RESULTS)  # workers ring it with each result
+        pending: list = []  # sends to workers not yet complete
         any_source, status = _any_source(), _status()
         while True:
             with self._cv:
-                if self._stop:
-                    return
+                stop = self._stop
+            if stop:
+                # MPI reads a send's buffers until the worker has them: keep them.
+                for requests, _, rank in pending:
+                    self._ch.wait(requests, rank, "sending a task to a worker",
+                                  doorbell.RESULTS)
+                return
+            with self._cv:
                 sends = self._assign()
                 in_flight = any(self._busy) or self._setup_replies
                 if not sends and not in_flight and not self._queue:
                     self._cv.wait(0.05)
                     continue
             for w, c in sends:
-                self.strategy._send_to_worker(w, ("run", c.id, c.blob), c.arrays)
+                # Not waited for here: the worker may be sending a result meanwhile.
+                pending.append((*self.strategy._send_to_worker(
+                    w, ("run", c.id, c.blob), c.arrays, wait=False),
+                    self._ch.worker_ranks[w]))
+            if pending:
+                pending = self._ch.done(pending)
             msg = comm.improbe(source=any_source, tag=TAG_RESULT, status=status)
             if msg is None:
                 if sends:
                     backoff.reset()
                 else:
-                    backoff()
+                    backoff(sleep)
                 continue
             backoff.reset()
             source = status.Get_source()
             header, ms = msg.recv()
-            arrays = wire.mpi_recv_arrays(comm, source, TAG_RESULT_DATA, ms) if ms else []
+            arrays = self._ch.recv_arrays(source, TAG_RESULT_DATA, ms, doorbell.RESULTS) \
+                if ms else []
             self._handle(source - first_worker, header, arrays)
 
     def _assign(self) -> list:
@@ -400,10 +379,6 @@ class ClusterCoordinator:
     def __reduce__(self):
         raise TypeError("a ClusterCoordinator cannot be used inside a scheduled function: "
                         "schedule from the coordinator")
-
-
-def _identity(x):
-    return x
 
 
 def _remote_error(blob, text: str, name: str, worker: int) -> BaseException:

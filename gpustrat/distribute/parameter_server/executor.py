@@ -3,26 +3,31 @@
 Started by the worker rank as ``python -m gpustrat.distribute.parameter_server.executor
 FD``, it talks to its rank over the socket ``FD`` (see :mod:`.wire` for the framing).
 It never initialises MPI: variable reads and updates go to the worker rank, which
-forwards them to the servers. It holds this worker's datasets and iterators
-(``create_per_worker_dataset``); a replacement process makes them again.
+forwards them to the servers. It holds this worker's per-worker values (its datasets,
+iterators and other resources, see :mod:`.values`); a replacement process makes them
+again.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import socket
 import sys
+import threading
 import traceback
-from multiprocessing.connection import Connection
 
 from gpustrat.distribute.parameter_server import variables as remote
 from gpustrat.distribute.parameter_server import wire
 from gpustrat.distribute.parameter_server.channel import ServerLostError
 
 #: This process's state: the connection, the worker's index and count, its devices,
-#: and the datasets and iterators made here.
+#: and this worker's per-worker values (number -> object).
 state = {"conn": None, "worker": None, "num_workers": None, "devices": None,
-         "datasets": {}, "iterators": {}, "strategy": None}
+         "resources": {}}
+
+#: The replicas of ``strategy.run`` are threads: one request at a time on the socket.
+_request_lock = threading.Lock()
 
 _ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "MemoryError": MemoryError,
            "KeyError": KeyError, "ServerLostError": ServerLostError}
@@ -30,8 +35,9 @@ _ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "MemoryError": Memo
 
 def _request(server: int, op: str, args: tuple = (), arrays=()):
     conn = state["conn"]
-    wire.pipe_send(conn, ("var", server, op, args), arrays)
-    (kind, status, payload), out = wire.pipe_recv(conn)
+    with _request_lock:
+        wire.pipe_send(conn, ("var", server, op, args), arrays)
+        (kind, status, payload), out = wire.pipe_recv(conn)
     if status != "ok":
         name, text = payload
         raise _ERRORS.get(name, RuntimeError)(text)
@@ -44,7 +50,8 @@ def is_dataset(obj) -> bool:
     return isinstance(obj, (Dataset, _DistributedBase))
 
 
-def _make_dataset(source):
+def make_dataset(source):
+    """The dataset of ``create_per_worker_dataset(source)`` on this worker."""
     ds = source() if callable(source) and not is_dataset(source) else source
     from gpustrat.distribute.parameter_server.strategy import DeferredDataset  # noqa
     if isinstance(ds, DeferredDataset):
@@ -58,13 +65,15 @@ def _make_dataset(source):
 
 
 def _setup(kind: str, ident: int, payload, arrays):
-    if kind == "dataset":
-        state["datasets"][ident] = _make_dataset(wire.unpack(payload, arrays))
-    elif kind == "iter":
-        ds = state["datasets"][payload]
-        state["iterators"][ident] = iter(ds)
+    """Make this worker's value ``ident``: sent (``value``) or the result of a call."""
+    if kind == "value":
+        value = wire.unpack(payload, arrays)
+    elif kind == "call":
+        fn, args, kwargs = wire.unpack(payload, arrays)
+        value = fn(*args, **kwargs)
     else:
         raise ValueError(f"unknown setup {kind!r}")
+    state["resources"][ident] = value
 
 
 def _error_blob(e: BaseException):
@@ -89,7 +98,7 @@ def main(fd: int, parent: int | None = None) -> None:
     _die_with_parent()
     if parent is not None and os.getppid() != parent:
         return  # the rank died before the request above took effect
-    conn = state["conn"] = Connection(fd)
+    conn = state["conn"] = wire.Pipe(socket.socket(fileno=fd))
     remote.set_requester(_request)
     while True:
         try:

@@ -140,7 +140,8 @@ class MpiClusterResolver:
         world = mpi().COMM_WORLD
         if chief:
             self._started = True
-            start = ("start", socket.gethostname(), os.getpid())
+            self._coordinator_process = (socket.gethostname(), os.getpid())
+            start = ("start",) + self._coordinator_process
             for r in range(1, self._size):
                 world.send(start, dest=r, tag=TAG_START)
             return

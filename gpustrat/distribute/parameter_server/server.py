@@ -4,7 +4,9 @@ Requests (see :mod:`.channel`) are handled in arrival order, so each update is a
 on its variable; updates from different workers interleave (asynchronous training).
 Optimizer steps run here: a worker sends the gradients, the server runs the
 optimizer's ``update_step`` on its arrays and keeps the optimizer's slots (momentum,
-Adam's moments) beside the variables.
+Adam's moments) beside the variables. Each slot is a variable of this server, under a
+negative id of its own (the coordinator numbers the others from 0), so that it is read
+and assigned as any variable is.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 
 from gpustrat.distribute.parameter_server import wire
 from gpustrat.distribute.parameter_server.channel import (ERR_OFFSET, FAST_OPS, TAG_FAST,
-                                                           Backoff, Channel)
+                                                           Channel)
 
 
 class _Var:
@@ -37,20 +39,25 @@ class Server:
         self.vars: dict = {}
         self.nbytes = 0
         self.optimizers: dict = {}
+        #: (optimizer key, variable id) -> {slot name: the slot's variable id}
         self.slots: dict = {}
+        #: (optimizer key, variable id) -> {slot name: the slot's array}, for steps
+        self.slot_arrays: dict = {}
+        self._next_slot_id = -1
         self._scratch: dict = {}
         self._header = np.empty(4, np.int64)
 
     def serve(self, watch=None) -> None:
         comm = self.ch.comm
-        backoff = Backoff()
+        backoff = self.ch.backoff()
+        sleep = self.ch.sleeper()  # every request rings this rank's doorbell
         any_source, any_tag = _any_source(), _any_tag()
         status = _status()
         while True:
             # Any tag: per source, a request's header always comes before its data.
             msg = comm.improbe(source=any_source, tag=any_tag, status=status)
             if msg is None:
-                backoff()
+                backoff(sleep)
                 if watch is not None and backoff.delay >= 1e-3:
                     watch()
                 continue
@@ -62,7 +69,7 @@ class Server:
             (op, tag, args), ms = msg.recv()
             arrays = self._receive(source, tag, ms, op, args) if ms else []
             if op == "stop":
-                wire.mpi_send(comm, source, tag, ("ok", None))
+                self.ch.send(source, tag, ("ok", None))
                 return
             try:
                 payload, out = getattr(self, "op_" + op)(*args, arrays=arrays)
@@ -74,7 +81,7 @@ class Server:
                 if not isinstance(e, (ValueError, TypeError, KeyError, MemoryError)):
                     reply = ("error", ("RuntimeError", reply[1][1] + "\n" +
                                        traceback.format_exc()))
-            wire.mpi_send(comm, source, tag, reply, out, data_tag=tag)
+            self.ch.send(source, tag, reply, out, data_tag=tag)
 
     def _fast(self, msg, source: int) -> None:
         """A read or update (see channel.FAST_CODES)."""
@@ -86,17 +93,34 @@ class Server:
         if nbytes:
             var = self.vars.get(vid)
             if code == 1 and var is not None and var.array.nbytes == nbytes:
-                comm.Recv(wire.raw(var.array), source=source, tag=tag)  # in place
+                self.ch.recv_into(source, tag, [var.array])  # in place
                 comm.Send(_ACK, dest=source, tag=tag)
+                self.ch.ring(source)
                 return
             value = self._scratch.get(("fast", nbytes))
             if value is None:
                 value = self._scratch[("fast", nbytes)] = np.empty(nbytes, np.uint8)
-            comm.Recv(wire.raw(value), source=source, tag=tag)
+            self.ch.recv_into(source, tag, [value])
+            if code in (2, 3) and var is not None and var.array.nbytes == nbytes:
+                # Acknowledged on arrival, applied right after: the caller need not
+                # wait for the arithmetic, and every later request (of any process)
+                # is handled after it, so each still sees the update.
+                comm.Send(_ACK, dest=source, tag=tag)
+                self.ch.ring(source)
+                a = var.array
+                delta = value.view(a.dtype).reshape(a.shape)
+                if code == 2:
+                    a += delta
+                else:
+                    a -= delta
+                return
         try:
             var = self._var(vid)
             if code == 0:
-                comm.Send(wire.raw(var.array), dest=source, tag=tag)
+                sent = comm.Isend(wire.raw(var.array), dest=source, tag=tag)
+                self.ch.ring(source)
+                # Until the reader has the bytes, no update may change them.
+                self.ch.wait([sent], source, f"sending variable {var.name!r} to it")
                 return
             a = var.array
             if nbytes != a.nbytes:
@@ -110,8 +134,9 @@ class Server:
             else:
                 a -= value
             comm.Send(_ACK, dest=source, tag=tag)
+            self.ch.ring(source)
         except Exception as e:  # noqa: BLE001 - the caller raises it
-            wire.mpi_send(comm, source, tag + ERR_OFFSET, ("error", (
+            self.ch.send(source, tag + ERR_OFFSET, ("error", (
                 type(e).__name__, f"parameter server {self.index} (rank {self.ch.rank}): "
                 f"{e}")))
 
@@ -122,7 +147,7 @@ class Server:
         var = self.vars.get(args[0]) if op == "assign" and args else None
         if var is not None and len(ms) == 1 and np.dtype(ms[0][0]) == var.array.dtype \
                 and tuple(ms[0][1]) == var.array.shape:
-            self.ch.comm.Recv(wire.raw(var.array), source=source, tag=tag)
+            self.ch.recv_into(source, tag, [var.array])
             return [var.array]
         out = []
         for dt, shape in ms:
@@ -130,8 +155,8 @@ class Server:
             buf = self._scratch.get(key)
             if buf is None:
                 buf = self._scratch[key] = np.empty(shape, np.dtype(dt))
-            self.ch.comm.Recv(wire.raw(buf), source=source, tag=tag)
             out.append(buf)
+        self.ch.recv_into(source, tag, out)
         return out
 
     # --- operations: (args..., arrays) -> (payload, arrays) ---------------------------
@@ -188,29 +213,56 @@ class Server:
             self.optimizers[key] = pickle.loads(blob)
         return None, []
 
-    def op_apply(self, key, lr: float, step: int, vids: list, arrays):
+    def op_apply(self, key, lr: float, step, vids: list, arrays):
+        """One optimizer step on variables ``vids``; ``step`` None: this server holds
+        the optimizer's ``iterations`` (variable ``key``) and counts the step first.
+        Returns the step."""
         opt = self.optimizers.get(key)
         if opt is None:
             return "need optimizer", []
+        if step is None:
+            count = self._var(key).array
+            count += 1
+            step = int(count)
         for vid, grad in zip(vids, arrays):
             var = self._var(vid)
-            slots = self.slots.get((key, vid))
-            if slots is None:
-                slots = self.slots[(key, vid)] = {
-                    s: np.zeros_like(var.array) for s in opt.slot_names}
+            slots = self.slot_arrays.get((key, vid))
+            if slots is None or len(slots) != len(opt.slot_names):
+                self._make_slots(key, vid, opt.slot_names)
+                slots = self.slot_arrays[(key, vid)]
             if grad.shape != var.array.shape:
                 raise ValueError(f"the gradient of variable {var.name!r} has shape "
                                  f"{grad.shape} but the variable has {var.array.shape}")
             opt.update_step(var.array, grad.astype(var.array.dtype, copy=False), slots,
                             lr, step, var.name)
-        return None, []
+        return step, []
+
+    def _make_slots(self, key, vid: int, names) -> dict:
+        """The slots ``names`` of variable ``vid`` for optimizer ``key``, made (zeros)
+        where missing; ``{name: slot variable id}``."""
+        var = self._var(vid)
+        ids = self.slots.setdefault((key, vid), {})
+        arrays = self.slot_arrays.setdefault((key, vid), {})
+        for name in names:
+            if name not in ids:
+                sid = self._next_slot_id
+                self._next_slot_id -= 1
+                self.vars[sid] = _Var(np.zeros_like(var.array), f"{var.name}/{name}")
+                ids[name] = sid
+                arrays[name] = self.vars[sid].array
+        return dict(ids)
 
     def op_slot(self, key, vid: int, name: str, arrays):
-        slots = self.slots.get((key, vid))
-        if slots is None or name not in slots:
-            raise KeyError(f"no slot {name!r} for variable {self._var(vid).name!r} yet "
-                           "(slots are made on the first step that trains it)")
-        return None, [slots[name]]
+        """The id of a slot variable, None before the first step made it."""
+        self._var(vid)
+        return self.slots.get((key, vid), {}).get(name), []
+
+    def op_make_slots(self, key, vid: int, names: tuple, arrays):
+        return self._make_slots(key, vid, names), []
+
+    def op_slots(self, key, arrays):
+        """``{variable id: {slot name: slot variable id}}`` of optimizer ``key``."""
+        return {vid: dict(ids) for (k, vid), ids in self.slots.items() if k == key}, []
 
     def op_stats(self, arrays):
         return {"variables": len(self.vars), "nbytes": self.nbytes}, []

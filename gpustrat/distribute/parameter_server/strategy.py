@@ -18,7 +18,8 @@ import traceback
 import numpy as np
 
 from gpustrat.distribute.parameter_server import variables as remote
-from gpustrat.distribute.parameter_server import wire
+from gpustrat.distribute.parameter_server import doorbell, wire
+from gpustrat.distribute.parameter_server.doorbell import job_id
 from gpustrat.distribute.parameter_server.channel import (TAG_RESULT, TAG_RESULT_DATA,
                                                            TAG_TASK, TAG_TASK_DATA, Channel,
                                                            Orphaned, ServerLostError, Watch,
@@ -69,7 +70,8 @@ class ParameterServerStrategy(Strategy):
         self._memory_limit = server_memory_limit
         role, index = cluster_resolver.task_type, cluster_resolver.task_id
         cluster_resolver._start(role == "chief")
-        ch = Channel(mpi_world().Dup(), timeout_from_env())
+        ch = Channel(mpi_world().Dup(), timeout_from_env(),
+                     job_id(*cluster_resolver._coordinator_process))
         ch.server_ranks = [cluster_resolver.rank_of("ps", i) for i in range(self._num_ps)]
         ch.worker_ranks = [cluster_resolver.rank_of("worker", i)
                            for i in range(self._num_workers)]
@@ -84,10 +86,15 @@ class ParameterServerStrategy(Strategy):
         super().__init__(devs, make_communicator(devs), inline=True)
         self._next_vid = 0
         self._next_server = 0
+        #: Every variable made in the scope, in order (a sharded one whole): what an
+        #: optimizer's slots on the servers belong to.
+        self._variables: list = []
         self._send_lock = threading.Lock()
         self._coordinator = None
         self._stopped = False
         atexit.register(self._shutdown)
+        global _coordinator_strategy
+        _coordinator_strategy = self
 
     # --- what it is -----------------------------------------------------------------
     @property
@@ -123,13 +130,16 @@ class ParameterServerStrategy(Strategy):
             sync = VariableSynchronization.ON_WRITE
         shards = self._num_shards(name, arr)
         if shards <= 1:
-            return self._remote(arr, name, trainable, sync, agg)
-        rows = remote.shard_rows(arr.shape[0], shards)
-        bounds = np.cumsum(rows)[:-1]
-        parts = [self._remote(wire.contiguous(p), f"{name}/part_{i}", trainable, sync,
-                              agg)
-                 for i, p in enumerate(np.split(arr, bounds, axis=0))]
-        return remote.ShardedVariable._from_shards(parts, name)
+            made = self._remote(arr, name, trainable, sync, agg)
+        else:
+            rows = remote.shard_rows(arr.shape[0], shards)
+            bounds = np.cumsum(rows)[:-1]
+            parts = [self._remote(wire.contiguous(p), f"{name}/part_{i}", trainable, sync,
+                                  agg)
+                     for i, p in enumerate(np.split(arr, bounds, axis=0))]
+            made = remote.ShardedVariable._from_shards(parts, name)
+        self._variables.append(made)
+        return made
 
     def _num_shards(self, name: str, arr) -> int:
         if self._partitioner is None or arr.ndim == 0:
@@ -176,10 +186,16 @@ class ParameterServerStrategy(Strategy):
     experimental_distribute_datasets_from_function = distribute_datasets_from_function
 
     # --- ending ---------------------------------------------------------------------
-    def _send_to_worker(self, worker: int, header, arrays=()) -> None:
-        with self._send_lock:
-            wire.mpi_send(self._channel.comm, self._channel.worker_ranks[worker], TAG_TASK,
-                          header, arrays, data_tag=TAG_TASK_DATA)
+    def _send_to_worker(self, worker: int, header, arrays=(), wait: bool = True):
+        """Send a task; ``wait=False`` returns the pending send (see Channel.send)."""
+        ch = self._channel
+        with self._send_lock:  # one message's pieces are posted together
+            pending = ch.send(ch.worker_ranks[worker], TAG_TASK, header, arrays,
+                              data_tag=TAG_TASK_DATA, wait=False)
+        if not wait:
+            return pending
+        ch.wait(pending[0], ch.worker_ranks[worker], f"sending a task to worker {worker}")
+        return None
 
     def _shutdown(self) -> None:
         """Stop the workers, then the servers (at the coordinator's exit)."""
@@ -195,9 +211,9 @@ class ParameterServerStrategy(Strategy):
             try:
                 while True:
                     (header, ms) = ch.wait_message(rank, TAG_RESULT,
-                                                   f"stopping worker {w}")
+                                                   f"stopping worker {w}", doorbell.RESULTS)
                     if ms:
-                        wire.mpi_recv_arrays(ch.comm, rank, TAG_RESULT_DATA, ms)
+                        ch.recv_arrays(rank, TAG_RESULT_DATA, ms, doorbell.RESULTS)
                     if header[0] == "stopped":
                         break
             except ServerLostError as e:
@@ -264,6 +280,19 @@ class DeferredDataset:
         raise TypeError("under ParameterServerStrategy a distributed dataset is made on "
                         "each worker: pass it to coordinator.create_per_worker_dataset and "
                         "iterate that")
+
+
+_coordinator_strategy = None
+
+
+def coordinator_strategy(what: str) -> ParameterServerStrategy:
+    """This process's strategy, when it is the coordinator (``what`` is read or written
+    only there)."""
+    if _coordinator_strategy is None:
+        raise RuntimeError(f"{what} are read and written on the coordinator (e.g. by "
+                           "gs.train.Checkpoint after ParameterServerStrategy(...)), not "
+                           "inside a scheduled function")
+    return _coordinator_strategy
 
 
 # --- the worker's side, inside its function process ----------------------------------

@@ -9,15 +9,11 @@ that uses a variable reaches the same server array.
 A :class:`ShardedVariable` is a variable split along axis 0 into remote shards on
 several servers (``variable_partitioner``); reads concatenate, updates split.
 
-``optimizer.apply_gradients`` on remote variables sends each gradient to the server of
-its variable, which runs the optimizer's ``update_step`` on its array and keeps the
-slots; ``iterations`` is a remote variable too (incremented once per step).
+Optimizers reach their steps, slots and checkpoint state on the servers through the
+variables' methods below (see :mod:`.optimizers`).
 """
 
 from __future__ import annotations
-
-import copy
-import pickle
 
 import numpy as np
 
@@ -63,7 +59,35 @@ class _FetchedReads:
         return self._fetch()
 
 
-class RemoteVariable(_FetchedReads, Variable):
+class _HeldElsewhere:
+    """What an optimizer or a metric asks of a variable held on the servers."""
+
+    #: Updates are applied one at a time at the server: replicas may update it at once.
+    _atomic_updates = True
+
+    def _apply_gradients(self, optimizer, grads: list, variables: list):
+        from gpustrat.distribute.parameter_server import optimizers  # noqa: PLC0415
+        return optimizers.apply_gradients(optimizer, grads, variables)
+
+    def _get_slot(self, optimizer, name: str):
+        from gpustrat.distribute.parameter_server import optimizers  # noqa: PLC0415
+        return optimizers.get_slot(optimizer, self, name)
+
+    # An optimizer whose ``iterations`` is held here keeps its state on the servers.
+    def _optimizer_slot_variables(self, optimizer) -> list:
+        from gpustrat.distribute.parameter_server import optimizers  # noqa: PLC0415
+        return optimizers.slot_variables(optimizer)
+
+    def _optimizer_checkpoint_state(self, optimizer) -> dict:
+        from gpustrat.distribute.parameter_server import optimizers  # noqa: PLC0415
+        return optimizers.checkpoint_state(optimizer)
+
+    def _restore_optimizer_checkpoint_state(self, optimizer, state: dict) -> None:
+        from gpustrat.distribute.parameter_server import optimizers  # noqa: PLC0415
+        optimizers.restore_checkpoint_state(optimizer, state)
+
+
+class RemoteVariable(_HeldElsewhere, _FetchedReads, Variable):
     """A variable held by parameter server ``server`` (see the module docstring)."""
 
     _kind = "RemoteVariable"
@@ -120,9 +144,6 @@ class RemoteVariable(_FetchedReads, Variable):
     def _write(self, op: str, value) -> None:
         request(self._server, op, (self._vid,), [wire.contiguous(to_host(value))])
 
-    def _apply_gradients(self, optimizer, grads: list, variables: list):
-        return apply_gradients(optimizer, grads, variables)
-
     def __repr__(self) -> str:
         return (f"<gs.{self._kind} {self._name!r} shape={self._shape} dtype={self._dtype} "
                 f"device={self.device}>")
@@ -140,7 +161,7 @@ def shard_rows(rows: int, num_shards: int) -> list:
     return [base + (1 if i < extra else 0) for i in range(num_shards)]
 
 
-class ShardedVariable(_FetchedReads, Variable):
+class ShardedVariable(_HeldElsewhere, _FetchedReads, Variable):
     """A variable split along axis 0 over servers (``tf.distribute.ShardedVariable``).
 
     ``variables`` lists the shards (remote variables) in order; reading concatenates
@@ -197,9 +218,6 @@ class ShardedVariable(_FetchedReads, Variable):
         for s, part in zip(self._shards, self._split(np.asarray(to_host(value)))):
             s._write(op, part)
 
-    def _apply_gradients(self, optimizer, grads: list, variables: list):
-        return apply_gradients(optimizer, grads, variables)
-
     def __reduce__(self):
         return (_sharded_variable, (self._shards, self._name))
 
@@ -210,104 +228,3 @@ class ShardedVariable(_FetchedReads, Variable):
 
 def _sharded_variable(shards, name):
     return ShardedVariable._from_shards(shards, name)
-
-
-# --- optimizer steps on the servers ------------------------------------------------
-
-def _server_copy(optimizer) -> bytes:
-    """The optimizer without its state, for a server to call ``update_step`` on."""
-    clone = copy.copy(optimizer)
-    state = dict(optimizer.__dict__)
-    for k in ("_iterations", "_slots", "_slot_list", "_plans"):
-        state.pop(k, None)
-    state["_learning_rate"] = 1.0  # the caller sends each step's rate
-    clone.__dict__ = state
-    try:
-        return pickle.dumps(clone, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as e:  # noqa: BLE001
-        raise TypeError(f"{type(optimizer).__name__} cannot be sent to the parameter "
-                        f"servers ({e}): its class must be importable from a module") from None
-
-
-def apply_gradients(optimizer, grads: list, variables: list):
-    """One optimizer step on remote variables: every gradient goes to its variable's
-    server, which applies ``update_step`` there; returns ``iterations``.
-
-    Inside ``strategy.run`` on a worker with several replicas, the replicas' gradients
-    are summed first (one step per call of the worker, as in tf.distribute)."""
-    from gpustrat.distribute import context  # noqa: PLC0415
-    strategy, replica_ctx = context.current()
-    if replica_ctx is not None and strategy is not None and \
-            len(strategy.local_devices) > 1:
-        return replica_ctx.merge_call(_apply_merged, args=(optimizer, grads, variables))
-    return _apply(optimizer, grads, variables)
-
-
-def _apply_merged(strategy, optimizer, grads, variables):
-    return _apply(optimizer, list(grads), list(variables))
-
-
-def _apply(optimizer, grads: list, variables: list):
-    iterations = optimizer._iterations
-    if not isinstance(iterations, RemoteVariable):
-        raise ValueError(
-            f"{type(optimizer).__name__} trains variables on parameter servers but was "
-            "made outside the ParameterServerStrategy's scope: make the optimizer inside "
-            "strategy.scope(), like the variables")
-    per_server: dict = {}
-    for g, v in zip(grads, variables):
-        if isinstance(v, ShardedVariable):
-            g = _gradient(g, v)
-            for s, part in zip(v._shards, v._split(g)):
-                per_server.setdefault(s._server, ([], []))
-                per_server[s._server][0].append(s._vid)
-                per_server[s._server][1].append(wire.contiguous(part))
-        elif isinstance(v, RemoteVariable):
-            per_server.setdefault(v._server, ([], []))
-            per_server[v._server][0].append(v._vid)
-            per_server[v._server][1].append(_gradient(g, v))
-        else:
-            raise ValueError(
-                f"{type(optimizer).__name__}.apply_gradients: variable {v.name!r} is not "
-                "on the parameter servers (it was made outside the ParameterServerStrategy's "
-                "scope); train the strategy's variables together, or separately")
-    # Counting the step first gives each concurrent step its own step number.
-    _, (count,) = request(iterations._server, "assign_read",
-                          (iterations._vid, "assign_add"), [np.ones((), np.int64)])
-    step = int(count)
-    lr = optimizer._learning_rate
-    if callable(lr):
-        lr = lr(step - 1)
-    lr = float(to_host(lr)) if not isinstance(lr, (int, float)) else float(lr)
-    key = iterations._vid
-    blob = None
-    for server, (vids, arrays) in per_server.items():
-        reply, _ = request(server, "apply", (key, lr, step, vids), arrays)
-        if reply == "need optimizer":
-            blob = blob or _server_copy(optimizer)
-            request(server, "optimizer", (key, blob))
-            request(server, "apply", (key, lr, step, vids), arrays)
-    return iterations
-
-
-def _gradient(g, v) -> np.ndarray:
-    from gpustrat.values import DistributedValues  # noqa: PLC0415
-    if isinstance(g, DistributedValues):
-        parts = [np.asarray(to_host(p)) for p in g.values]
-        g = parts[0] if len(parts) == 1 else np.sum(parts, axis=0)
-    if isinstance(g, Variable):
-        g = g.read_value()
-    a = np.asarray(to_host(g))
-    if a.shape != v.shape:
-        raise ValueError(f"the gradient of variable {v.name!r} has shape {a.shape} but the "
-                         f"variable has {v.shape}")
-    if a.dtype.kind not in "fc":
-        raise TypeError(f"the gradient of variable {v.name!r} has dtype {a.dtype}: "
-                        "gradients must be floating point")
-    return wire.contiguous(a, dtype=v.dtype)
-
-
-def slot(optimizer, var: RemoteVariable, name: str) -> np.ndarray:
-    """The value of slot ``name`` of ``var`` (read from its server)."""
-    _, (arr,) = request(var._server, "slot", (optimizer._iterations._vid, var._vid, name))
-    return arr

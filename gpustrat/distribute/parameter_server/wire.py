@@ -3,9 +3,9 @@
 Words:
 - *packing*: an object is pickled with every NumPy array taken out (a persistent id
   stands in its place); the arrays travel separately as raw buffers: through mpi4py's
-  upper-case ``Send``/``Recv`` between ranks, and ``send_bytes``/``recv_bytes_into``
-  over the pipe to a worker's function process. So control messages stay small and
-  arrays are never pickled.
+  upper-case ``Isend``/``Irecv`` between ranks, and ``sendmsg``/``recv_into`` over the
+  socket to a worker's function process (:class:`Pipe`). So control messages stay
+  small and arrays are never pickled or copied in Python.
 - *functions*: a function importable by its module and qualified name (a module-level
   function of an importable module) travels by reference, as pickle does. Any other
   function (one defined in the script run by ``mpiexec``, a lambda, a nested function)
@@ -22,6 +22,8 @@ import importlib
 import io
 import marshal
 import pickle
+import socket
+import struct
 import types
 
 import numpy as np
@@ -179,23 +181,7 @@ def empty_like_metas(ms: list) -> list:
     return [np.empty(shape, np.dtype(dt)) for dt, shape in ms]
 
 
-# --- MPI --------------------------------------------------------------------------
-
-def mpi_send(comm, dest: int, tag: int, header, arrays=(), data_tag: int | None = None
-             ) -> None:
-    """Send a small picklable ``header`` with the arrays' layouts, then each array."""
-    comm.send((header, metas(arrays)), dest=dest, tag=tag)
-    dt = tag if data_tag is None else data_tag
-    for a in arrays:
-        comm.Send(_buffer(a), dest=dest, tag=dt)
-
-
-def mpi_recv_arrays(comm, source: int, data_tag: int, ms: list) -> list:
-    out = empty_like_metas(ms)
-    for a in out:
-        comm.Recv(_buffer(a), source=source, tag=data_tag)
-    return out
-
+# --- MPI (see channel.Channel.send) ------------------------------------------------
 
 def raw(a: np.ndarray):
     """The bytes of a C-contiguous array, for MPI and pipes."""
@@ -210,21 +196,67 @@ def _buffer(a: np.ndarray):
 
 # --- the pipe to a function process --------------------------------------------------
 
-def pipe_send(conn, header, arrays=()) -> None:
-    conn.send((header, metas(arrays)))
-    for a in arrays:
-        conn.send_bytes(_buffer(a))
+_LENGTH = struct.Struct("<Q")
 
 
-def pipe_recv(conn):
-    header, ms = conn.recv()
-    arrays = empty_like_metas(ms)
-    for a in arrays:
-        if a.nbytes:
-            conn.recv_bytes_into(memoryview(a).cast("B"))
-        else:
-            conn.recv_bytes()
-    return header, arrays
+class Pipe:
+    """One end of the socket between a worker rank and its function process.
+
+    A message is an 8-byte length, the pickled ``(header, array layouts)``, then each
+    array's bytes: sent in one ``sendmsg`` from the arrays' own memory and received
+    with ``recv_into`` straight into the new arrays (the kernel's copies only)."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def send(self, header, arrays=()) -> None:
+        blob = pickle.dumps((header, metas(arrays)), protocol=_PROTOCOL)
+        parts = [memoryview(_LENGTH.pack(len(blob))), memoryview(blob)]
+        parts += [_buffer(a) for a in arrays if a.nbytes]
+        while parts:
+            sent = self.sock.sendmsg(parts)
+            while parts and sent >= len(parts[0]):
+                sent -= len(parts[0])
+                parts.pop(0)
+            if parts and sent:
+                parts[0] = parts[0][sent:]
+
+    def recv(self):
+        """``(header, arrays)``; ``EOFError`` when the other end is gone."""
+        (n,) = _LENGTH.unpack(self._exact(_LENGTH.size))
+        header, ms = pickle.loads(self._exact(n))
+        arrays = empty_like_metas(ms)
+        for a in arrays:
+            if a.nbytes:
+                self._into(memoryview(a).cast("B"))
+        return header, arrays
+
+    def _exact(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        self._into(memoryview(buf))
+        return buf
+
+    def _into(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            k = self.sock.recv_into(view[got:])
+            if k == 0:
+                raise EOFError("the other end of the pipe closed it")
+            got += k
+
+
+def pipe_send(pipe: Pipe, header, arrays=()) -> None:
+    pipe.send(header, arrays)
+
+
+def pipe_recv(pipe: Pipe):
+    return pipe.recv()
 
 
 def describe_function(fn) -> str:

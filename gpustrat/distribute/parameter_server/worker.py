@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import collections
 import os
+import select
 import socket
 import subprocess
 import sys
-from multiprocessing.connection import Connection
 
-from gpustrat.distribute.parameter_server import wire
+from gpustrat.distribute.parameter_server import doorbell, wire
 from gpustrat.distribute.parameter_server.channel import (TAG_RESULT, TAG_RESULT_DATA,
-                                                           TAG_TASK, TAG_TASK_DATA, Backoff,
+                                                           TAG_TASK, TAG_TASK_DATA,
                                                            Channel, ServerLostError)
 
 # The launcher's variables would make a child that imports mpi4py join the MPI job.
@@ -49,7 +49,7 @@ class FunctionProcess:
              str(child.fileno()), str(os.getpid())],
             pass_fds=(child.fileno(),), env=_child_env(), stdin=subprocess.DEVNULL)
         child.close()
-        self.conn = Connection(parent.detach())
+        self.conn = wire.Pipe(parent)
         wire.pipe_send(self.conn, ("init", self.info))
 
     def exit_code(self):
@@ -83,6 +83,8 @@ class WorkerRank:
         self.outbox: collections.deque = collections.deque()
         #: What the process is doing: None, ("run", task id) or ("setup", id).
         self.inflight = None
+        #: Messages to the coordinator not yet taken (Channel.send's pending sends).
+        self.sending: list = []
         self.fp = None
 
     def _start(self) -> None:
@@ -107,7 +109,10 @@ class WorkerRank:
             pass  # the process is gone: found by the loop
 
     def _to_coordinator(self, header, arrays=()) -> None:
-        wire.mpi_send(self.ch.comm, 0, TAG_RESULT, header, arrays, data_tag=TAG_RESULT_DATA)
+        # Not waited for: the coordinator may be sending this rank a task meanwhile.
+        self.sending.append(self.ch.send(0, TAG_RESULT, header, arrays,
+                                         data_tag=TAG_RESULT_DATA, slot=doorbell.RESULTS,
+                                         wait=False))
 
     def _lost(self) -> None:
         code = self.fp.proc.wait()
@@ -132,18 +137,20 @@ class WorkerRank:
     def _serve(self, watch) -> None:
         comm = self.ch.comm
         self._start()
-        backoff = Backoff()
+        backoff = self.ch.backoff()
         while True:
             busy = False
             msg = comm.improbe(source=0, tag=TAG_TASK)
             if msg is not None:
                 busy = True
                 header, ms = msg.recv()
-                arrays = wire.mpi_recv_arrays(comm, 0, TAG_TASK_DATA, ms) if ms else []
+                arrays = self.ch.recv_arrays(0, TAG_TASK_DATA, ms) if ms else []
                 kind = header[0]
                 if kind == "stop":
                     self.fp.stop()
                     self._to_coordinator(("stopped",))
+                    for requests, _ in self.sending:
+                        self.ch.wait(requests, 0, "sending to the coordinator")
                     return
                 if kind == "run":
                     self.outbox.append((header, arrays, ("run", header[1])))
@@ -156,8 +163,8 @@ class WorkerRank:
                 self._pump()
             conn = self.fp.conn
             try:
-                ready = conn.poll(0)
-            except OSError:
+                ready = bool(select.select([conn.fileno()], [], [], 0)[0])
+            except (OSError, ValueError):
                 ready = True
             if ready:
                 busy = True
@@ -170,12 +177,26 @@ class WorkerRank:
             elif self.fp.exit_code() is not None:
                 self._lost()
                 continue
+            if self.sending:
+                self.sending = self.ch.done(self.sending)
             if busy:
                 backoff.reset()
             else:
-                backoff()
+                # Asleep on the doorbell and the pipe: a task of the coordinator or a
+                # message of the function process wakes this rank at once.
+                backoff(self._sleep)
                 if watch is not None and backoff.delay >= 1e-3:
                     watch()
+
+    def _sleep(self, seconds: float) -> bool:
+        bell = self.ch.bells.get(doorbell.REPLIES)
+        try:
+            pipe = self.fp.conn.fileno()
+        except OSError:
+            return True  # the process is gone: found by the loop
+        if bell is None:
+            return bool(select.select([pipe], [], [], seconds)[0])
+        return bell.sleep(seconds, also=pipe)
 
     def _from_process(self, header, arrays) -> None:
         kind = header[0]

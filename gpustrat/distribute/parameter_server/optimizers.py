@@ -1,0 +1,246 @@
+"""Optimizers whose variables live on parameter servers: steps, slots, checkpoint state.
+
+An optimizer made in a ParameterServerStrategy's scope has a remote ``iterations``;
+its number on the servers (``iterations``' variable id, the *key*) names the
+optimizer there. ``apply_gradients`` on remote variables sends each gradient to the
+server of its variable, which runs the optimizer's ``update_step`` on its array and
+keeps the slots (momentum, Adam's moments) beside it. Each slot is a variable of that
+server (made on the first step that trains the variable, or by a restore), so
+``optimizer.get_slot(var, name)`` is a remote variable like any other: reads and
+assigns are one request each, from the coordinator or from a scheduled function.
+
+Checkpoints are written on the coordinator: the optimizer's state (``iterations`` and
+every slot, keyed by its variable's name, a sharded variable's slots whole) is read
+from the servers, and a restore writes it back to them, making the slots it needs.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import numpy as np
+
+from gpustrat.devices import to_host
+from gpustrat.distribute.parameter_server import wire
+from gpustrat.distribute.parameter_server.variables import (RemoteVariable,
+                                                            ShardedVariable, request)
+
+
+def _key(optimizer) -> int:
+    iterations = optimizer._iterations
+    if not isinstance(iterations, RemoteVariable):
+        raise ValueError(
+            f"{type(optimizer).__name__} trains variables on parameter servers but was "
+            "made outside the ParameterServerStrategy's scope: make the optimizer inside "
+            "strategy.scope(), like the variables")
+    return iterations._vid
+
+
+def _parts(var) -> list:
+    return list(var._shards) if isinstance(var, ShardedVariable) else [var]
+
+
+# --- the step ---------------------------------------------------------------------------
+
+def _server_copy(optimizer) -> bytes:
+    """The optimizer without its state, for a server to call ``update_step`` on."""
+    clone = copy.copy(optimizer)
+    state = dict(optimizer.__dict__)
+    for k in ("_iterations", "_slots", "_slot_list", "_plans", "_restored_slots"):
+        state.pop(k, None)
+    state["_learning_rate"] = 1.0  # the caller sends each step's rate
+    clone.__dict__ = state
+    try:
+        return pickle.dumps(clone, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # noqa: BLE001
+        raise TypeError(f"{type(optimizer).__name__} cannot be sent to the parameter "
+                        f"servers ({e}): its class must be importable from a module") from None
+
+
+def apply_gradients(optimizer, grads: list, variables: list):
+    """One optimizer step on remote variables: every gradient goes to its variable's
+    server, which applies ``update_step`` there; returns ``iterations``.
+
+    Inside ``strategy.run`` on a worker with several replicas, the replicas' gradients
+    are summed first (one step per call of the worker, as in tf.distribute)."""
+    from gpustrat.distribute import context  # noqa: PLC0415
+    strategy, replica_ctx = context.current()
+    if replica_ctx is not None and strategy is not None and \
+            len(strategy.local_devices) > 1:
+        return replica_ctx.merge_call(_apply_merged, args=(optimizer, grads, variables))
+    return _apply(optimizer, grads, variables)
+
+
+def _apply_merged(strategy, optimizer, grads, variables):
+    return _apply(optimizer, list(grads), list(variables))
+
+
+def _apply(optimizer, grads: list, variables: list):
+    key = _key(optimizer)
+    iterations = optimizer._iterations
+    per_server: dict = {}
+    for g, v in zip(grads, variables):
+        if not isinstance(v, (RemoteVariable, ShardedVariable)):
+            raise ValueError(
+                f"{type(optimizer).__name__}.apply_gradients: variable {v.name!r} is not "
+                "on the parameter servers (it was made outside the ParameterServerStrategy's "
+                "scope); train the strategy's variables together, or separately")
+        g = _gradient(g, v)
+        pieces = v._split(g) if isinstance(v, ShardedVariable) else [g]
+        for part, piece in zip(_parts(v), pieces):
+            vids, arrays = per_server.setdefault(part._server, ([], []))
+            vids.append(part._vid)
+            arrays.append(wire.contiguous(piece))
+    # Counting the step first gives each concurrent step its own step number. With a
+    # fixed learning rate, the server holding ``iterations`` counts it in the same
+    # request as its part of the step (one round trip less).
+    lr = optimizer._learning_rate
+    home = iterations._server
+    step = None
+    if callable(lr) or home not in per_server:
+        _, (count,) = request(home, "assign_read", (iterations._vid, "assign_add"),
+                              [np.ones((), np.int64)])
+        step = int(count)
+        if callable(lr):
+            lr = lr(step - 1)
+    lr = float(to_host(lr)) if not isinstance(lr, (int, float)) else float(lr)
+    blob = [None]
+    if step is None:
+        step = _apply_on(optimizer, home, key, lr, None, per_server.pop(home), blob)
+    for server, work in per_server.items():
+        _apply_on(optimizer, server, key, lr, step, work, blob)
+    return iterations
+
+
+def _apply_on(optimizer, server: int, key: int, lr: float, step, work, blob: list) -> int:
+    """Server ``server``'s part of a step (sending it the optimizer first if it has not
+    got it); returns the step number."""
+    vids, arrays = work
+    reply, _ = request(server, "apply", (key, lr, step, vids), arrays)
+    if reply == "need optimizer":
+        blob[0] = blob[0] or _server_copy(optimizer)
+        request(server, "optimizer", (key, blob[0]))
+        reply, _ = request(server, "apply", (key, lr, step, vids), arrays)
+    return reply
+
+
+def _gradient(g, v) -> np.ndarray:
+    from gpustrat.distribute.variables import Variable  # noqa: PLC0415
+    from gpustrat.values import DistributedValues  # noqa: PLC0415
+    if isinstance(g, DistributedValues):
+        parts = [np.asarray(to_host(p)) for p in g.values]
+        g = parts[0] if len(parts) == 1 else np.sum(parts, axis=0)
+    if isinstance(g, Variable):
+        g = g.read_value()
+    a = np.asarray(to_host(g))
+    if a.shape != v.shape:
+        raise ValueError(f"the gradient of variable {v.name!r} has shape {a.shape} but the "
+                         f"variable has {v.shape}")
+    if a.dtype.kind not in "fc":
+        raise TypeError(f"the gradient of variable {v.name!r} has dtype {a.dtype}: "
+                        "gradients must be floating point")
+    return wire.contiguous(a, dtype=v.dtype)
+
+
+# --- slots ------------------------------------------------------------------------------
+
+def _slot_handle(part: RemoteVariable, sid: int, name: str) -> RemoteVariable:
+    return RemoteVariable._handle(sid, part._server, part._shape, part._dtype,
+                                  f"{part._name}/{name}", False, part._sync, part._agg)
+
+
+def _handles(var, name: str, sids: list):
+    parts = _parts(var)
+    handles = [_slot_handle(p, sid, name) for p, sid in zip(parts, sids)]
+    if isinstance(var, ShardedVariable):
+        return ShardedVariable._from_shards(handles, f"{var.name}/{name}")
+    return handles[0]
+
+
+def get_slot(optimizer, var, name: str):
+    """Slot ``name`` of ``var``: a remote variable on ``var``'s server (a sharded one
+    for a sharded ``var``)."""
+    key = _key(optimizer)
+    sids = None
+    if name in optimizer.slot_names:
+        sids = [request(p._server, "slot", (key, p._vid, name))[0] for p in _parts(var)]
+    if sids is None or any(s is None for s in sids):
+        raise KeyError(f"{type(optimizer).__name__} has no slot {name!r} for variable "
+                       f"{var.name!r}: slots are {list(optimizer.slot_names)}, made on the "
+                       "first apply_gradients that trains the variable")
+    return _handles(var, name, sids)
+
+
+def _made_slots(optimizer) -> list:
+    """``[(variable, {slot name: handle})]`` for every variable of the strategy that
+    this optimizer has slots for, in the order the variables were made."""
+    from gpustrat.distribute.parameter_server.strategy import coordinator_strategy  # noqa
+    strategy = coordinator_strategy("the optimizer's slots")
+    key = _key(optimizer)
+    held: dict = {}
+    for server in range(strategy.num_ps):
+        for vid, sids in request(server, "slots", (key,))[0].items():
+            held[(server, vid)] = sids
+    out = []
+    for var in strategy._variables:
+        got = [held.get((p._server, p._vid)) for p in _parts(var)]
+        if any(g is None for g in got):
+            continue
+        out.append((var, {name: _handles(var, name, [g[name] for g in got])
+                          for name in got[0] if all(name in g for g in got)}))
+    return out
+
+
+def slot_variables(optimizer) -> list:
+    """Every slot of the optimizer, as remote (or sharded) variables."""
+    return [slot for _, made in _made_slots(optimizer) for slot in made.values()]
+
+
+def checkpoint_state(optimizer) -> dict:
+    """``iterations`` and every slot (keyed by its variable's name), read from the
+    servers; the same tree as a local optimizer's."""
+    slots = {var.name: {s: h.numpy() for s, h in made.items()}
+             for var, made in _made_slots(optimizer)}
+    for name, made in (optimizer.__dict__.get("_restored_slots") or {}).items():
+        slots.setdefault(name, made)
+    return {"iterations": optimizer._iterations.numpy(), "slots": slots}
+
+
+def restore_checkpoint_state(optimizer, state: dict) -> None:
+    """Write ``iterations`` and the slots of :func:`checkpoint_state`'s tree to the
+    servers (making the slots there). Slots of variables this job does not have are
+    kept and saved again."""
+    from gpustrat.distribute.parameter_server.strategy import coordinator_strategy  # noqa
+    strategy = coordinator_strategy("the optimizer's slots")
+    key = _key(optimizer)
+    by_name = {v.name: v for v in strategy._variables}
+    pending, writes = {}, []
+    # Everything is checked before anything is written.
+    for name, saved in state["slots"].items():
+        var = by_name.get(name)
+        if var is None:
+            pending[name] = dict(saved)
+            continue
+        for s, value in saved.items():
+            if s not in optimizer.slot_names:
+                raise ValueError(
+                    f"{type(optimizer).__name__} {optimizer.name!r}: the checkpoint has "
+                    f"slot {s!r} for variable {name!r}, but this optimizer's slots are "
+                    f"{list(optimizer.slot_names)}: restore into the same optimizer class")
+            value = np.asarray(value)
+            if tuple(value.shape) != tuple(var.shape):
+                raise ValueError(f"{type(optimizer).__name__} {optimizer.name!r}: the "
+                                 f"checkpoint's slot {s!r} of variable {name!r} has shape "
+                                 f"{tuple(value.shape)}, the variable {tuple(var.shape)}")
+            writes.append((var, s, value))
+    names = tuple(optimizer.slot_names)
+    made: dict = {}
+    for var, s, value in writes:
+        if var not in made:
+            made[var] = [request(p._server, "make_slots", (key, p._vid, names))[0]
+                         for p in _parts(var)]
+        _handles(var, s, [m[s] for m in made[var]]).assign(value.astype(var.dtype,
+                                                                        copy=False))
+    optimizer._iterations.assign(np.asarray(state["iterations"], np.int64))
+    optimizer._restored_slots = pending
