@@ -67,14 +67,16 @@ def pack_sequence_as(structure: Any, flat: list) -> Any:
     if n != len(flat):
         raise ValueError(
             f"structure has {n} leaves but {len(flat)} values were given to pack into it")
-    it = iter(flat)
+    return _build(structure, iter(flat))
 
-    def build(t):
-        if not is_nested(t):
-            return next(it)
-        return _rebuild(t, [build(c) for c in _children(t)])
 
-    return build(structure)
+def _build(t, it):
+    # A module-level function, not a closure calling itself: such a closure is a reference
+    # cycle that would keep the leaves (device arrays) alive until the garbage collector
+    # runs, in whichever thread it next runs in.
+    if not is_nested(t):
+        return next(it)
+    return _rebuild(t, [_build(c, it) for c in _children(t)])
 
 
 def assert_same_structure(a: Any, b: Any) -> None:

@@ -1,4 +1,6 @@
 import collections
+import gc
+import weakref
 
 import pytest
 
@@ -26,3 +28,20 @@ def test_map_structure_and_mismatch_message():
 def test_pack_with_wrong_count():
     with pytest.raises(ValueError, match="has 2 leaves but 3 values"):
         nest.pack_sequence_as((1, 2), [1, 2, 3])
+
+
+def test_packed_leaves_are_freed_when_the_structure_is_dropped_without_a_collection():
+    # Device arrays go back to their pool when their last reference goes: packing must
+    # not leave a reference cycle that holds the leaves until the garbage collector runs.
+    class Leaf:
+        pass
+    leaves = [Leaf(), Leaf(), Leaf()]
+    refs = [weakref.ref(x) for x in leaves]
+    gc.disable()
+    try:
+        packed = nest.pack_sequence_as((0, {"a": 0, "b": [0]}), leaves)
+        assert packed[1]["b"][0] is leaves[2]
+        del leaves, packed
+        assert [r() for r in refs] == [None, None, None]
+    finally:
+        gc.enable()

@@ -12,6 +12,7 @@ sanitizer's fakes (see :mod:`gpustrat.testing.sanitizer`) inside a ``with`` bloc
 from __future__ import annotations
 
 import contextlib
+import gc
 
 from gpustrat.testing.sanitizer import Report, Sanitizer, SanitizerError
 
@@ -41,12 +42,14 @@ def sanitize(seed: int = 0, num_devices: int = 4, run_probability: float = 0.5,
                               numba_cuda=FakeNumbaCuda(san, cp))
     san.cupy = cp
     _launch.clear_table_cache()
+    gc.callbacks.append(san.gc_callback)
     try:
         with devices.use_backend(backend):
             yield san
             if check:
                 san.drain()
     finally:
+        gc.callbacks.remove(san.gc_callback)
         _launch.clear_table_cache()
     if check:
         san.check()

@@ -295,7 +295,7 @@ def _make_ndarray(fake: FakeCupy):
             self.strides = (tuple(int(s) for s in strides) if strides is not None
                             else _c_strides(self.shape, self.dtype.itemsize))
             self.device = fake.cuda.Device(mem.blk.device)
-            self.data = _MemoryPointer(fake, self)
+            self.data = _MemoryPointer(fake, mem, self._off)
 
         # --- geometry
         ndim = property(lambda self: len(self.shape))
@@ -484,16 +484,16 @@ def _make_ndarray(fake: FakeCupy):
 
 
 class _MemoryPointer:
-    def __init__(self, fake, arr):
-        self._fake, self._arr = fake, arr
+    """``ndarray.data``: the memory and an offset in it, as CuPy's ``MemoryPointer``. It
+    holds no reference to its array (a cycle would leave the block to the garbage
+    collector, which frees it at a moment and in a thread of its own choosing)."""
+
+    def __init__(self, fake, mem, off: int):
+        self._fake, self.mem, self._off = fake, mem, off
 
     @property
     def ptr(self) -> int:
-        return self._arr._mem.blk.addr + self._arr._off
-
-    @property
-    def mem(self):
-        return self._arr._mem
+        return self.mem.blk.addr + self._off
 
     def copy_from_device_async(self, src, size, stream=None):
         fake = self._fake

@@ -196,15 +196,20 @@ class _Gpus:
         self.cuda = cuda
 
     def __getitem__(self, i):
-        cuda = self.cuda
+        return _GpuContext(self.cuda, int(i))
 
-        class Ctx:
-            def __enter__(self):
-                cuda._devs().append(int(i))
 
-            def __exit__(self, *exc):
-                cuda._devs().pop()
-        return Ctx()
+class _GpuContext:
+    """``with numba.cuda.gpus[i]:`` makes device ``i`` current."""
+
+    def __init__(self, cuda, i: int):
+        self.cuda, self.i = cuda, i
+
+    def __enter__(self):
+        self.cuda._devs().append(self.i)
+
+    def __exit__(self, *exc):
+        self.cuda._devs().pop()
 
     def __len__(self):
         return self.cuda.san.num_devices

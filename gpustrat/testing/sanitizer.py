@@ -14,7 +14,8 @@ Words:
 - *access*: a read or a write of a byte range of a memory block by an op.
 - *block*: an allocation of the memory pool. As CuPy's pool, the pool keeps one arena
   per stream: a freed block is handed out again only to work on the stream it was
-  allocated on (stream order makes that safe for that stream alone).
+  allocated on (stream order makes that safe for that stream alone). A block is freed
+  when the last array referring to it is dropped, in the thread that dropped it.
 
 Reports:
 - ``race``: an access not ordered after the last write of the range on another stream,
@@ -128,6 +129,7 @@ class Block:
     free: bool = False
     serial: int = 0
     freed_vc: dict = field(default_factory=dict)   # what the freeing thread had seen done
+    freed_by: str = ""                             # that thread (for reports)
 
 
 class EventState:
@@ -168,6 +170,7 @@ class Sanitizer:
         self.host = Stream(self, -1, -1, "host")
         self._next_ptr = 0x1000
         self._observed = threading.local()
+        self._collecting = threading.local()   # .on: this thread runs a garbage collection
         self.blocks: list[Block] = []
         self._addrs: list[int] = []
         self._top = {d: (d + 1) << 40 for d in range(num_devices)}
@@ -425,23 +428,37 @@ class Sanitizer:
                             f"pool) handed out again at {_site()} while {a.op.what} on "
                             f"{a.op.stream!r} at {a.op.site} may still "
                             f"{'write' if a.write else 'read'} it: that stream's work was "
-                            f"never ordered before {stream.name}'s")
+                            f"never ordered before {stream.name}'s, nor seen complete by "
+                            f"the thread that freed the block ({blk.freed_by})")
                 break
         blk.accesses = []
 
     def free(self, blk: Block) -> None:
+        """``blk`` goes back to its arena: when the last array referring to it is gone, in
+        the thread that dropped that reference (as CuPy's pool). What that thread had seen
+        complete is over before any later use of the block."""
         with self.lock:
             blk.free = True
             blk.freed_vc = dict(self.done_vc)
+            blk.freed_by = threading.current_thread().name
+            if getattr(self._collecting, "on", False):
+                # Its arrays were in a reference cycle: the collector runs in whichever
+                # thread allocates at the time, which may have seen nothing complete.
+                blk.freed_by += ", by the garbage collector"
             self._free[(blk.arena.id, blk.nbytes)].append(blk)
+
+    def gc_callback(self, phase: str, info: dict) -> None:
+        """For ``gc.callbacks``: marks the frees a garbage collection makes (in reports)."""
+        self._collecting.on = phase == "start"
 
     def block_at(self, addr: int, nbytes: int = 1) -> tuple[Block, int]:
         """The block holding ``[addr, addr + nbytes)`` and the offset in it."""
-        k = bisect.bisect(self._addrs, addr) - 1
-        if k >= 0:
-            blk = self.blocks[k]
-            if addr + max(nbytes, 1) <= blk.addr + blk.nbytes:
-                return blk, addr - blk.addr
+        with self.lock:   # another thread's allocation inserts into both lists
+            k = bisect.bisect(self._addrs, addr) - 1
+            if k >= 0:
+                blk = self.blocks[k]
+                if addr + max(nbytes, 1) <= blk.addr + blk.nbytes:
+                    return blk, addr - blk.addr
         raise SanitizerError(f"device address range [{addr:#x}, {addr + nbytes:#x}) is outside "
                              "every allocation (out of bounds, or freed memory)")
 

@@ -249,6 +249,7 @@ def _train(s, opt, metric, x, y, rows, san):
     the global batch, one apply_gradients, a loss metric. Returns the variables, the
     pointers of the weights' and slots' components after the first step, and each
     step's counts."""
+    from gpustrat.data import Dataset
     with s.scope():
         w = gs.Variable(np.zeros(3, np.float32), name="w")
         b = gs.Variable(np.zeros((), np.float32), name="b")
@@ -261,15 +262,9 @@ def _train(s, opt, metric, x, y, rows, san):
         opt.apply_gradients([(gw, w), (gb, b)])
         return metric(err * err)            # update_state, then this replica's result
 
-    # Each global batch of ``rows`` is cut into consecutive pieces, one per replica, as
-    # a distributed dataset cuts it; the pieces are placed without the background
-    # placer, whose own ordering is checked in tests/gpu/test_sanitized_ordering.py.
     counts, ptrs = [], None
-    per = rows // s.num_replicas_in_sync
-    for k in range(len(x) // rows):
-        xb, yb = (s.experimental_distribute_values_from_function(
-            lambda ctx, a=a: a[k * rows + ctx.replica_id_in_sync_group * per:][:per])
-            for a in (x, y))
+    dist = s.experimental_distribute_dataset(Dataset.from_tensor_slices((x, y)).batch(rows))
+    for xb, yb in dist:
         with san.measure() as c:
             s.run(step, args=(xb, yb))
         counts.append(c)
