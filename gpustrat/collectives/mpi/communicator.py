@@ -12,7 +12,7 @@ from gpustrat.collectives.base import layout_code
 from gpustrat.collectives.host import HostCommunicator, divide
 from gpustrat.collectives.mpi import waits as _waits
 from gpustrat.collectives.mpi.group import MpiWorkerGroup
-from gpustrat.collectives.mpi.header import _BLOCKING_BYTES, _INLINE, _Channel
+from gpustrat.collectives.mpi.header import _BLOCKING_BYTES, _INLINE, _Channel, fold_code
 from gpustrat.collectives.mpi.waits import (_BOOL_NP_OPS, _MEAN, _NP_OPS, _describe,
                                             input_steps_from_env, reduce_args)
 from gpustrat.devices import Device, to_host
@@ -51,6 +51,23 @@ class _Results:
         return a
 
 
+class _Folded:
+    """``with``: an agreement that rides in the header of the first collective issued
+    inside (see :meth:`MpiCommunicator.agreeing`); dropped on the way out if none was."""
+
+    __slots__ = ("_ch", "_fold")
+
+    def __init__(self, ch: _Channel, fold: tuple):
+        self._ch = ch
+        self._fold = fold
+
+    def __enter__(self):
+        self._ch.fold = self._fold
+
+    def __exit__(self, *exc):
+        self._ch.fold = None
+
+
 # --- data plane -------------------------------------------------------------------
 
 _REDUCE_KINDS = {op: f"all_reduce({op.name})" for op in ReduceOp}
@@ -86,6 +103,7 @@ class MpiCommunicator(HostCommunicator):
         self._results = _Results()
         self._plans: dict = {}
         self._gather_plans: dict = {}
+        self._folds: dict = {}
         sizes = workers.allgather(self.num_local)
         if len(set(sizes)) > 1:
             raise ValueError(f"every worker must hold the same number of local replicas, "
@@ -112,6 +130,15 @@ class MpiCommunicator(HostCommunicator):
             ch.header(what, layout_code(key, np.uint8), 0, None, key, np.dtype(np.uint8), hint)
         finally:
             ch.pending = saved
+
+    def agreeing(self, key, what, hint=""):
+        # Rides in the header of the first collective inside: no collective of its own.
+        fold = self._folds.get(key)
+        if fold is None or fold[2] is not what or fold[3] is not hint:
+            if len(self._folds) >= 256:
+                self._folds.clear()
+            fold = self._folds[key] = (fold_code(key), key, what, hint)
+        return _Folded(self._ch, fold)
 
     def reduce(self, buffers, op):
         if type(op) is not ReduceOp:
