@@ -114,8 +114,7 @@ def _fold_message(folds: list) -> str:
         at = next(i for i in range(longest) if len({entry(k, i) for k in keys}) > 1)
         held = "; ".join(f"rank {r}: {0 if k is None else len(k)} entries, entry {at} "
                          f"{entry(k, at)}" for r, k in enumerate(keys))
-    return (f"{what}: every worker must contribute the same values, with the same shapes "
-            f"and dtypes, but the workers hold {held}" + (f". {hint}" if hint else ""))
+    return f"{what}: the workers disagree: {held}" + (f". {hint}" if hint else "")
 
 
 class _Channel:
