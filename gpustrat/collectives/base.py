@@ -131,6 +131,11 @@ class Communicator(abc.ABC):
         ``strategy.reduce`` returns). Backends may override to do less work."""
         return self.all_reduce(buffers, op)[0]
 
+    def gather(self, buffers: Sequence[Any], axis: int = 0):
+        """The all-gather result on local replica 0's device only (what
+        ``strategy.gather`` returns). Backends may override to do less work."""
+        return self.all_gather(buffers, axis)[0]
+
     def close(self) -> None:
         """Release backend resources (NCCL communicators, duplicated MPI comms)."""
 

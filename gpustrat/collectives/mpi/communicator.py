@@ -102,7 +102,9 @@ class MpiCommunicator(HostCommunicator):
             self._ch.steps = workers
         self._results = _Results()
         self._plans: dict = {}
+        self._last_plan: tuple = (None, None, None, None)
         self._gather_plans: dict = {}
+        self._last_gather: tuple = (None, None, None, None)
         self._folds: dict = {}
         sizes = workers.allgather(self.num_local)
         if len(set(sizes)) > 1:
@@ -165,19 +167,28 @@ class MpiCommunicator(HostCommunicator):
         ``x`` may be overwritten and returned."""
         ch = self._ch
         shape, dtype = x.shape, x.dtype
-        # Keyed by id(op): hashing an Enum member runs Python code, an id does not.
-        plan = self._plans.get((shape, dtype, id(op)))
-        if plan is None:
-            plan = self._plan(shape, dtype, op)
+        last = self._last_plan
+        # The last layout again (a loop's): compared, not hashed. Plans are keyed by
+        # id(op): hashing an Enum member runs Python code, an id does not.
+        if last[0] == shape and last[1] is dtype and last[2] is op:
+            plan = last[3]
+        else:
+            plan = self._plans.get((shape, dtype, id(op)))
+            if plan is None:
+                plan = self._plan(shape, dtype, op)
+            self._last_plan = (shape, dtype, op, plan)
         hit, lcode, nbytes, views, kind, ufunc = plan
         small = views is not None
         ch.header(kind, lcode, nbytes, x.tobytes() if small else None, shape, dtype)
         if small:
             if views:
                 # Rank by rank, in rank order, so every rank computes the same bits.
-                out = ufunc(views[0], views[1]) if len(views) > 1 else views[0].copy()
-                for v in views[2:]:
-                    out = ufunc(out, v)
+                if len(views) == 2:
+                    out = ufunc(views[0], views[1])
+                else:
+                    out = ufunc(views[0], views[1]) if len(views) > 1 else views[0].copy()
+                    for v in views[2:]:
+                        out = ufunc(out, v)
             else:
                 rows = ch.payloads(dtype, shape, nbytes)
                 if dtype.kind == "b":
@@ -226,6 +237,11 @@ class MpiCommunicator(HostCommunicator):
             self._plans[(shape, dtype, id(op))] = plan
         return plan
 
+    def gather(self, buffers, axis=0):
+        if len(buffers) == 1 and type(buffers[0]) is np.ndarray:
+            return self._gather(buffers[0], axis)
+        return self.all_gather(buffers, axis)[0]
+
     def all_gather(self, buffers, axis=0):
         if len(buffers) == 1 and type(buffers[0]) is np.ndarray:
             return [self._gather(buffers[0], axis)]
@@ -265,19 +281,26 @@ class MpiCommunicator(HostCommunicator):
 
     def _gather(self, x: np.ndarray, axis: int) -> np.ndarray:
         MPI = _waits._MPI
-        plan = self._gather_plans.get((x.shape, x.dtype, axis))
-        if plan is None:
-            plan = self._gather_plan(x, axis)
+        shape, dtype = x.shape, x.dtype
+        last = self._last_gather
+        if last[0] == shape and last[1] is dtype and last[2] == axis:
+            plan = last[3]
+        else:
+            plan = self._gather_plans.get((shape, dtype, axis))
+            if plan is None:
+                plan = self._gather_plan(x, axis)
+            self._last_gather = (shape, dtype, axis, plan)
         ax, kind, lcode, rest, row_bytes, inline, same_shape = plan
         front = np.moveaxis(x, ax, 0) if ax else x
-        if not front.flags.c_contiguous:
+        nbytes = x.nbytes
+        small = nbytes <= _INLINE
+        if not small and not front.flags.c_contiguous:
             front = np.ascontiguousarray(front)
         ch = self._ch
-        nbytes = front.nbytes
-        small = nbytes <= _INLINE
-        hdr = ch.header(kind, lcode, front.shape[0], front.tobytes() if small else None,
-                        x.shape, x.dtype)
-        rows = hdr[:, 3].tolist()
+        # tobytes writes any layout in C order: a small payload needs no contiguous copy.
+        ch.header(kind, lcode, front.shape[0], front.tobytes() if small else None,
+                  shape, dtype)
+        rows = ch.counts()
         total, most = sum(rows), max(rows)
         same = most * len(rows) == total  # the same rows everywhere
         if most * row_bytes <= _INLINE:

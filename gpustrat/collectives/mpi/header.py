@@ -41,6 +41,7 @@ _INLINE = 32
 _BLOCKING_BYTES = 1 << 16
 _AGREE = 24  # leading bytes of a header that every rank must share
 _PACK = struct.Struct("=4q").pack_into
+_PACK_PAYLOAD = struct.Struct(f"=4q{_INLINE}s").pack_into
 _STEP_MASK = 0x7FFFFFFF  # the input step travels modulo 2**31 in slot 2's high half
 
 
@@ -121,7 +122,8 @@ class _Channel:
     """One MPI communicator with deadline waits and the header agreement."""
 
     __slots__ = ("comm", "rank", "size", "timeout", "debug", "calls", "exits", "pending",
-                 "fold", "steps", "_send", "_recv", "_sendb", "_offsets", "_req", "_views")
+                 "fold", "steps", "_send", "_recv", "_sendb", "_offsets", "_req", "_views",
+                 "_counts")
 
     def __init__(self, comm, exits: "_ExitWatch | None" = None):
         self.comm = comm
@@ -146,6 +148,8 @@ class _Channel:
         self._offsets = range(rec, rec * self.size, rec)
         self._req = None
         self._views: dict = {}
+        # Slot 3 of every rank's record, read straight from the received headers.
+        self._counts = struct.Struct("=" + "24xq32x" * self.size).unpack_from
 
     def wait(self, request, what) -> None:
         wait(request, what, self.rank, self.timeout, self.exits)
@@ -164,7 +168,6 @@ class _Channel:
         if pending is not None:  # the public call's own name, e.g. reduce(SUM, axis=0)
             kind = pending[0]
             shape = pending[2]
-        sendb = self._sendb
         steps = self.steps
         mark = 0 if steps is None else (steps.input_steps & _STEP_MASK) << 32
         if self.debug:
@@ -172,9 +175,13 @@ class _Channel:
         fold = self.fold
         if fold is not None:
             layout |= fold[0]
-        _PACK(sendb, 0, kind_code(kind), layout, mark, count)
-        if payload is not None:
-            sendb[32:32 + len(payload)] = payload
+        code = _kind_codes.get(kind)
+        if code is None:
+            code = kind_code(kind)
+        if payload is None:
+            _PACK(self._sendb, 0, code, layout, mark, count)
+        else:  # one call writes the payload too (zero-padded to 32 bytes)
+            _PACK_PAYLOAD(self._sendb, 0, code, layout, mark, count, payload)
         req = self._req
         if req is None:
             req = self._req = self.comm.Allgather_init([self._send, _waits._MPI.INT64_T],
@@ -185,11 +192,20 @@ class _Channel:
                  self.exits)
         raw = self._recv.tobytes()
         ref = raw[:_AGREE]
-        for off in self._offsets:
-            if raw[off:off + _AGREE] != ref:
+        if self.size == 2:
+            if raw[64:64 + _AGREE] != ref:
                 self._disagree(kind, shape, dtype, hint)
-        self.pending = self.fold = None
+        else:
+            for off in self._offsets:
+                if raw[off:off + _AGREE] != ref:
+                    self._disagree(kind, shape, dtype, hint)
+        if pending is not None or fold is not None:
+            self.pending = self.fold = None
         return self._recv
+
+    def counts(self) -> tuple:
+        """Every rank's slot 3 (the size that may differ) in the last headers."""
+        return self._counts(self._recv)
 
     def _disagree(self, kind: str, shape, dtype, hint: str) -> None:
         """Raise on every rank: every rank saw the same headers, so all come here and
