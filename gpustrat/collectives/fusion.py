@@ -387,6 +387,7 @@ _FIRST = operator.itemgetter(0)
 _ITEMS = [operator.itemgetter(i) for i in range(64)]
 _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
+_SIZE = operator.attrgetter("size")
 
 
 def _host_arena(total: int, dtype, replica: int) -> np.ndarray:
@@ -409,6 +410,15 @@ def _host_arena(total: int, dtype, replica: int) -> np.ndarray:
         buf = np.empty(total, dtype)
         buffers[key] = buf
     return buf[:total]
+
+
+def pack_host(tensors: Sequence[np.ndarray], replica: int = 0) -> np.ndarray:
+    """Host ``tensors`` (one dtype) flattened back to back into a pooled fusion buffer of
+    local replica ``replica``: the caller's until it lets go of it (then a later call
+    reuses it), so a warm loop allocates and page-faults nothing."""
+    dtype = tensors[0].dtype
+    total = sum(map(_SIZE, tensors))
+    return _pack_host(tensors, _host_arena(total, dtype, replica))
 
 
 def _pack_host(tensors, out: np.ndarray) -> np.ndarray:

@@ -72,5 +72,8 @@ class StagedCommunicator(Communicator):
     def reduce(self, buffers, op):
         return to_device(self.host.reduce(self._down(buffers), op), self.devices[0])
 
+    def gather(self, buffers, axis=0):
+        return to_device(self.host.gather(self._down(buffers), axis), self.devices[0])
+
     def close(self) -> None:
         self.host.close()

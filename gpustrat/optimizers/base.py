@@ -250,14 +250,15 @@ class Optimizer:
         for the first local replica's).
         """
         variables = list(variables)
-        bad = next((v for v in variables if not isinstance(v, Variable)), None)
-        if bad is not None or not variables:
-            raise TypeError(f"gradient_buffers takes a non-empty list of gs.Variable, got "
-                            f"{bad!r}" if variables else "gradient_buffers got no variables")
         strategy, ctx = context.current()
         index = ctx.local_index if ctx is not None and strategy is not None else 0
         plan = self._plans.get(tuple(map(id, variables)))
         if plan is None:  # made by the first step, in cross-replica context
+            bad = next((v for v in variables if not isinstance(v, Variable)), None)
+            if bad is not None or not variables:
+                raise TypeError(f"gradient_buffers takes a non-empty list of gs.Variable, "
+                                f"got {bad!r}" if variables else
+                                "gradient_buffers got no variables")
             return fresh_arrays([v.shape for v in variables], [v.dtype for v in variables],
                                 replica_devices(variables, index))
         return plan.gradient_buffers(index)

@@ -32,6 +32,7 @@ import sys
 
 import numpy as np
 
+from gpustrat.collectives.fusion import pack_host
 from gpustrat.devices import on_device_of
 from gpustrat.distribute.collective_ops import as_array
 from gpustrat.distribute.distributed_variables import DistributedVariable, strategy_of
@@ -150,6 +151,8 @@ class StepPlan:
         ``grads[j]`` is variable j's gradient: a per-replica value, or one value for
         every replica; with ``per_replica``, a sequence of one value per replica."""
         n = self.n_local
+        if n == 1 and not per_replica and not self.gpu and self._host_column_ok(grads):
+            return list(zip(grads))   # one replica's host arrays (no PerReplica among them)
         if not self.gpu and n <= len(_ITEM):
             # The common step: host arrays of the right shapes and dtypes, checked with
             # whole-list compares (in C) instead of one by one.
@@ -271,11 +274,16 @@ class FlatArenas:
         return arena
 
     def concatenate(self, tensors: list) -> list:
-        """One flat array per replica of ``tensors[j][i]``, in the plan's order."""
+        """One flat array per replica of ``tensors[j][i]``, in the plan's order (host
+        replicas: in a pooled fusion buffer, reused once the step lets go of it)."""
         out = []
         for i, dev in enumerate(row[0] for row in self.plan.devices):
+            column = [t[i] for t in tensors]
+            if not dev.is_gpu and all(type(t) is np.ndarray for t in column):
+                out.append(pack_host(column, i))
+                continue
             with dev.activate():
-                out.append(dev.xp.concatenate([t[i].reshape(-1) for t in tensors]))
+                out.append(dev.xp.concatenate([t.reshape(-1) for t in column]))
         return out
 
     def step(self, optimizer, buckets: list, lr: float, step: int) -> None:
