@@ -215,7 +215,7 @@ class MpiCommunicator(HostCommunicator):
             else:
                 req = ch.comm.Iallreduce(src, [out, mtype], mop)
                 if not req.Test():
-                    ch.wait(req, lambda: _describe(kind, x.shape, x.dtype))
+                    ch.wait(req, (kind, x.shape, x.dtype))
             if up is not None:
                 out = out.astype(x.dtype)
         return out
@@ -330,7 +330,7 @@ class MpiCommunicator(HostCommunicator):
                 np.cumsum(counts[:-1], out=displs[1:])
                 req = ch.comm.Iallgatherv([front, MPI.BYTE],
                                           [out, (counts, displs), MPI.BYTE])
-            ch.wait(req, lambda: _describe(kind, x.shape, x.dtype))
+            ch.wait(req, (kind, x.shape, x.dtype))
         return np.ascontiguousarray(np.moveaxis(out, 0, ax)) if ax else out
 
     def _across_workers_bcast(self, x, root_worker):

@@ -188,8 +188,7 @@ class _Channel:
                                                        [self._recv, _waits._MPI.INT64_T])
         req.Start()
         if not req.Test():
-            wait(req, lambda: _describe(kind, shape, dtype), self.rank, self.timeout,
-                 self.exits)
+            wait(req, (kind, shape, dtype), self.rank, self.timeout, self.exits)
         raw = self._recv.tobytes()
         ref = raw[:_AGREE]
         if self.size == 2:
