@@ -121,7 +121,7 @@ class StrategyExtended:
         if on_host and single and set(map(type, values)) == {np.ndarray}:
             # The common case (one replica's own host arrays, e.g. a gradient step's
             # hundred gradients) needs no placement: checked in C, wrapped in one pass.
-            tensors = [[value] for value in values]
+            tensors = list(zip(values))   # tensors[j] = (value j,): one per replica
             values = ()
         else:
             tensors = []
