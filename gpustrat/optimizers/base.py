@@ -354,9 +354,12 @@ class Optimizer:
             with comm.agreeing(*agree) if agree else _NO_CONTEXT:
                 return all_reduce_arenas(comm, arenas, ReduceOp.SUM,
                                          layout_of(plan.shapes, plan.dtypes))
-        # Compressed: each replica's whole buffer as one tensor, cast for the wire.
-        for a, summed in zip(arenas, self._reduce(plan, [list(arenas)], agree)[0]):
-            copy_into(a, summed)
+        # Compressed: the collectives gradient arrays make (cast per variable, the same
+        # buckets), so that workers may mix both; then the sums go back into the buffers.
+        views = plan.buffer_views()
+        for row, summed in zip(views, self._reduce(plan, views, agree)):
+            for view, value in zip(row, summed):
+                copy_into(view, value)
         return [(plan.indices, arenas)]
 
     def _flat_gradients(self, plan: StepPlan, tensors: list, reduce: bool,

@@ -176,3 +176,41 @@ s.close()
 
 def test_the_agreement_rides_in_the_reduction_header():
     assert_mpi_ok(2, ONE_HEADER, timeout=120, expect_lines=2)
+
+
+MIXED_WAYS = r"""
+import numpy as np
+import gpustrat as gs
+s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+rank = s.worker_index
+for compression in (None, "float16", "bfloat16"):
+    with s.scope():
+        vs = [gs.Variable(np.zeros(3, np.float32), name=f"{compression}{j}") for j in range(4)]
+        opt = gs.optimizers.SGD(0.5, compression=compression)
+
+    def step():
+        # Rank 0 writes into its gradient buffers, rank 1 passes arrays: the same
+        # collectives (16-byte buckets: several per step), the same sums.
+        grads = [np.full(3, (rank + 1) * (j + 1), np.float32) for j in range(4)]
+        if rank == 0:
+            bufs = opt.gradient_buffers(vs)
+            for b, g in zip(bufs, grads):
+                b[...] = g
+            grads = bufs
+        opt.apply_gradients(zip(grads, vs))
+        return grads
+
+    for _ in range(3):
+        last = s.run(step)
+    for j, v in enumerate(vs):
+        np.testing.assert_array_equal(np.asarray(v), np.full(3, -4.5 * (j + 1)))
+        if rank == 0:      # the buffers hold the sums
+            np.testing.assert_array_equal(last[j], np.full(3, 3.0 * (j + 1)))
+print(f"OK rank {rank}", flush=True)
+s.close()
+"""
+
+
+def test_workers_mixing_gradient_buffers_and_arrays_make_the_same_collectives():
+    assert_mpi_ok(2, MIXED_WAYS, timeout=120, expect_lines=2,
+                  env={"GPUSTRAT_FUSION_BUCKET_BYTES": "16"})
