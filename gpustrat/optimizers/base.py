@@ -261,6 +261,16 @@ class Optimizer:
                                 "gradient_buffers got no variables")
             return fresh_arrays([v.shape for v in variables], [v.dtype for v in variables],
                                 replica_devices(variables, index))
+        if strategy is not None and plan.owner is not None and plan.owner is not strategy:
+            raise ValueError(
+                f"{type(self).__name__}.gradient_buffers: the variables belong to "
+                f"{plan.owner!r} but this runs under {strategy!r}: train the variables "
+                "of one strategy, under that strategy")
+        if index >= plan.n_local:
+            raise ValueError(
+                f"{type(self).__name__}.gradient_buffers under {strategy!r}: variable "
+                f"{plan.names[0]!r} was made outside strategy.scope(), so it has one copy "
+                "for all replicas; make the variables inside strategy.scope()")
         return plan.gradient_buffers(index)
 
     def _apply_merged(self, strategy, step_args, reduce: bool) -> None:

@@ -218,3 +218,16 @@ def test_bad_variables_are_refused(two):
         opt.gradient_buffers([])
     with pytest.raises(TypeError, match="gs.Variable"):
         opt.gradient_buffers([np.zeros(3, np.float32)])
+
+
+def test_buffers_of_another_strategys_variables_are_refused(two, three):
+    vs, opt = _model(two)
+
+    def step():
+        bufs = opt.gradient_buffers(vs)
+        _fill(bufs, 0)
+        opt.apply_gradients(zip(bufs, vs))
+
+    two.run(step)
+    with pytest.raises(ValueError, match="belong to"):
+        three.run(lambda: opt.gradient_buffers(vs))
