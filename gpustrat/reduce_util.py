@@ -26,3 +26,10 @@ class ReduceOp(enum.Enum):
         raise ValueError(
             f"unknown reduce op {op!r}: use ReduceOp.SUM, MEAN, MAX or MIN "
             "(or the strings 'sum', 'mean', 'max', 'min')")
+
+
+#: The ops by ``id(op)`` and by name (upper and lower case), looked up without running
+#: Python code: hashing an Enum member calls its Python ``__hash__``, an id does not.
+#: Other spellings go through :meth:`ReduceOp.from_value`.
+OPS_BY_KEY = {**{id(op): op for op in ReduceOp},
+              **{k: op for op in ReduceOp for k in (op.name, op.name.lower())}}

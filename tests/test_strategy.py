@@ -195,6 +195,19 @@ def test_all_reduce_nested_every_op(strategy):
         np.testing.assert_allclose(mn["b"][0], 1)
 
 
+def test_booleans_reduce_alike_on_any_replica_count(strategy):
+    # One array on a single replica takes a shortcut to the communicator: the same
+    # rules as every other path (SUM and MEAN of booleans are errors; MAX is any).
+    def fn(op):
+        ctx = gs.get_replica_context()
+        return ctx.all_reduce(op, np.array([ctx.replica_id_in_sync_group == 0, False]))
+    for op in ("sum", gs.ReduceOp.MEAN):
+        with pytest.raises(TypeError, match="of booleans is not defined"):
+            strategy.run(fn, args=(op,))
+    for res in strategy.experimental_local_results(strategy.run(fn, args=("max",))):
+        np.testing.assert_array_equal(res, [True, False])
+
+
 def test_all_gather_uneven_rows(strategy):
     n = strategy.num_replicas_in_sync
 

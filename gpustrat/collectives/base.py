@@ -17,6 +17,7 @@ workers.
 from __future__ import annotations
 
 import abc
+import contextlib
 import zlib
 from typing import Any, Callable, Sequence
 
@@ -112,13 +113,34 @@ class Communicator(abc.ABC):
         """
         self.agree_layout(key, np.uint8, what, hint)
 
+    def agreeing(self, key: tuple, what, hint: str = ""):
+        """:meth:`agree` on ``key``, as a context manager around the collectives it guards:
+        ``with comm.agreeing(key, what): comm.all_reduce_inplace(...)``.
+
+        Where the backend can, the check rides with the first collective issued inside
+        the ``with`` (over MPI, in that collective's header) and costs no collective of
+        its own; a disagreement still raises on every worker before any data moves.
+        Elsewhere it is :meth:`agree`, on entry. Every worker must issue the same first
+        collective inside the ``with``.
+        """
+        self.agree(key, what, hint)
+        return _NOTHING
+
     def reduce(self, buffers: Sequence[Any], op: ReduceOp):
         """The all-reduce result on local replica 0's device only (what
         ``strategy.reduce`` returns). Backends may override to do less work."""
         return self.all_reduce(buffers, op)[0]
 
+    def gather(self, buffers: Sequence[Any], axis: int = 0):
+        """The all-gather result on local replica 0's device only (what
+        ``strategy.gather`` returns). Backends may override to do less work."""
+        return self.all_gather(buffers, axis)[0]
+
     def close(self) -> None:
         """Release backend resources (NCCL communicators, duplicated MPI comms)."""
+
+
+_NOTHING = contextlib.nullcontext()
 
 
 def layout(shape, dtype) -> tuple:

@@ -36,7 +36,7 @@ from typing import Sequence
 import numpy as np
 
 from gpustrat.collectives.base import Communicator
-from gpustrat.devices import array_module, device_of, is_gpu_array
+from gpustrat.devices import array_module, device_of, is_gpu_array, to_host
 from gpustrat.reduce_util import ReduceOp
 
 ENV_BUCKET_BYTES = "GPUSTRAT_FUSION_BUCKET_BYTES"
@@ -210,6 +210,24 @@ def fused_all_reduce_flat(comm: Communicator, tensors: Sequence[Sequence], op,
                                                        layout)]
 
 
+def all_reduce_arenas(comm: Communicator, arenas: Sequence, op,
+                      layout: "FusionLayout") -> list[tuple[list, list]]:
+    """Reduce tensors that already sit in fusion buffers, in place: no packing.
+
+    Args:
+        comm: any communicator.
+        arenas: one 1-D array per local replica, on its device, holding tensors of
+            ``layout`` (one dtype) flattened back to back in order: each bucket is the
+            slice of the arena :func:`layout_of` gives it.
+        op: as :func:`fused_all_reduce`.
+    Returns:
+        As :func:`fused_all_reduce_flat`, each bucket's buffers being the arenas'
+        slices: after the call they hold the reduction.
+    """
+    return [(bucket, reduced)
+            for bucket, _, reduced in _reduced_buckets(comm, None, op, None, layout, arenas)]
+
+
 class FusionLayout:
     """The shapes and dtypes of a list of tensors and their buckets (see
     :func:`check_layout`); made once per list of layouts and bucket size."""
@@ -254,32 +272,57 @@ def check_layout(comm: Communicator, tensors: Sequence[Sequence],
     return tensors, layout_of(shapes, dtypes, int(bucket_bytes))
 
 
-def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout):
-    """Yield ``(bucket, how to cut it into tensors, reduced buffers)`` for each bucket."""
+def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout, arenas=None):
+    """Yield ``(bucket, how to cut it into tensors, reduced buffers)`` for each bucket:
+    ``tensors`` packed into fusion buffers, or the buckets' slices of ``arenas`` (one
+    per local replica) reduced in place."""
     op = ReduceOp.from_value(op)
-    if not tensors:
-        return
-    if layout is None:
-        tensors, layout = check_layout(comm, tensors, bucket_bytes)
+    if arenas is None:
+        if not tensors:
+            return
+        if layout is None:
+            tensors, layout = check_layout(comm, tensors, bucket_bytes)
     n_local = comm.num_local
-    arenas: dict = {}
+    pool: dict = {}
     for bucket, lo, hi, start, total, dtype, arena_total, runs in layout.buckets:
-        rows = tensors[lo:hi] if hi else [tensors[j] for j in bucket]
-        buffers = []
-        for i in range(n_local):
-            parts = list(map(_ITEMS[i], rows)) if i < len(_ITEMS) else \
-                [row[i] for row in rows]
-            if is_gpu_array(parts[0]):
-                buffers.append(_pack_gpu(parts))
-                continue
-            arena = arenas.get((dtype, i))
-            if arena is None:
-                arena = arenas[dtype, i] = _host_arena(arena_total, dtype, i)
-            buffers.append(_pack_host(parts, arena[start:start + total]))
+        if arenas is not None:
+            if arenas[0].dtype != dtype or arenas[0].size != arena_total:
+                raise ValueError(f"the arenas hold {arenas[0].size} values of dtype "
+                                 f"{arenas[0].dtype}, but the layout needs {arena_total} "
+                                 f"of dtype {dtype}")
+            buffers = [a[start:start + total] for a in arenas]
+        else:
+            rows = tensors[lo:hi] if hi else [tensors[j] for j in bucket]
+            buffers = []
+            for i in range(n_local):
+                parts = list(map(_ITEMS[i], rows)) if i < len(_ITEMS) else \
+                    [row[i] for row in rows]
+                if is_gpu_array(parts[0]):
+                    buffers.append(_pack_gpu(parts))
+                    continue
+                arena = pool.get((dtype, i))
+                if arena is None:
+                    arena = pool[dtype, i] = _host_arena(arena_total, dtype, i)
+                buffers.append(_pack_host(parts, arena[start:start + total]))
         # The packed buffers are ours: the backend may reduce in them, and the results
         # are views of them.
         reduced = comm.all_reduce_inplace(buffers, op)
+        if arenas is not None:
+            # A backend that returned new arrays: the arenas hold the result all the same.
+            for b, r in zip(buffers, reduced):
+                if r is not b:
+                    copy_into(b, r)
+            reduced = buffers
         yield bucket, runs, reduced
+
+
+def copy_into(dst, src) -> None:
+    """``dst[...] = src`` on ``dst``'s device (its current stream there)."""
+    if is_gpu_array(dst):
+        with device_of(dst).activate():
+            dst[...] = src
+    else:
+        np.copyto(dst, to_host(src) if is_gpu_array(src) else src)
 
 
 _layouts: dict = {}
@@ -344,6 +387,7 @@ _FIRST = operator.itemgetter(0)
 _ITEMS = [operator.itemgetter(i) for i in range(64)]
 _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
+_SIZE = operator.attrgetter("size")
 
 
 def _host_arena(total: int, dtype, replica: int) -> np.ndarray:
@@ -366,6 +410,15 @@ def _host_arena(total: int, dtype, replica: int) -> np.ndarray:
         buf = np.empty(total, dtype)
         buffers[key] = buf
     return buf[:total]
+
+
+def pack_host(tensors: Sequence[np.ndarray], replica: int = 0) -> np.ndarray:
+    """Host ``tensors`` (one dtype) flattened back to back into a pooled fusion buffer of
+    local replica ``replica``: the caller's until it lets go of it (then a later call
+    reuses it), so a warm loop allocates and page-faults nothing."""
+    dtype = tensors[0].dtype
+    total = sum(map(_SIZE, tensors))
+    return _pack_host(tensors, _host_arena(total, dtype, replica))
 
 
 def _pack_host(tensors, out: np.ndarray) -> np.ndarray:

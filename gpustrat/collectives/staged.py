@@ -62,8 +62,18 @@ class StagedCommunicator(Communicator):
     def agree_layout(self, shape, dtype, what, hint=""):
         self.host.agree_layout(shape, dtype, what, hint)
 
+    def agree(self, key, what, hint=""):
+        self.host.agree(key, what, hint)
+
+    def agreeing(self, key, what, hint=""):
+        # The host collective of the staged call made inside carries it.
+        return self.host.agreeing(key, what, hint)
+
     def reduce(self, buffers, op):
         return to_device(self.host.reduce(self._down(buffers), op), self.devices[0])
+
+    def gather(self, buffers, axis=0):
+        return to_device(self.host.gather(self._down(buffers), axis), self.devices[0])
 
     def close(self) -> None:
         self.host.close()

@@ -20,28 +20,28 @@ if TYPE_CHECKING:  # pragma: no cover
     from gpustrat.distribute.replica_context import ReplicaContext
     from gpustrat.distribute.strategy import Strategy
 
-_state = threading.local()
+class _State(threading.local):
+    # __init__ runs once per thread, on its first use: every thread has its stack.
+    def __init__(self):
+        self.stack: list = []
 
 
-def _stack() -> list:
-    s = getattr(_state, "stack", None)
-    if s is None:
-        s = _state.stack = []
-    return s
+_state = _State()
+_NONE = (None, None)
 
 
 def push(strategy: "Strategy", replica_ctx: "ReplicaContext | None") -> None:
-    _stack().append((strategy, replica_ctx))
+    _state.stack.append((strategy, replica_ctx))
 
 
 def pop() -> None:
-    _stack().pop()
+    _state.stack.pop()
 
 
 def current():
     """(strategy, replica context) on top of this thread's stack, or (None, None)."""
-    s = _stack()
-    return s[-1] if s else (None, None)
+    s = _state.stack
+    return s[-1] if s else _NONE
 
 
 def get_strategy() -> "Strategy":
@@ -66,11 +66,13 @@ def in_cross_replica_context() -> bool:
 def get_replica_context() -> "ReplicaContext | None":
     """The replica context inside ``run``; None in cross-replica context; the default
     strategy's replica context outside any scope."""
-    strategy, ctx = current()
-    if strategy is None:
-        from gpustrat.distribute.default import default_strategy  # noqa: PLC0415
-        return default_strategy()._default_replica_context()
-    return ctx
+    s = _state.stack
+    if s:
+        strategy, ctx = s[-1]
+        if strategy is not None:
+            return ctx
+    from gpustrat.distribute.default import default_strategy  # noqa: PLC0415
+    return default_strategy()._default_replica_context()
 
 
 def get_cross_replica_context() -> "Strategy | None":

@@ -14,6 +14,7 @@ All three are cross-replica operations; called in replica context they go throug
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -25,6 +26,8 @@ from gpustrat.distribute.collective_ops import as_array
 from gpustrat.distribute.distributed_variables import DistributedVariable, as_components
 from gpustrat.reduce_util import ReduceOp
 from gpustrat.values import DistributedValues, Mirrored, regroup, select_replica
+
+_NOTHING = contextlib.nullcontext()
 
 
 class StrategyExtended:
@@ -118,7 +121,7 @@ class StrategyExtended:
         if on_host and single and set(map(type, values)) == {np.ndarray}:
             # The common case (one replica's own host arrays, e.g. a gradient step's
             # hundred gradients) needs no placement: checked in C, wrapped in one pass.
-            tensors = [[value] for value in values]
+            tensors = list(zip(values))   # tensors[j] = (value j,): one per replica
             values = ()
         else:
             tensors = []
@@ -136,17 +139,19 @@ class StrategyExtended:
         what = f"batch_reduce_to({op.name})"
         comm = strategy.communicator
         if len(tensors) == 1:
-            agree_tensors(strategy, tensors, what)
-            out = [comm.all_reduce(tensors[0], op)]
+            agree = agreement(strategy, describe_layouts(tensors), what)
+            with comm.agreeing(*agree) if agree else _NOTHING:
+                out = [comm.all_reduce(tensors[0], op)]
         else:
             # Checked and planned once, for the agreement and the fusion both.
             tensors, layout = check_layout(comm, tensors)
             if layout.described is None:
                 layout.described = _describe(tensors)
-            agree_tensors(strategy, tensors, what, layouts=layout.described)
-            if single:
-                return fused_all_reduce_single(comm, tensors, op, layout=layout)
-            out = fused_all_reduce(comm, tensors, op, layout=layout)
+            agree = agreement(strategy, layout.described, what)
+            with comm.agreeing(*agree) if agree else _NOTHING:
+                if single:
+                    return fused_all_reduce_single(comm, tensors, op, layout=layout)
+                out = fused_all_reduce(comm, tensors, op, layout=layout)
         return [r[0] if len(r) == 1 else Mirrored(r) for r in out]
 
 
@@ -182,18 +187,28 @@ def describe_layouts(tensors: list, names=None) -> tuple:
 
 
 def _describe(tensors: list, names=None) -> tuple:
+    return describe_shapes([t[0].shape for t in tensors], [t[0].dtype for t in tensors],
+                           names)
+
+
+def describe_shapes(shapes: Sequence[tuple], dtypes: Sequence, names=None) -> tuple:
+    """:func:`describe_layouts` of tensors of these shapes and dtypes."""
     return tuple((f"{names[j]}:" if names else "")
-                 + f"{'x'.join(map(str, t[0].shape)) or 'scalar'}:{t[0].dtype}"
-                 for j, t in enumerate(tensors))
+                 + f"{'x'.join(map(str, shape)) or 'scalar'}:{dtype}"
+                 for j, (shape, dtype) in enumerate(zip(shapes, dtypes)))
 
 
-def agree_tensors(strategy, tensors: list, what: str, names=None, layouts=None) -> None:
-    """Across workers, one small collective: every worker reduces the same list of
-    shapes and dtypes (and ``names``, when given; ``layouts`` is
-    ``describe_layouts(tensors, names)`` when the caller keeps it), else every worker
-    raises. Nothing on one worker."""
+#: What to do when workers reduce different values (a fused reduction's agreement).
+AGREE_HINT = ("every worker must reduce the same values, in the same order, with the same "
+              "shapes and dtypes")
+
+
+def agreement(strategy, layouts: tuple, what: str) -> tuple | None:
+    """``(key, what, hint)`` for ``comm.agreeing`` around a fused reduction of tensors
+    described by ``layouts`` (what :func:`describe_layouts` gives): every worker must
+    reduce the same list of shapes and dtypes (and names, when described), else every
+    worker raises; it rides with the reduction's first collective. None on one worker
+    (nothing to agree on)."""
     if strategy.num_workers == 1:
-        return
-    strategy.communicator.agree(layouts or describe_layouts(tensors, names), what,
-                                "every worker must reduce the same values, in the same "
-                                "order, with the same shapes and dtypes")
+        return None
+    return (layouts, what, AGREE_HINT)

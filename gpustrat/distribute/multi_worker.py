@@ -17,10 +17,9 @@ from gpustrat.collectives.select import make_communicator
 from gpustrat.devices import Device, gpu_count, resolve_devices
 from gpustrat.distribute import context, reduction
 from gpustrat.distribute.strategy import Strategy
-from gpustrat.reduce_util import ReduceOp
+from gpustrat.reduce_util import OPS_BY_KEY, ReduceOp
 from gpustrat.values import PerReplica
 
-_OPS = {**{op: op for op in ReduceOp}, **{op.name.lower(): op for op in ReduceOp}}
 _NUMERIC = "biufc"  # NumPy dtype kinds that take the short path
 
 
@@ -89,6 +88,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         install_abort_on_error(workers)
         comm = collectives or make_communicator(devs, workers)
         super().__init__(devs, comm, workers)
+        # One CPU replica per worker, several workers: a reduce or gather of one host
+        # array goes straight to the communicator (see reduce).
+        self._one_host = len(devs) == 1 and not devs[0].is_gpu and workers.size > 1
 
     def _one_leaf(self, value):
         """The components of a value that is one host array per local replica (a plain
@@ -108,13 +110,24 @@ class MultiWorkerMirroredStrategy(Strategy):
         return None
 
     def reduce(self, reduce_op, value, axis=None):
-        op = _OPS.get(reduce_op) if isinstance(reduce_op, (str, ReduceOp)) else None
-        comps = None if op is None else self._one_leaf(value)
+        t = type(reduce_op)
+        op = OPS_BY_KEY.get(id(reduce_op)) if t is ReduceOp else \
+            OPS_BY_KEY.get(reduce_op) if t is str else None
+        if op is None:
+            return super().reduce(reduce_op, value, axis)
+        if self._one_host and type(value) is np.ndarray and value.dtype.kind in _NUMERIC \
+                and context.current()[1] is None:
+            # The call every loop makes: one host array of numbers, one replica here.
+            return reduction.reduce_host_array(self._communicator, op, value, axis)
+        comps = self._one_leaf(value)
         if comps is None:
             return super().reduce(reduce_op, value, axis)
         return reduction.reduce_components(self._communicator, op, comps, axis)
 
     def gather(self, value, axis):
+        if self._one_host and type(value) is np.ndarray and value.dtype.kind in _NUMERIC \
+                and context.current()[1] is None:
+            return reduction.gather_host_array(self._communicator, value, axis)
         comps = self._one_leaf(value)
         if comps is None:
             return super().gather(value, axis)

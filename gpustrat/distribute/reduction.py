@@ -125,7 +125,33 @@ def reduce_components(comm: Communicator, op: ReduceOp, comps: Sequence[Any],
     for i, c in enumerate(comps):
         if type(c) is not np.ndarray or c.dtype.kind not in "iufc":  # else nothing to check
             check_leaf(c, op, "strategy.reduce", f"component {i}")
-    arrays = _arrays(comps, comm.devices)
+    return _reduce_arrays(comm, op, _arrays(comps, comm.devices), axis)
+
+
+def reduce_host_array(comm: Communicator, op: ReduceOp, a: np.ndarray, axis: int | None
+                      ) -> Any:
+    """:func:`reduce_components` of one host array of numbers (dtype kind ``b``, ``i``,
+    ``u``, ``f`` or ``c``; the caller checked) on a communicator with one CPU replica."""
+    if a.dtype.kind == "b":
+        check_leaf(a, op, "strategy.reduce", "component 0")   # MAX and MIN only
+    if axis is None:
+        comm.agree_layout(a.shape, a.dtype, _NAMES_AXIS_NONE[id(op)], _HINT_AXIS_NONE)
+        return comm.reduce([a], op)
+    if op is not _MEAN and a.dtype.kind != "b":
+        one_row = _ONE_ROW.get((a.shape, axis, id(op)))
+        if one_row is not None:  # see _reduce_arrays: one row, reduced as a view
+            rest, shown, name = one_row
+            comm.agree_layout(shown, a.dtype, name, _HINT_AXIS)
+            return comm.reduce([a.reshape(rest)], op)
+    return _reduce_arrays(comm, op, [a], axis)
+
+
+# (shape, axis, id(op)) -> (the other axes, the layout shown, the call's name) of one
+# array with one row along the axis: a training loop reduces the same few.
+_ONE_ROW: dict = {}
+
+
+def _reduce_arrays(comm: Communicator, op: ReduceOp, arrays: list, axis: int | None) -> Any:
     if axis is None:
         first = arrays[0]
         if len(arrays) > 1 and any(a.shape != first.shape for a in arrays[1:]):
@@ -142,13 +168,17 @@ def reduce_components(comm: Communicator, op: ReduceOp, comps: Sequence[Any],
         a = arrays[0]
         if a.ndim and -a.ndim <= axis < a.ndim and a.shape[axis] == 1 and \
                 a.dtype.kind != "b":
-            # One array of one row: see the general case below, written out.
+            # One array of one row: see the general case below, written out (and
+            # remembered for reduce_host_array).
             ax = axis % a.ndim
             rest = a.shape[:ax] + a.shape[ax + 1:]
             name = _NAMES_AXIS.get((id(op), axis))
             if name is None:
                 name = _NAMES_AXIS[(id(op), axis)] = f"reduce({op.name}, axis={axis})"
-            comm.agree_layout(a.shape[:ax] + ("*",) + rest[ax:], a.dtype, name, _HINT_AXIS)
+            shown = a.shape[:ax] + ("*",) + rest[ax:]
+            if len(_ONE_ROW) < 1024:
+                _ONE_ROW[(a.shape, axis, id(op))] = (rest, shown, name)
+            comm.agree_layout(shown, a.dtype, name, _HINT_AXIS)
             return comm.reduce([a.reshape(rest)], op)
     ndim = arrays[0].ndim
     if ndim == 0:
@@ -215,6 +245,17 @@ def _mean_along_axis(comm: Communicator, arrays, ax: int):
         return mean.reshape(out_shape).astype(out_dtype, copy=False)
 
 
+def gather_host_array(comm: Communicator, a: np.ndarray, axis: int) -> Any:
+    """:func:`gather_components` of one host array of numbers (the caller checked) on a
+    communicator with one CPU replica."""
+    if a.ndim == 0:
+        raise ValueError("gather needs per-replica values with at least one dimension; "
+                         "got scalars")
+    if type(axis) is not int or not -a.ndim <= axis < a.ndim:
+        axis = _normalize_axis(axis, a.ndim)
+    return comm.gather([a], axis)
+
+
 def gather_components(comm: Communicator, comps: Sequence[Any], axis: int) -> Any:
     """Concatenate one leaf's components from every replica in sync along ``axis``."""
     for i, c in enumerate(comps):
@@ -226,9 +267,9 @@ def gather_components(comm: Communicator, comps: Sequence[Any], axis: int) -> An
                          "got scalars")
     ax = _normalize_axis(axis, arrays[0].ndim)
     if len(arrays) == 1:  # one array: no shapes to compare
-        return comm.all_gather(arrays, ax)[0]
+        return comm.gather(arrays, ax)
     rest = [a.shape[:ax] + a.shape[ax + 1:] for a in arrays]
     if any(r != rest[0] or a.ndim != arrays[0].ndim for r, a in zip(rest, arrays)):
         raise ValueError(f"gather along axis {axis} needs shapes that differ only along "
                          f"that axis: {_shapes(arrays)}")
-    return comm.all_gather(arrays, ax)[0]
+    return comm.gather(arrays, ax)

@@ -8,16 +8,13 @@ from typing import Any, Callable
 import numpy as np
 
 from gpustrat.distribute import collective_ops, context, reduction
-from gpustrat.reduce_util import ReduceOp
+from gpustrat.reduce_util import OPS_BY_KEY, ReduceOp
 from gpustrat import nest
 from gpustrat.values import PerReplica, regroup, select_replica
 
 _merge = threading.local()
 # By id: an Enum member's .name and hash run Python code on every collective.
 _OP_NAMES = {id(op): op.name for op in ReduceOp}
-# The ops a replica names most often, found without ReduceOp.from_value's Python code.
-_OPS_BY_KEY = {**{id(op): op for op in ReduceOp},
-               **{k: op for op in ReduceOp for k in (op.name, op.name.lower())}}
 _NUMERIC = "biufc"  # NumPy dtype kinds that need no per-leaf check
 
 
@@ -40,7 +37,8 @@ class ReplicaContext:
         # One CPU replica on this worker: a collective on one NumPy array of numbers
         # goes straight to the communicator (no signature to compare, no structure to
         # walk); a mismatch between workers is caught by the communicator's header.
-        rv = strategy._rendezvous
+        rv = self._rendezvous = strategy._rendezvous
+        self._communicator = strategy._communicator
         self._alone = rv.n == 1 and rv.streams is None and \
             not strategy.local_devices[local_index].is_gpu
 
@@ -71,15 +69,15 @@ class ReplicaContext:
     def all_reduce(self, reduce_op, value: Any) -> Any:
         """Reduce ``value`` (any nested structure) over every replica in sync; every
         replica receives the same result. ``reduce_op`` is a ReduceOp or its name."""
-        if self._alone and type(value) is np.ndarray and value.dtype.kind in _NUMERIC:
+        if self._alone and type(value) is np.ndarray and value.dtype.kind in "iufc":
             t = type(reduce_op)
-            op = _OPS_BY_KEY.get(id(reduce_op)) if t is ReduceOp else \
-                _OPS_BY_KEY.get(reduce_op) if t is str else None
+            op = OPS_BY_KEY.get(id(reduce_op)) if t is ReduceOp else \
+                OPS_BY_KEY.get(reduce_op) if t is str else None
             if op is not None:
-                comm = self._strategy._communicator
-                return self._strategy._rendezvous.call_alone(
-                    self._local_index, "all_reduce", _OP_NAMES[id(op)], comm.all_reduce,
-                    value, op)
+                # This replica's reduce is every local replica's all_reduce.
+                return self._rendezvous.call_alone(
+                    self._local_index, "all_reduce", _OP_NAMES[id(op)],
+                    self._communicator.reduce, value, op)
         op = ReduceOp.from_value(reduce_op)
         comm = self._strategy.communicator
         sig = collective_ops.leaf_signature("all_reduce", _OP_NAMES[id(op)], value)
@@ -92,9 +90,9 @@ class ReplicaContext:
         in replica order; shapes may differ only along ``axis``."""
         if self._alone and type(value) is np.ndarray and value.ndim and \
                 type(axis) is int and value.dtype.kind in _NUMERIC:
-            comm = self._strategy._communicator
-            return self._strategy._rendezvous.call_alone(
-                self._local_index, "all_gather", str(axis), comm.all_gather, value, axis)
+            return self._rendezvous.call_alone(
+                self._local_index, "all_gather", axis, self._communicator.gather, value,
+                axis)
         comm = self._strategy.communicator
         sig = collective_ops.leaf_signature("all_gather", str(axis), value, skip_axis=axis)
         reduction.check_leaves(sig, value, None, "all_gather", self._replica_id)

@@ -19,6 +19,7 @@ on plain arrays (NumPy, or CuPy on a GPU replica), in place.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from itertools import repeat
 from typing import Iterable
@@ -28,13 +29,16 @@ import numpy as np
 from gpustrat.devices import on_device_of, to_host
 from gpustrat.distribute import context
 from gpustrat.distribute.distributed_variables import DistributedVariable, strategy_of, zeros
-from gpustrat.collectives.fusion import fused_all_reduce_flat, layout_of
-from gpustrat.distribute.extended import agree_tensors, describe_layouts, fused_reduce
+from gpustrat.collectives.fusion import (all_reduce_arenas, copy_into, fused_all_reduce_flat,
+                                         layout_of)
+from gpustrat.distribute.extended import agreement, fused_reduce
 from gpustrat.distribute.variables import Variable, VariableAggregation
 from gpustrat.reduce_util import ReduceOp
 from gpustrat.values import PerReplica
 from gpustrat.optimizers import bfloat16
-from gpustrat.optimizers.plan import StepPlan
+from gpustrat.optimizers.plan import StepPlan, fresh_arrays, replica_devices
+
+_NO_CONTEXT = contextlib.nullcontext()
 
 #: Wire types for ``compression``.
 COMPRESSIONS = {"float16": np.dtype(np.float16)}
@@ -241,6 +245,50 @@ class Optimizer:
             self._apply_merged(strategy, _StepArgs(grads, variables), False)
         return self._iterations
 
+    def gradient_buffers(self, variables: Iterable) -> list:
+        """Arrays to write this replica's gradients into, one per variable (of its
+        shape and dtype, on the replica's device), for
+        ``apply_gradients(zip(buffers, variables))`` with the same variables.
+
+        They are views of one buffer per replica laid out as the fused reduction needs
+        it, so the step reduces the gradients where they are: no copy into fusion
+        buffers and no check per gradient (PyTorch DDP's ``gradient_as_bucket_view``).
+        Their contents are undefined until written: write every element
+        (``np.matmul(a, b, out=buf)``, ``buf[...] = g``). After ``apply_gradients`` each
+        holds the gradient the update used (summed over every replica in sync). The
+        next call hands out the same buffers unless something still refers to one of
+        them (a gradient kept from an earlier step, or a view of it): then it hands out
+        new ones, so a kept gradient is never overwritten.
+
+        Before the first ``apply_gradients`` of these variables, and for variables of
+        several dtypes, they are ordinary new arrays (the step copies them as any
+        gradients). Call it inside ``strategy.run`` for this replica's buffers (outside,
+        for the first local replica's).
+        """
+        variables = list(variables)
+        strategy, ctx = context.current()
+        index = ctx.local_index if ctx is not None and strategy is not None else 0
+        plan = self._plans.get(tuple(map(id, variables)))
+        if plan is None:  # made by the first step, in cross-replica context
+            bad = next((v for v in variables if not isinstance(v, Variable)), None)
+            if bad is not None or not variables:
+                raise TypeError(f"gradient_buffers takes a non-empty list of gs.Variable, "
+                                f"got {bad!r}" if variables else
+                                "gradient_buffers got no variables")
+            return fresh_arrays([v.shape for v in variables], [v.dtype for v in variables],
+                                replica_devices(variables, index))
+        if strategy is not None and plan.owner is not None and plan.owner is not strategy:
+            raise ValueError(
+                f"{type(self).__name__}.gradient_buffers: the variables belong to "
+                f"{plan.owner!r} but this runs under {strategy!r}: train the variables "
+                "of one strategy, under that strategy")
+        if index >= plan.n_local:
+            raise ValueError(
+                f"{type(self).__name__}.gradient_buffers under {strategy!r}: variable "
+                f"{plan.names[0]!r} was made outside strategy.scope(), so it has one copy "
+                "for all replicas; make the variables inside strategy.scope()")
+        return plan.gradient_buffers(index)
+
     def _apply_merged(self, strategy, step_args, reduce: bool) -> None:
         per_replica = step_args.values if isinstance(step_args, PerReplica) else (step_args,)
         variables = per_replica[0].variables
@@ -263,24 +311,35 @@ class Optimizer:
                 f"{type(self).__name__}.apply_gradients under {strategy!r}: variable "
                 f"{plan.names[0]!r} was made outside strategy.scope(), so it has one copy "
                 "for all replicas; make the variables inside strategy.scope()")
-        if len(per_replica) == 1:
-            tensors = plan.gradients(per_replica[0].grads)
-        else:
-            tensors = plan.gradients_by_replica([a.grads for a in per_replica])
-        reduce = reduce and plan.owner is not None and plan.owner.num_replicas_in_sync > 1
-        if reduce and plan.layouts is None:
-            plan.layouts = describe_layouts(tensors, plan.keys)
-        if reduce:
-            agree_tensors(plan.owner, tensors, f"{type(self).__name__}.apply_gradients",
-                          layouts=plan.layouts)
         lr = self.learning_rate
         step = self._step_count() + 1
-        if plan.flat is not None:
-            plan.flat.step(self, self._flat_gradients(plan, tensors, reduce), lr, step)
+        reduce = reduce and plan.owner is not None and plan.owner.num_replicas_in_sync > 1
+        # Workers must train the same variables with gradients of the same shapes: that
+        # agreement rides with the reduction's first collective.
+        agree = agreement(plan.owner, plan.described,
+                          f"{type(self).__name__}.apply_gradients") if reduce else None
+        arenas = plan.buffer_arenas([a.grads for a in per_replica])
+        if arenas is not None:
+            # The gradients were written into the plan's gradient buffers: reduced in
+            # place, with no per-gradient check or copy.
+            buckets = self._reduce_arenas(plan, arenas, agree) if reduce else \
+                [(plan.indices, arenas)]
+            if plan.flat is not None:
+                plan.flat.step(self, buckets, lr, step)
+            else:
+                plan.step_each(self, plan.buffer_views(), lr, step)
         else:
-            if reduce:
-                tensors = self._reduce(plan, tensors)
-            plan.step_each(self, tensors, lr, step)
+            if len(per_replica) == 1:
+                tensors = plan.gradients(per_replica[0].grads)
+            else:
+                tensors = plan.gradients_by_replica([a.grads for a in per_replica])
+            if plan.flat is not None:
+                plan.flat.step(self, self._flat_gradients(plan, tensors, reduce, agree), lr,
+                               step)
+            else:
+                if reduce:
+                    tensors = self._reduce(plan, tensors, agree)
+                plan.step_each(self, tensors, lr, step)
         one = np.ones((), np.int64)
         for c in (self._iterations.values if isinstance(self._iterations, DistributedVariable)
                   else (self._iterations,)):
@@ -299,37 +358,59 @@ class Optimizer:
             self._plans[key] = plan
         return plan
 
-    def _reduce(self, plan: StepPlan, tensors: list) -> list:
+    def _reduce(self, plan: StepPlan, tensors: list, agree: tuple | None) -> list:
         """Per-tensor sums over every replica in sync (``out[j][i]``), on the wire in
-        the compression dtype."""
+        the compression dtype; ``agree`` rides with the first collective."""
         comm = plan.owner.communicator
         wire = self.compression
-        if wire is None:
-            return fused_reduce(comm, tensors, ReduceOp.SUM)
-        if wire is bfloat16.BFLOAT16:
-            return bfloat16.reduce_sum(comm, tensors)
-        packed = [[_cast(t, wire) for t in row] for row in tensors]
-        reduced = fused_reduce(comm, packed, ReduceOp.SUM)
+        with comm.agreeing(*agree) if agree else _NO_CONTEXT:
+            if wire is None:
+                return fused_reduce(comm, tensors, ReduceOp.SUM)
+            if wire is bfloat16.BFLOAT16:
+                return bfloat16.reduce_sum(comm, tensors)
+            packed = [[_cast(t, wire) for t in row] for row in tensors]
+            reduced = fused_reduce(comm, packed, ReduceOp.SUM)
         return [[_cast(r, tensors[j][0].dtype) for r in row] for j, row in enumerate(reduced)]
 
-    def _flat_gradients(self, plan: StepPlan, tensors: list, reduce: bool) -> list:
+    def _reduce_arenas(self, plan: StepPlan, arenas: list, agree: tuple | None) -> list:
+        """Sum the replicas' gradient buffers over every replica in sync, in place;
+        returns ``[(tensor indices, [flat summed gradients per replica]), ...]``."""
+        comm = plan.owner.communicator
+        if self.compression is None:
+            with comm.agreeing(*agree) if agree else _NO_CONTEXT:
+                return all_reduce_arenas(comm, arenas, ReduceOp.SUM,
+                                         layout_of(plan.shapes, plan.dtypes))
+        # Compressed: the collectives gradient arrays make (cast per variable, the same
+        # buckets), so that workers may mix both; then the sums go back into the buffers.
+        views = plan.buffer_views()
+        for row, summed in zip(views, self._reduce(plan, views, agree)):
+            for view, value in zip(row, summed):
+                copy_into(view, value)
+        return [(plan.indices, arenas)]
+
+    def _flat_gradients(self, plan: StepPlan, tensors: list, reduce: bool,
+                        agree: tuple | None) -> list:
         """``[(tensor indices, [flat summed gradients per replica]), ...]`` per bucket:
         one fused reduction, straight from the fusion buffers."""
         if reduce and self.compression is not bfloat16.BFLOAT16:
             wire = self.compression
             packed = tensors if wire is None else [[_cast(t, wire) for t in row]
                                                    for row in tensors]
-            # plan.gradients checked the shapes and dtypes: the fusion need not again.
-            buckets = fused_all_reduce_flat(plan.owner.communicator, packed, ReduceOp.SUM,
-                                            layout=None if wire is not None else
-                                            layout_of(plan.shapes, plan.dtypes))
+            comm = plan.owner.communicator
+            with comm.agreeing(*agree) if agree else _NO_CONTEXT:
+                # plan.gradients checked the shapes and dtypes: the fusion need not again.
+                buckets = fused_all_reduce_flat(comm, packed, ReduceOp.SUM,
+                                                layout=None if wire is not None else
+                                                layout_of(plan.shapes, plan.dtypes))
             if wire is not None:
                 buckets = [(b, [_cast(x, plan.dtypes[0]) for x in bufs])
                            for b, bufs in buckets]
             return buckets
         if reduce:
-            tensors = bfloat16.reduce_sum(plan.owner.communicator, tensors)
-        return [(list(range(len(tensors))), plan.flat.concatenate(tensors))]
+            comm = plan.owner.communicator
+            with comm.agreeing(*agree) if agree else _NO_CONTEXT:
+                tensors = bfloat16.reduce_sum(comm, tensors)
+        return [(plan.indices, plan.flat.concatenate(tensors))]
 
     def flat_ok(self, names: list) -> bool:
         """Whether one update of all these variables' flattened values at once is the

@@ -13,18 +13,30 @@ Words:
   first plan that trains it; arrays read from it before (``value()`` views) keep the old
   memory. Plans that cannot use arenas (mixed dtypes, variables already in another
   arena, an algorithm that treats variables by name) update each variable in turn.
+- *gradient buffers*: one 1-D array per replica (on its device) laid out as the fusion
+  reduction lays out the gradients, handed out as one view per variable
+  (``Optimizer.gradient_buffers``). Gradients written into them are reduced where they
+  are, in place: no packing, no per-gradient checks (PyTorch DDP's
+  ``gradient_as_bucket_view``). Buffers are handed out again each step unless
+  something outside the plan still refers to them (a gradient kept from an earlier
+  step, or a view of one): then a new buffer is made, so that a kept gradient is never
+  overwritten. Plans of several dtypes, or of variables on several devices per
+  replica, hand out fresh arrays instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import operator
+import sys
 
 import numpy as np
 
+from gpustrat.collectives.fusion import pack_host
 from gpustrat.devices import on_device_of
 from gpustrat.distribute.collective_ops import as_array
 from gpustrat.distribute.distributed_variables import DistributedVariable, strategy_of
+from gpustrat.distribute.extended import describe_shapes
 from gpustrat.values import DistributedValues, PerReplica
 
 _NO_CONTEXT = contextlib.nullcontext()
@@ -63,11 +75,60 @@ class StepPlan:
                      for v in variables]
         self.shapes = [v.shape for v in variables]
         self.dtypes = [v.dtype for v in variables]
-        #: What the workers agree on each step (made on the first reduction).
-        self.layouts = None
+        #: What the workers agree on each step: every variable's key, shape and dtype.
+        self.described = describe_shapes(self.shapes, self.dtypes, self.keys)
         #: The gradients' layout for the fused reduction (what gradients() checks).
         self._host_types = [np.ndarray] * len(variables)
         self.flat = FlatArenas.adopt(self, optimizer)
+        self.indices = list(range(len(variables)))
+        sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
+        self._offsets = [0]
+        for n in sizes:
+            self._offsets.append(self._offsets[-1] + n)
+        # Gradient buffers: one dtype, and each replica's variables on one device.
+        self._buffered = len(set(self.dtypes)) == 1 and \
+            all(len(set(row)) == 1 for row in self.devices)
+        self._buffers: list = [None] * self.n_local   # (arena, views) per replica
+        self._refs: list = [None] * self.n_local
+
+    def gradient_buffers(self, i: int) -> list:
+        """Local replica ``i``'s gradient buffers (module docstring): one array per
+        variable, of its shape and dtype, on the replica's device."""
+        if not self._buffered:
+            return fresh_arrays(self.shapes, self.dtypes, self.devices[i])
+        held = self._buffers[i]
+        if held is None or _refs(held) != self._refs[i]:
+            # First use, or the last buffers are still held outside: new ones.
+            held = self._buffers[i] = self._new_buffers(i)
+            self._refs[i] = _refs(held)
+        return list(held[1])
+
+    def _new_buffers(self, i: int) -> tuple:
+        dev = self.devices[i][0]
+        off = self._offsets
+        with dev.activate():
+            arena = dev.xp.empty(off[-1], self.dtypes[0])
+            views = tuple(arena[off[j]:off[j + 1]].reshape(shape)
+                          for j, shape in enumerate(self.shapes))
+        return arena, views
+
+    def buffer_arenas(self, grads_per_replica: list) -> list | None:
+        """The replicas' gradient arenas when ``grads_per_replica[i]`` (replica i's
+        gradients, in the plan's order) are exactly replica i's gradient buffers for
+        every local replica; else None."""
+        if len(grads_per_replica) != self.n_local:
+            return None
+        arenas = []
+        for held, grads in zip(self._buffers, grads_per_replica):
+            if held is None or len(grads) != len(held[1]) or \
+                    not all(map(operator.is_, grads, held[1])):
+                return None
+            arenas.append(held[0])
+        return arenas
+
+    def buffer_views(self) -> list:
+        """``out[j][i]``: gradient buffer j of replica i (after :meth:`buffer_arenas`)."""
+        return list(map(list, zip(*[held[1] for held in self._buffers])))
 
     def _host_column_ok(self, column: list) -> bool:
         """Whether one replica's gradients are NumPy arrays of the variables' shapes and
@@ -90,6 +151,8 @@ class StepPlan:
         ``grads[j]`` is variable j's gradient: a per-replica value, or one value for
         every replica; with ``per_replica``, a sequence of one value per replica."""
         n = self.n_local
+        if n == 1 and not per_replica and not self.gpu and self._host_column_ok(grads):
+            return list(zip(grads))   # one replica's host arrays (no PerReplica among them)
         if not self.gpu and n <= len(_ITEM):
             # The common step: host arrays of the right shapes and dtypes, checked with
             # whole-list compares (in C) instead of one by one.
@@ -135,6 +198,31 @@ class StepPlan:
                 with dev.activate() if dev.is_gpu else _NO_CONTEXT:
                     update(comp._array, tensors[j][i], {s: c._array for s, c in slots.items()},
                            lr, step, names[j])
+
+
+def fresh_arrays(shapes: list, dtypes: list, devices: list) -> list:
+    """One new (uninitialised) array per shape and dtype, on its device."""
+    out = []
+    for shape, dtype, dev in zip(shapes, dtypes, devices):
+        with dev.activate():
+            out.append(dev.xp.empty(shape, dtype))
+    return out
+
+
+def replica_devices(variables: list, i: int) -> list:
+    """The device of local replica ``i``'s component of each variable (a variable with
+    one component: that one's)."""
+    out = []
+    for v in variables:
+        comps = _components(v)
+        out.append(comps[i if i < len(comps) else 0]._device)
+    return out
+
+
+def _refs(held: tuple) -> tuple:
+    """References to a replica's gradient arena and the most to one of its views: equal
+    to the count taken when they were made unless something else holds them."""
+    return sys.getrefcount(held[0]), max(map(sys.getrefcount, held[1]), default=0)
 
 
 class FlatArenas:
@@ -186,11 +274,16 @@ class FlatArenas:
         return arena
 
     def concatenate(self, tensors: list) -> list:
-        """One flat array per replica of ``tensors[j][i]``, in the plan's order."""
+        """One flat array per replica of ``tensors[j][i]``, in the plan's order (host
+        replicas: in a pooled fusion buffer, reused once the step lets go of it)."""
         out = []
         for i, dev in enumerate(row[0] for row in self.plan.devices):
+            column = [t[i] for t in tensors]
+            if not dev.is_gpu and all(type(t) is np.ndarray for t in column):
+                out.append(pack_host(column, i))
+                continue
             with dev.activate():
-                out.append(dev.xp.concatenate([t[i].reshape(-1) for t in tensors]))
+                out.append(dev.xp.concatenate([t.reshape(-1) for t in column]))
         return out
 
     def step(self, optimizer, buckets: list, lr: float, step: int) -> None:

@@ -162,6 +162,59 @@ else:
 """
 
 
+AGREEING = ONE_REPLICA_PRELUDE + r"""
+from gpustrat.collectives.staged import StagedCommunicator
+from gpustrat.errors import LayoutMismatch
+r, W = g.rank, g.size
+x = np.full(3, r + 1.0, np.float32)
+big = np.full(40_000, r + 1.0, np.float32)      # beyond the header's inline payload
+total = W * (W + 1) / 2
+for y in (x, big):
+    before = c._ch.calls
+    with c.agreeing(("a:3:float32", "b:2:float32"), "fused(SUM)", "do the same"):
+        out = c.reduce([y], "sum")
+    assert c._ch.calls - before == 1                # the agreement rode in the header
+    assert np.array_equal(out, np.full(y.shape, total)), out
+    try:
+        with c.agreeing(("a:3:float32", f"b:{2 + (r == 1)}:float32"), "fused(SUM)",
+                        "do the same"):
+            c.reduce([y], "sum")
+    except LayoutMismatch as e:
+        assert "fused(SUM): the workers disagree: rank 0: (a:3:float32, b:2:float32); " \
+               "rank 1: (a:3:float32, b:3:float32)" in str(e) and "do the same" in str(e), e
+    else:
+        raise AssertionError("no error")
+# An error inside the with, before any collective: the agreement is dropped with it.
+try:
+    with c.agreeing((f"rank {r}",), "nothing", ""):
+        raise KeyError("before the collective")
+except KeyError:
+    pass
+assert np.array_equal(c.reduce([x], "sum"), np.full(3, total))
+# The host-staged communicator (GPU buffers without NCCL) agrees through its host one.
+staged = StagedCommunicator(resolve_devices(["cpu:0"]), c)
+for call in ("agree", "agreeing"):
+    try:
+        if call == "agree":
+            staged.agree((f"key {r % 2}",), "staged", "")
+        else:
+            with staged.agreeing((f"key {r % 2}",), "staged", ""):
+                staged.all_reduce([x], "sum")
+    except LayoutMismatch as e:
+        assert "key 0" in str(e) and "key 1" in str(e), e
+    else:
+        raise AssertionError(f"no error from staged {call}")
+staged.agree(("same",), "staged", "")
+print("OK", r, flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("n", [2, 3])
+def test_an_agreement_rides_in_the_next_header_and_raises_on_every_rank(n):
+    assert_mpi_ok(n, AGREEING, timeout=80, expect_lines=n)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("case", ["shape", "skip", "site"])

@@ -461,10 +461,31 @@ for dtype in (np.float32, np.float64, np.int32, np.int64, np.complex64):
             assert got.dtype == nested.dtype, (op, dtype, got.dtype, nested.dtype)
             np.testing.assert_allclose(got, want, rtol=1e-6)
             np.testing.assert_array_equal(got, nested)
+            # Outside run: strategy.reduce of the array and of the array in a list.
+            for axis in (None, 0, -1) if shape else (None,):
+                got = s.reduce(op, x, axis=axis)
+                nested = s.reduce(op, [x], axis=axis)[0]
+                assert type(got) is type(nested) and got.dtype == nested.dtype, (op, axis)
+                np.testing.assert_array_equal(got, nested)
         if shape:
             for axis in (0, -1):
                 got = s.run(lambda v: ctx().all_gather(v, axis), args=(x,))
                 np.testing.assert_array_equal(got, np.concatenate(every, axis=axis))
+                np.testing.assert_array_equal(s.gather(x, axis), got)
+# Booleans: SUM and MEAN are errors on every path; MAX is any, MIN all.
+flags = np.array([r == 0, True])
+for call in (lambda: s.run(lambda: ctx().all_reduce("sum", flags)),
+             lambda: s.reduce("mean", flags), lambda: s.reduce("sum", flags, axis=0)):
+    try:
+        call()
+    except TypeError as e:
+        assert "of booleans is not defined" in str(e), e
+    else:
+        raise AssertionError("no TypeError for booleans")
+np.testing.assert_array_equal(s.run(lambda: ctx().all_reduce("max", flags)), [True, True])
+np.testing.assert_array_equal(s.reduce("min", flags), [W == 1, True])
+np.testing.assert_array_equal(s.gather(flags, 0), np.concatenate(
+    [np.array([k == 0, True]) for k in ranks]))
 # Rows that differ between workers along the gathered axis.
 x = np.full((r + 1, 2), r, np.float32)
 got = s.run(lambda v: ctx().all_gather(v, 0), args=(x,))

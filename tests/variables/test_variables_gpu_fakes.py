@@ -244,11 +244,11 @@ def _linear_data(seed, steps, rows):
     return x, y
 
 
-def _train(s, opt, metric, x, y, rows, san):
+def _train(s, opt, metric, x, y, rows, san, buffers=False):
     """Linear regression as users write it: per-replica gradients of a loss scaled by
-    the global batch, one apply_gradients, a loss metric. Returns the variables, the
-    pointers of the weights' and slots' components after the first step, and each
-    step's counts."""
+    the global batch, one apply_gradients, a loss metric (``buffers``: the gradients
+    are written into ``opt.gradient_buffers``). Returns the variables, the pointers of
+    the weights' and slots' components after the first step, and each step's counts."""
     from gpustrat.data import Dataset
     with s.scope():
         w = gs.Variable(np.zeros(3, np.float32), name="w")
@@ -259,6 +259,11 @@ def _train(s, opt, metric, x, y, rows, san):
         scale = 2.0 / rows
         gw = (xb * err.reshape(-1, 1)).sum(axis=0) * scale
         gb = err.sum() * scale
+        if buffers:
+            bw, bb = opt.gradient_buffers([w, b])
+            bw[...] = gw
+            bb[...] = gb
+            gw, gb = bw, bb
         opt.apply_gradients([(gw, w), (gb, b)])
         return metric(err * err)            # update_state, then this replica's result
 
@@ -290,7 +295,8 @@ def _train_reference(x, y, rows, reference, lr):
     return w, b, np.concatenate(losses).mean()
 
 
-def _train_checked(algo, seed, nccl=True, replicas=2, steps=6, run_probability=0.5):
+def _train_checked(algo, seed, nccl=True, replicas=2, steps=6, run_probability=0.5,
+                   buffers=False):
     make, reference, rtol = OPTIMIZERS[algo]
     rows = 4 * replicas
     x, y = _linear_data(seed, steps, rows)
@@ -301,7 +307,7 @@ def _train_checked(algo, seed, nccl=True, replicas=2, steps=6, run_probability=0
             with s.scope():
                 opt = make()
                 loss = gs.metrics.Mean()
-            w, b, ptrs, counts = _train(s, opt, loss, x, y, rows, san)
+            w, b, ptrs, counts = _train(s, opt, loss, x, y, rows, san, buffers)
             slots = [opt.get_slot(v, n) for v in (w, b) for n in opt.slot_names]
             arrays = [a for v in [w, b] + slots for a in _local(s, v)]
             assert all(type(a) is cp.ndarray for a in arrays)
@@ -333,6 +339,19 @@ def test_training_steps_update_in_place_on_each_device_and_match_numpy(algo, see
 def test_training_on_the_host_staged_path_and_three_gpus(algo):
     _train_checked(algo, 0, nccl=False)
     _train_checked(algo, 1, replicas=3, steps=4)
+
+
+@pytest.mark.parametrize("nccl", [True, False], ids=["nccl", "staged"])
+@pytest.mark.parametrize("algo", ["sgd_momentum", "adam_float16", "sgd_bfloat16",
+                                  "adamw_excluding_b"])
+def test_gradient_buffers_on_each_device_match_numpy_and_wait_for_nothing(algo, nccl):
+    # The buffers are reused every step: writing the next step's gradients must be
+    # ordered after the last step's reduction and update on every replica's stream
+    # (the sanitizer checks). Over NCCL no step waits for a device; the staged path
+    # copies through the host by design.
+    counts = _train_checked(algo, 1, nccl=nccl, buffers=True)
+    for c in counts if nccl else ():
+        assert _step_thread_syncs(c) == [], _step_thread_syncs(c)
 
 
 @pytest.mark.parametrize("run_probability", [0.0, 1.0])

@@ -42,8 +42,9 @@ OPTIMIZERS = {
 }
 
 
-def train(strategy, which: str, epochs: int = EPOCHS):
-    """Train with ``strategy``; returns (every local component of w and b, iterations)."""
+def train(strategy, which: str, epochs: int = EPOCHS, buffers: bool = False):
+    """Train with ``strategy``; returns (every local component of w and b, iterations).
+    ``buffers``: the gradients are written into ``opt.gradient_buffers``."""
     x, y, w0, b0 = data()
     with strategy.scope():
         w = gs.Variable(w0, name="kernel")
@@ -56,7 +57,15 @@ def train(strategy, which: str, epochs: int = EPOCHS):
         xb, yb = batch
         err = xb @ w + b - yb
         count = gs.get_replica_context().all_reduce("sum", float(len(xb)))
-        opt.apply_gradients(zip([xb.T @ err / count, err.sum(axis=0) / count], [w, b]))
+        if not buffers:
+            opt.apply_gradients(zip([xb.T @ err / count, err.sum(axis=0) / count], [w, b]))
+            return
+        gw, gb = opt.gradient_buffers([w, b])
+        np.matmul(xb.T, err, out=gw)
+        gw /= count
+        np.sum(err, axis=0, out=gb)
+        gb /= count
+        opt.apply_gradients(zip([gw, gb], [w, b]))
 
     for _ in range(epochs):
         for batch in dist:

@@ -16,9 +16,10 @@ Words:
   more, which starts only after every rank's header has arrived (so no rank can be
   absent from it), is the blocking MPI call, as fast as a bare one.
 - *header*: every collective between workers starts with one Allgather of a fixed
-  64-byte record per rank: the kind of collective, a checksum of the layout, the input
-  step (steps taken from distributed iterators; data collectives only), a size that
-  may differ between ranks, and (up to 32 bytes) the payload itself. Every rank sees
+  64-byte record per rank: the kind of collective, a checksum of the layout (and of an
+  agreement folded into it, :meth:`MpiCommunicator.agreeing`), the input step (steps
+  taken from distributed iterators; data collectives only), a size that may differ
+  between ranks, and (up to 32 bytes) the payload itself. Every rank sees
   every header, so a disagreement raises :class:`~gpustrat.errors.CollectiveMismatch`
   (or :class:`~gpustrat.errors.LayoutMismatch`) on every rank, naming each rank's call,
   before any data moves; a small reduce, gather or broadcast is that one collective.

@@ -12,7 +12,7 @@ from gpustrat.collectives.base import layout_code
 from gpustrat.collectives.host import HostCommunicator, divide
 from gpustrat.collectives.mpi import waits as _waits
 from gpustrat.collectives.mpi.group import MpiWorkerGroup
-from gpustrat.collectives.mpi.header import _BLOCKING_BYTES, _INLINE, _Channel
+from gpustrat.collectives.mpi.header import _BLOCKING_BYTES, _INLINE, _Channel, fold_code
 from gpustrat.collectives.mpi.waits import (_BOOL_NP_OPS, _MEAN, _NP_OPS, _describe,
                                             input_steps_from_env, reduce_args)
 from gpustrat.devices import Device, to_host
@@ -51,6 +51,23 @@ class _Results:
         return a
 
 
+class _Folded:
+    """``with``: an agreement that rides in the header of the first collective issued
+    inside (see :meth:`MpiCommunicator.agreeing`); dropped on the way out if none was."""
+
+    __slots__ = ("_ch", "_fold")
+
+    def __init__(self, ch: _Channel, fold: tuple):
+        self._ch = ch
+        self._fold = fold
+
+    def __enter__(self):
+        self._ch.fold = self._fold
+
+    def __exit__(self, *exc):
+        self._ch.fold = None
+
+
 # --- data plane -------------------------------------------------------------------
 
 _REDUCE_KINDS = {op: f"all_reduce({op.name})" for op in ReduceOp}
@@ -85,7 +102,10 @@ class MpiCommunicator(HostCommunicator):
             self._ch.steps = workers
         self._results = _Results()
         self._plans: dict = {}
+        self._last_plan: tuple = (None, None, None, None)
         self._gather_plans: dict = {}
+        self._last_gather: tuple = (None, None, None, None)
+        self._folds: dict = {}
         sizes = workers.allgather(self.num_local)
         if len(set(sizes)) > 1:
             raise ValueError(f"every worker must hold the same number of local replicas, "
@@ -113,6 +133,15 @@ class MpiCommunicator(HostCommunicator):
         finally:
             ch.pending = saved
 
+    def agreeing(self, key, what, hint=""):
+        # Rides in the header of the first collective inside: no collective of its own.
+        fold = self._folds.get(key)
+        if fold is None or fold[2] is not what or fold[3] is not hint:
+            if len(self._folds) >= 256:
+                self._folds.clear()
+            fold = self._folds[key] = (fold_code(key), key, what, hint)
+        return _Folded(self._ch, fold)
+
     def reduce(self, buffers, op):
         if type(op) is not ReduceOp:
             op = ReduceOp.from_value(op)
@@ -138,19 +167,28 @@ class MpiCommunicator(HostCommunicator):
         ``x`` may be overwritten and returned."""
         ch = self._ch
         shape, dtype = x.shape, x.dtype
-        # Keyed by id(op): hashing an Enum member runs Python code, an id does not.
-        plan = self._plans.get((shape, dtype, id(op)))
-        if plan is None:
-            plan = self._plan(shape, dtype, op)
+        last = self._last_plan
+        # The last layout again (a loop's): compared, not hashed. Plans are keyed by
+        # id(op): hashing an Enum member runs Python code, an id does not.
+        if last[0] == shape and last[1] is dtype and last[2] is op:
+            plan = last[3]
+        else:
+            plan = self._plans.get((shape, dtype, id(op)))
+            if plan is None:
+                plan = self._plan(shape, dtype, op)
+            self._last_plan = (shape, dtype, op, plan)
         hit, lcode, nbytes, views, kind, ufunc = plan
         small = views is not None
         ch.header(kind, lcode, nbytes, x.tobytes() if small else None, shape, dtype)
         if small:
             if views:
                 # Rank by rank, in rank order, so every rank computes the same bits.
-                out = ufunc(views[0], views[1]) if len(views) > 1 else views[0].copy()
-                for v in views[2:]:
-                    out = ufunc(out, v)
+                if len(views) == 2:
+                    out = ufunc(views[0], views[1])
+                else:
+                    out = ufunc(views[0], views[1]) if len(views) > 1 else views[0].copy()
+                    for v in views[2:]:
+                        out = ufunc(out, v)
             else:
                 rows = ch.payloads(dtype, shape, nbytes)
                 if dtype.kind == "b":
@@ -177,7 +215,7 @@ class MpiCommunicator(HostCommunicator):
             else:
                 req = ch.comm.Iallreduce(src, [out, mtype], mop)
                 if not req.Test():
-                    ch.wait(req, lambda: _describe(kind, x.shape, x.dtype))
+                    ch.wait(req, (kind, x.shape, x.dtype))
             if up is not None:
                 out = out.astype(x.dtype)
         return out
@@ -198,6 +236,11 @@ class MpiCommunicator(HostCommunicator):
         if len(self._plans) < 1024:
             self._plans[(shape, dtype, id(op))] = plan
         return plan
+
+    def gather(self, buffers, axis=0):
+        if len(buffers) == 1 and type(buffers[0]) is np.ndarray:
+            return self._gather(buffers[0], axis)
+        return self.all_gather(buffers, axis)[0]
 
     def all_gather(self, buffers, axis=0):
         if len(buffers) == 1 and type(buffers[0]) is np.ndarray:
@@ -238,19 +281,26 @@ class MpiCommunicator(HostCommunicator):
 
     def _gather(self, x: np.ndarray, axis: int) -> np.ndarray:
         MPI = _waits._MPI
-        plan = self._gather_plans.get((x.shape, x.dtype, axis))
-        if plan is None:
-            plan = self._gather_plan(x, axis)
+        shape, dtype = x.shape, x.dtype
+        last = self._last_gather
+        if last[0] == shape and last[1] is dtype and last[2] == axis:
+            plan = last[3]
+        else:
+            plan = self._gather_plans.get((shape, dtype, axis))
+            if plan is None:
+                plan = self._gather_plan(x, axis)
+            self._last_gather = (shape, dtype, axis, plan)
         ax, kind, lcode, rest, row_bytes, inline, same_shape = plan
         front = np.moveaxis(x, ax, 0) if ax else x
-        if not front.flags.c_contiguous:
+        nbytes = x.nbytes
+        small = nbytes <= _INLINE
+        if not small and not front.flags.c_contiguous:
             front = np.ascontiguousarray(front)
         ch = self._ch
-        nbytes = front.nbytes
-        small = nbytes <= _INLINE
-        hdr = ch.header(kind, lcode, front.shape[0], front.tobytes() if small else None,
-                        x.shape, x.dtype)
-        rows = hdr[:, 3].tolist()
+        # tobytes writes any layout in C order: a small payload needs no contiguous copy.
+        ch.header(kind, lcode, front.shape[0], front.tobytes() if small else None,
+                  shape, dtype)
+        rows = ch.counts()
         total, most = sum(rows), max(rows)
         same = most * len(rows) == total  # the same rows everywhere
         if most * row_bytes <= _INLINE:
@@ -280,7 +330,7 @@ class MpiCommunicator(HostCommunicator):
                 np.cumsum(counts[:-1], out=displs[1:])
                 req = ch.comm.Iallgatherv([front, MPI.BYTE],
                                           [out, (counts, displs), MPI.BYTE])
-            ch.wait(req, lambda: _describe(kind, x.shape, x.dtype))
+            ch.wait(req, (kind, x.shape, x.dtype))
         return np.ascontiguousarray(np.moveaxis(out, 0, ax)) if ax else out
 
     def _across_workers_bcast(self, x, root_worker):

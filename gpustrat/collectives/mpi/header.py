@@ -22,7 +22,9 @@ from gpustrat.errors import CollectiveMismatch, LayoutMismatch
 # Every collective between workers starts with one Allgather of a fixed 64-byte record
 # per rank (a persistent request: starting it is one MPI call), eight int64 slots:
 #   0     the kind of collective: a checksum of its name, e.g. "all_reduce(SUM)"
-#   1     a checksum of the layout (shape and dtype; "*" where sizes may differ)
+#   1     low 32 bits: a checksum of the layout (shape and dtype; "*" where sizes may
+#         differ); high 32 bits: a checksum of an agreement folded into this collective
+#         (see _Channel.fold), else 0
 #   2     low 32 bits: debug mode: a checksum of the calling line of user code; else 0
 #         high 32 bits: the data channel's input step (steps this worker has taken from
 #         distributed iterators, modulo 2**31); 0 on control channels
@@ -39,7 +41,13 @@ _INLINE = 32
 _BLOCKING_BYTES = 1 << 16
 _AGREE = 24  # leading bytes of a header that every rank must share
 _PACK = struct.Struct("=4q").pack_into
+_PACK_PAYLOAD = struct.Struct(f"=4q{_INLINE}s").pack_into
 _STEP_MASK = 0x7FFFFFFF  # the input step travels modulo 2**31 in slot 2's high half
+
+
+def fold_code(key: tuple) -> int:
+    """The checksum of an agreement ``key`` as it travels in slot 1's high half."""
+    return (zlib.crc32(repr(key).encode()) & _STEP_MASK) << 32
 
 _kind_codes: dict = {}
 
@@ -90,11 +98,32 @@ def _site_code() -> int:
     return 0 if site is None else zlib.crc32(site.encode())
 
 
+def _fold_message(folds: list) -> str:
+    """What every rank raises when the agreements folded into a header differ:
+    ``folds[r]`` is rank r's ``(key, what, hint)``, or None where rank r folded none."""
+    what, hint = next((f[1], f[2]) for f in folds if f is not None)
+    keys = [None if f is None else f[0] for f in folds]
+    longest = max(len(k) for k in keys if k is not None)
+
+    def entry(k, at):
+        return "missing" if k is None or at >= len(k) else k[at]
+    if longest <= 8:
+        held = "; ".join(f"rank {r}: " + ("nothing to agree on (another call)" if k is None
+                                          else f"({', '.join(map(str, k))})")
+                         for r, k in enumerate(keys))
+    else:  # long lists: their lengths and the first place they differ
+        at = next(i for i in range(longest) if len({entry(k, i) for k in keys}) > 1)
+        held = "; ".join(f"rank {r}: {0 if k is None else len(k)} entries, entry {at} "
+                         f"{entry(k, at)}" for r, k in enumerate(keys))
+    return f"{what}: the workers disagree: {held}" + (f". {hint}" if hint else "")
+
+
 class _Channel:
     """One MPI communicator with deadline waits and the header agreement."""
 
     __slots__ = ("comm", "rank", "size", "timeout", "debug", "calls", "exits", "pending",
-                 "steps", "_send", "_recv", "_sendb", "_offsets", "_req", "_views")
+                 "fold", "steps", "_send", "_recv", "_sendb", "_offsets", "_req", "_views",
+                 "_counts")
 
     def __init__(self, comm, exits: "_ExitWatch | None" = None):
         self.comm = comm
@@ -106,6 +135,9 @@ class _Channel:
         self.exits = exits
         # (what, hint, shape shown) of the next collective, for its layout error.
         self.pending = None
+        # (fold_code(key), key, what, hint): an agreement that rides in the next
+        # header (slot 1's high half), so that it costs no collective of its own.
+        self.fold = None
         # The worker group whose input_steps every header carries (data channels), or
         # None (control channels: the end-of-data agreement runs inside next()).
         self.steps = None
@@ -116,6 +148,8 @@ class _Channel:
         self._offsets = range(rec, rec * self.size, rec)
         self._req = None
         self._views: dict = {}
+        # Slot 3 of every rank's record, read straight from the received headers.
+        self._counts = struct.Struct("=" + "24xq32x" * self.size).unpack_from
 
     def wait(self, request, what) -> None:
         wait(request, what, self.rank, self.timeout, self.exits)
@@ -134,29 +168,43 @@ class _Channel:
         if pending is not None:  # the public call's own name, e.g. reduce(SUM, axis=0)
             kind = pending[0]
             shape = pending[2]
-        sendb = self._sendb
         steps = self.steps
         mark = 0 if steps is None else (steps.input_steps & _STEP_MASK) << 32
         if self.debug:
             mark |= _site_code()
-        _PACK(sendb, 0, kind_code(kind), layout, mark, count)
-        if payload is not None:
-            sendb[32:32 + len(payload)] = payload
+        fold = self.fold
+        if fold is not None:
+            layout |= fold[0]
+        code = _kind_codes.get(kind)
+        if code is None:
+            code = kind_code(kind)
+        if payload is None:
+            _PACK(self._sendb, 0, code, layout, mark, count)
+        else:  # one call writes the payload too (zero-padded to 32 bytes)
+            _PACK_PAYLOAD(self._sendb, 0, code, layout, mark, count, payload)
         req = self._req
         if req is None:
             req = self._req = self.comm.Allgather_init([self._send, _waits._MPI.INT64_T],
                                                        [self._recv, _waits._MPI.INT64_T])
         req.Start()
         if not req.Test():
-            wait(req, lambda: _describe(kind, shape, dtype), self.rank, self.timeout,
-                 self.exits)
+            wait(req, (kind, shape, dtype), self.rank, self.timeout, self.exits)
         raw = self._recv.tobytes()
         ref = raw[:_AGREE]
-        for off in self._offsets:
-            if raw[off:off + _AGREE] != ref:
+        if self.size == 2:
+            if raw[64:64 + _AGREE] != ref:
                 self._disagree(kind, shape, dtype, hint)
-        self.pending = None
+        else:
+            for off in self._offsets:
+                if raw[off:off + _AGREE] != ref:
+                    self._disagree(kind, shape, dtype, hint)
+        if pending is not None or fold is not None:
+            self.pending = self.fold = None
         return self._recv
+
+    def counts(self) -> tuple:
+        """Every rank's slot 3 (the size that may differ) in the last headers."""
+        return self._counts(self._recv)
 
     def _disagree(self, kind: str, shape, dtype, hint: str) -> None:
         """Raise on every rank: every rank saw the same headers, so all come here and
@@ -165,13 +213,18 @@ class _Channel:
         kinds = (hdr[:, 0] != hdr[0, 0]).any()
         layouts = (hdr[:, 1] != hdr[0, 1]).any()
         pending, self.pending = self.pending, None
+        fold, self.fold = self.fold, None
         what = kind
         if pending is not None:
             hint = pending[1]
         public, site = _caller()
         mine = (kind, what, None if shape is None else _shown(shape),
-                None if dtype is None else str(dtype), public, site)
-        infos = self.allgather_raw(mine, "describing collectives that disagree")
+                None if dtype is None else str(dtype), public, site,
+                None if fold is None else
+                (fold[1], fold[2]() if callable(fold[2]) else fold[2], fold[3]))
+        gathered = self.allgather_raw(mine, "describing collectives that disagree")
+        infos = [info[:6] for info in gathered]
+        folds = [info[6] for info in gathered]
         n = self.calls
         steps = (hdr[:, 2] >> 32).tolist()
         if len(set(steps)) > 1:
@@ -201,6 +254,9 @@ class _Channel:
                 f"communicator{why}: " + "; ".join(parts) + ". Every rank must make the "
                 "same collective calls, with the same shapes and dtypes, in the same "
                 "order (a branch on rank-local data, or a rank that skipped a call?)")
+        keys = [None if f is None else f[0] for f in folds]
+        if any(k != keys[0] for k in keys):
+            raise LayoutMismatch(_fold_message(folds))
         layouts = [(s, d) for _, _, s, d, _, _ in infos]
         parts = "; ".join(f"rank {r}: {s} {d}" for r, (s, d) in enumerate(layouts))
         if kind.startswith("all_gather"):

@@ -128,12 +128,13 @@ def reduce_args(dtype: np.dtype, op: ReduceOp):
 
 # --- waiting with a deadline --------------------------------------------------------
 
-def wait(request, what: str | Callable[[], str], rank: int, timeout: float,
+def wait(request, what: "str | Callable[[], str] | tuple", rank: int, timeout: float,
          exits: "_ExitWatch | None" = None) -> None:
     """Wait for ``request``, raising CollectiveTimeout after ``timeout`` seconds, or
     ``_EXIT_GRACE_S`` after ``exits`` reports that another rank of the group has exited.
 
-    ``what`` names the operation (a callable is only called to build the error).
+    ``what`` names the operation: a string, a callable returning it, or ``(kind,
+    shape, dtype)`` (either is only turned into text to build the error).
     """
     test = request.Test
     for _ in range(_SPIN):
@@ -163,7 +164,7 @@ def wait(request, what: str | Callable[[], str], rank: int, timeout: float,
                 # A peer that left may still have completed its side: give MPI a moment.
                 deadline = min(deadline, now + _EXIT_GRACE_S)
         if now >= deadline and gone is not None:
-            name = what() if callable(what) else what
+            name = _name(what)
             raise CollectiveTimeout(
                 f"{name} cannot complete on rank {rank}: {exits.reason()} while this "
                 "rank waits for it. Every rank must run the same steps and collectives: "
@@ -171,7 +172,7 @@ def wait(request, what: str | Callable[[], str], rank: int, timeout: float,
                 "and raise an exception instead of sys.exit on errors (it ends every "
                 "rank)")
         if now >= deadline:
-            name = what() if callable(what) else what
+            name = _name(what)
             raise CollectiveTimeout(
                 f"{name} did not complete within {timeout:g} s on rank {rank}: another "
                 "rank probably died, is stuck, or skipped this collective (every rank "
@@ -191,6 +192,10 @@ def wait(request, what: str | Callable[[], str], rank: int, timeout: float,
             delay = min(2 * delay, _MAX_SLEEP_S)
             if test():
                 return
+
+
+def _name(what) -> str:
+    return _describe(*what) if type(what) is tuple else what() if callable(what) else what
 
 
 def _describe(op: str, shape, dtype) -> str:
