@@ -76,10 +76,12 @@ def test_other_topology_is_a_clear_error_where_steps_are_not_batches(tmp_path):
 
 def test_unsaveable_pipeline_names_the_transformation(tmp_path):
     s = gs.MirroredStrategy(["cpu:0", "cpu:1"])
-    it = iter(s.experimental_distribute_dataset(Dataset.range(20).window(2).flat_map(
-        lambda w: w).batch(4)))
+    def gen():
+        yield from range(20)
+    it = iter(s.experimental_distribute_dataset(Dataset.from_generator(
+        gen, output_signature=gs.data.TensorSpec((), np.int64)).batch(4)))
     next(it)
-    with pytest.raises(RuntimeError, match="cannot save the position.*WindowDataset"):
+    with pytest.raises(RuntimeError, match=r"cannot save the position.*from_generator\(gen\)"):
         gs.train.Checkpoint(input=it).save(str(tmp_path / "ck"))
 
 
