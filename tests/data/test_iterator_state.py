@@ -1,33 +1,18 @@
 """Saving and restoring the position of gs.data iterators: restore-and-continue yields
 exactly what the uninterrupted iterator would have yielded, over random pipelines."""
 
-import io
+import os
+import sys
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as hs
 
 import gpustrat as gs
-from gpustrat import nest
 from gpustrat.data import Dataset
-from gpustrat.train import format as fmt
 
-
-def canon(element):
-    return [(np.asarray(x).dtype.str, np.asarray(x).tolist()) for x in nest.flatten(element)], \
-        type(element).__name__
-
-
-def roundtrip(state):
-    """The state as a checkpoint file would give it back (JSON + .npz)."""
-    arrays = {}
-    tree = fmt.encode(state, arrays, "it")
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    buf.seek(0)
-    import json
-    with np.load(buf, allow_pickle=False) as z:
-        return fmt.decode(json.loads(json.dumps(tree)), {k: z[k] for k in z.files})
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from state_util import canon, roundtrip, state_bytes  # noqa: E402
 
 
 SCALAR_OPS = ["map", "pmap", "filter", "shuffle", "repeat", "take", "skip", "shard",
@@ -315,10 +300,7 @@ def test_shuffle_state_grows_with_the_buffer_not_the_dataset():
     it = iter(ds)
     for _ in range(100):
         next(it)
-    arrays = {}
-    tree = fmt.encode(it.get_state(), arrays, "it")
-    import json
-    size = len(json.dumps(tree)) + sum(a.nbytes for a in arrays.values())
+    size = state_bytes(it.get_state())
     buffer_bytes = 1000 * 8
     assert size - buffer_bytes < 64 * 1024, size
 
