@@ -173,14 +173,23 @@ class FileSourceDataset(Dataset):
         finally:
             _close(it)
 
+    def _parallel(self) -> Dataset:
+        """Parallel reads: the files interleaved one element at a time (a cycle of
+        ``num_parallel_reads``), each open file read ahead by a background thread."""
+        from gpustrat.data.interleave import InterleaveDataset  # noqa: PLC0415
+        return InterleaveDataset(_FileNames(self), self._one_file,
+                                 cycle_length=self._parallel_reads, block_length=1,
+                                 num_parallel_calls=self._parallel_reads)
+
+    def _one_file(self, path) -> "FileSourceDataset":
+        """This source over the one file ``path``, read sequentially."""
+        new = self._with_files([as_path(path)])
+        new._parallel_reads = 1
+        return new
+
     def _iter(self, ctx):
         if self._parallel_reads > 1:
-            from gpustrat.data.interleave import InterleaveDataset
-            names = _NamesDataset(self._name_iter)
-            ds = InterleaveDataset(names, lambda p: _OneFile(self, p),
-                                   cycle_length=self._parallel_reads, block_length=1,
-                                   num_parallel_calls=self._parallel_reads)
-            return ds._iter(ctx)
+            return self._parallel()._iter(ctx)
         return self._sequential(ctx)
 
     def _sequential(self, ctx):
@@ -197,26 +206,6 @@ class FileSourceDataset(Dataset):
 
     def _cardinality(self):
         return -2
-
-
-class _NamesDataset(Dataset):
-    """File names from a generator function (internal to parallel reads)."""
-
-    def __init__(self, name_iter):
-        self._name_iter = name_iter
-
-    def _iter(self, ctx):
-        return self._name_iter(ctx)
-
-
-class _OneFile(Dataset):
-    """The elements of one file of a file source (internal to parallel reads)."""
-
-    def __init__(self, source: FileSourceDataset, path: str):
-        self._source, self._path = source, path
-
-    def _iter(self, ctx):
-        return self._source._read_file(self._path)
 
 
 class ListFilesDataset(Dataset):
@@ -329,19 +318,8 @@ class CompressedFileSource(FileSourceDataset):
 
     def _state_iter(self, ctx):
         if self._parallel_reads > 1:
-            # As _iter: the files interleaved one element at a time, each read ahead.
-            from gpustrat.data.interleave import InterleaveDataset  # noqa: PLC0415
-            ds = InterleaveDataset(_FileNames(self), self._one_file,
-                                   cycle_length=self._parallel_reads, block_length=1,
-                                   num_parallel_calls=self._parallel_reads)
-            return ds._state_iter(ctx)
+            return self._parallel()._state_iter(ctx)
         return _FileIterator(self, ctx)
-
-    def _one_file(self, path) -> "CompressedFileSource":
-        """This source over the one file ``path``, read sequentially."""
-        new = self._with_files([as_path(path)])
-        new._parallel_reads = 1
-        return new
 
     def _read_file(self, path):
         f = open_file(path, self._compression, self._what, self._buffer_size)
@@ -379,7 +357,7 @@ def _check_saved_file(node, i: int, path) -> None:
 
 class _FileNames(Dataset):
     """The file names of a file source, as ``str`` (internal to parallel reads): its
-    static list (the state is the next index and its name), or its dataset of names."""
+    static list (the state saves the next index and its name), or its dataset of names."""
 
     def __init__(self, source: FileSourceDataset):
         self._source = source

@@ -271,7 +271,8 @@ class _ShapeLeaf:
 
 
 class GeneratorDataset(Dataset):
-    """``from_generator``: elements of ``generator(*args)``, checked against a signature."""
+    """``from_generator``: elements of ``generator(*args)``, checked against a signature;
+    its position is saved when ``generator`` is a class with ``get_state``/``set_state``."""
 
     def __init__(self, generator: Callable, output_types=None, output_shapes=None,
                  args=None, output_signature=None):

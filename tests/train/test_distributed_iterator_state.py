@@ -107,10 +107,14 @@ def build():
             paths.append(p)
         ds = gs.data.TextLineDataset(paths).map(
             lambda line: np.int64(int(line))).batch(6)
+    elif policy == "DATA_NODES":   # every element once through these nodes too
+        ds = Dataset.range(90).shuffle(20, seed=3).cache().window(3, shift=3).flat_map(
+            lambda w: w).scan(np.int64(0), lambda c, x: (c + 1, x)).unique().group_by_window(
+            lambda x: x % 2, lambda k, w: w, window_size=4).batch(9).rebatch(6)
     else:
         ds = Dataset.range(90).shuffle(20, seed=3).batch(6)
     o = Options()
-    o.experimental_distribute.auto_shard_policy = getattr(P, policy)
+    o.experimental_distribute.auto_shard_policy = getattr(P, policy.split("_")[0])
     return ds.with_options(o)
 
 def steps(it, k=None):
@@ -143,7 +147,7 @@ assert tail2 == tail and ck2.step == 3 and w2.numpy().tolist() == [1, 1, 1]
 # every element once over the two runs, over all workers (DATA splits each batch)
 mine = [v for step in head + tail2 for piece in step for v in piece]
 every = sorted(v for part in s.workers.allgather(mine) for v in part)
-if policy == "DATA":
+if policy.startswith("DATA"):
     assert every == [x * 1 for x in range(90)], every
 if policy == "FILE":
     assert every == sorted(f * 1000 + i for f in range(4) for i in range(20 + 3 * f)), every
@@ -157,6 +161,12 @@ def test_mpi_resume_mid_epoch_same_topology(tmp_path, replicas):
     out = assert_mpi_ok(2, MPI_RESUME, timeout=120, args=(replicas, "DATA", tmp_path),
                         expect_lines=2)
     assert "ckpt-1.worker-1-of-2.npz" in out and "ckpt-1.index" in out
+
+
+@pytest.mark.mpi
+def test_mpi_resume_through_cache_window_scan_unique_group_and_rebatch(tmp_path):
+    assert_mpi_ok(2, MPI_RESUME, timeout=120, args=(2, "DATA_NODES", tmp_path),
+                  expect_lines=2)
 
 
 @pytest.mark.mpi
