@@ -32,7 +32,7 @@ import numpy as np
 from gpustrat import devices, nest
 from gpustrat.data import structure as st
 from gpustrat.data.dataset import Dataset
-from gpustrat.data.iterator_state import IndexedIterator, StateIterator, same_state
+from gpustrat.data.iterator_state import ListIterator, StateIterator, same_state
 from gpustrat.data.transforms import UnaryDataset, _close
 
 log = logging.getLogger("gpustrat")
@@ -396,15 +396,18 @@ class _CacheIterator(StateIterator):
         self._inputs: tuple = ()
         store = node._store
         if node._filename and os.path.exists(node.path):
-            self._replay = _FileReplay(node.path, lambda: node.element_spec)
+            self._set_replay(_FileReplay(node.path, lambda: node.element_spec))
         elif not node._filename and store.elements is not None:
             self._replay_memory(store)
         else:
             self._fill()
 
+    def _set_replay(self, replay: StateIterator) -> None:
+        self._replay = replay
+        self._next = replay.fast_iter()
+
     def _replay_memory(self, store: _Store) -> None:
-        elements = store.elements
-        self._replay = IndexedIterator(len(elements), elements.__getitem__)
+        self._set_replay(ListIterator(store.elements))
         self._replay_start = store.start
 
     def _fill(self) -> None:
@@ -412,12 +415,13 @@ class _CacheIterator(StateIterator):
         self._input = self._node._input._state_iter(self._ctx)
         self._inputs = (self._input,)
         self._start = self._input.save()
-        self._count = 0
         self._kept: list | None = [] if not self._node._filename else None
-        self._writer = None
+        self._count = 0        # elements returned (a file cache's; a memory one counts kept)
+        self._missing = 0      # elements of a restored pass not read again
         self._head = 0         # elements to read again from the start (a restored file pass)
-        self._exact = True     # reading them again gave as many
-        self._started = self._complete = False
+        self._writer = None
+        self._complete = False
+        self._next = self._filling()
 
     def _read_again(self, count: int | None):
         """The pass's first ``count`` elements (all for None), read again from its start."""
@@ -428,38 +432,44 @@ class _CacheIterator(StateIterator):
         finally:
             it.close()
 
-    def fast_iter(self):
-        return self._replay.fast_iter() if self._replay is not None else self
-
-    def __next__(self):
-        if self._replay is not None:
-            return next(self._replay)
-        if not self._started:
-            self._started = True
-            if self._node._filename:
-                self._writer = _FileWriter(self._node.path, id(self))
+    def _filling(self):
+        """The filling pass: the input's elements, recorded (a generator: nothing runs,
+        no lock is taken, before the first element is asked for)."""
+        source = self._input.fast_iter()
+        try:
+            if self._kept is not None:
+                append = self._kept.append
+                for element in source:
+                    append(element)
+                    yield element
+            else:
+                writer = self._writer = _FileWriter(self._node.path, id(self))
                 n = 0
                 for element in self._read_again(self._head):
-                    self._writer.write(element)
+                    writer.write(element)
                     n += 1
-                self._exact = n == self._head
-        try:
-            element = next(self._input)
-        except StopIteration:
+                self._missing = self._head - n
+                for element in source:
+                    writer.write(element)
+                    self._count += 1
+                    yield element
             self._finish()
-            raise
-        if self._kept is not None:
-            self._kept.append(element)
-        else:
-            self._writer.write(element)
-        self._count += 1
-        return element
+        finally:
+            if not self._complete:
+                if self._writer is not None:
+                    self._writer.abort()
+                elif self._kept is not None:
+                    log.warning(_PARTIAL, "memory")
+
+    def fast_iter(self):
+        return self._next
+
+    def __next__(self):
+        return next(self._next)
 
     def _finish(self) -> None:
-        if self._complete:
-            return
         self._complete = True
-        if not self._exact:
+        if self._missing:
             log.warning("cache: the elements before the restored position read differently "
                         "the second time (the input is not deterministic), so this pass "
                         "does not fill the cache")
@@ -478,7 +488,8 @@ class _CacheIterator(StateIterator):
         if self._replay is not None:
             return {"mode": "memory", "pos": self._replay.save()["pos"],
                     "start": self._replay_start}
-        return {"mode": "fill", "start": self._start, "count": self._count,
+        count = self._count if self._kept is None else len(self._kept) + self._missing
+        return {"mode": "fill", "start": self._start, "count": count,
                 "input": self._input.save()}
 
     def restore(self, state):
@@ -488,19 +499,21 @@ class _CacheIterator(StateIterator):
                 self._replay = None
                 self._fill()
             self._input.restore(state["input"])
-            self._start, self._count = state["start"], int(state["count"])
+            self._start, count = state["start"], int(state["count"])
             if self._kept is not None:
-                self._kept = list(self._read_again(self._count))
-                self._exact = len(self._kept) == self._count
+                self._kept[:] = self._read_again(count)
+                self._missing = count - len(self._kept)
             else:
-                self._head = self._count  # read again when writing starts
+                self._head = self._count = count  # read again when writing starts
+            self._next = self._filling()          # over the restored input
             return
         if self._input is not None:
             self._input.close()
             self._input, self._inputs = None, ()
         if mode == "file":
-            self._replay = _FileReplay(node.path, lambda: node.element_spec)
-            self._replay.restore(state)
+            replay = _FileReplay(node.path, lambda: node.element_spec)
+            replay.restore(state)
+            self._set_replay(replay)
             return
         store, start = node._store, state["start"]
         if store.elements is None or not same_state(store.start, start):
@@ -512,13 +525,11 @@ class _CacheIterator(StateIterator):
             store.elements, store.start = list(self._read_again(None)), start
         self._replay_memory(store)
         self._replay.restore({"pos": state["pos"]})
+        self._next = self._replay.fast_iter()
 
     def close(self):
         if self._replay is not None:
             self._replay.close()
-        elif self._started and not self._complete:
-            if self._writer is not None:
-                self._writer.abort()
-            elif self._kept is not None:
-                log.warning(_PARTIAL, "memory")
+        else:
+            self._next.close()
         super().close()

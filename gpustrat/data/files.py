@@ -407,6 +407,7 @@ class _FileIterator(StateIterator):
         self._file, self._offset, self._count = 0, 0, 0
         self._path = None   # the file being read (None: the next name is to be taken)
         self._f = self._parser = None
+        self._gen = self._elements()
 
     def _next_path(self) -> str:
         if self._names is not None:
@@ -432,23 +433,36 @@ class _FileIterator(StateIterator):
             self._f.close()
         self._f = self._parser = None
 
-    def __next__(self):
+    def _elements(self):
+        """The elements, file after file, recording the position of each before it is
+        handed out (a generator, started after any restore)."""
+        compressed = bool(self._node._compression)
         while True:
             if self._path is None:
-                self._path = self._next_path()
-            if self._parser is None:
-                self._open()
-            try:
-                element = next(self._parser)
-            except StopIteration:
-                self._close_file()
-                self._path = None
-                self._file, self._offset, self._count = self._file + 1, 0, 0
-                continue
-            self._count += 1
-            if not self._node._compression:
-                self._offset = self._f.tell()
-            return element
+                try:
+                    self._path = self._next_path()
+                except StopIteration:
+                    return
+            self._open()
+            if compressed:
+                for element in self._parser:
+                    self._count += 1
+                    yield element
+            else:
+                tell = self._f.tell
+                for element in self._parser:
+                    self._count += 1
+                    self._offset = tell()
+                    yield element
+            self._close_file()
+            self._path = None
+            self._file, self._offset, self._count = self._file + 1, 0, 0
+
+    def fast_iter(self):
+        return self._gen
+
+    def __next__(self):
+        return next(self._gen)
 
     def save(self):
         state = {"file": self._file, "offset": self._offset, "count": self._count}
@@ -470,5 +484,6 @@ class _FileIterator(StateIterator):
             int(state["count"])
 
     def close(self):
+        self._gen.close()
         self._close_file()
         super().close()

@@ -104,17 +104,25 @@ class _UniqueIterator(StateIterator):
         self._node = node
         self._inputs = (source,)
         self._seen: set = set()
+        self._gen = self._elements()
 
-    def __next__(self):
+    def _elements(self):
+        # A generator started after any restore (self._seen is then the restored set).
         seen = self._seen
-        for element in self._inputs[0]:
+        add = seen.add
+        for element in self._inputs[0].fast_iter():
             if not seen:
                 self._node.element_spec  # unsupported dtypes: an error before any element
             key = _key(element)
             if key not in seen:
-                seen.add(key)
-                return element
-        raise StopIteration
+                add(key)
+                yield element
+
+    def fast_iter(self):
+        return self._gen
+
+    def __next__(self):
+        return next(self._gen)
 
     def save(self):
         # NumPy scalars one array per dtype (a million ints are 8 MB, not a million
@@ -131,10 +139,10 @@ class _UniqueIterator(StateIterator):
 
     def restore(self, state):
         self._inputs[0].restore(state["input"])
-        seen = set(state["other"])
+        seen = self._seen
+        seen.update(state["other"])
         for arr in state["scalars"]:
             seen.update(arr)
-        self._seen = seen
 
 
 class _UniqueBatches(Dataset):

@@ -347,6 +347,28 @@ class IndexedIterator(StateIterator):
         self._it = self._body(self._left)
 
 
+class ListIterator(StateIterator):
+    """The elements of a list; the state is the next index, derived from the list
+    iterator's length hint (nothing is counted per element)."""
+
+    def __init__(self, elements: list):
+        self._list = elements
+        self._it = iter(elements)
+
+    def __next__(self):
+        return next(self._it)
+
+    def fast_iter(self):
+        return self._it
+
+    def save(self) -> dict:
+        return {"pos": len(self._list) - self._it.__length_hint__()}
+
+    def restore(self, state: dict) -> None:
+        self._it = iter(self._list)
+        collections.deque(itertools.islice(self._it, int(state["pos"])), maxlen=0)
+
+
 class FunctionIterator(StateIterator):
     """A node whose only state is a few counters and its inputs' states: ``step(self)``
     returns the next element (raising StopIteration), ``fields`` are the counters."""

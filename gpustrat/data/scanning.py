@@ -96,11 +96,19 @@ class _ScanIterator(StateIterator):
         self._node = node
         self._inputs = (source,)
         self._value = node._initial
+        self._gen = self._elements()
+
+    def _elements(self):
+        step = self._node._step   # a generator started after any restore
+        for element in self._inputs[0].fast_iter():
+            self._value, out = step(self._value, element)
+            yield out
+
+    def fast_iter(self):
+        return self._gen
 
     def __next__(self):
-        element = next(self._inputs[0])
-        self._value, out = self._node._step(self._value, element)
-        return out
+        return next(self._gen)
 
     def save(self):
         return {"input": self._inputs[0].save(),

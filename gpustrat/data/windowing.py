@@ -27,7 +27,7 @@ from typing import Any
 from gpustrat import nest
 from gpustrat.data import structure as st
 from gpustrat.data.dataset import Dataset, _check_positive
-from gpustrat.data.iterator_state import (IndexedIterator, StateIterator, pack_elements,
+from gpustrat.data.iterator_state import (ListIterator, StateIterator, pack_elements,
                                           unpack_elements)
 from gpustrat.data.spec import TensorSpec
 from gpustrat.data.transforms import UnaryDataset, _close
@@ -100,7 +100,7 @@ class ElementsDataset(Dataset):
         yield from self._elements
 
     def _state_iter(self, ctx):
-        return IndexedIterator(len(self._elements), self._elements.__getitem__)
+        return ListIterator(self._elements)
 
     def _elements_state(self) -> dict:
         """This dataset as a state tree (a window held in a buffer that is saved)."""
