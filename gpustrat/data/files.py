@@ -398,7 +398,8 @@ class _FileIterator(StateIterator):
     """A file source read file after file; the state is the file's index and name and
     the byte offset after the last element returned (for a compressed file, the number
     of elements read from it, which a restore reads past again), and, for file names
-    read from a dataset, that dataset's position."""
+    read from a dataset, that dataset's position. The parsers read nothing ahead of the
+    element they return."""
 
     def __init__(self, node: CompressedFileSource, ctx):
         self._node = node
@@ -436,7 +437,6 @@ class _FileIterator(StateIterator):
     def _elements(self):
         """The elements, file after file, recording the position of each before it is
         handed out (a generator, started after any restore)."""
-        compressed = bool(self._node._compression)
         while True:
             if self._path is None:
                 try:
@@ -444,16 +444,9 @@ class _FileIterator(StateIterator):
                 except StopIteration:
                     return
             self._open()
-            if compressed:
-                for element in self._parser:
-                    self._count += 1
-                    yield element
-            else:
-                tell = self._f.tell
-                for element in self._parser:
-                    self._count += 1
-                    self._offset = tell()
-                    yield element
+            for element in self._parser:
+                self._count += 1
+                yield element
             self._close_file()
             self._path = None
             self._file, self._offset, self._count = self._file + 1, 0, 0
@@ -465,7 +458,13 @@ class _FileIterator(StateIterator):
         return next(self._gen)
 
     def save(self):
-        state = {"file": self._file, "offset": self._offset, "count": self._count}
+        offset = self._offset
+        if self._f is not None and not self._node._compression:
+            # Between two next calls the parser stands just after the last element it
+            # returned (it reads nothing ahead), so the file's position is the offset
+            # (asked here, not per element: tell() costs microseconds).
+            offset = self._f.tell()
+        state = {"file": self._file, "offset": offset, "count": self._count}
         if self._names is None:
             files = self._node._files
             state["path"] = files[self._file] if self._file < len(files) else None
