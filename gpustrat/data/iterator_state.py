@@ -11,6 +11,9 @@ Words:
         never counts: their state holds the upstream position reached by the read-ahead
         plus the elements read but not yet returned, which a restored iterator returns
         first (prefetched elements are handed back, in-flight map calls are re-done).
+    saved element: an element held in a saved buffer, as :func:`save_element` gives
+        it: itself, unless a leaf is an array of strings (saved as its byte strings) or
+        a window's dataset (saved as its elements and spec).
 
 Every node of a pipeline needs a state iterator for ``iter(dataset)`` to be saved; a
 node without one (``node._state_unsupported()`` says why) makes ``get_state`` raise an

@@ -263,3 +263,20 @@ def test_distributed_iterator_over_these_transformations_resumes(tmp_path, repli
     it2 = iter(s2.experimental_distribute_dataset(build()))
     gs.train.Checkpoint(input=it2).restore(path)
     assert head + steps(s2, it2) == full
+
+
+def test_group_by_window_over_unsaveable_windows_iterates_but_refuses_to_save():
+    def gen():
+        yield from range(2)
+
+    def reduce(key, window):
+        return Dataset.from_generator(gen, output_signature=gs.data.TensorSpec((), np.int64))
+    ds = Dataset.range(6).group_by_window(lambda x: x % 2, reduce, window_size=3)
+    assert [int(x) for x in ds] == [0, 1, 0, 1]
+    it = iter(ds)
+    assert it.get_state()["position"]["current"] is None   # no window open yet
+    next(it)
+    with pytest.raises(ValueError, match=r"group_by_window: a dataset that reduce_func "
+                                         r"returned cannot save its position: "
+                                         r"from_generator\(gen\)"):
+        it.get_state()
