@@ -21,6 +21,7 @@ Words:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import struct
@@ -31,6 +32,7 @@ import numpy as np
 from gpustrat import devices, nest
 from gpustrat.data import structure as st
 from gpustrat.data.dataset import Dataset
+from gpustrat.data.iterator_state import ListIterator, StateIterator, same_state
 from gpustrat.data.transforms import UnaryDataset, _close
 
 log = logging.getLogger("gpustrat")
@@ -47,12 +49,14 @@ _PARTIAL = ("cache: the iterator did not read the whole dataset, so the %s cache
 
 
 class _Store:
-    """What a memory cache holds: the elements of a complete pass, once there is one."""
+    """What a memory cache holds: the elements of a complete pass, once there is one,
+    and the position its input started that pass from (None when not known)."""
 
-    __slots__ = ("elements",)
+    __slots__ = ("elements", "start")
 
     def __init__(self):
         self.elements: list | None = None
+        self.start = None
 
 
 class CacheDataset(UnaryDataset):
@@ -117,39 +121,68 @@ class CacheDataset(UnaryDataset):
         if ctx.peek:  # looking at one element writes nothing
             yield from self._input._iter(ctx)
             return
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            raise FileNotFoundError(f"cache: the folder {folder!r} of the cache file "
-                                    f"{path!r} does not exist; create it first")
-        lock = path + ".lock"
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            raise FileExistsError(
-                f"cache: another iterator is writing the cache {path!r} (its lock file "
-                f"{lock!r} exists). Two passes cannot fill one cache file at once: give "
-                "each process or iterator its own filename; if no writer is running, "
-                "delete the lock file") from None
-        os.write(fd, f"pid {os.getpid()}\n".encode())
-        os.close(fd)
-        tmp = f"{path}.tmp-{os.getpid()}-{id(self)}"
+        writer = _FileWriter(path, id(self))
         complete = False
         it = self._input._iter(ctx)
         try:
-            with open(tmp, "wb") as out:
-                out.write(_MAGIC)
-                for element in it:
-                    _write_element(out, element)
-                    yield element
-                out.write(_END)
-            os.replace(tmp, path)
+            for element in it:
+                writer.write(element)
+                yield element
+            writer.commit()
             complete = True
         finally:
             _close(it)
             if not complete:
-                _remove(tmp)
-                log.warning(_PARTIAL, "file")
-            _remove(lock)
+                writer.abort()
+
+    def _state_iter(self, ctx):
+        return _CacheIterator(self, ctx)
+
+
+class _FileWriter:
+    """The writing of a cache file: a lock file while it runs, the elements into a
+    temporary file, renamed to the cache file by :meth:`commit`."""
+
+    def __init__(self, path: str, token: int):
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"cache: the folder {folder!r} of the cache file "
+                                    f"{path!r} does not exist; create it first")
+        self._path, self._lock = path, path + ".lock"
+        try:
+            fd = os.open(self._lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            raise FileExistsError(
+                f"cache: another iterator is writing the cache {path!r} (its lock file "
+                f"{self._lock!r} exists). Two passes cannot fill one cache file at once: "
+                "give each process or iterator its own filename; if no writer is running, "
+                "delete the lock file") from None
+        os.write(fd, f"pid {os.getpid()}\n".encode())
+        os.close(fd)
+        self._tmp = f"{path}.tmp-{os.getpid()}-{token}"
+        try:
+            self._out = open(self._tmp, "wb")
+            self._out.write(_MAGIC)
+        except BaseException:
+            _remove(self._lock)
+            raise
+
+    def write(self, element: Any) -> None:
+        _write_element(self._out, element)
+
+    def commit(self) -> None:
+        """The pass is complete: the file becomes the cache."""
+        self._out.write(_END)
+        self._out.close()
+        os.replace(self._tmp, self._path)
+        _remove(self._lock)
+
+    def abort(self) -> None:
+        """The pass stopped early: nothing is kept."""
+        self._out.close()
+        _remove(self._tmp)
+        log.warning(_PARTIAL, "file")
+        _remove(self._lock)
 
 
 def _remove(path: str) -> None:
@@ -259,21 +292,244 @@ class _Reader:
 
 
 def _read(path: str, spec: Any) -> Iterator:
-    pack = st.make_plan(spec)[1]
-    count = len(nest.flatten(spec))
-    with open(path, "rb") as f:
-        r = _Reader(f, path)
+    reader = _FileReplay(path, lambda: spec)
+    try:
+        yield from reader
+    finally:
+        reader.close()
+
+
+class _FileReplay(StateIterator):
+    """The elements of a complete cache file; the state is the byte offset after the
+    last element returned, the elements returned, and the file's size (a restore into
+    another file of that name is an error)."""
+
+    def __init__(self, path: str, spec_fn):
+        # The element spec, asked for when the file is opened (at the first next).
+        self._path, self._spec_fn = path, spec_fn
+        self._f = self._reader = None
+        self._offset, self._count, self._size = len(_MAGIC), 0, None
+        self._ended = False
+
+    def _open(self) -> None:
+        path = self._path
+        f = open(path, "rb")
         if f.read(len(_MAGIC)) != _MAGIC:
+            f.close()
             raise ValueError(f"cache: {path!r} is not a gpustrat cache file; delete it or "
                              "choose another filename")
-        while True:
-            mark = r.exact(1)
-            if mark == _END:
-                return
-            n = r.int()
-            if n != count:
-                raise ValueError(f"cache: {path!r} holds elements of {n} components, but "
-                                 f"this dataset's have {count} ({spec}): it was written by "
-                                 "another pipeline; delete it or choose another filename")
-            yield pack([r.leaf() for _ in range(n)])
+        self._check_size(os.fstat(f.fileno()).st_size)
+        f.seek(self._offset)
+        self._f, self._reader = f, _Reader(f, path)
+        self._spec = self._spec_fn()
+        self._pack = st.make_plan(self._spec)[1]
+        self._n = len(nest.flatten(self._spec))
 
+    def _check_size(self, size: int) -> None:
+        if self._size is not None and size != self._size:
+            raise ValueError(f"cache: the saved position reads the cache file "
+                             f"{self._path!r} of {self._size} bytes, but it now has {size} "
+                             "bytes: it was written again (by another pipeline?); restore "
+                             "with the cache file the position was saved with")
+        self._size = size
+
+    def __next__(self):
+        if self._ended:
+            raise StopIteration
+        if self._f is None:
+            self._open()
+        r = self._reader
+        if r.exact(1) == _END:
+            self._ended = True
+            self.close()
+            raise StopIteration
+        n = r.int()
+        if n != self._n:
+            raise ValueError(f"cache: {self._path!r} holds elements of {n} components, but "
+                             f"this dataset's have {self._n} ({self._spec}): it was written "
+                             "by another pipeline; delete it or choose another filename")
+        element = self._pack([r.leaf() for _ in range(n)])
+        self._offset = self._f.tell()
+        self._count += 1
+        return element
+
+    def save(self):
+        if self._size is None:
+            self._size = os.path.getsize(self._path)
+        return {"offset": self._offset, "count": self._count, "size": self._size}
+
+    def restore(self, state):
+        path = self._path
+        if not os.path.exists(path):
+            raise ValueError(f"cache: the saved position reads the cache file {path!r}, "
+                             "which does not exist: restore where that file is (or delete "
+                             "the checkpoint's input position and start the epoch again)")
+        self._size = int(state["size"])
+        self._check_size(os.path.getsize(path))
+        self._offset, self._count = int(state["offset"]), int(state["count"])
+
+    def close(self):
+        if self._f is not None:
+            self._f.close()
+            self._f = self._reader = None
+
+
+class _CacheIterator(StateIterator):
+    """``cache``. An iteration replays the cache when it exists at ``iter()`` time;
+    otherwise it reads the input and records what it returns (the filling pass).
+
+    State: replaying a memory cache, the index of the next element and the position the
+    input started the filling pass from (the elements are not saved: a restore where the
+    cache is empty, or was filled from another start, rebuilds it by reading that pass
+    again); replaying a file, the byte offset (see :class:`_FileReplay`); filling, the
+    input's state, its start position and the number of elements returned. A restore in
+    the middle of the filling pass reads the elements before the position again from the
+    start position to record them (for a deterministic input, the cache then holds what
+    the uninterrupted pass held), and continues from the input's state.
+    """
+
+    def __init__(self, node: CacheDataset, ctx):
+        self._node, self._ctx = node, ctx
+        self._replay = None        # the replaying iterator (a memory or file cache)
+        self._replay_start = None  # the memory cache's start position
+        self._input = None
+        self._inputs: tuple = ()
+        store = node._store
+        if node._filename and os.path.exists(node.path):
+            self._set_replay(_FileReplay(node.path, lambda: node.element_spec))
+        elif not node._filename and store.elements is not None:
+            self._replay_memory(store)
+        else:
+            self._fill()
+
+    def _set_replay(self, replay: StateIterator) -> None:
+        self._replay = replay
+        self._next = replay.fast_iter()
+
+    def _replay_memory(self, store: _Store) -> None:
+        self._set_replay(ListIterator(store.elements))
+        self._replay_start = store.start
+
+    def _fill(self) -> None:
+        """Fill mode: read the input, from its start."""
+        self._input = self._node._input._state_iter(self._ctx)
+        self._inputs = (self._input,)
+        self._start = self._input.save()
+        self._kept: list | None = [] if not self._node._filename else None
+        self._count = 0        # elements returned (a file cache's; a memory one counts kept)
+        self._missing = 0      # elements of a restored pass not read again
+        self._head = 0         # elements to read again from the start (a restored file pass)
+        self._writer = None
+        self._complete = False
+        self._next = self._filling()
+
+    def _read_again(self, count: int | None):
+        """The pass's first ``count`` elements (all for None), read again from its start."""
+        it = self._node._input._state_iter(self._ctx)
+        try:
+            it.restore(self._start)
+            yield from (it if count is None else itertools.islice(it, count))
+        finally:
+            it.close()
+
+    def _filling(self):
+        """The filling pass: the input's elements, recorded (a generator: nothing runs,
+        no lock is taken, before the first element is asked for)."""
+        source = self._input.fast_iter()
+        try:
+            if self._kept is not None:
+                append = self._kept.append
+                for element in source:
+                    append(element)
+                    yield element
+            else:
+                writer = self._writer = _FileWriter(self._node.path, id(self))
+                n = 0
+                for element in self._read_again(self._head):
+                    writer.write(element)
+                    n += 1
+                self._missing = self._head - n
+                for element in source:
+                    writer.write(element)
+                    self._count += 1
+                    yield element
+            self._finish()
+        finally:
+            if not self._complete:
+                if self._writer is not None:
+                    self._writer.abort()
+                elif self._kept is not None:
+                    log.warning(_PARTIAL, "memory")
+
+    def fast_iter(self):
+        return self._next
+
+    def __next__(self):
+        return next(self._next)
+
+    def _finish(self) -> None:
+        self._complete = True
+        if self._missing:
+            log.warning("cache: the elements before the restored position read differently "
+                        "the second time (the input is not deterministic), so this pass "
+                        "does not fill the cache")
+            if self._writer is not None:
+                self._writer.abort()
+            return
+        if self._kept is None:
+            self._writer.commit()
+        elif self._node._store.elements is None:
+            self._node._store.elements = self._kept
+            self._node._store.start = self._start
+
+    def save(self):
+        if isinstance(self._replay, _FileReplay):
+            return {"mode": "file", **self._replay.save()}
+        if self._replay is not None:
+            return {"mode": "memory", "pos": self._replay.save()["pos"],
+                    "start": self._replay_start}
+        count = self._count if self._kept is None else len(self._kept) + self._missing
+        return {"mode": "fill", "start": self._start, "count": count,
+                "input": self._input.save()}
+
+    def restore(self, state):
+        node, mode = self._node, state["mode"]
+        if mode == "fill":
+            if self._input is None:
+                self._replay = None
+                self._fill()
+            self._input.restore(state["input"])
+            self._start, count = state["start"], int(state["count"])
+            if self._kept is not None:
+                self._kept[:] = self._read_again(count)
+                self._missing = count - len(self._kept)
+            else:
+                self._head = self._count = count  # read again when writing starts
+            self._next = self._filling()          # over the restored input
+            return
+        if self._input is not None:
+            self._input.close()
+            self._input, self._inputs = None, ()
+        if mode == "file":
+            replay = _FileReplay(node.path, lambda: node.element_spec)
+            replay.restore(state)
+            self._set_replay(replay)
+            return
+        store, start = node._store, state["start"]
+        if store.elements is None or not same_state(store.start, start):
+            if start is None:
+                raise ValueError("cache: the saved position replays a memory cache whose "
+                                 "filling pass was not made by a saveable iterator, so it "
+                                 "cannot be rebuilt here")
+            self._start = start
+            store.elements, store.start = list(self._read_again(None)), start
+        self._replay_memory(store)
+        self._replay.restore({"pos": state["pos"]})
+        self._next = self._replay.fast_iter()
+
+    def close(self):
+        if self._replay is not None:
+            self._replay.close()
+        else:
+            self._next.close()
+        super().close()

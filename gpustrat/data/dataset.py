@@ -358,6 +358,13 @@ class Dataset(abc.ABC):
 
         ``output_signature`` (a structure of TensorSpec) is checked for every element;
         ``output_types``/``output_shapes`` are the older spelling of the same thing.
+
+        The position of an iterator over a Python generator cannot be saved. When
+        ``generator`` is a class whose objects are iterators with ``get_state()``
+        (returning a state tree: numbers, strings, bytes, NumPy arrays, and lists,
+        tuples and dicts of them) and ``set_state(state)`` methods, it can: saving calls
+        ``get_state()`` on the epoch's object, restoring calls ``set_state`` on a new
+        ``generator(*args)`` before its first element (see docs/checkpoint.md).
         """
         from gpustrat.data.sources import GeneratorDataset
         return GeneratorDataset(generator, output_types, output_shapes, args, output_signature)

@@ -27,7 +27,7 @@ from typing import Any, BinaryIO, Iterator
 import numpy as np
 
 from gpustrat.data.dataset import (AUTOTUNE, Dataset, _IterContext, autotune_parallelism)
-from gpustrat.data.iterator_state import StateIterator
+from gpustrat.data.iterator_state import FunctionIterator, IndexedIterator, StateIterator
 from gpustrat.data.spec import STRING, TensorSpec
 from gpustrat.data.transforms import _close
 
@@ -173,14 +173,23 @@ class FileSourceDataset(Dataset):
         finally:
             _close(it)
 
+    def _parallel(self) -> Dataset:
+        """Parallel reads: the files interleaved one element at a time (a cycle of
+        ``num_parallel_reads``), each open file read ahead by a background thread."""
+        from gpustrat.data.interleave import InterleaveDataset  # noqa: PLC0415
+        return InterleaveDataset(_FileNames(self), self._one_file,
+                                 cycle_length=self._parallel_reads, block_length=1,
+                                 num_parallel_calls=self._parallel_reads)
+
+    def _one_file(self, path) -> "FileSourceDataset":
+        """This source over the one file ``path``, read sequentially."""
+        new = self._with_files([as_path(path)])
+        new._parallel_reads = 1
+        return new
+
     def _iter(self, ctx):
         if self._parallel_reads > 1:
-            from gpustrat.data.interleave import InterleaveDataset
-            names = _NamesDataset(self._name_iter)
-            ds = InterleaveDataset(names, lambda p: _OneFile(self, p),
-                                   cycle_length=self._parallel_reads, block_length=1,
-                                   num_parallel_calls=self._parallel_reads)
-            return ds._iter(ctx)
+            return self._parallel()._iter(ctx)
         return self._sequential(ctx)
 
     def _sequential(self, ctx):
@@ -197,26 +206,6 @@ class FileSourceDataset(Dataset):
 
     def _cardinality(self):
         return -2
-
-
-class _NamesDataset(Dataset):
-    """File names from a generator function (internal to parallel reads)."""
-
-    def __init__(self, name_iter):
-        self._name_iter = name_iter
-
-    def _iter(self, ctx):
-        return self._name_iter(ctx)
-
-
-class _OneFile(Dataset):
-    """The elements of one file of a file source (internal to parallel reads)."""
-
-    def __init__(self, source: FileSourceDataset, path: str):
-        self._source, self._path = source, path
-
-    def _iter(self, ctx):
-        return self._source._read_file(self._path)
 
 
 class ListFilesDataset(Dataset):
@@ -255,21 +244,56 @@ class ListFilesDataset(Dataset):
         return new
 
     def _iter(self, ctx):
+        epoch = 0 if ctx.peek else self._epoch
+        if self._shuffle and not ctx.peek:
+            self._epoch += 1
+        yield from self._order(epoch)
+
+    def _state_iter(self, ctx):
+        return _ListFilesIterator(self)
+
+    def _order(self, epoch: int) -> list[bytes]:
         files = self._files
         if self._shuffle:
-            epoch = 0 if ctx.peek else self._epoch
-            if not ctx.peek:
-                self._epoch += 1
             order = np.random.default_rng([self._seed, epoch]).permutation(len(files))
             files = [files[i] for i in order]
-        for f in files:
-            yield os.fsencode(f)
+        return [os.fsencode(f) for f in files]
 
     def _cardinality(self):
         return len(self._files)
 
     def _compute_spec(self):
         return TensorSpec((), STRING)
+
+
+class _ListFilesIterator(StateIterator):
+    """``list_files``: the state is the epoch and seed of the order and the next index."""
+
+    def __init__(self, node: ListFilesDataset):
+        self._node = node
+        self._epoch, self._seed = node._epoch, node._seed
+        if node._shuffle:
+            node._epoch += 1
+        self._start()
+
+    def _start(self) -> None:
+        names = self._node._order(self._epoch)
+        self._it = IndexedIterator(len(names), names.__getitem__)
+
+    def __next__(self):
+        return next(self._it)
+
+    def save(self):
+        return {"epoch": self._epoch, "seed": self._seed, "pos": self._it.save()["pos"]}
+
+    def restore(self, state):
+        node = self._node
+        self._epoch, self._seed = int(state["epoch"]), int(state["seed"])
+        if node._shuffle:
+            # Later iterations go on from the next epoch, with the saved seed.
+            node._epoch, node._seed = max(node._epoch, self._epoch + 1), self._seed
+        self._start()
+        self._it.restore({"pos": state["pos"]})
 
 
 class CompressedFileSource(FileSourceDataset):
@@ -292,18 +316,10 @@ class CompressedFileSource(FileSourceDataset):
     def _parse(self, f, path: str) -> Iterator:
         """The elements of one opened (decompressed) file."""
 
-    def _state_unsupported(self):
-        if self._files is None:
-            return (f"{self._what} over a dataset of file names cannot save its position "
-                    "yet: give the file names as a list")
-        if self._parallel_reads > 1:
-            return (f"{self._what} with num_parallel_reads={self._parallel_reads} cannot "
-                    "save its position yet: read the files one at a time "
-                    "(num_parallel_reads=None) to save the position")
-        return None
-
     def _state_iter(self, ctx):
-        return _FileIterator(self)
+        if self._parallel_reads > 1:
+            return self._parallel()._state_iter(ctx)
+        return _FileIterator(self, ctx)
 
     def _read_file(self, path):
         f = open_file(path, self._compression, self._what, self._buffer_size)
@@ -329,23 +345,85 @@ class TextLineDataset(CompressedFileSource):
             yield line
 
 
+def _check_saved_file(node, i: int, path) -> None:
+    """A saved position in file ``i`` named ``path`` fits ``node``'s static file list."""
+    files = node._files
+    if i > len(files) or (i < len(files) and files[i] != path):
+        raise ValueError(f"{node._what}: the saved position is in file {path!r} (number "
+                         f"{i}), but this dataset's file {i} is "
+                         f"{files[i] if i < len(files) else 'missing'!r}: restore into a "
+                         "dataset over the same files")
+
+
+class _FileNames(Dataset):
+    """The file names of a file source, as ``str`` (internal to parallel reads): its
+    static list (the state saves the next index and its name), or its dataset of names."""
+
+    def __init__(self, source: FileSourceDataset):
+        self._source = source
+
+    def _iter(self, ctx):
+        return self._source._name_iter(ctx)
+
+    def _state_iter(self, ctx):
+        source = self._source
+        if source._files is None:
+            return FunctionIterator((source._names._state_iter(ctx),),
+                                    lambda it: as_path(next(it._inputs[0])))
+        return _NameListIterator(source)
+
+
+class _NameListIterator(StateIterator):
+    def __init__(self, node: FileSourceDataset):
+        self._node, self._file = node, 0
+
+    def __next__(self):
+        files = self._node._files
+        if self._file >= len(files):
+            raise StopIteration
+        self._file += 1
+        return files[self._file - 1]
+
+    def save(self):
+        files = self._node._files
+        return {"file": self._file, "path": files[self._file] if self._file < len(files)
+                else None}
+
+    def restore(self, state):
+        _check_saved_file(self._node, int(state["file"]), state["path"])
+        self._file = int(state["file"])
+
+
 class _FileIterator(StateIterator):
     """A file source read file after file; the state is the file's index and name and
     the byte offset after the last element returned (for a compressed file, the number
-    of elements read from it, which a restore reads past again)."""
+    of elements read from it, which a restore reads past again), and, for file names
+    read from a dataset, that dataset's position. The parsers read nothing ahead of the
+    element they return."""
 
-    def __init__(self, node: CompressedFileSource):
+    def __init__(self, node: CompressedFileSource, ctx):
         self._node = node
+        self._names = None if node._files is not None else node._names._state_iter(ctx)
+        self._inputs = () if self._names is None else (self._names,)
         self._file, self._offset, self._count = 0, 0, 0
+        self._path = None   # the file being read (None: the next name is to be taken)
         self._f = self._parser = None
+        self._gen = self._elements()
+
+    def _next_path(self) -> str:
+        if self._names is not None:
+            return as_path(next(self._names))
+        files = self._node._files
+        if self._file >= len(files):
+            raise StopIteration
+        return files[self._file]
 
     def _open(self) -> None:
         node = self._node
-        path = node._files[self._file]
-        self._f = open_file(path, node._compression, node._what, node._buffer_size)
+        self._f = open_file(self._path, node._compression, node._what, node._buffer_size)
         if not node._compression and self._offset:
             self._f.seek(self._offset)
-        self._parser = node._parse(self._f, path)
+        self._parser = node._parse(self._f, self._path)
         if node._compression:
             for _ in range(self._count):
                 next(self._parser)
@@ -356,37 +434,55 @@ class _FileIterator(StateIterator):
             self._f.close()
         self._f = self._parser = None
 
+    def _elements(self):
+        """The elements, file after file, recording the position of each before it is
+        handed out (a generator, started after any restore)."""
+        while True:
+            if self._path is None:
+                try:
+                    self._path = self._next_path()
+                except StopIteration:
+                    return
+            self._open()
+            for element in self._parser:
+                self._count += 1
+                yield element
+            self._close_file()
+            self._path = None
+            self._file, self._offset, self._count = self._file + 1, 0, 0
+
+    def fast_iter(self):
+        return self._gen
+
     def __next__(self):
-        files = self._node._files
-        while self._file < len(files):
-            if self._parser is None:
-                self._open()
-            try:
-                element = next(self._parser)
-            except StopIteration:
-                self._close_file()
-                self._file, self._offset, self._count = self._file + 1, 0, 0
-                continue
-            self._count += 1
-            if not self._node._compression:
-                self._offset = self._f.tell()
-            return element
-        raise StopIteration
+        return next(self._gen)
 
     def save(self):
-        files = self._node._files
-        return {"file": self._file, "offset": self._offset, "count": self._count,
-                "path": files[self._file] if self._file < len(files) else None}
+        offset = self._offset
+        if self._f is not None and not self._node._compression:
+            # Between two next calls the parser stands just after the last element it
+            # returned (it reads nothing ahead), so the file's position is the offset
+            # (asked here, not per element: tell() costs microseconds).
+            offset = self._f.tell()
+        state = {"file": self._file, "offset": offset, "count": self._count}
+        if self._names is None:
+            files = self._node._files
+            state["path"] = files[self._file] if self._file < len(files) else None
+        else:
+            state["path"] = self._path
+            state["names"] = self._names.save()
+        return state
 
     def restore(self, state):
-        files = self._node._files
-        i = int(state["file"])
-        if i > len(files) or (i < len(files) and files[i] != state["path"]):
-            raise ValueError(f"{self._node._what}: the saved position is in file "
-                             f"{state['path']!r} (number {i}), but this dataset's file "
-                             f"{i} is {files[i] if i < len(files) else 'missing'!r}: restore "
-                             "into a dataset over the same files")
-        self._file, self._offset, self._count = i, int(state["offset"]), int(state["count"])
+        if self._names is None:
+            _check_saved_file(self._node, int(state["file"]), state["path"])
+        else:
+            self._names.restore(state["names"])
+            self._path = state["path"]
+        self._file, self._offset, self._count = int(state["file"]), int(state["offset"]), \
+            int(state["count"])
 
     def close(self):
+        self._gen.close()
         self._close_file()
+        super().close()

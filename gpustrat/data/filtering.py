@@ -23,6 +23,7 @@ import numpy as np
 
 from gpustrat import nest
 from gpustrat.data.dataset import UNKNOWN_CARDINALITY, Dataset
+from gpustrat.data.iterator_state import FunctionIterator, IndexedIterator, StateIterator
 from gpustrat.data.spec import STRING
 from gpustrat.data.transforms import FilterDataset, MapDataset, UnaryDataset, _close
 
@@ -82,10 +83,66 @@ class UniqueDataset(UnaryDataset):
         finally:
             _close(it)
 
+    def _state_iter(self, ctx):
+        values = self._unique_array()
+        if values is not None:
+            self.element_spec
+            return IndexedIterator(len(values), values.__getitem__)
+        return _UniqueIterator(self, self._input._state_iter(ctx))
+
     def _batch_fused(self, batch_size, drop_remainder):
         if self._sliced_array() is None:
             return None
         return _UniqueBatches(self, batch_size, drop_remainder)
+
+
+class _UniqueIterator(StateIterator):
+    """``unique``: the state is the input's and the set of elements seen so far (it
+    grows with the number of distinct elements)."""
+
+    def __init__(self, node: UniqueDataset, source: StateIterator):
+        self._node = node
+        self._inputs = (source,)
+        self._seen: set = set()
+        self._gen = self._elements()
+
+    def _elements(self):
+        # A generator started after any restore (self._seen is then the restored set).
+        seen = self._seen
+        add = seen.add
+        for element in self._inputs[0].fast_iter():
+            if not seen:
+                self._node.element_spec  # unsupported dtypes: an error before any element
+            key = _key(element)
+            if key not in seen:
+                add(key)
+                yield element
+
+    def fast_iter(self):
+        return self._gen
+
+    def __next__(self):
+        return next(self._gen)
+
+    def save(self):
+        # NumPy scalars one array per dtype (a million ints are 8 MB, not a million
+        # entries); bytes and the keys of arrays as they are.
+        scalars: dict[str, list] = {}
+        other = []
+        for key in self._seen:
+            if isinstance(key, np.generic):
+                scalars.setdefault(key.dtype.str, []).append(key)
+            else:
+                other.append(key)
+        return {"input": self._inputs[0].save(), "other": other,
+                "scalars": [np.array(v, dtype=np.dtype(t)) for t, v in scalars.items()]}
+
+    def restore(self, state):
+        self._inputs[0].restore(state["input"])
+        seen = self._seen
+        seen.update(state["other"])
+        for arr in state["scalars"]:
+            seen.update(arr)
 
 
 class _UniqueBatches(Dataset):
@@ -106,6 +163,12 @@ class _UniqueBatches(Dataset):
         end = n - n % b if self._drop else n
         for i in range(0, end, b):
             yield values[i:i + b]
+
+    def _state_iter(self, ctx):
+        values = self._unique._unique_array()
+        n, b = len(values), self._b
+        end = n - n % b if self._drop else n
+        return IndexedIterator(-(-end // b), lambda k: values[k * b:min(end, k * b + b)])
 
     def _compute_spec(self):
         s = self._unique.element_spec
@@ -141,11 +204,22 @@ class _DropFailed(UnaryDataset):
         finally:
             _close(it)
 
+    def _state_iter(self, ctx):
+        def step_fn(it):
+            for element in it._inputs[0]:
+                if element is not _FAILED:
+                    return element
+            raise StopIteration
+        return FunctionIterator((self._input._state_iter(ctx),), step_fn)
+
     def _cardinality(self):
         return UNKNOWN_CARDINALITY
 
     def _compute_spec(self):
-        return self._spec_node.element_spec
+        try:
+            return self._spec_node.element_spec
+        except Exception:  # noqa: BLE001 - the function fails on the elements probed
+            return Dataset._compute_spec(self)  # from the first element kept
 
 
 def _guarded(fn: Callable, failed: Any, warn: bool) -> Callable:
@@ -205,12 +279,21 @@ class IgnoreErrorsDataset(UnaryDataset):
     def _cardinality(self):
         return UNKNOWN_CARDINALITY  # as tf.data
 
-    def _iter(self, ctx):
+    def _compute_spec(self):
+        return self._source().element_spec
+
+    def _source(self) -> Dataset:
         source = self.__dict__.get("_resilient_cache")
         if source is None:
             source = _resilient(self._input, self._warn)
             self.__dict__["_resilient_cache"] = source
-        it = source._iter(ctx)
+        return source
+
+    def _state_iter(self, ctx):
+        return _IgnoreErrorsIterator(self._source()._state_iter(ctx), self._warn)
+
+    def _iter(self, ctx):
+        it = self._source()._iter(ctx)
         try:
             while True:
                 try:
@@ -224,3 +307,36 @@ class IgnoreErrorsDataset(UnaryDataset):
                 yield element
         finally:
             _close(it)
+
+
+class _IgnoreErrorsIterator(StateIterator):
+    """``ignore_errors``: the state is the input's (the pipeline whose maps and filters
+    drop what they fail on), or only that it ended, after an error ended it."""
+
+    def __init__(self, source: StateIterator, warn: bool):
+        self._inputs = (source,)
+        self._warn = warn
+        self._ended = False
+
+    def __next__(self):
+        if self._ended:
+            raise StopIteration
+        try:
+            return next(self._inputs[0])
+        except StopIteration:
+            raise
+        except Exception as e:  # a stage ended with an error: so does the input
+            if self._warn:
+                log.warning("ignore_errors: the input ended with an error: %r", e)
+            self._ended = True
+            raise StopIteration from None
+
+    def save(self):
+        return {"ended": True} if self._ended else \
+            {"ended": False, "input": self._inputs[0].save()}
+
+    def restore(self, state):
+        if state["ended"]:
+            self._ended = True
+        else:
+            self._inputs[0].restore(state["input"])

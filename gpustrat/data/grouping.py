@@ -31,6 +31,8 @@ from gpustrat import nest
 from gpustrat.data import structure as st
 from gpustrat.data.dataset import (INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Dataset,
                                    _check_positive)
+from gpustrat.data.iterator_state import (StateIterator, pack_elements, state_iter_of,
+                                          unpack_elements)
 from gpustrat.data.spec import TensorSpec
 from gpustrat.data.transforms import UnaryDataset, _close
 from gpustrat.data.windowing import ElementsDataset
@@ -103,16 +105,10 @@ class GroupByWindowDataset(UnaryDataset):
 
         try:
             for element in it:
-                key = _integer(st.call_with_element(self._key_func, element),
-                               "its key", "group_by_window: key_func")
+                key = self._key_of(element)
                 size = sizes.get(key)
                 if size is None:
-                    size = _integer(self._size_func(np.int64(key)), f"key {key}",
-                                    "group_by_window: window_size_func")
-                    if size < 1:
-                        raise ValueError(f"group_by_window: the window size must be "
-                                         f"positive, got {size} for key {key}")
-                    sizes[key] = size
+                    size = sizes[key] = self._size_of(key)
                 group = groups.setdefault(key, [])
                 group.append(element)
                 if len(group) == size:
@@ -121,6 +117,102 @@ class GroupByWindowDataset(UnaryDataset):
                 yield from flush(key)
         finally:
             _close(it)
+
+
+    def _key_of(self, element) -> int:
+        return _integer(st.call_with_element(self._key_func, element), "its key",
+                        "group_by_window: key_func")
+
+    def _size_of(self, key: int) -> int:
+        size = _integer(self._size_func(np.int64(key)), f"key {key}",
+                        "group_by_window: window_size_func")
+        if size < 1:
+            raise ValueError(f"group_by_window: the window size must be positive, got "
+                             f"{size} for key {key}")
+        return size
+
+    def _state_iter(self, ctx):
+        return _GroupIterator(self, ctx)
+
+
+class _GroupIterator(StateIterator):
+    """``group_by_window``: the state is the input's, the open groups (each key's
+    elements so far and window size) and the window being handed out: its key, its
+    elements and the state of the dataset ``reduce_func`` made of it (a restore calls
+    ``reduce_func`` on those elements again)."""
+
+    def __init__(self, node: GroupByWindowDataset, ctx):
+        self._node, self._ctx = node, ctx
+        self._source = node._input._state_iter(ctx)
+        self._groups: dict[int, list] = {}
+        self._sizes: dict[int, int] = {}
+        self._ended = False
+        self._current = None   # (key, elements, state iterator of the reduced dataset)
+
+    @property
+    def _inputs(self):
+        return [self._source] + ([self._current[2]] if self._current else [])
+
+    def _open(self, key: int, elements: list, state=None) -> None:
+        node = self._node
+        it = state_iter_of(node._reduce(key, elements, node._input.element_spec),
+                           self._ctx, "group_by_window: a dataset that reduce_func returned")
+        if state is not None:
+            it.restore(state)
+        self._current = (key, elements, it)
+
+    def __next__(self):
+        node = self._node
+        while True:
+            if self._current is not None:
+                try:
+                    return next(self._current[2])
+                except StopIteration:
+                    self._current[2].close()
+                    self._current = None
+            if not self._ended:
+                try:
+                    element = next(self._source)
+                except StopIteration:
+                    self._ended = True
+                    continue
+                key = node._key_of(element)
+                size = self._sizes.get(key)
+                if size is None:
+                    size = self._sizes[key] = node._size_of(key)
+                group = self._groups.setdefault(key, [])
+                group.append(element)
+                if len(group) == size:
+                    self._open(key, self._groups.pop(key))
+            elif self._groups:
+                key = min(self._groups)   # the groups left over, smallest key first
+                self._open(key, self._groups.pop(key))
+            else:
+                raise StopIteration
+
+    def save(self):
+        current = self._current
+        return {"input": self._source.save(), "ended": self._ended,
+                "groups": [[k, pack_elements(g)] for k, g in self._groups.items()],
+                "sizes": [[k, v] for k, v in self._sizes.items()],
+                "current": None if current is None else {
+                    "key": current[0], "elements": pack_elements(current[1]),
+                    "state": current[2].save()}}
+
+    def restore(self, state):
+        self._source.restore(state["input"])
+        self._ended = bool(state["ended"])
+        self._groups = {int(k): unpack_elements(g) for k, g in state["groups"]}
+        self._sizes = {int(k): int(v) for k, v in state["sizes"]}
+        current = state["current"]
+        if current is not None:
+            self._open(int(current["key"]), unpack_elements(current["elements"]),
+                       current["state"])
+
+    def close(self):
+        if self._current is not None:
+            self._current[2].close()
+        self._source.close()
 
 
 def group_by_window_dataset(dataset: Dataset, key_func: Callable, reduce_func: Callable,

@@ -24,7 +24,8 @@ from typing import Callable
 
 from gpustrat.data import autoshard, parallel
 from gpustrat.data import structure as st
-from gpustrat.data.iterator_state import StateIterator
+from gpustrat.data.iterator_state import (PrefetchIterator, StateIterator,
+                                          load_element, save_element, state_iter_of)
 from gpustrat.data.dataset import (AUTOTUNE, UNKNOWN_CARDINALITY, Dataset, _check_positive,
                                    _IterContext)
 from gpustrat.data.transforms import (UnaryDataset, _close, _function_spec,
@@ -134,16 +135,13 @@ class InterleaveDataset(UnaryDataset):
         """The state iterator of the dataset ``map_func`` returns for ``element`` (a
         plain one whose ``save`` raises, naming the node, when that dataset cannot
         save its position: iteration goes on, only saving is refused)."""
-        from gpustrat.data.iterator_state import (PrefetchIterator,  # noqa: PLC0415
-                                                  unsupported_nodes)
         ds = st.call_with_element(self._fn, element)
         if not isinstance(ds, Dataset):
             raise TypeError(f"interleave: map_func must return a Dataset, got "
                             f"{type(ds).__name__}")
         if key is not None:
             ds = autoshard.seeded_like_every_worker(ds, key)
-        why = unsupported_nodes(ds)
-        it = _Unsaveable(ds._iter(ctx), why) if why else ds._state_iter(ctx)
+        it = state_iter_of(ds, ctx, "interleave: a dataset that map_func returned")
         if self._parallelism is not None:
             it = PrefetchIterator(it, max(2, self._block), False, 0.0, 0)
         if state is not None:
@@ -165,23 +163,6 @@ class InterleaveDataset(UnaryDataset):
                                 f"{type(ds).__name__}")
             return ds.element_spec
         return _function_spec(self._input, dataset_spec)
-
-
-class _Unsaveable(StateIterator):
-    """A generator iterated as a state iterator whose position cannot be saved."""
-
-    def __init__(self, gen, why: list):
-        self._gen, self._why = gen, why
-
-    def __next__(self):
-        return next(self._gen)
-
-    def save(self):
-        raise ValueError("interleave: a dataset that map_func returned cannot save its "
-                         "position: " + "; ".join(self._why))
-
-    def close(self):
-        _close(self._gen)
 
 
 class _InterleaveIterator(StateIterator):
@@ -240,8 +221,8 @@ class _InterleaveIterator(StateIterator):
         return {"input": self._source.save(), "end_of_input": self._end_of_input,
                 "index": self._index, "taken": self._taken, "opened": self._opened,
                 "epoch": self._epoch,
-                "slots": [None if s is None else {"element": s[0], "opened": s[1],
-                                                  "state": s[2].save()}
+                "slots": [None if s is None else {"element": save_element(s[0]),
+                                                  "opened": s[1], "state": s[2].save()}
                           for s in self._slots]}
 
     def restore(self, state):
@@ -252,9 +233,10 @@ class _InterleaveIterator(StateIterator):
         for i, saved in enumerate(state["slots"]):
             if saved is None:
                 continue
-            it = self._node._open_state(saved["element"], self._ctx,
-                                        self._key(int(saved["opened"])), saved["state"])
-            self._slots[i] = (saved["element"], int(saved["opened"]), it)
+            element = load_element(saved["element"])
+            it = self._node._open_state(element, self._ctx, self._key(int(saved["opened"])),
+                                        saved["state"])
+            self._slots[i] = (element, int(saved["opened"]), it)
 
     def close(self):
         for s in self._slots:

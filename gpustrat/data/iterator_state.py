@@ -11,6 +11,9 @@ Words:
         never counts: their state holds the upstream position reached by the read-ahead
         plus the elements read but not yet returned, which a restored iterator returns
         first (prefetched elements are handed back, in-flight map calls are re-done).
+    saved element: an element held in a saved buffer, as :func:`save_element` gives
+        it: itself, unless a leaf is an array of strings (saved as its byte strings) or
+        a window's dataset (saved as its elements and spec).
 
 Every node of a pipeline needs a state iterator for ``iter(dataset)`` to be saved; a
 node without one (``node._state_unsupported()`` says why) makes ``get_state`` raise an
@@ -22,6 +25,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import functools
+import itertools
 import threading
 import time
 from typing import Any
@@ -63,7 +67,8 @@ class StateIterator:
 
 def pack_elements(elements: list) -> dict:
     """A list of elements in a compact form: one stacked array per component when every
-    element has the same structure of NumPy scalars or arrays of one shape, else the list."""
+    element has the same structure of NumPy scalars or arrays of one shape, else the
+    list (each element as :func:`save_element` gives it)."""
     if elements:
         first = elements[0]
         flat = [nest.flatten(e) for e in elements]
@@ -79,17 +84,78 @@ def pack_elements(elements: list) -> dict:
         if leaves0 and all(same(i) for i in range(len(leaves0))):
             columns = [np.stack([f[i] for f in flat]) for i in range(len(leaves0))]
             return {"template": first, "columns": columns}
-    return {"list": list(elements)}
+    return {"list": [save_element(e) for e in elements]}
 
 
 def unpack_elements(packed: dict) -> list:
     if "list" in packed:
-        return list(packed["list"])
+        return [load_element(e) for e in packed["list"]]
     template, columns = packed["template"], packed["columns"]
     n = len(columns[0])
     if not nest.is_nested(template):
         return [columns[0][i] for i in range(n)]
     return [nest.pack_sequence_as(template, [c[i] for c in columns]) for i in range(n)]
+
+
+# An element with leaves a state tree cannot hold as they are (a batch of strings, a
+# window's dataset) is saved as {_ENCODED: [encoded leaves], "structure": ...}.
+_ENCODED = "__gpustrat_element__"
+
+
+def _special(leaf) -> bool:
+    return (isinstance(leaf, np.ndarray) and leaf.dtype.hasobject) or \
+        hasattr(leaf, "_elements_state")
+
+
+def save_element(element):
+    """``element`` in a form a state tree holds: itself, unless a leaf is an array of
+    strings (saved as its bytes) or a dataset of a window (saved as its elements)."""
+    leaves = nest.flatten(element)
+    if not any(_special(leaf) for leaf in leaves):
+        return element
+    return {_ENCODED: [_save_leaf(leaf) for leaf in leaves],
+            "structure": nest.map_structure(lambda _: 0, element)}
+
+
+def load_element(saved):
+    """The element :func:`save_element` saved."""
+    if type(saved) is not dict or _ENCODED not in saved:
+        return saved
+    leaves = [_load_leaf(x) for x in saved[_ENCODED]]
+    structure = saved["structure"]
+    return nest.pack_sequence_as(structure, leaves) if nest.is_nested(structure) \
+        else leaves[0]
+
+
+def _save_leaf(leaf):
+    if isinstance(leaf, np.ndarray) and leaf.dtype.hasobject:
+        return {"strings": [bytes(x) for x in leaf.reshape(-1)], "shape": list(leaf.shape)}
+    if hasattr(leaf, "_elements_state"):
+        return {"dataset": leaf._elements_state()}
+    return {"leaf": leaf}
+
+
+def _load_leaf(saved: dict):
+    if "strings" in saved:
+        out = np.empty(len(saved["strings"]), dtype=object)
+        out[:] = list(saved["strings"])
+        return out.reshape([int(d) for d in saved["shape"]])
+    if "dataset" in saved:
+        from gpustrat.data.windowing import ElementsDataset  # noqa: PLC0415
+        return ElementsDataset._from_state(saved["dataset"])
+    return saved["leaf"]
+
+
+def same_state(a, b) -> bool:
+    """Whether two state trees are equal (arrays by dtype, shape and values)."""
+    if isinstance(a, (np.ndarray, np.generic)) or isinstance(b, (np.ndarray, np.generic)):
+        a, b = np.asarray(a), np.asarray(b)
+        return a.dtype == b.dtype and a.shape == b.shape and bool(np.array_equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
 
 
 class Replay:
@@ -284,6 +350,28 @@ class IndexedIterator(StateIterator):
         self._it = self._body(self._left)
 
 
+class ListIterator(StateIterator):
+    """The elements of a list; the state is the next index, derived from the list
+    iterator's length hint (nothing is counted per element)."""
+
+    def __init__(self, elements: list):
+        self._list = elements
+        self._it = iter(elements)
+
+    def __next__(self):
+        return next(self._it)
+
+    def fast_iter(self):
+        return self._it
+
+    def save(self) -> dict:
+        return {"pos": len(self._list) - self._it.__length_hint__()}
+
+    def restore(self, state: dict) -> None:
+        self._it = iter(self._list)
+        collections.deque(itertools.islice(self._it, int(state["pos"])), maxlen=0)
+
+
 class FunctionIterator(StateIterator):
     """A node whose only state is a few counters and its inputs' states: ``step(self)``
     returns the next element (raising StopIteration), ``fields`` are the counters."""
@@ -333,3 +421,40 @@ def fingerprint(dataset) -> list:
             walk(i)
     walk(dataset)
     return out
+
+
+class Unsaveable(StateIterator):
+    """A generator iterated as a state iterator whose position cannot be saved (a
+    dataset a user function returned, iterated inside a node that can save)."""
+
+    def __init__(self, gen, why: list, what: str):
+        self._gen, self._why, self._what = gen, why, what
+
+    def __next__(self):
+        return next(self._gen)
+
+    def save(self):
+        raise ValueError(f"{self._what} cannot save its position: " + "; ".join(self._why))
+
+    def close(self):
+        close = getattr(self._gen, "close", None)
+        if close is not None:
+            close()
+
+
+def state_iter_of(dataset, ctx, what: str) -> StateIterator:
+    """A state iterator over a dataset made while iterating (by ``map_func`` or
+    ``reduce_func``): its own, or, when a node of it cannot save its position, one that
+    iterates all the same and whose ``save`` raises naming the node."""
+    why = unsupported_nodes(dataset)
+    return Unsaveable(dataset._iter(ctx), why, what) if why else dataset._state_iter(ctx)
+
+
+def resume_epochs(node, epoch: int, seed: int) -> None:
+    """A restored iterator of ``node`` (a node that counts its iterations in
+    ``_epochs`` and draws from ``_seed``) is at ``epoch``: later iterations go on from
+    the next epoch, with the saved seed (an unseeded node keeps the seed the saved job
+    drew)."""
+    nxt = next(node._epochs)
+    node._epochs = itertools.count(max(nxt, epoch + 1))
+    node._seed = int(seed)

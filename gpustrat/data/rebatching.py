@@ -22,6 +22,7 @@ import numpy as np
 from gpustrat import devices, nest
 from gpustrat.data import structure as st
 from gpustrat.data.dataset import UNKNOWN_CARDINALITY, Dataset
+from gpustrat.data.iterator_state import StateIterator, load_element, save_element
 from gpustrat.data.spec import TensorSpec
 from gpustrat.data.transforms import UnaryDataset, _close
 
@@ -137,3 +138,103 @@ class RebatchDataset(UnaryDataset):
                 return
         finally:
             _close(it)
+
+    def _state_iter(self, ctx):
+        return _RebatchIterator(self, self._input._state_iter(ctx))
+
+
+class _RebatchIterator(StateIterator):
+    """``rebatch``: the state is the input's, the rows read but not yet handed out
+    (the rest of the input batches they belong to), and which size comes next."""
+
+    def __init__(self, node: RebatchDataset, source: StateIterator):
+        self._node = node
+        self._inputs = (source,)
+        self._pending: collections.deque = collections.deque()   # [leaves, start row]
+        self._rows = 0
+        self._template = None   # the leaves of an empty batch, once one was read
+        self._plan = None
+        self._done = False      # the input has ended
+        self._finished = False  # so has the output
+        self._next_size = 0     # index into node._sizes
+
+    def _pull(self) -> bool:
+        try:
+            element = next(self._inputs[0])
+        except StopIteration:
+            self._done = True
+            return False
+        if self._plan is None:
+            self._node.element_spec  # a clear error for unbatched input, before any batch
+            self._plan = st.make_plan(element)
+        leaves = list(self._plan[0](element))
+        rows = {st.leading_dim(v) for v in leaves}
+        if len(rows) != 1:
+            raise ValueError(f"rebatch: an element's components have different "
+                             f"batch dimensions {sorted(rows)}; they must be equal")
+        if self._template is None:
+            self._template = [v[:0] for v in leaves]
+        n = rows.pop()
+        if n:
+            self._pending.append([leaves, 0])
+            self._rows += n
+        return True
+
+    def _take(self, k: int) -> list:
+        parts = []
+        pending = self._pending
+        while k:
+            leaves, start = pending[0]
+            n = st.leading_dim(leaves[0]) - start
+            used = min(n, k)
+            parts.append([v[start:start + used] for v in leaves])
+            k -= used
+            self._rows -= used
+            if used == n:
+                pending.popleft()
+            else:
+                pending[0][1] = start + used
+        if len(parts) == 1:
+            return parts[0]
+        return [devices.array_module(cols[0]).concatenate(cols) for cols in zip(*parts)]
+
+    def __next__(self):
+        if self._finished:
+            raise StopIteration
+        sizes = self._node._sizes
+        k = sizes[self._next_size]
+        self._next_size = (self._next_size + 1) % len(sizes)
+        while self._rows < k and not self._done:
+            self._pull()
+        if k == 0:
+            if self._template is None and not self._pull():
+                self._finished = True
+                raise StopIteration
+            return self._plan[1](list(self._template))
+        if self._rows >= k:
+            return self._plan[1](self._take(k))
+        # The input has ended with fewer rows than this batch needs.
+        self._finished = True
+        if self._rows and not self._node._drop:
+            return self._plan[1](self._take(self._rows))
+        raise StopIteration
+
+    def save(self):
+        return {"input": self._inputs[0].save(),
+                "pending": [save_element(tuple(v[start:] for v in leaves))
+                            for leaves, start in self._pending],
+                "template": None if self._template is None else
+                save_element(tuple(self._template)),
+                "done": self._done, "finished": self._finished,
+                "next_size": self._next_size}
+
+    def restore(self, state):
+        self._inputs[0].restore(state["input"])
+        self._pending = collections.deque([list(load_element(p)), 0]
+                                          for p in state["pending"])
+        self._rows = sum(st.leading_dim(p[0][0]) for p in self._pending)
+        if state["template"] is not None:
+            self._template = list(load_element(state["template"]))
+            self._plan = st.make_plan(self._node._input.element_spec)
+        self._done, self._finished = bool(state["done"]), bool(state["finished"])
+        self._next_size = int(state["next_size"])

@@ -30,6 +30,7 @@ from typing import Sequence
 import numpy as np
 
 from gpustrat.data.dataset import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Dataset
+from gpustrat.data.iterator_state import FunctionIterator, StateIterator, resume_epochs
 from gpustrat.data.spec import TensorSpec, merge_specs
 from gpustrat.data.transforms import _close
 
@@ -113,6 +114,75 @@ class _DirectedDataset(Dataset):
                     _close(it)
 
 
+    def _pick_iter(self, ctx, active: list[bool]) -> StateIterator:
+        """A state iterator of the picks (as :meth:`_picks`)."""
+        raise NotImplementedError
+
+    def _state_iter(self, ctx):
+        return _DirectedIterator(self, ctx)
+
+
+class _DirectedIterator(StateIterator):
+    """``sample_from_datasets`` / ``choose_from_datasets``: the state is the picks'
+    (the sampler's generator state, or the choice dataset's position), which inputs
+    have ended, and each input's position (None for an input not read yet)."""
+
+    def __init__(self, node: _DirectedDataset, ctx):
+        try:
+            node.element_spec  # incompatible inputs are an error before any element
+        except ValueError:
+            pass  # an input too empty to have a spec conflicts with nothing
+        self._node, self._ctx = node, ctx
+        n = len(node._datasets)
+        self._its: list = [None] * n
+        self._active = [True] * n
+        self._done = False
+        self._picks = node._pick_iter(ctx, self._active)
+
+    @property
+    def _inputs(self):
+        return [self._picks] + [it for it in self._its if it is not None]
+
+    def __next__(self):
+        node, its, active = self._node, self._its, self._active
+        while not self._done:
+            try:
+                i = next(self._picks)
+            except StopIteration:
+                self._done = True
+                break
+            if not active[i]:
+                continue
+            if its[i] is None:
+                its[i] = node._datasets[i]._state_iter(self._ctx)
+            try:
+                return next(its[i])
+            except StopIteration:
+                if node._stop:
+                    self._done = True
+                    break
+                active[i] = False
+                its[i].close()
+                its[i] = None
+                if not any(active):
+                    self._done = True
+        raise StopIteration
+
+    def save(self):
+        return {"picks": self._picks.save(), "active": list(self._active),
+                "done": self._done,
+                "inputs": [None if it is None else it.save() for it in self._its]}
+
+    def restore(self, state):
+        self._picks.restore(state["picks"])
+        self._active[:] = [bool(a) for a in state["active"]]
+        self._done = bool(state["done"])
+        for i, saved in enumerate(state["inputs"]):
+            if saved is not None:
+                self._its[i] = self._node._datasets[i]._state_iter(self._ctx)
+                self._its[i].restore(saved)
+
+
 class ChooseDataset(_DirectedDataset):
     """``Dataset.choose_from_datasets(datasets, choice_dataset, stop_on_empty_dataset)``."""
 
@@ -150,6 +220,18 @@ class ChooseDataset(_DirectedDataset):
                 yield i
         finally:
             _close(it)
+
+
+    def _pick_iter(self, ctx, active):
+        n = len(self._datasets)
+
+        def step_fn(it):
+            i = int(next(it._inputs[0]))
+            if not 0 <= i < n:
+                raise ValueError(f"choose_from_datasets: choice {i} is out of range "
+                                 f"for {n} datasets; choices must be in [0, {n})")
+            return i
+        return FunctionIterator((self._choice._state_iter(ctx),), step_fn)
 
 
 class SampleDataset(_DirectedDataset):
@@ -206,20 +288,80 @@ class SampleDataset(_DirectedDataset):
                     if row is None:
                         return
                     w = _check_weights(np.asarray(row).tolist(), n, "a weights element")
-                # Exhausted inputs drop out and the others' weights are renormalised:
-                # the same distribution as drawing again after a pick of an ended input.
-                live = [x if a else 0.0 for x, a in zip(w, active)] if not self._stop else w
-                cum = list(itertools.accumulate(live))
-                total = cum[-1]
-                if total <= 0:
-                    return  # only inputs of weight 0 are left
                 if k == _DRAWS:
                     draws, k = rng.random(_DRAWS).tolist(), 0
-                u = draws[k] * total
+                i = self._draw(w, active, draws[k])
+                if i is None:
+                    return  # only inputs of weight 0 are left
                 k += 1
-                yield min(bisect.bisect_right(cum, u), n - 1)
+                yield i
         finally:
             _close(weights_it)
+
+
+    def _pick_iter(self, ctx, active):
+        return _SamplePicks(self, ctx, active)
+
+    def _draw(self, weights: list, active: list, u: float) -> int | None:
+        """The input a uniform draw ``u`` picks (None: only inputs of weight 0 left)."""
+        # Exhausted inputs drop out and the others' weights are renormalised: the same
+        # distribution as drawing again after a pick of an ended input.
+        live = [x if a else 0.0 for x, a in zip(weights, active)] if not self._stop \
+            else weights
+        cum = list(itertools.accumulate(live))
+        total = cum[-1]
+        if total <= 0:
+            return None
+        return min(bisect.bisect_right(cum, u * total), len(weights) - 1)
+
+
+class _SamplePicks(StateIterator):
+    """The picks of ``sample_from_datasets``, as ``SampleDataset._picks`` draws them;
+    the state is the epoch and seed, the generator's state before the current block of
+    draws and the draws used from it, and the weights dataset's position."""
+
+    def __init__(self, node: SampleDataset, ctx, active: list):
+        self._node, self._active = node, active
+        self._epoch = next(node._epochs) if node._rerandomize else 0
+        self._seed = node._seed
+        self._rng = np.random.default_rng([self._seed, self._epoch])
+        self._refill()
+        fixed = not isinstance(node._weights, Dataset)
+        self._inputs = () if fixed else (node._weights._state_iter(ctx),)
+
+    def _refill(self) -> None:
+        self._block_start = self._rng.bit_generator.state
+        self._draws, self._k = self._rng.random(_DRAWS).tolist(), 0
+
+    def __next__(self):
+        node = self._node
+        if self._inputs:
+            w = _check_weights(np.asarray(next(self._inputs[0])).tolist(),
+                               len(node._datasets), "a weights element")
+        else:
+            w = node._weights
+        if self._k == _DRAWS:
+            self._refill()
+        i = node._draw(w, self._active, self._draws[self._k])
+        if i is None:
+            raise StopIteration  # only inputs of weight 0 are left
+        self._k += 1
+        return i
+
+    def save(self):
+        return {"epoch": self._epoch, "seed": self._seed, "rng": self._block_start,
+                "k": self._k, "weights": self._inputs[0].save() if self._inputs else None}
+
+    def restore(self, state):
+        self._epoch, self._seed = int(state["epoch"]), int(state["seed"])
+        if self._node._rerandomize:
+            resume_epochs(self._node, self._epoch, self._seed)
+        self._rng = np.random.default_rng()
+        self._rng.bit_generator.state = state["rng"]
+        self._refill()
+        self._k = int(state["k"])
+        if self._inputs:
+            self._inputs[0].restore(state["weights"])
 
 
 def _check_weights(weights, n: int, what: str = "weights") -> list[float]:

@@ -17,6 +17,7 @@ import numpy as np
 from gpustrat import nest
 from gpustrat.data import structure as st
 from gpustrat.data.dataset import Dataset, _IterContext
+from gpustrat.data.iterator_state import StateIterator, load_element, save_element
 from gpustrat.data.spec import merge_specs, spec_of, zeros_like_spec
 from gpustrat.data.transforms import UnaryDataset, _close
 
@@ -69,6 +70,9 @@ class ScanDataset(UnaryDataset):
         finally:
             _close(it)
 
+    def _state_iter(self, ctx):
+        return _ScanIterator(self, self._input._state_iter(ctx))
+
     def _compute_spec(self):
         gen = self._iter(_IterContext(peek=True))
         try:
@@ -82,3 +86,37 @@ class ScanDataset(UnaryDataset):
         for v in outputs[1:]:
             spec = merge_specs(spec, spec_of(v))
         return spec
+
+
+class _ScanIterator(StateIterator):
+    """``scan``: the state is the input's and the scan state's value (its leaves, put
+    back into the initial state's structure on restore)."""
+
+    def __init__(self, node: ScanDataset, source: StateIterator):
+        self._node = node
+        self._inputs = (source,)
+        self._value = node._initial
+        self._gen = self._elements()
+
+    def _elements(self):
+        step = self._node._step   # a generator started after any restore
+        for element in self._inputs[0].fast_iter():
+            self._value, out = step(self._value, element)
+            yield out
+
+    def fast_iter(self):
+        return self._gen
+
+    def __next__(self):
+        return next(self._gen)
+
+    def save(self):
+        return {"input": self._inputs[0].save(),
+                "value": [save_element(leaf) for leaf in nest.flatten(self._value)]}
+
+    def restore(self, state):
+        self._inputs[0].restore(state["input"])
+        leaves = [load_element(leaf) for leaf in state["value"]]
+        initial = self._node._initial
+        self._value = nest.pack_sequence_as(initial, leaves) if nest.is_nested(initial) \
+            else leaves[0]

@@ -136,9 +136,15 @@ def merge_specs(a: Any, b: Any) -> Any:
 
 
 def zeros_like_spec(spec: Any) -> Any:
-    """An element of zeros matching ``spec`` (unknown dimensions 0): what a function is
-    called with to learn its output spec when its input dataset is empty."""
-    return nest.map_structure(lambda s: np.zeros([d or 0 for d in s.shape], s.dtype), spec)
+    """An element of zeros matching ``spec`` (unknown dimensions 0; an empty dataset for
+    a dataset component): what a function is called with to learn its output spec when
+    its input dataset is empty."""
+    def zeros(s):
+        if not isinstance(s, TensorSpec):   # a DatasetSpec (a window)
+            from gpustrat.data.windowing import ElementsDataset  # noqa: PLC0415
+            return ElementsDataset([], s.element_spec)
+        return np.zeros([d or 0 for d in s.shape], s.dtype)
+    return nest.map_structure(zeros, spec)
 
 
 def unknown_dims(spec: Any) -> Any:

@@ -30,7 +30,8 @@ from gpustrat.data.dataset import (AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDI
                                    autotune_parallelism, rows_of_batches)
 from gpustrat.data.iterator_state import (FunctionIterator, ParallelMapIterator,
                                           PrefetchIterator, StateIterator,
-                                          pack_elements, unpack_elements)
+                                          load_element, pack_elements, resume_epochs,
+                                          save_element, unpack_elements)
 from gpustrat.data.options import Options
 from gpustrat.data.spec import TensorSpec, merge_specs, spec_of, zeros_like_spec
 
@@ -438,9 +439,7 @@ class ShuffleDataset(UnaryDataset):
         """A restored iterator is at ``epoch`` of ``seed``: later iterations reshuffle
         from the next epoch, with that seed (an unseeded shuffle keeps the seed the
         saved job drew)."""
-        nxt = next(self._epochs)
-        self._epochs = itertools.count(max(nxt, epoch + 1))
-        self._seed = int(seed)
+        resume_epochs(self, epoch, seed)
 
 
 class RepeatDataset(UnaryDataset):
@@ -840,13 +839,14 @@ class _UnbatchIterator(StateIterator):
 
     def save(self):
         current = None if self._element is None or self._row >= len(self._rows) \
-            else {"element": self._element, "row": self._row}
+            else {"element": save_element(self._element), "row": self._row}
         return {"input": self._inputs[0].save(), "current": current}
 
     def restore(self, state):
         self._inputs[0].restore(state["input"])
         if state["current"] is not None:
-            self._set(state["current"]["element"], int(state["current"]["row"]))
+            self._set(load_element(state["current"]["element"]),
+                      int(state["current"]["row"]))
 
 
 class _ShuffleIterator(StateIterator):

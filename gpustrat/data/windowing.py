@@ -27,6 +27,9 @@ from typing import Any
 from gpustrat import nest
 from gpustrat.data import structure as st
 from gpustrat.data.dataset import Dataset, _check_positive
+from gpustrat.data.iterator_state import (ListIterator, StateIterator, pack_elements,
+                                          unpack_elements)
+from gpustrat.data.spec import TensorSpec
 from gpustrat.data.transforms import UnaryDataset, _close
 
 
@@ -59,6 +62,27 @@ class DatasetSpec:
         return f"DatasetSpec({self.element_spec})"
 
 
+def _save_spec(spec: Any) -> dict:
+    """An element spec as a state tree: its leaves' shapes and dtypes, and its structure."""
+    def leaf(s):
+        if isinstance(s, DatasetSpec):
+            return {"dataset": _save_spec(s.element_spec)}
+        return {"shape": [-1 if d is None else d for d in s.shape], "dtype": s.dtype.str}
+    return {"leaves": [leaf(s) for s in nest.flatten(spec)],
+            "structure": nest.map_structure(lambda _: 0, spec)}
+
+
+def _load_spec(saved: dict) -> Any:
+    def leaf(x):
+        if "dataset" in x:
+            return DatasetSpec(_load_spec(x["dataset"]))
+        return TensorSpec([None if d < 0 else d for d in x["shape"]], x["dtype"])
+    leaves = [leaf(x) for x in saved["leaves"]]
+    structure = saved["structure"]
+    return nest.pack_sequence_as(structure, leaves) if nest.is_nested(structure) \
+        else leaves[0]
+
+
 def contains_datasets(spec: Any) -> bool:
     """Whether an element spec has a component that is a dataset."""
     return any(isinstance(s, DatasetSpec) for s in nest.flatten(spec))
@@ -74,6 +98,18 @@ class ElementsDataset(Dataset):
 
     def _iter(self, ctx):
         yield from self._elements
+
+    def _state_iter(self, ctx):
+        return ListIterator(self._elements)
+
+    def _elements_state(self) -> dict:
+        """This dataset as a state tree (a window held in a buffer that is saved)."""
+        return {"elements": pack_elements(self._elements),
+                "spec": _save_spec(self.__dict__["_spec_cache"])}
+
+    @classmethod
+    def _from_state(cls, state: dict) -> "ElementsDataset":
+        return cls(unpack_elements(state["elements"]), _load_spec(state["spec"]))
 
     def _cardinality(self):
         return len(self._elements)
@@ -147,3 +183,59 @@ class WindowDataset(UnaryDataset):
                     drop -= 1
         finally:
             _close(it)
+
+    def _state_iter(self, ctx):
+        return _WindowIterator(self, self._input._state_iter(ctx))
+
+
+class _WindowIterator(StateIterator):
+    """``window``: the state is the input's, the elements buffered for the next windows
+    and the count still to drop before the next window (the window's shift)."""
+
+    def __init__(self, node: WindowDataset, source: StateIterator):
+        self._node = node
+        self._inputs = (source,)
+        self._buf: collections.deque = collections.deque()
+        self._ended = False
+        self._drop = 0
+        self._spec = None
+
+    def _read(self):
+        try:
+            return next(self._inputs[0])
+        except StopIteration:
+            self._ended = True
+            return None
+
+    def __next__(self):
+        node = self._node
+        span = (node._size - 1) * node._stride + 1
+        buf = self._buf
+        # The previous window's shift: buffered elements first, then unread ones.
+        while self._drop and buf:
+            buf.popleft()
+            self._drop -= 1
+        while self._drop and not self._ended:
+            self._read()
+            self._drop -= 1
+        self._drop = 0
+        while len(buf) < span and not self._ended:
+            element = self._read()
+            if element is not None:
+                buf.append(element)
+        if not buf or (len(buf) < span and node._drop):
+            raise StopIteration
+        if self._spec is None:
+            self._spec = node._input.element_spec
+        window = node._window(list(itertools.islice(buf, 0, span, node._stride)), self._spec)
+        self._drop = node._shift
+        return window
+
+    def save(self):
+        return {"input": self._inputs[0].save(), "buffer": pack_elements(list(self._buf)),
+                "ended": self._ended, "drop": self._drop}
+
+    def restore(self, state):
+        self._inputs[0].restore(state["input"])
+        self._buf = collections.deque(unpack_elements(state["buffer"]))
+        self._ended, self._drop = bool(state["ended"]), int(state["drop"])
