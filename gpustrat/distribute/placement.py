@@ -15,6 +15,14 @@ memory comes from the copy stream's pool arena, so it must not be handed out aga
 while the consumer may still read it: each handover records an event on the
 consumer's streams, the placer keeps the previous step's pieces alive until that event
 has completed, and the copy stream waits for the latest such event before copying.
+Pieces a placer stops keeping (at the end of the data, on an error, at ``close``, and
+the steps still queued then) are *retired*: CuPy keys a pool arena by the raw stream
+handle, and the driver may give a destroyed copy stream's handle to a later stream,
+which would then be handed those blocks. A module-level list keeps them alive until
+events after which nothing uses them have completed (one recorded on the consumer's
+current streams for pieces handed over, the copies' own events for pieces never handed
+over), and is pruned, by event queries, whenever a placer hands a step over, retires
+pieces or is created. It holds at most one epoch's in-flight steps.
 Pinned staging buffers are a ring of ``buffer_size + 2`` per device, each reused once
 the copies that read it are complete (a wait in the background thread only when the
 GPU is that far behind).
@@ -34,6 +42,28 @@ from gpustrat.devices import Device, cupy, is_gpu_array, new_stream, pinned_empt
 
 _END = object()
 
+#: Retired pieces, each ``(events, pieces)``: kept until every event has completed (see
+#: the module docstring). Shared by all placers, of any thread.
+_retired: list = []
+_retired_lock = threading.Lock()
+
+
+def _retire(events: list, pieces) -> None:
+    """Keep ``pieces`` alive until every event of ``events`` (None: no event) has completed."""
+    with _retired_lock:
+        _retired.append((events, pieces))
+    _prune_retired()
+
+
+def _prune_retired() -> None:
+    """Drop the retired pieces whose events have all completed (queries, no host wait)."""
+    with _retired_lock:
+        keep, done = [], []
+        for entry in _retired:
+            (done if all(e is None or e.done for e in entry[0]) else keep).append(entry)
+        _retired[:] = keep
+    del done   # the blocks go back to their pools here, outside the lock
+
 
 class Placer:
     """Pulls steps (one piece per local replica) and places them."""
@@ -49,6 +79,7 @@ class Placer:
         self._held: list = []
         self._last = None
         self._release: list | None = None
+        _prune_retired()
         if self._gpu:
             self._buffer_size = buffer_size
             self._queue: queue.Queue = queue.Queue(maxsize=buffer_size)
@@ -70,13 +101,14 @@ class Placer:
             return [_host_piece(p) for p in step] if _any_gpu(step) else step
         item = self._queue.get()
         if item is _END or isinstance(item, BaseException):
-            # The copy stream does no more work: its pool blocks are not handed out again.
             self._done = True
-            self._held.clear()
-            self._last = None
+            self._retire_held()
             if item is _END:
                 raise StopIteration
-            raise item
+            try:
+                raise item
+            finally:
+                del item   # its traceback holds this frame: no reference cycle
         placed, ready = item
         self._hand_over(placed, ready)
         return placed
@@ -85,16 +117,12 @@ class Placer:
         """Order the consumer's streams after the step's copies; keep earlier steps'
         pieces alive until the consumer's work queued so far has completed."""
         cp = cupy()
-        released = []
         here = int(cp.cuda.Device().id)
+        released = self._consumer_events()   # after everything queued before
         for dev, ev in zip(self._devices, ready):
-            if ev is None:
-                released.append(None)
-                continue
-            with cp.cuda.Device(dev.index):
-                current = cp.cuda.get_current_stream()
-                released.append(current.record())   # after everything queued before
-                current.wait_event(ev)
+            if ev is not None:
+                with cp.cuda.Device(dev.index):
+                    cp.cuda.get_current_stream().wait_event(ev)
         # CuPy's get() copies on the current device's stream, whichever the array's.
         current = cp.cuda.get_current_stream()
         for dev, ev in zip(self._devices, ready):
@@ -107,37 +135,79 @@ class Placer:
         self._held = [(evs, p) for evs, p in self._held
                       if not all(e is None or e.done for e in evs)]
         self._release = released
+        _prune_retired()
+
+    def _consumer_events(self) -> list:
+        """Per device (None for CPU devices), an event recorded on the calling thread's
+        current stream of that device, then one on its current stream of the current device
+        if that is none of them (CuPy's ``get()`` copies there): after the work queued so
+        far."""
+        cp = cupy()
+        events = []
+        for dev in self._devices:
+            if not dev.is_gpu:
+                events.append(None)
+                continue
+            with cp.cuda.Device(dev.index):
+                events.append(cp.cuda.get_current_stream().record())
+        if int(cp.cuda.Device().id) not in {d.index for d in self._devices if d.is_gpu}:
+            events.append(cp.cuda.get_current_stream().record())
+        return events
+
+    def _retire_held(self) -> None:
+        """Retire the pieces handed over and still possibly in use, until the work queued
+        so far on the calling thread's current streams has completed."""
+        if self._held or self._last is not None:
+            _retire(self._consumer_events(), (self._held, self._last))
+        self._held, self._last = [], None
+
+    def _retire_queued(self) -> None:
+        """Retire the steps placed but never handed over, until their copies complete."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, tuple):
+                placed, ready = item
+                _retire(ready, placed)
+
     def _produce(self) -> None:
         staging = _Staging(self._devices, self._buffer_size)
         try:
             for step in self._steps:
                 placed = staging.place(step, self._release)
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(placed, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+                if not self._put(placed):
+                    _retire(placed[1], placed[0])
                     return
-            self._put_final(_END)
+                placed = None   # the consumer's now, not kept by an error's traceback
+            self._put(_END)
         except BaseException as e:  # re-raised in the consumer with its traceback
-            self._put_final(e)
+            self._put(e)
         finally:
             staging.finish()
+            if self._stop.is_set():   # close() may have drained the queue before a put
+                self._retire_queued()
 
-    def _put_final(self, item) -> None:
+    def _put(self, item) -> bool:
+        """Queue ``item`` for the consumer; False if the placer was closed first."""
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=0.1)
-                return
+                return True
             except queue.Full:
                 continue
+        return False
 
     def close(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            self._stop.set()
-            self._thread.join(timeout=5)
+        """Stop placing; the pieces placed or handed over are retired (see the module
+        docstring), ordered after the calling thread's current streams."""
+        if self._thread is not None:
+            if self._thread.is_alive():
+                self._stop.set()
+                self._thread.join(timeout=5)
+            self._retire_queued()
+            self._retire_held()
         close = getattr(self._steps, "close", None)
         if close is not None and self._thread is None:
             close()
@@ -183,6 +253,21 @@ class _Staging:
     def place(self, step: list, release: list | None = None) -> tuple[list, list]:
         """Queue the copies of one step; returns the placed pieces and, per device, the
         event their copies complete at (None for CPU devices)."""
+        allocated: list = []
+        try:
+            return self._place(step, release, allocated)
+        except BaseException:
+            # Copies into this step's arrays may still be queued: keep the arrays alive
+            # until those complete.
+            events = []
+            for dev, stream in zip(self.devices, self.streams):
+                if stream is not None:
+                    with dev.activate():
+                        events.append(stream.record())
+            _retire(events, allocated)
+            raise
+
+    def _place(self, step: list, release: list | None, allocated: list) -> tuple[list, list]:
         out, ready = [], []
         for i, (dev, piece) in enumerate(zip(self.devices, step)):
             if not dev.is_gpu:
@@ -200,6 +285,7 @@ class _Staging:
                 for x in leaves:
                     if is_gpu_array(x):
                         placed.append(to_device(x, dev, stream=stream))
+                        allocated.append(placed[-1])
                         continue
                     h = np.ascontiguousarray(x)
                     view = arena[offset:offset + h.nbytes].view(h.dtype).reshape(h.shape)
@@ -207,6 +293,7 @@ class _Staging:
                     offset += h.nbytes
                     with stream:  # the copy stream's own pool arena
                         arr = cupy().empty(h.shape, h.dtype)
+                    allocated.append(arr)
                     arr.set(view, stream=stream)
                     placed.append(arr)
                 done = stream.record()

@@ -178,6 +178,109 @@ def test_pieces_released_at_a_handover_are_reused_after_a_collection_in_the_plac
     assert not san.reports
 
 
+def _busy(san, streams) -> threading.Event:
+    """Work first on each of ``streams`` that runs only once the returned event is set:
+    the GPUs are busy, and an event query sees the work queued after it pending."""
+    go = threading.Event()
+    for stream in streams:
+        san.enqueue(stream._s, "earlier work", ready=go.is_set, count=None)
+    return go
+
+
+def _in_use(san) -> set:
+    return {b.serial for b in san.blocks if not b.free}
+
+
+def _blocks(san, arrays) -> set:
+    return {san.block_at(a.data.ptr)[0].serial for a in arrays}
+
+
+def _placer_activity() -> None:
+    """What prunes the retired pieces without touching a GPU: creating a placer."""
+    Placer([Device("cpu", 0)], iter([])).close()
+
+
+@pytest.mark.parametrize("end", [StopIteration, ValueError])
+def test_the_last_steps_pieces_stay_out_of_the_pool_until_the_work_reading_them_has_run(end):
+    # The copy stream is destroyed once the data ends (or fails), and the driver may
+    # give its handle, and so its pool arena, to a later stream: the last step's blocks
+    # must not go back to that arena while the consumer's queued reads of them have not
+    # run.
+    def upstream():
+        for k in (0, 1):
+            yield [np.full((64,), float(k), np.float32) for _ in DEVS]
+        if end is ValueError:
+            raise ValueError("bad record")
+
+    with _no_automatic_collection(), testing.sanitize(seed=0, run_probability=0) as san:
+        streams = [new_stream(d) for d in DEVS]
+        placer = Placer(DEVS, upstream())
+        try:
+            sums = [_read_on(streams, placer.next())]
+            go = _busy(san, streams)
+            last = placer.next()
+            blocks = _blocks(san, last)
+            sums.append(_read_on(streams, last))
+            del last
+            with pytest.raises(end):
+                placer.next()
+        finally:
+            placer.close()   # the placer's thread has ended
+        del placer
+        assert blocks <= _in_use(san)     # the reads are still queued
+        _placer_activity()
+        assert blocks <= _in_use(san)
+        go.set()
+        for stream in streams:
+            stream.synchronize()          # the reads have run ...
+        assert blocks <= _in_use(san)     # ... and the blocks wait for a pruning
+        _placer_activity()
+        assert not blocks & _in_use(san)
+        got = [[float(devices.to_host(s)) for s in step] for step in sums]
+    assert got == [[-64.0, -64.0], [0.0, 0.0]]
+    assert not san.reports
+
+
+def test_closing_with_steps_queued_keeps_the_pieces_until_the_work_using_them_has_run():
+    steps = [[np.full((64,), float(k), np.float32) for _ in DEVS] for k in range(6)]
+    asked = threading.Event()
+
+    def upstream():
+        for k, step in enumerate(steps):
+            if k == 3:
+                asked.set()   # steps 1 and 2 are queued, and step 3 is being placed
+            yield step
+
+    with _no_automatic_collection(), testing.sanitize(seed=0, run_probability=0) as san:
+        streams = [new_stream(d) for d in DEVS]
+        before = _in_use(san)
+        placer = Placer(DEVS, upstream(), buffer_size=2)
+        try:
+            go = _busy(san, streams)
+            first = placer.next()
+            blocks = _blocks(san, first)
+            sums = _read_on(streams, first)
+            del first
+            assert asked.wait(10)
+        finally:
+            placer.close()
+        del placer
+        results = _blocks(san, sums)
+        # The queued steps' copies completed before the placer's thread ended (it waits
+        # for the copies reading its pinned buffers): their blocks are back in the pool.
+        assert _in_use(san) - before - results == blocks
+        _placer_activity()
+        assert _in_use(san) - before - results == blocks   # the reads are still queued
+        go.set()
+        for stream in streams:
+            stream.synchronize()
+        _placer_activity()
+        assert not blocks & _in_use(san)
+        got = [float(devices.to_host(s)) for s in sums]
+    assert got == [-64.0, -64.0]
+    assert not san.reports
+
+
 # --- training fed by the placer --------------------------------------------------------------
 
 ROWS = 8
