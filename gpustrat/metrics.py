@@ -7,7 +7,9 @@ component, with no communication; :meth:`Metric.result` in cross-replica context
 the components over every replica of every worker in one fused reduction (a collective:
 every worker must call it) and returns the metric's value. Inside ``run``, ``result()``
 is the replica's own. In cross-replica context ``update_state`` adds to the first local
-replica's component. Made outside any scope, a metric is plain.
+replica's component, divided by the number of workers: every worker runs that code, and
+the total grows by the value once (by the mean of the workers' values where they
+differ, as with Keras). Made outside any scope, a metric is plain.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ class Metric:
     # --- state access ---------------------------------------------------------------
     def _add(self, *amounts) -> None:
         """Add ``amounts[k]`` to state variable k: the replica's own component inside
-        ``run``, the first local component in cross-replica context."""
+        ``run``; in cross-replica context, ``amounts[k] / num_workers`` to the first
+        local component (every worker adds, the total grows by the amount once)."""
         for v, a in zip(self._variables, amounts):
             comps = _components(v)
             target = comps[0]
@@ -103,6 +106,8 @@ class Metric:
                     v.value()  # raises the error that names both strategies
                 if replica_ctx is not None:
                     target = comps[replica_ctx.local_index]
+                elif v.distribute_strategy.num_workers > 1:
+                    a = a / v.distribute_strategy.num_workers
             target._write("assign_add", np.asarray(a, target.dtype) if np.isscalar(a)
                           else a.astype(target.dtype))
 

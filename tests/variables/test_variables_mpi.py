@@ -143,3 +143,37 @@ def test_scalar_variables_across_workers():
     # Worker 0's scalar initial value used to arrive as a NumPy scalar, which the first
     # assign could not write into.
     assert_mpi_ok(2, SCALARS, timeout=120, expect_lines=2)
+
+
+CROSS_METRICS = r"""
+import numpy as np
+import gpustrat as gs
+s = gs.MultiWorkerMirroredStrategy(devices=[f"cpu:{{i}}" for i in range({local})])
+rank = s.worker_index
+with s.scope():
+    total, mean = gs.metrics.Sum(), gs.metrics.Mean()
+def step():
+    r = np.float32(gs.get_replica_context().replica_id_in_sync_group)
+    total.update_state(np.array([r + 1]))
+    mean.update_state(np.array([r]))
+s.run(step)                                   # 4 replicas: sum 10; mean 6 / 4
+with s.scope():
+    total.update_state(np.array([1.0, 2.0]))  # every worker runs it: counted once
+    mean.update_state(np.array([10.0]))
+    got = [float(total.result()), float(mean.result())]
+    assert got == [13.0, np.float32(3.2)], got
+    # Workers with different values: the total grows by their mean, as Keras's.
+    total.update_state(np.array([2.0 + 2 * rank]))
+    got = float(total.result())
+assert got == 13.0 + np.mean([2.0 + 2 * w for w in range(s.num_workers)]), got
+print(f"OK rank {{rank}}", flush=True)
+s.close()
+"""
+
+
+@pytest.mark.parametrize("ranks, local", [(2, 2), (4, 1)])
+def test_cross_replica_metric_updates_count_once_across_workers(ranks, local):
+    # As in one process with 4 replicas (tests/variables/test_metrics.py); each worker
+    # used to add the whole value, counting it once per worker.
+    assert_mpi_ok(ranks, CROSS_METRICS.format(local=local), timeout=120,
+                  expect_lines=ranks)
