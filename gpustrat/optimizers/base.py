@@ -247,11 +247,21 @@ class Optimizer:
                 f"{type(self).__name__}.apply_gradients under {strategy!r}: variable "
                 f"{plan.names[0]!r} was made outside strategy.scope(), so it has one copy "
                 "for all replicas; make the variables inside strategy.scope()")
-        if len(per_replica) == 1:
-            tensors = plan.gradients(per_replica[0].grads)
-        else:
-            tensors = plan.gradients_by_replica([a.grads for a in per_replica])
         reduce = reduce and plan.owner is not None and plan.owner.num_replicas_in_sync > 1
+        try:
+            if len(per_replica) == 1:
+                tensors = plan.gradients(per_replica[0].grads)
+            else:
+                tensors = plan.gradients_by_replica([a.grads for a in per_replica])
+        except (TypeError, ValueError) as e:
+            if reduce and plan.owner.num_workers > 1:
+                # The other workers wait in the agreement below: meet them there with
+                # this error, so that every worker raises, not this one alone.
+                plan.owner.communicator.agree(
+                    (f"bad gradients: {e}",), f"{type(self).__name__}.apply_gradients",
+                    "every worker must give gradients of its variables' shapes and a "
+                    "floating-point dtype")
+            raise
         if reduce and plan.layouts is None:
             plan.layouts = describe_layouts(tensors, plan.keys)
         if reduce:
