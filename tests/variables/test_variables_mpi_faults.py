@@ -68,6 +68,10 @@ def cross_assign():
     with s.scope():
         w.assign(np.full(3, float(r), np.float32))
 
+def sync_on_read_assign():
+    with s.scope():
+        mean.count.assign(np.float32(r))
+
 def create_shape():
     with s.scope():
         gs.Variable(np.zeros(3 if r != last else 4, np.float32), name="c")
@@ -83,6 +87,7 @@ def fewer_variables():
 
 CASES = [
     (cross_assign, "every worker must write the same value"),
+    (sync_on_read_assign, "every worker must write the same value"),
     (lambda: s.run(lambda: ctx().merge_call(
         lambda st: w.assign(np.full(3, float(r), np.float32)))),
      "every worker must write the same value"),
@@ -100,7 +105,7 @@ CASES = [
 ]
 for fn, pattern in CASES:
     expect(fn, pattern)
-    assert [x for x in same_everywhere(w, b)] == [[0.0] * 3, [0.0] * 2]
+    assert [x for x in same_everywhere(w, b, mean.count)] == [[0.0] * 3, [0.0] * 2, 0.0]
     assert int(opt.iterations) == 0
 # Every rank still trains, to the same weights.
 s.run(step, args=(ONES3, ONES2))
