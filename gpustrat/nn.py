@@ -68,6 +68,11 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
                          f"row per example), got a scalar {per_example_loss!r}")
     if sample_weight is not None:
         weight = xp.asarray(sample_weight, dtype=loss.dtype)
+        if weight.ndim == loss.ndim + 1 and weight.shape[-1] == 1:
+            weight = weight[..., 0]   # (n, 1) weights of (n,) losses, as TensorFlow
+        if weight.ndim > loss.ndim:
+            raise ValueError(f"sample_weight of shape {tuple(weight.shape)} has more axes "
+                             f"than per_example_loss of shape {tuple(loss.shape)}")
         if weight.ndim and weight.shape[0] != loss.shape[0]:
             raise ValueError(f"sample_weight of shape {tuple(weight.shape)} does not match "
                              f"the {loss.shape[0]} examples of per_example_loss")

@@ -108,6 +108,15 @@ def test_cross_replica_context_with_a_global_batch_size_matches_tensorflow(two):
         run(two, lambda x, w: gs.nn.compute_average_loss(x, global_batch_size=-1))
 
 
+def test_column_weights_of_flat_losses_as_tensorflow():
+    # Recorded from TensorFlow 2.21: (3,) losses with (3, 1) weights, global batch 4.
+    # The weights used to broadcast against the losses into a 3 x 3 table (5.25).
+    loss, w = np.array([1.0, 2.0, 3.0], np.float32), np.array([[1.0], [0.5], [2.0]], np.float32)
+    assert float(gs.nn.compute_average_loss(loss, w, global_batch_size=4)) == 2.0
+    with pytest.raises(ValueError, match="more axes"):
+        gs.nn.compute_average_loss(loss, w[..., None], global_batch_size=4)
+
+
 def test_outside_any_strategy_is_the_plain_mean():
     assert float(gs.nn.compute_average_loss(np.array([1.0, 3.0]))) == 2.0
     assert float(gs.nn.scale_regularization_loss(np.array([1.0, 3.0]))) == 4.0

@@ -683,9 +683,11 @@ def record(which: str, seeds, replicas, local: int | None = None) -> dict:
 
 # --- comparing ------------------------------------------------------------------------------
 
-#: Keras casts an optimizer's hyperparameters (learning rate, Adam's betas) to float32
-#: also for float64 variables: 1 - beta_2 is off by 1.3e-5 there.
-TOLERANCE = {"float16": (2e-3, 2e-3), "float32": (2e-5, 1e-5), "float64": (5e-5, 1e-5)}
+#: Keras computes Adam's bias correction ``sqrt(1 - beta_2 ** t)`` in float32, also for
+#: float64 variables (it casts the betas from float32): relative errors of 1e-5 to 1e-4
+#: in a step, which a few steps with a learning rate of 0.5 carry to 1e-4. The values a
+#: program writes are multiples of 1/4, so any real difference is far larger.
+TOLERANCE = {"float16": (2e-3, 2e-3), "float32": (1e-4, 1e-4), "float64": (1e-4, 1e-4)}
 
 
 def same_leaf(a: dict, b: dict) -> bool:
@@ -737,8 +739,8 @@ def expected_difference(op: dict, want: dict, got: dict, n: int, seed: int,
         if "int" in op["dtype"]:
             return got.get("err") == "TypeError"
         return "err" not in got and want.get("err") == "ValueError"
-    if op["kind"] in ("reduce", "reduce_to", "batch_reduce_to") and n == 1 and \
-            op["op"] == "MEAN" and op["dtype"] == "int32":
+    if op["kind"] in ("reduce", "reduce_to", "batch_reduce_to", "reduce_var") and \
+            n == 1 and op["op"] == "MEAN" and "int" in op["dtype"]:
         # One replica: TensorFlow reduces nothing and keeps the integer dtype; a MEAN
         # of integers is float64 here, as TensorFlow's is on two replicas or more.
         return True
@@ -753,6 +755,11 @@ def expected_difference(op: dict, want: dict, got: dict, n: int, seed: int,
         # One replica: TensorFlow gathers nothing and hands back even a scalar; here a
         # scalar cannot be gathered along axis 0, on any number of replicas.
         return True
+    if op["kind"] == "cross_update" and op["value"] == "py" and op["sync"] == "ON_READ" \
+            and op["agg"] == "SUM" and want.get("err") == "TypeError":
+        # TensorFlow divides the value by the number of replicas before converting it:
+        # a Python list is a TypeError there.
+        return "err" not in got
     if op["kind"] == "batch_reduce_to" and op["dtype"] == "int32" and \
             len(op["shapes"]) > 1 and want.get("err") == "ValueError":
         # TensorFlow keeps int32 tensors in host memory and refuses to batch them
@@ -877,7 +884,8 @@ def main(argv=None) -> int:
         tf.get_logger().setLevel("ERROR")
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * 4)
+            cpu, [tf.config.LogicalDeviceConfiguration()] *
+            max(4, *(int(n) for n in args.replicas.split(","))))
     if args.which == "gs-mpi":
         from mpi4py import MPI
         size = MPI.COMM_WORLD.size
