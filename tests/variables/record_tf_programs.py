@@ -40,6 +40,7 @@ the true number of examples of the global batch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -138,7 +139,8 @@ def make_program(seed: int, length: int = 14) -> list:
             value = r.choice(("per", "per", "per", "same", "bad_shape", "other_dtype")
                              if kind == "replica_update" else
                              ("same", "same", "same", "py", "bad_shape", "other_dtype"))
-            ops.append(dict(kind=kind, var=v, op=r.choice(UPDATES), value=value, step=i))
+            ops.append(dict(kind=kind, var=v, op=r.choice(UPDATES), value=value, step=i,
+                            where=r.choice(("scope", "scope", "outside"))))
             if (kind == "replica_update" and mirrored and spec["agg"] == "NONE") or \
                     value == "other_dtype" or \
                     (kind == "cross_update" and not mirrored and spec["agg"] == "NONE"):
@@ -147,7 +149,8 @@ def make_program(seed: int, length: int = 14) -> list:
                 ops.append(dict(kind="resync", var=v, step=1000 + i))
         elif kind in ("read_cross", "read_replica"):
             ops.append(dict(kind=kind, var=v, how=r.choice(("read_value", "numpy",
-                                                            "add_one", "value"))))
+                                                            "add_one", "value")),
+                            where=r.choice(("scope", "scope", "outside"))))
         elif kind == "merge":
             how = r.choice(("reduce_sum", "reduce_mean", "update", "assign"))
             ops.append(dict(kind=kind, var=v, step=i, how=how))
@@ -180,7 +183,9 @@ def make_program(seed: int, length: int = 14) -> list:
             for _ in range(r.randint(1, 3)):
                 ops.append(dict(kind="metric_update", metric=m, cls=metrics[m], step=i,
                                 rows=r.choice(("full", "partial")),
-                                weights=r.choice(("none", "none", "per_example")),
+                                cols=r.choice((0, 0, 1, 2)),
+                                weights=r.choice(("none", "none", "per_example",
+                                                  "column")),
                                 where=r.choice(("replica",) * 4 + ("cross",))))
             ops.append(dict(kind="metric_result", metric=m,
                             where=r.choice(("cross", "cross", "replica"))))
@@ -201,13 +206,16 @@ def make_program(seed: int, length: int = 14) -> list:
                                 lr=r.choice((0.1, 0.05, 0.5))))
             o = r.randrange(len(optimizers))
             for k in range(r.randint(1, 3)):
+                # Outside any scope the gradients are applied as given (Keras fails
+                # in the scope's cross-replica context).
                 ops.append(dict(kind="opt_step", opt=o, vars=optimizers[o],
-                                step=i * 10 + k))
+                                step=i * 10 + k,
+                                where=r.choice(("replica",) * 5 + ("outside",))))
         elif kind == "loss":
             ops.append(dict(kind="loss", step=i, dtype=r.choice(("float32", "float64",
                                                                   "float16")),
                             rows=r.choice(("full", "partial")),
-                            weights=r.choice(("none", "scalar", "per_example")),
+                            weights=r.choice(("none", "scalar", "per_example", "column")),
                             gbs=r.choice((None, None, 6, 7)),
                             cols=r.choice((0, 0, 2)),
                             where=r.choice(("replica",) * 6 + ("cross", "reg"))))
@@ -458,9 +466,8 @@ class Runner:
         return {"comps": self.components(v)["per"]}
 
     def op_cross_update(self, op):
-        api = self.api
         v = self.var(op)
-        with api.strategy.scope():
+        with self.context(op):
             getattr(v, op["op"])(self.update_value(op, v, None))
         return {"comps": self.components(v)["per"]}
 
@@ -473,10 +480,16 @@ class Runner:
             return v.value()
         return v + 1
 
+    def context(self, op):
+        """The strategy's scope, or nothing (outside any scope a distributed variable
+        behaves as in its strategy's cross-replica context)."""
+        if op.get("where", "scope") == "outside":
+            return contextlib.nullcontext()
+        return self.api.strategy.scope()
+
     def op_read_cross(self, op):
-        api = self.api
         v = self.var(op)
-        with api.strategy.scope():
+        with self.context(op):
             return one(self.read(v, op["how"]))
 
     def op_read_replica(self, op):
@@ -576,16 +589,20 @@ class Runner:
         key = (self.seed, "metric", op["step"], replica)
         rng = rng_for(*key)
         cls = op["cls"]
+        cols = [op["cols"]] if op.get("cols") else []
         if cls in ("Mean", "Sum"):
-            args = [array(key, [n], "float32")]
-        elif cls == "Accuracy":
-            args = [rng.integers(0, 3, n).astype(np.float32),
-                    rng.integers(0, 3, n).astype(np.float32)]
+            args = [array(key, [n] + cols, "float32")]
+        elif cls == "Accuracy":   # cols 1: (n, 1) labels, (n,) predictions
+            args = [rng.integers(0, 3, [n] + cols).astype(np.float32),
+                    rng.integers(0, 3, [n] + (cols if cols != [1] else [])
+                                 ).astype(np.float32)]
         else:   # labels of shape (n,) or (n, 1)
             args = [rng.integers(0, 4, (n,) if replica % 2 else (n, 1)).astype(np.int64),
                     rng.standard_normal((n, 4)).astype(np.float32)]
         if op["weights"] == "per_example":
             args.append(rng.integers(0, 3, n).astype(np.float32))
+        elif op["weights"] == "column":
+            args.append(rng.integers(0, 3, (n, 1)).astype(np.float32))
         return tuple(args)
 
     def op_metric_update(self, op):
@@ -632,8 +649,11 @@ class Runner:
             return [array((self.seed, "grad", op["step"], j, r), list(v.shape),
                           np.dtype(getattr(v.dtype, "as_numpy_dtype", v.dtype)))
                     for j, v in enumerate(vs)]
-        g = api.per_replica(grads)
-        api.strategy.run(lambda g: opt.apply_gradients(zip(g, vs)), args=(g,))
+        if op.get("where") == "outside":
+            opt.apply_gradients(zip(grads(0), vs))
+        else:
+            g = api.per_replica(grads)
+            api.strategy.run(lambda g: opt.apply_gradients(zip(g, vs)), args=(g,))
         with api.strategy.scope():
             iterations = int(to_numpy(opt.iterations))
         return {"vars": [self.components(v)["per"] for v in vs], "iterations": iterations}
@@ -648,6 +668,8 @@ class Runner:
             return loss, np.asarray(0.5, op["dtype"])
         if op["weights"] == "per_example":
             return loss, array(key + ("w",), [n], op["dtype"])
+        if op["weights"] == "column":
+            return loss, array(key + ("w",), [n, 1], op["dtype"])
         return loss, None
 
     def op_loss(self, op):
@@ -774,8 +796,11 @@ def expected_difference(op: dict, want: dict, got: dict, n: int, seed: int,
         fake.seed = seed
         for r, g in enumerate(got["per"]):
             loss, w = fake.loss_args(op, r)
-            s = (loss if w is None else loss * w.reshape(w.shape + (1,) *
-                                                          (loss.ndim - w.ndim))).sum()
+            if w is not None:
+                if w.ndim == loss.ndim + 1:   # (n, 1) weights of (n,) losses
+                    w = w[..., 0]
+                loss = loss * w.reshape(w.shape + (1,) * (loss.ndim - w.ndim))
+            s = loss.sum()
             wish = {"v": (s / total if total else 0.0), "dtype": op["dtype"], "shape": []}
             if not same_leaf(dict(wish, v=float(np.asarray(wish["v"], op["dtype"]))), g):
                 return False
