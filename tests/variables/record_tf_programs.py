@@ -99,6 +99,7 @@ def make_program(seed: int, length: int = 14) -> list:
     variables: list = []   # specs of the variables made so far (made or refused)
     metrics: list = []
     optimizers: list = []
+    stepped: set = set()   # optimizers that took a step in replica context
 
     def new_var():
         sync = r.choice(SYNCS[:3] * 3 + SYNCS[3:])
@@ -143,7 +144,7 @@ def make_program(seed: int, length: int = 14) -> list:
                             where=r.choice(("scope", "scope", "outside"))))
             if (kind == "replica_update" and mirrored and spec["agg"] == "NONE") or \
                     value == "other_dtype" or \
-                    (kind == "cross_update" and not mirrored and spec["agg"] == "NONE"):
+                    (kind == "cross_update" and not mirrored):
                 # Where the libraries differ on purpose (see expected_difference), set
                 # every component to one value so that both go on from the same state.
                 ops.append(dict(kind="resync", var=v, step=1000 + i))
@@ -207,10 +208,13 @@ def make_program(seed: int, length: int = 14) -> list:
             o = r.randrange(len(optimizers))
             for k in range(r.randint(1, 3)):
                 # Outside any scope the gradients are applied as given (Keras fails
-                # in the scope's cross-replica context).
+                # in the scope's cross-replica context, and outside it before a step in
+                # replica context has made the optimizer's slots).
+                where = r.choice(("replica",) * 5 + ("outside",)) if o in stepped \
+                    else "replica"
+                stepped.add(o)
                 ops.append(dict(kind="opt_step", opt=o, vars=optimizers[o],
-                                step=i * 10 + k,
-                                where=r.choice(("replica",) * 5 + ("outside",))))
+                                step=i * 10 + k, where=where))
         elif kind == "loss":
             ops.append(dict(kind="loss", step=i, dtype=r.choice(("float32", "float64",
                                                                   "float16")),
