@@ -277,9 +277,9 @@ def _samplewise(values, sample_weight, dtype, reduce: str):
         try:
             full = xp.broadcast_to(w, x.shape)
         except ValueError:
-            raise ValueError(f"sample_weight of shape {tuple(xp.shape(sample_weight))} "
+            raise ValueError(f"sample_weight of shape {np.shape(sample_weight)} "
                              f"does not broadcast to the values of shape "
-                             f"{tuple(xp.shape(values))}") from None
+                             f"{np.shape(values)}") from None
         x = x * full
         if w.ndim > 1:
             full = getattr(full, reduce)(axis=tuple(range(1, w.ndim)), dtype=dtype)
