@@ -7,7 +7,9 @@ component, with no communication; :meth:`Metric.result` in cross-replica context
 the components over every replica of every worker in one fused reduction (a collective:
 every worker must call it) and returns the metric's value. Inside ``run``, ``result()``
 is the replica's own. In cross-replica context ``update_state`` adds to the first local
-replica's component. Made outside any scope, a metric is plain.
+replica's component, divided by the number of workers: every worker runs that code, and
+the total grows by the value once (by the mean of the workers' values where they
+differ, as with Keras). Made outside any scope, a metric is plain.
 
 Under ``ParameterServerStrategy`` a metric made in the scope keeps its state on the
 parameter servers: every update (from any scheduled function, on any worker) is added
@@ -91,7 +93,8 @@ class Metric:
     # --- state access ---------------------------------------------------------------
     def _add(self, *amounts) -> None:
         """Add ``amounts[k]`` to state variable k: the replica's own component inside
-        ``run``, the first local component in cross-replica context."""
+        ``run``; in cross-replica context, ``amounts[k] / num_workers`` to the first
+        local component (every worker adds, the total grows by the amount once)."""
         for v, a in zip(self._variables, amounts):
             comps = _components(v)
             target = comps[0]
@@ -110,6 +113,8 @@ class Metric:
                     v.value()  # raises the error that names both strategies
                 if replica_ctx is not None:
                     target = comps[replica_ctx.local_index]
+                elif v.distribute_strategy.num_workers > 1:
+                    a = a / v.distribute_strategy.num_workers
             target._write("assign_add", np.asarray(a, target.dtype) if np.isscalar(a)
                           else a.astype(target.dtype))
 
@@ -153,14 +158,20 @@ class Metric:
 
 
 class Sum(Metric):
-    """The (weighted) sum of the values seen."""
+    """The (weighted) sum of the values seen.
+
+    With ``sample_weight``, each value is multiplied by its weight first; weights
+    broadcast from the first axes of the values (one weight per example), and a
+    trailing axis of size 1 on either side is dropped or added to make the ranks
+    match, as Keras does.
+    """
 
     def __init__(self, name: str = "sum", dtype=np.float32):
         super().__init__(name, dtype)
         self.total = self.add_variable("total")
 
     def update_state(self, values, sample_weight=None) -> None:
-        total, _ = _weighted(values, sample_weight, self.dtype)
+        total, _ = _samplewise(values, sample_weight, self.dtype, "sum")
         self._add(total)
 
     def _compute(self, total):
@@ -168,7 +179,13 @@ class Sum(Metric):
 
 
 class Mean(Metric):
-    """The (weighted) mean of the values seen: ``sum(w * x) / sum(w)`` (0 before any)."""
+    """The (weighted) mean of the examples seen (0 before any), as Keras 3's.
+
+    Each example (a row of the values: ``values[i]``) counts once, with its weight:
+    the result is ``sum(w[i] * mean(values[i])) / sum(w[i])`` over every example of
+    every update (a 0-d value is one example). Weights follow :class:`Sum`'s rules;
+    weights with an axis per value axis are averaged per example.
+    """
 
     def __init__(self, name: str = "mean", dtype=np.float32):
         super().__init__(name, dtype)
@@ -176,7 +193,7 @@ class Mean(Metric):
         self.count = self.add_variable("count")
 
     def update_state(self, values, sample_weight=None) -> None:
-        self._add(*_weighted(values, sample_weight, self.dtype))
+        self._add(*_samplewise(values, sample_weight, self.dtype, "mean"))
 
     def _compute(self, total, count):
         # total / count, and 0 where count is 0, computed on the state's device: no host
@@ -195,7 +212,7 @@ class Accuracy(Mean):
 
     def update_state(self, y_true, y_pred, sample_weight=None) -> None:
         xp = array_module(y_pred)
-        y_true, y_pred = xp.asarray(y_true), xp.asarray(y_pred)
+        y_true, y_pred = _same_rank(xp.asarray(y_true), xp.asarray(y_pred))
         if y_true.shape != y_pred.shape:
             raise ValueError(f"{self.name}: y_true has shape {tuple(y_true.shape)} but "
                              f"y_pred has {tuple(y_pred.shape)}; they must match")
@@ -233,24 +250,52 @@ def _components(v: Variable) -> tuple:
     return v.values if isinstance(v, DistributedVariable) else (v,)
 
 
-def _weighted(values, sample_weight, dtype):
-    """``(sum(w * x), sum(w))`` as 0-d arrays of ``dtype`` on the values' device (no
-    host wait); ``w`` broadcasts to ``x`` (one weight per example of a batch of rows)."""
+def _same_rank(a, b):
+    """``a`` and ``b`` with a trailing axis of size 1 dropped or added where their
+    ranks differ by one (Keras's ``squeeze_or_expand_to_same_rank``): ``(n, 1)`` labels
+    or weights go with ``(n,)`` values."""
+    if a.ndim == b.ndim + 1 and a.shape[-1] == 1:
+        if b.ndim == 1:
+            b = b[..., None]
+        else:
+            a = a[..., 0]
+    elif b.ndim == a.ndim + 1 and b.shape[-1] == 1:
+        if a.ndim == 1:
+            a = a[..., None]
+        else:
+            b = b[..., 0]
+    return a, b
+
+
+def _samplewise(values, sample_weight, dtype, reduce: str):
+    """``(total, count)`` to add for a batch, as Keras 3's metrics: the values, weighted,
+    reduced (``reduce``: ``"sum"`` or ``"mean"``) to one per example, and summed; the
+    count is the sum of the weights (averaged per example) or the number of examples.
+    0-d arrays of ``dtype`` on the values' device (no host wait), the count of an
+    unweighted batch a Python float."""
     xp = array_module(values)
     x = xp.asarray(values, dtype=dtype)
-    if sample_weight is None:
-        return x.sum(dtype=dtype), float(x.size)
-    w = xp.asarray(sample_weight, dtype=dtype)
-    if w.ndim > x.ndim:
-        raise ValueError(f"sample_weight of shape {tuple(w.shape)} has more axes than the "
-                         f"values of shape {tuple(x.shape)}")
-    w = w.reshape(w.shape + (1,) * (x.ndim - w.ndim))
-    try:
-        w = xp.broadcast_to(w, x.shape)
-    except ValueError:
-        raise ValueError(f"sample_weight of shape {tuple(sample_weight.shape)} does not "
-                         f"broadcast to the values of shape {tuple(x.shape)}") from None
-    return (x * w).sum(dtype=dtype), w.sum(dtype=dtype)
+    count = None
+    if sample_weight is not None:
+        w = xp.asarray(sample_weight, dtype=dtype)
+        x, w = _same_rank(x, w)
+        if x.ndim > w.ndim:   # one weight per example (or per leading axes)
+            x = getattr(x, reduce)(axis=tuple(range(w.ndim, x.ndim)), dtype=dtype)
+        try:
+            full = xp.broadcast_to(w, x.shape)
+        except ValueError:
+            raise ValueError(f"sample_weight of shape {np.shape(sample_weight)} "
+                             f"does not broadcast to the values of shape "
+                             f"{np.shape(values)}") from None
+        x = x * full
+        if w.ndim > 1:
+            full = getattr(full, reduce)(axis=tuple(range(1, w.ndim)), dtype=dtype)
+        count = full.sum(dtype=dtype)
+    if x.ndim > 1:
+        x = getattr(x, reduce)(axis=tuple(range(1, x.ndim)), dtype=dtype)
+    if count is None:
+        count = float(x.shape[0]) if x.ndim else 1.0
+    return x.sum(dtype=dtype), count
 
 
 def _on_host_dtype(x, dtype):

@@ -23,11 +23,15 @@ from gpustrat.devices import array_module
 from gpustrat.distribute import context
 
 
-def _replica_context(what: str):
+def _replica_context(what: str, required: bool = True, hint: str = ""):
+    """The replica context (None outside any strategy, and in cross-replica context when
+    not ``required``)."""
     strategy, ctx = context.current()
     if strategy is not None and ctx is None:
+        if not required:
+            return None
         raise RuntimeError(f"{what} was called in cross-replica context; call it inside "
-                           "the function given to strategy.run (replica context)")
+                           f"the function given to strategy.run (replica context){hint}")
     from gpustrat.distribute.context import get_replica_context  # noqa: PLC0415
     return get_replica_context()
 
@@ -43,14 +47,17 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
             true count over every replica in sync (one small all-reduce).
     Returns:
         ``sum(per_example_loss * sample_weight) / global_batch_size`` as a 0-d array of
-        the loss's dtype (on the replica's device). Summed over replicas, it is the
-        global batch's mean loss.
+        the loss's dtype (on the replica's device); 0 when ``global_batch_size`` is 0.
+        Summed over replicas, it is the global batch's mean loss.
     Raises:
-        ValueError: a rank-0 loss, or a non-positive ``global_batch_size``.
+        ValueError: a rank-0 loss, or a negative ``global_batch_size``.
         TypeError: a loss that is not floating point.
-        RuntimeError: called in cross-replica context.
+        RuntimeError: called in cross-replica context without ``global_batch_size``
+            (with it, the division needs no replica, as in TensorFlow).
     """
-    ctx = _replica_context("compute_average_loss")
+    ctx = _replica_context("compute_average_loss without global_batch_size",
+                           required=global_batch_size is None,
+                           hint=", or give global_batch_size")
     xp = array_module(per_example_loss)
     loss = xp.asarray(per_example_loss)
     if loss.dtype.kind not in "fc":
@@ -61,6 +68,11 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
                          f"row per example), got a scalar {per_example_loss!r}")
     if sample_weight is not None:
         weight = xp.asarray(sample_weight, dtype=loss.dtype)
+        if weight.ndim == loss.ndim + 1 and weight.shape[-1] == 1:
+            weight = weight[..., 0]   # (n, 1) weights of (n,) losses, as TensorFlow
+        if weight.ndim > loss.ndim:
+            raise ValueError(f"sample_weight of shape {tuple(weight.shape)} has more axes "
+                             f"than per_example_loss of shape {tuple(loss.shape)}")
         if weight.ndim and weight.shape[0] != loss.shape[0]:
             raise ValueError(f"sample_weight of shape {tuple(weight.shape)} does not match "
                              f"the {loss.shape[0]} examples of per_example_loss")
@@ -76,8 +88,10 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
         empty = (count == 0).astype(loss.dtype)
         return xp.asarray(total / (count + empty) * (1 - empty), dtype=loss.dtype)
     count = float(global_batch_size)
-    if not count > 0:
-        raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
+    if not count >= 0:
+        raise ValueError(f"global_batch_size must be non-negative, got {global_batch_size}")
+    if count == 0:  # as TensorFlow's div_no_nan: no examples, no loss
+        return xp.zeros((), dtype=loss.dtype)
     return xp.asarray(total / loss.dtype.type(count), dtype=loss.dtype)
 
 

@@ -82,6 +82,41 @@ def test_errors(two):
             gs.nn.compute_average_loss(np.ones(2))
 
 
+# Recorded from TensorFlow 2.21 (2 logical CPUs): in cross-replica context, with a
+# global batch size, compute_average_loss divides without any replica; a global batch
+# of 0 gives 0 in both contexts (div_no_nan).
+TF_CROSS = {"gbs8": 0.75, "weighted_gbs8": 1.0, "gbs0": 0.0, "scalar_weight_gbs3": 4.0}
+TF_REPLICA_GBS0 = [0.0, 0.0]
+
+
+def test_cross_replica_context_with_a_global_batch_size_matches_tensorflow(two):
+    x, w = PIECES[0], WEIGHTS[0]
+    with two.scope():
+        got = {"gbs8": gs.nn.compute_average_loss(x, global_batch_size=8),
+               "weighted_gbs8": gs.nn.compute_average_loss(x, w, global_batch_size=8),
+               "gbs0": gs.nn.compute_average_loss(x, global_batch_size=0),
+               "scalar_weight_gbs3": gs.nn.compute_average_loss(x, 2.0, 3)}
+        with pytest.raises(RuntimeError, match="or give global_batch_size"):
+            gs.nn.compute_average_loss(x)
+        with pytest.raises(RuntimeError, match="cross-replica context"):
+            gs.nn.scale_regularization_loss(x)
+    assert {k: float(v) for k, v in got.items()} == TF_CROSS
+    assert all(v.dtype == np.float32 and v.shape == () for v in got.values())
+    out = run(two, lambda x, w: gs.nn.compute_average_loss(x, global_batch_size=0))
+    assert [float(g) for g in out] == TF_REPLICA_GBS0
+    with pytest.raises(ValueError, match="non-negative"):
+        run(two, lambda x, w: gs.nn.compute_average_loss(x, global_batch_size=-1))
+
+
+def test_column_weights_of_flat_losses_as_tensorflow():
+    # Recorded from TensorFlow 2.21: (3,) losses with (3, 1) weights, global batch 4.
+    # The weights used to broadcast against the losses into a 3 x 3 table (5.25).
+    loss, w = np.array([1.0, 2.0, 3.0], np.float32), np.array([[1.0], [0.5], [2.0]], np.float32)
+    assert float(gs.nn.compute_average_loss(loss, w, global_batch_size=4)) == 2.0
+    with pytest.raises(ValueError, match="more axes"):
+        gs.nn.compute_average_loss(loss, w[..., None], global_batch_size=4)
+
+
 def test_outside_any_strategy_is_the_plain_mean():
     assert float(gs.nn.compute_average_loss(np.array([1.0, 3.0]))) == 2.0
     assert float(gs.nn.scale_regularization_loss(np.array([1.0, 3.0]))) == 4.0

@@ -329,10 +329,21 @@ class Optimizer:
             else:
                 plan.step_each(self, plan.buffer_views(), lr, step)
         else:
-            if len(per_replica) == 1:
-                tensors = plan.gradients(per_replica[0].grads)
-            else:
-                tensors = plan.gradients_by_replica([a.grads for a in per_replica])
+            try:
+                if len(per_replica) == 1:
+                    tensors = plan.gradients(per_replica[0].grads)
+                else:
+                    tensors = plan.gradients_by_replica([a.grads for a in per_replica])
+            except (TypeError, ValueError) as e:
+                if reduce and plan.owner.num_workers > 1:
+                    # The other workers wait in the reduction's first collective: meet
+                    # them there with this error, so that every worker raises, not this
+                    # one alone.
+                    plan.owner.communicator.agree(
+                        (f"bad gradients: {e}",), f"{type(self).__name__}.apply_gradients",
+                        "every worker must give gradients of its variables' shapes and a "
+                        "floating-point dtype")
+                raise
             if plan.flat is not None:
                 plan.flat.step(self, self._flat_gradients(plan, tensors, reduce, agree), lr,
                                step)

@@ -97,3 +97,81 @@ def test_a_metric_made_outside_the_scope_is_refused_inside_run(two):
     m = gs.metrics.Sum()
     with pytest.raises(ValueError, match="made outside strategy.scope"):
         two.run(lambda: m.update_state(np.ones(2)))
+
+
+F = np.float32
+W_COLUMN = np.array([[1.0], [0.5], [2.0]], F)
+# Keras 3 (TensorFlow 2.21) metrics fed these updates in turn; recorded from TensorFlow:
+# each state variable (total, count) and result(). An example (a row) counts once in a
+# Mean, with its weight; (n, 1) labels and weights go with (n,) values.
+KERAS_CASES = {
+    "mean_rows_then_scalar_rows": ("Mean", [((np.ones((2, 2), F),), {}),
+                                            ((np.array([4.0], F),), {})]),
+    "mean_weight_column": ("Mean", [((np.array([1.0, 2.0, 3.0], F),),
+                                     {"sample_weight": W_COLUMN})]),
+    "sum_weight_column": ("Sum", [((np.array([1.0, 2.0, 3.0], F),),
+                                   {"sample_weight": W_COLUMN})]),
+    "mean_full_weights_then_rows": (
+        "Mean", [((np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], F),),
+                  {"sample_weight": np.array([[1.0, 0.0], [0.5, 1.0], [2.0, 2.0]], F)}),
+                 ((np.array([7.0], F),), {})]),
+    "mean_scalar_weight_then_more": ("Mean", [((np.array([1.0, 2.0, 3.0], F),),
+                                               {"sample_weight": F(2.0)}),
+                                              ((np.array([10.0], F),), {})]),
+    "mean_scalar_value_then_rows": ("Mean", [((F(5.0),), {}),
+                                             ((np.array([1.0, 2.0], F),), {})]),
+    "mean_row_weights_3d": ("Mean", [((np.arange(12, dtype=F).reshape(3, 2, 2),),
+                                      {"sample_weight": np.array([1.0, 0.0, 2.0], F)}),
+                                     ((np.array([1.0], F),), {})]),
+    "sum_rows_row_weights": ("Sum", [((np.arange(6, dtype=F).reshape(3, 2),),
+                                      {"sample_weight": np.array([1.0, 0.5, 2.0], F)})]),
+    "sca_column_labels_column_weights": (
+        "SparseCategoricalAccuracy", [((np.array([[0], [1], [2]]), np.eye(3, dtype=F)[[0, 1, 1]]),
+                                       {"sample_weight": W_COLUMN})]),
+    "accuracy_column_vs_flat": ("Accuracy", [((np.array([[0.0], [1.0], [2.0]], F),
+                                               np.array([0.0, 1.0, 1.0], F)), {})]),
+    "accuracy_rows_then_one": ("Accuracy", [((np.array([[0.0, 1.0], [1.0, 1.0]], F),
+                                              np.array([[0.0, 0.0], [1.0, 1.0]], F)), {}),
+                                             ((np.array([[2.0]], F), np.array([[2.0]], F)),
+                                              {})]),
+}
+TF_KERAS = {
+    "mean_rows_then_scalar_rows": [6.0, 3.0, 2.0],
+    "mean_weight_column": [8.0, 3.5, 2.2857143878936768],
+    "sum_weight_column": [8.0, 8.0],
+    "mean_full_weights_then_rows": [21.25, 4.25, 5.0],
+    "mean_scalar_weight_then_more": [14.0, 3.0, 4.666666507720947],
+    "mean_scalar_value_then_rows": [8.0, 3.0, 2.6666667461395264],
+    "mean_row_weights_3d": [21.5, 4.0, 5.375],
+    "sum_rows_row_weights": [21.5, 21.5],
+    "sca_column_labels_column_weights": [1.5, 3.5, 0.4285714328289032],
+    "accuracy_column_vs_flat": [2.0, 3.0, 0.6666666865348816],
+    "accuracy_rows_then_one": [2.5, 3.0, 0.8333333134651184],
+}
+
+
+@pytest.mark.parametrize("name", sorted(KERAS_CASES))
+def test_shapes_and_weights_as_keras(name):
+    # Column weights with flat values used to be refused (or, in Mean, rows of several
+    # values counted once per value, so that later updates weighed differently).
+    cls, calls = KERAS_CASES[name]
+    m = getattr(gs.metrics, cls)()
+    for args, kwargs in calls:
+        m.update_state(*args, **kwargs)
+    got = [float(v.numpy()) for v in m.variables] + [float(m.result())]
+    assert got == pytest.approx(TF_KERAS[name], rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["mean_full_weights_then_rows", "accuracy_rows_then_one"])
+def test_shapes_and_weights_as_keras_inside_run(two, name):
+    # Every replica gets the whole batch: the totals are twice TensorFlow's one-process
+    # ones, and the result the same.
+    cls, calls = KERAS_CASES[name]
+    with two.scope():
+        m = getattr(gs.metrics, cls)()
+    for args, kwargs in calls:
+        two.run(lambda: m.update_state(*args, **kwargs))
+    with two.scope():
+        got = [float(v.numpy()) for v in m.variables] + [float(m.result())]
+    want = [2 * x for x in TF_KERAS[name][:-1]] + TF_KERAS[name][-1:]
+    assert got == pytest.approx(want, rel=1e-6)

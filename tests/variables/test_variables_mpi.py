@@ -109,3 +109,71 @@ s.close()
 
 def test_metrics_aggregate_over_every_worker():
     assert_mpi_ok(2, METRICS, timeout=120, expect_lines=2)
+
+
+SCALARS = r"""
+import numpy as np
+import gpustrat as gs
+s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"])
+with s.scope():
+    a = gs.Variable(3, name="a")                                   # int32, mirrored
+    b = gs.Variable(1.5, aggregation="only_first_replica", name="b")
+    c = gs.Variable(np.float64(2.0), synchronization="on_read",
+                    aggregation="only_first_replica", name="c")
+for v in (a, b, c):
+    assert all(type(x._array) is np.ndarray and x.shape == () for x in v.values), v
+with s.scope():
+    a.assign(4)
+    a.assign_add(np.int32(1))
+def step():
+    r = gs.get_replica_context().replica_id_in_sync_group
+    b.assign_add(np.float32(r + 1))      # global replica 0's value, everywhere
+    c.assign(np.float64(10 * r))         # each replica's own
+s.run(step)
+with s.scope():
+    got = [a.numpy(), b.numpy(), c.read_value()]
+assert [x.tolist() for x in got] == [5, 2.5, 0.0], got
+assert [type(x) for x in got] == [np.ndarray] * 3 and got[0].dtype == np.int32, got
+print(f"OK rank {s.worker_index}", flush=True)
+s.close()
+"""
+
+
+def test_scalar_variables_across_workers():
+    # Worker 0's scalar initial value used to arrive as a NumPy scalar, which the first
+    # assign could not write into.
+    assert_mpi_ok(2, SCALARS, timeout=120, expect_lines=2)
+
+
+CROSS_METRICS = r"""
+import numpy as np
+import gpustrat as gs
+s = gs.MultiWorkerMirroredStrategy(devices=[f"cpu:{{i}}" for i in range({local})])
+rank = s.worker_index
+with s.scope():
+    total, mean = gs.metrics.Sum(), gs.metrics.Mean()
+def step():
+    r = np.float32(gs.get_replica_context().replica_id_in_sync_group)
+    total.update_state(np.array([r + 1]))
+    mean.update_state(np.array([r]))
+s.run(step)                                   # 4 replicas: sum 10; mean 6 / 4
+with s.scope():
+    total.update_state(np.array([1.0, 2.0]))  # every worker runs it: counted once
+    mean.update_state(np.array([10.0]))
+    got = [float(total.result()), float(mean.result())]
+    assert got == [13.0, np.float32(3.2)], got
+    # Workers with different values: the total grows by their mean, as Keras's.
+    total.update_state(np.array([2.0 + 2 * rank]))
+    got = float(total.result())
+assert got == 13.0 + np.mean([2.0 + 2 * w for w in range(s.num_workers)]), got
+print(f"OK rank {{rank}}", flush=True)
+s.close()
+"""
+
+
+@pytest.mark.parametrize("ranks, local", [(2, 2), (4, 1)])
+def test_cross_replica_metric_updates_count_once_across_workers(ranks, local):
+    # As in one process with 4 replicas (tests/variables/test_metrics.py); each worker
+    # used to add the whole value, counting it once per worker.
+    assert_mpi_ok(ranks, CROSS_METRICS.format(local=local), timeout=120,
+                  expect_lines=ranks)

@@ -344,7 +344,8 @@ class MpiCommunicator(HostCommunicator):
                   buf.tobytes() if small and self.worker_index == root_worker else None,
                   x.shape, x.dtype)
         if small:
-            return ch.payloads(x.dtype, x.shape, buf.nbytes)[root_worker].copy()
+            # [r, ...]: an array also for 0-d buffers ([r] would give a NumPy scalar).
+            return ch.payloads(x.dtype, x.shape, buf.nbytes)[root_worker, ...].copy()
         ch.wait(ch.comm.Ibcast([buf, MPI.BYTE], root=root_worker),
                 lambda: _describe(kind, x.shape, x.dtype))
         return buf
