@@ -105,16 +105,20 @@ def _fold_message(folds: list) -> str:
     keys = [None if f is None else f[0] for f in folds]
     longest = max(len(k) for k in keys if k is not None)
 
+    # Where the ranks agree for different callers, each rank's caller is named too.
+    whats = {f[1] for f in folds if f is not None}
+    callers = [f" ({f[1]})" if len(whats) > 1 and f is not None else "" for f in folds]
+
     def entry(k, at):
         return "missing" if k is None or at >= len(k) else k[at]
     if longest <= 8:
-        held = "; ".join(f"rank {r}: " + ("nothing to agree on (another call)" if k is None
-                                          else f"({', '.join(map(str, k))})")
-                         for r, k in enumerate(keys))
+        held = "; ".join(f"rank {r}{c}: " + ("nothing to agree on (another call)"
+                                             if k is None else f"({', '.join(map(str, k))})")
+                         for r, (k, c) in enumerate(zip(keys, callers)))
     else:  # long lists: their lengths and the first place they differ
         at = next(i for i in range(longest) if len({entry(k, i) for k in keys}) > 1)
-        held = "; ".join(f"rank {r}: {0 if k is None else len(k)} entries, entry {at} "
-                         f"{entry(k, at)}" for r, k in enumerate(keys))
+        held = "; ".join(f"rank {r}{c}: {0 if k is None else len(k)} entries, entry {at} "
+                         f"{entry(k, at)}" for r, (k, c) in enumerate(zip(keys, callers)))
     return f"{what}: the workers disagree: {held}" + (f". {hint}" if hint else "")
 
 
@@ -245,6 +249,8 @@ class _Channel:
         if kinds or not layouts:
             parts = []
             for r, (k, w, s, d, pub, at) in enumerate(infos):
+                # A collective carrying a folded agreement is named by its caller.
+                pub = folds[r][1] if folds[r] is not None else pub
                 text = f"{pub} [{_describe(k, s, d)}]" if pub else _describe(k, s, d)
                 parts.append(f"rank {r} called {text}" + (f" at {at}" if at else ""))
             why = ("" if kinds else " (the same collective from different lines of "
