@@ -144,16 +144,16 @@ def measure_in_process(replicas: int, repeats: int, steps: int) -> dict:
             "speedup": separate / fused}
 
 
-def _mpi_child(repeats: int, sizes) -> None:
+def _mpi_child(repeats: int, sizes, inner: int | None = None) -> None:
     """On every rank of ``mpiexec``; rank 0 prints one ``RESULT {json}`` line per size."""
     import gpustrat as gs
     strategy = gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
     for size in sizes:
-        _mpi_size(gs, strategy, repeats, size)
+        _mpi_size(gs, strategy, repeats, size, inner)
     strategy.close()
 
 
-def _mpi_size(gs, strategy, repeats: int, size: int) -> None:
+def _mpi_size(gs, strategy, repeats: int, size: int, inner: int | None = None) -> None:
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     rng = np.random.default_rng(strategy.worker_index)
@@ -207,9 +207,11 @@ def _mpi_size(gs, strategy, repeats: int, size: int) -> None:
     ways = [reduce_grads, step, step_skip, lambda: buffers_step(True),
             lambda: buffers_step(False)]
     # Many short samples: on a shared machine the best of many catches quiet moments
-    # that the best of a few long ones misses (every rank runs the same counts).
-    inner = max(2, min(20, 2_000_000 // bare.nbytes))
-    samples = max(repeats, min(300, 400_000_000 // (inner * bare.nbytes)))
+    # that the best of a few long ones misses (every rank runs the same counts). One
+    # call per sample from 200 kB: a longer call is otherwise more likely to be cut by
+    # the scheduler than the bare one it is compared with.
+    inner = inner or max(1, min(20, 200_000 // bare.nbytes))
+    samples = max(repeats, min(1000, 400_000_000 // (inner * bare.nbytes)))
     for _ in range(samples):
         comm.Barrier()
         t0 = time.perf_counter()
@@ -239,7 +241,8 @@ def _mpi_size(gs, strategy, repeats: int, size: int) -> None:
             "apply_gradients_skip_ms": t_skip * 1e3, "buffers_step_ms": t_buf * 1e3,
             "buffers_step_skip_ms": t_buf_skip * 1e3, "step_reduction_ms": in_step * 1e3,
             "bare_GBps": nbytes / t_bare / 1e9, "reduce_GBps": nbytes / t_reduce / 1e9,
-            "elements": size, "bandwidth_ratio": t_bare / t_reduce,
+            "elements": size, "calls_per_sample": inner, "samples": samples,
+            "bandwidth_ratio": t_bare / t_reduce,
             "step_bandwidth_ratio": t_bare / in_step if in_step > 0 else float("inf"),
             "array_step_reduction_ms": in_array_step * 1e3,
             "array_step_bandwidth_ratio": t_bare / in_array_step if in_array_step > 0
@@ -247,7 +250,8 @@ def _mpi_size(gs, strategy, repeats: int, size: int) -> None:
             flush=True)
 
 
-def measure_mpi(nprocs: int, repeats: int, sizes, timeout: float = 600):
+def measure_mpi(nprocs: int, repeats: int, sizes, timeout: float = 600,
+                inner: int | None = None):
     exe = Path(sys.executable).parent / "mpiexec"
     if not exe.exists():
         print(f"MPI: no mpiexec beside {sys.executable}; install the mpi extra "
@@ -259,6 +263,8 @@ def measure_mpi(nprocs: int, repeats: int, sizes, timeout: float = 600):
     env.pop("PYTHONUNBUFFERED", None)
     cmd = [str(exe), "-n", str(nprocs), sys.executable, str(Path(__file__).resolve()),
            "--mpi-child", "--repeats", str(repeats), "--elements", *map(str, sizes)]
+    if inner:
+        cmd += ["--calls-per-sample", str(inner)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"mpiexec exited with {proc.returncode}:\n{proc.stdout}\n"
@@ -275,6 +281,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="fewer repeats, no TensorFlow")
     ap.add_argument("--mpi", type=int, default=2, help="MPI workers (0 skips; default 2)")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--calls-per-sample", type=int, default=None,
+                    help="calls timed together in each MPI sample (default: 1 from "
+                         "200 kB, more below)")
     ap.add_argument("--elements", type=int, nargs="+", default=None,
                     help="elements per variable in the MPI rows (default 1000, and also "
                          "100000 without --quick: 40 MB, where bandwidth decides)")
@@ -284,7 +293,7 @@ def main(argv=None) -> dict:
     repeats = args.repeats or (3 if args.quick else 10)
     sizes = args.elements or ([SIZE] if args.quick else [SIZE, 100 * SIZE])
     if args.mpi_child:
-        _mpi_child(repeats, sizes)
+        _mpi_child(repeats, sizes, args.calls_per_sample)
         return {}
     steps = 20 if args.quick else 100
     row = measure_in_process(2, repeats, steps)
@@ -307,7 +316,8 @@ def main(argv=None) -> dict:
     result = {"suite": "variables", "in_process": row, "verdicts": verdicts}
     bandwidth = ("gradient reduction in apply_gradients (gradient buffers) vs bare MPI "
                  "Allreduce bandwidth")
-    mpi_rows = measure_mpi(args.mpi, repeats, sizes) if args.mpi else None
+    mpi_rows = measure_mpi(args.mpi, repeats, sizes, inner=args.calls_per_sample) \
+        if args.mpi else None
     if mpi_rows is None:
         why = "--mpi 0" if not args.mpi else "no mpiexec (install the mpi extra)"
         verdicts.append(targets.not_measured(bandwidth, TARGET_BANDWIDTH, why, "x"))
