@@ -218,7 +218,7 @@ def _server_copy(optimizer) -> bytes:
     """The optimizer without its state, for a server to call ``update_step`` on."""
     clone = copy.copy(optimizer)
     state = dict(optimizer.__dict__)
-    for k in ("_iterations", "_slots", "_slot_list", "_plans"):
+    for k in ("_iterations", "_slots", "_slot_list", "_plans", "_last_plan"):
         state.pop(k, None)
     state["_learning_rate"] = 1.0  # the caller sends each step's rate
     clone.__dict__ = state
