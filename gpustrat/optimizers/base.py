@@ -466,9 +466,14 @@ def _check_pairs(grads_and_vars, known: list | None = None) -> tuple[list, list]
     gradient left out. ``known``: a list of distinct variables checked before (the last
     step's): the same variables again need no check of their own."""
     pairs = list(grads_and_vars)
-    # The common case (tuples of a gradient and a variable, every gradient given) is
-    # checked with whole-list operations in C; the loops below name what is wrong.
-    if pairs and set(map(type, pairs)) == {tuple} and set(map(len, pairs)) == {2}:
+    # The common case (pairs of a gradient and a variable, every gradient given) is
+    # checked with whole-list operations in C; the loops below name what is wrong. (Any
+    # other sized item of two passes here only to fail the variables' checks.)
+    try:
+        pairs_of_two = bool(pairs) and set(map(len, pairs)) == {2}
+    except TypeError:  # an item without a length: named below
+        pairs_of_two = False
+    if pairs_of_two:
         grads, variables = map(list, zip(*pairs))
         if not any(map(operator.is_, grads, repeat(None, len(grads)))) and (
                 (known is not None and len(known) == len(variables) and
