@@ -12,12 +12,13 @@ Targets:
   labelled as recorded;
 - under ``mpiexec -n 2`` (one replica per worker), the gradient reduction inside
   ``apply_gradients`` at least 0.8x the bandwidth of one bare ``Allreduce`` of the same
-  bytes. The gradients are written into ``optimizer.gradient_buffers`` (reduced in
+  bytes. Each step writes its gradients into ``optimizer.gradient_buffers`` (reduced in
   place), and the reduction is what it adds to the step: the step's time less the same
-  step's with ``skip_gradients_aggregation=True``. Beside it, the same difference for
+  step's with ``skip_gradients_aggregation=True``; the bare call is timed the same way,
+  after writing its send buffer, less the write. Beside it, the same difference for
   gradient arrays (both steps pack them), and ``strategy.extended.batch_reduce_to`` of
-  100 gradient arrays (checks, packing, the reduction and one result view per array),
-  checked against the same target.
+  100 gradient arrays (checks, packing, the reduction and one result view per array)
+  against the plain bare call, checked against the same target.
 
 Every time is the best of several repeats, the ways interleaved so that a busy machine
 slows all of them; the fused and separate steps are checked to give the same weights
@@ -144,16 +145,16 @@ def measure_in_process(replicas: int, repeats: int, steps: int) -> dict:
             "speedup": separate / fused}
 
 
-def _mpi_child(repeats: int, sizes) -> None:
+def _mpi_child(repeats: int, sizes, inner: int | None = None) -> None:
     """On every rank of ``mpiexec``; rank 0 prints one ``RESULT {json}`` line per size."""
     import gpustrat as gs
     strategy = gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
     for size in sizes:
-        _mpi_size(gs, strategy, repeats, size)
+        _mpi_size(gs, strategy, repeats, size, inner)
     strategy.close()
 
 
-def _mpi_size(gs, strategy, repeats: int, size: int) -> None:
+def _mpi_size(gs, strategy, repeats: int, size: int, inner: int | None = None) -> None:
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     rng = np.random.default_rng(strategy.worker_index)
@@ -199,17 +200,29 @@ def _mpi_size(gs, strategy, repeats: int, size: int) -> None:
                                            want):
         raise AssertionError("the gradient buffers' reduction differs from a bare Allreduce")
     del summed
-    # Zeros stay zeros: the timed steps (which write no gradients) keep finite values.
-    buffers_step(True, [np.zeros_like(g) for g in grads])
-    if id(buffers_step(False)[0].base) != arena:
+    # The timed steps write their gradients into the buffers first, as a training step
+    # computes them there (zeros: the sums stay finite); the bare call's send buffer is
+    # written the same way, and each reduction is what it adds after the writing.
+    zeros = [np.zeros_like(g) for g in grads]
+    if id(buffers_step(False, zeros)[0].base) != arena:
         raise AssertionError("the gradient buffers were not reused")
+    send, fresh = np.zeros_like(bare), np.zeros_like(bare)
+
+    def bare_written():
+        np.copyto(send, fresh)
+        comm.Allreduce(send, out)
+
     t_bare = t_reduce = t_step = t_skip = t_buf = t_buf_skip = float("inf")
-    ways = [reduce_grads, step, step_skip, lambda: buffers_step(True),
-            lambda: buffers_step(False)]
+    t_bare_written = t_write = float("inf")
+    ways = [reduce_grads, step, step_skip, lambda: buffers_step(True, zeros),
+            lambda: buffers_step(False, zeros), bare_written,
+            lambda: np.copyto(send, fresh)]
     # Many short samples: on a shared machine the best of many catches quiet moments
-    # that the best of a few long ones misses (every rank runs the same counts).
-    inner = max(2, min(20, 2_000_000 // bare.nbytes))
-    samples = max(repeats, min(300, 400_000_000 // (inner * bare.nbytes)))
+    # that the best of a few long ones misses (every rank runs the same counts). One
+    # call per sample from 200 kB: a longer call is otherwise more likely to be cut by
+    # the scheduler than the bare one it is compared with.
+    inner = inner or max(1, min(20, 200_000 // bare.nbytes))
+    samples = max(repeats, min(1000, 400_000_000 // (inner * bare.nbytes)))
     for _ in range(samples):
         comm.Barrier()
         t0 = time.perf_counter()
@@ -223,15 +236,18 @@ def _mpi_size(gs, strategy, repeats: int, size: int) -> None:
             for _ in range(inner):
                 way()
             times.append((time.perf_counter() - t0) / inner)
-        t_reduce, t_step, t_skip, t_buf, t_buf_skip = (
-            min(a, b) for a, b in zip((t_reduce, t_step, t_skip, t_buf, t_buf_skip), times))
+        t_reduce, t_step, t_skip, t_buf, t_buf_skip, t_bare_written, t_write = (
+            min(a, b) for a, b in zip((t_reduce, t_step, t_skip, t_buf, t_buf_skip,
+                                       t_bare_written, t_write), times))
     # The job is as slow as its slowest rank.
-    times = strategy.workers.allgather((t_bare, t_reduce, t_step, t_skip, t_buf, t_buf_skip))
-    t_bare, t_reduce, t_step, t_skip, t_buf, t_buf_skip = (max(t[k] for t in times)
-                                                           for k in range(6))
+    times = strategy.workers.allgather((t_bare, t_reduce, t_step, t_skip, t_buf, t_buf_skip,
+                                        t_bare_written, t_write))
+    t_bare, t_reduce, t_step, t_skip, t_buf, t_buf_skip, t_bare_written, t_write = (
+        max(t[k] for t in times) for k in range(8))
     if strategy.worker_index == 0:
         nbytes = bare.nbytes
         in_step = t_buf - t_buf_skip   # what the reduction adds to the step
+        bare_after = t_bare_written - t_write   # what the bare call adds after the write
         in_array_step = t_step - t_skip   # the same with gradient arrays (packed in both)
         print("RESULT " + json.dumps({
             "workers": comm.Get_size(), "bytes": nbytes, "bare_allreduce_ms": t_bare * 1e3,
@@ -239,15 +255,18 @@ def _mpi_size(gs, strategy, repeats: int, size: int) -> None:
             "apply_gradients_skip_ms": t_skip * 1e3, "buffers_step_ms": t_buf * 1e3,
             "buffers_step_skip_ms": t_buf_skip * 1e3, "step_reduction_ms": in_step * 1e3,
             "bare_GBps": nbytes / t_bare / 1e9, "reduce_GBps": nbytes / t_reduce / 1e9,
-            "elements": size, "bandwidth_ratio": t_bare / t_reduce,
-            "step_bandwidth_ratio": t_bare / in_step if in_step > 0 else float("inf"),
+            "elements": size, "calls_per_sample": inner, "samples": samples,
+            "bandwidth_ratio": t_bare / t_reduce,
+            "bare_after_write_ms": bare_after * 1e3,
+            "step_bandwidth_ratio": bare_after / in_step if in_step > 0 else float("inf"),
             "array_step_reduction_ms": in_array_step * 1e3,
             "array_step_bandwidth_ratio": t_bare / in_array_step if in_array_step > 0
             else float("inf")}),
             flush=True)
 
 
-def measure_mpi(nprocs: int, repeats: int, sizes, timeout: float = 600):
+def measure_mpi(nprocs: int, repeats: int, sizes, timeout: float = 600,
+                inner: int | None = None):
     exe = Path(sys.executable).parent / "mpiexec"
     if not exe.exists():
         print(f"MPI: no mpiexec beside {sys.executable}; install the mpi extra "
@@ -259,6 +278,8 @@ def measure_mpi(nprocs: int, repeats: int, sizes, timeout: float = 600):
     env.pop("PYTHONUNBUFFERED", None)
     cmd = [str(exe), "-n", str(nprocs), sys.executable, str(Path(__file__).resolve()),
            "--mpi-child", "--repeats", str(repeats), "--elements", *map(str, sizes)]
+    if inner:
+        cmd += ["--calls-per-sample", str(inner)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"mpiexec exited with {proc.returncode}:\n{proc.stdout}\n"
@@ -275,6 +296,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="fewer repeats, no TensorFlow")
     ap.add_argument("--mpi", type=int, default=2, help="MPI workers (0 skips; default 2)")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--calls-per-sample", type=int, default=None,
+                    help="calls timed together in each MPI sample (default: 1 from "
+                         "200 kB, more below)")
     ap.add_argument("--elements", type=int, nargs="+", default=None,
                     help="elements per variable in the MPI rows (default 1000, and also "
                          "100000 without --quick: 40 MB, where bandwidth decides)")
@@ -284,7 +308,7 @@ def main(argv=None) -> dict:
     repeats = args.repeats or (3 if args.quick else 10)
     sizes = args.elements or ([SIZE] if args.quick else [SIZE, 100 * SIZE])
     if args.mpi_child:
-        _mpi_child(repeats, sizes)
+        _mpi_child(repeats, sizes, args.calls_per_sample)
         return {}
     steps = 20 if args.quick else 100
     row = measure_in_process(2, repeats, steps)
@@ -307,7 +331,8 @@ def main(argv=None) -> dict:
     result = {"suite": "variables", "in_process": row, "verdicts": verdicts}
     bandwidth = ("gradient reduction in apply_gradients (gradient buffers) vs bare MPI "
                  "Allreduce bandwidth")
-    mpi_rows = measure_mpi(args.mpi, repeats, sizes) if args.mpi else None
+    mpi_rows = measure_mpi(args.mpi, repeats, sizes, inner=args.calls_per_sample) \
+        if args.mpi else None
     if mpi_rows is None:
         why = "--mpi 0" if not args.mpi else "no mpiexec (install the mpi extra)"
         verdicts.append(targets.not_measured(bandwidth, TARGET_BANDWIDTH, why, "x"))
@@ -318,10 +343,13 @@ def main(argv=None) -> dict:
                   f" float32 = {r['bytes']:,} bytes of gradients:")
             print(f"  bare MPI Allreduce                    {r['bare_allreduce_ms']:8.3f}"
                   f" ms  ({r['bare_GBps']:.2f} GB/s)")
+            print(f"  bare MPI Allreduce after its buffer is written "
+                  f"{r['bare_after_write_ms']:.3f} ms (the write less)")
             print(f"  apply_gradients, gradient buffers     {r['buffers_step_ms']:8.3f} ms;"
                   f" without aggregation {r['buffers_step_skip_ms']:.3f} ms")
             print(f"    the reduction in the step           {r['step_reduction_ms']:8.3f}"
-                  f" ms  {r['step_bandwidth_ratio']:.2f}x the bare bandwidth")
+                  f" ms  {r['step_bandwidth_ratio']:.2f}x the bare bandwidth (written "
+                  "buffers both)")
             print(f"  apply_gradients, gradient arrays      {r['apply_gradients_ms']:8.3f} ms;"
                   f" without aggregation {r['apply_gradients_skip_ms']:.3f} ms")
             print(f"    the reduction in the step           "

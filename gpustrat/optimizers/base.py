@@ -87,6 +87,7 @@ class Optimizer:
         self._slots: dict = {}
         self._slot_list: list = []
         self._plans: dict = {}
+        self._last_plan: StepPlan | None = None
         self._remember_step(0)
 
     # --- state ----------------------------------------------------------------------
@@ -230,7 +231,9 @@ class Optimizer:
                 different variables (on every worker).
             TypeError: a non-variable, or a gradient that is not floating point.
         """
-        grads, variables = _check_pairs(grads_and_vars)
+        last = self._last_plan
+        grads, variables = _check_pairs(grads_and_vars,
+                                        None if last is None else last.variables)
         remote = getattr(variables[0], "_apply_gradients", None)
         if remote is not None:  # variables on parameter servers: the step runs there
             return remote(self, grads, variables)
@@ -268,7 +271,7 @@ class Optimizer:
         variables = list(variables)
         strategy, ctx = context.current()
         index = ctx.local_index if ctx is not None and strategy is not None else 0
-        plan = self._plans.get(tuple(map(id, variables)))
+        plan = self._known_plan(variables)
         if plan is None:  # made by the first step, in cross-replica context
             bad = next((v for v in variables if not isinstance(v, Variable)), None)
             if bad is not None or not variables:
@@ -359,14 +362,25 @@ class Optimizer:
 
     def _plan(self, variables: list) -> StepPlan:
         # Training loops pass the same variables every step: the bookkeeping is done once.
-        key = tuple(map(id, variables))
-        plan = self._plans.get(key)
+        plan = self._known_plan(variables)
         if plan is None:
             self._build(variables)
-            plan = StepPlan(self, variables)
+            plan = self._last_plan = StepPlan(self, variables)
             if len(self._plans) >= 64:
                 self._plans.clear()
-            self._plans[key] = plan
+            self._plans[tuple(map(id, variables))] = plan
+        return plan
+
+    def _known_plan(self, variables: list) -> StepPlan | None:
+        """The plan of exactly these variables, if one was made (the last one used is
+        recognised by identity, without hashing a hundred ids)."""
+        last = self._last_plan
+        if last is not None and len(variables) == len(last.variables) and \
+                all(map(operator.is_, variables, last.variables)):
+            return last
+        plan = self._plans.get(tuple(map(id, variables)))
+        if plan is not None:
+            self._last_plan = plan
         return plan
 
     def _reduce(self, plan: StepPlan, tensors: list, agree: tuple | None) -> list:
@@ -474,15 +488,25 @@ def _check_positive(what: str, value) -> None:
                          f"got {value!r}")
 
 
-def _check_pairs(grads_and_vars) -> tuple[list, list]:
+def _check_pairs(grads_and_vars, known: list | None = None) -> tuple[list, list]:
+    """The gradients and variables of (gradient, variable) pairs, pairs without a
+    gradient left out. ``known``: a list of distinct variables checked before (the last
+    step's): the same variables again need no check of their own."""
     pairs = list(grads_and_vars)
-    # The common case (tuples of a gradient and a variable, every gradient given) is
-    # checked with whole-list operations in C; the loops below name what is wrong.
-    if pairs and set(map(type, pairs)) == {tuple} and set(map(len, pairs)) == {2}:
+    # The common case (pairs of a gradient and a variable, every gradient given) is
+    # checked with whole-list operations in C; the loops below name what is wrong. (Any
+    # other sized item of two passes here only to fail the variables' checks.)
+    try:
+        pairs_of_two = bool(pairs) and set(map(len, pairs)) == {2}
+    except TypeError:  # an item without a length: named below
+        pairs_of_two = False
+    if pairs_of_two:
         grads, variables = map(list, zip(*pairs))
-        if all(map(isinstance, variables, repeat(Variable, len(variables)))) and \
-                not any(map(operator.is_, grads, repeat(None, len(grads)))) and \
-                len(set(map(id, variables))) == len(variables):
+        if not any(map(operator.is_, grads, repeat(None, len(grads)))) and (
+                (known is not None and len(known) == len(variables) and
+                 all(map(operator.is_, variables, known))) or
+                (all(map(isinstance, variables, repeat(Variable, len(variables)))) and
+                 len(set(map(id, variables))) == len(variables))):
             return grads, variables
     for p in pairs:
         if not (isinstance(p, (tuple, list)) and len(p) == 2):

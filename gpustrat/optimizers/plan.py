@@ -62,6 +62,7 @@ class StepPlan:
                 f"to {strategy_of(bad)!r} but {variables[0].name!r} to {owner!r}: train "
                 "the variables of one strategy, under that strategy")
         self.owner = owner
+        self.variables = list(variables)
         comps = [_components(v) for v in variables]
         self.n_local = len(comps[0])
         self.comps = [[c[i] for c in comps] for i in range(self.n_local)]

@@ -47,7 +47,8 @@ def _server_copy(optimizer) -> bytes:
     """The optimizer without its state, for a server to call ``update_step`` on."""
     clone = copy.copy(optimizer)
     state = dict(optimizer.__dict__)
-    for k in ("_iterations", "_slots", "_slot_list", "_plans", "_restored_slots"):
+    for k in ("_iterations", "_slots", "_slot_list", "_plans", "_last_plan",
+              "_restored_slots"):
         state.pop(k, None)
     state["_learning_rate"] = 1.0  # the caller sends each step's rate
     clone.__dict__ = state
