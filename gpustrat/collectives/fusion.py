@@ -276,7 +276,8 @@ def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout, aren
     """Yield ``(bucket, how to cut it into tensors, reduced buffers)`` for each bucket:
     ``tensors`` packed into fusion buffers, or the buckets' slices of ``arenas`` (one
     per local replica) reduced in place."""
-    op = ReduceOp.from_value(op)
+    if type(op) is not ReduceOp:
+        op = ReduceOp.from_value(op)
     if arenas is None:
         if not tensors:
             return

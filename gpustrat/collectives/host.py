@@ -79,11 +79,16 @@ class HostCommunicator(Communicator):
         return self._replicate(self.reduce(buffers, op))
 
     def all_reduce_inplace(self, buffers, op):
-        op = ReduceOp.from_value(op)
+        if type(op) is not ReduceOp:
+            op = ReduceOp.from_value(op)
         bufs = [to_host(b) for b in buffers]
         out = bufs[0]
-        if not (isinstance(out, np.ndarray) and out.flags.c_contiguous and out.flags.writeable):
+        flags = out.flags if isinstance(out, np.ndarray) else None
+        if flags is None or not (flags.c_contiguous and flags.writeable):
             return self.all_reduce(buffers, op)
+        if len(bufs) == 1:  # one replica here (a fusion buffer between workers)
+            out = self._across_workers_reduce(out, op)
+            return [divide(out, self.num_replicas) if op is ReduceOp.MEAN else out]
         check_same_layout(bufs, f"all_reduce({op.name})")
         ufunc = _NP_OPS[op]
         for b in bufs[1:]:

@@ -319,8 +319,12 @@ class Optimizer:
         reduce = reduce and plan.owner is not None and plan.owner.num_replicas_in_sync > 1
         # Workers must train the same variables with gradients of the same shapes: that
         # agreement rides with the reduction's first collective.
-        agree = agreement(plan.owner, plan.described,
-                          f"{type(self).__name__}.apply_gradients") if reduce else None
+        agree = None
+        if reduce:
+            agree = plan.agreement
+            if agree is None:
+                agree = plan.agreement = agreement(plan.owner, plan.described,
+                                                   f"{type(self).__name__}.apply_gradients")
         arenas = plan.buffer_arenas([a.grads for a in per_replica])
         if arenas is not None:
             # The gradients were written into the plan's gradient buffers: reduced in

@@ -78,6 +78,8 @@ class StepPlan:
         self.dtypes = [v.dtype for v in variables]
         #: What the workers agree on each step: every variable's key, shape and dtype.
         self.described = describe_shapes(self.shapes, self.dtypes, self.keys)
+        #: ``agreement(...)`` of the step's reduction, made on the first one.
+        self.agreement = None
         #: The gradients' layout for the fused reduction (what gradients() checks).
         self._host_types = [np.ndarray] * len(variables)
         self.flat = FlatArenas.adopt(self, optimizer)

@@ -136,7 +136,8 @@ class MpiCommunicator(HostCommunicator):
     def agreeing(self, key, what, hint=""):
         # Rides in the header of the first collective inside: no collective of its own.
         fold = self._folds.get(key)
-        if fold is None or fold[2] is not what or fold[3] is not hint:
+        # (Compared by value: callers often build the same text anew for each call.)
+        if fold is None or fold[2] != what or fold[3] != hint:
             if len(self._folds) >= 256:
                 self._folds.clear()
             fold = self._folds[key] = (fold_code(key), key, what, hint)
