@@ -104,21 +104,8 @@ class RebatchDataset(UnaryDataset):
             return True
 
         def take(k: int) -> list:
-            parts = []
-            while k:
-                leaves, start = pending[0]
-                n = st.leading_dim(leaves[0]) - start
-                used = min(n, k)
-                parts.append([v[start:start + used] for v in leaves])
-                k -= used
-                state["rows"] -= used
-                if used == n:
-                    pending.popleft()
-                else:
-                    pending[0][1] = start + used
-            if len(parts) == 1:
-                return parts[0]
-            return [devices.array_module(cols[0]).concatenate(cols) for cols in zip(*parts)]
+            state["rows"] -= k
+            return _take_rows(pending, k)
 
         try:
             for k in itertools.cycle(self._sizes):
@@ -181,22 +168,8 @@ class _RebatchIterator(StateIterator):
         return True
 
     def _take(self, k: int) -> list:
-        parts = []
-        pending = self._pending
-        while k:
-            leaves, start = pending[0]
-            n = st.leading_dim(leaves[0]) - start
-            used = min(n, k)
-            parts.append([v[start:start + used] for v in leaves])
-            k -= used
-            self._rows -= used
-            if used == n:
-                pending.popleft()
-            else:
-                pending[0][1] = start + used
-        if len(parts) == 1:
-            return parts[0]
-        return [devices.array_module(cols[0]).concatenate(cols) for cols in zip(*parts)]
+        self._rows -= k
+        return _take_rows(self._pending, k)
 
     def __next__(self):
         if self._finished:
@@ -238,3 +211,22 @@ class _RebatchIterator(StateIterator):
             self._plan = st.make_plan(self._node._input.element_spec)
         self._done, self._finished = bool(state["done"]), bool(state["finished"])
         self._next_size = int(state["next_size"])
+
+
+def _take_rows(pending, k: int) -> list:
+    """The next ``k`` rows of ``pending`` (a deque of ``[leaves, first unread row]``),
+    as one list of leaves: views where they come from one element, else concatenated."""
+    parts = []
+    while k:
+        leaves, start = pending[0]
+        n = st.leading_dim(leaves[0]) - start
+        used = min(n, k)
+        parts.append([v[start:start + used] for v in leaves])
+        k -= used
+        if used == n:
+            pending.popleft()
+        else:
+            pending[0][1] = start + used
+    if len(parts) == 1:
+        return parts[0]
+    return [devices.array_module(cols[0]).concatenate(cols) for cols in zip(*parts)]
