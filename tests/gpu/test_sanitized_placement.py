@@ -329,13 +329,18 @@ def _fit(san, x, y, buffer_size=1):
 
 
 def test_a_training_loop_frees_its_pieces_and_temporaries_without_the_garbage_collector():
-    x, y = _data(10)
+    x, y = _data(24)
     with _no_automatic_collection(), testing.sanitize(seed=1) as san:
         ws, in_use, _ = _fit(san, x, y)
     assert not san.reports
     # The blocks in use stop growing once the pipeline is full (and shrink as it drains
     # at the end): nothing a step allocates waits for a collection to go back to the pool.
-    assert max(in_use[2:]) == in_use[2], str(in_use)
+    # Where the placer's thread stands when a step ends moves the count by up to a batch
+    # (a batch is 4 pieces, x and y on 2 devices; the step's temporaries add a few);
+    # a block kept per step would add 20 over the steady steps.
+    steady = in_use[2:-2]
+    assert max(steady) - min(steady) <= 8, str(in_use)
+    assert in_use[-1] < min(steady), str(in_use)
     for w in ws:
         np.testing.assert_allclose(w, _reference(x, y), rtol=1e-5)
 
