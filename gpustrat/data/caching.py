@@ -33,7 +33,7 @@ from gpustrat import devices, nest
 from gpustrat.data import structure as st
 from gpustrat.data.dataset import Dataset
 from gpustrat.data.iterator_state import ListIterator, StateIterator, same_state
-from gpustrat.data.transforms import UnaryDataset, _close
+from gpustrat.data.unary import UnaryDataset, _close
 
 log = logging.getLogger("gpustrat")
 

@@ -386,7 +386,7 @@ class Dataset(abc.ABC):
         """Elements made of one element of each dataset: ``zip(a, b)``, ``zip((a, b))``
         or ``zip(datasets={"x": a, "y": b})``; any nesting of datasets in tuples, dicts
         and namedtuples is allowed (not lists, as in tf.data)."""
-        from gpustrat.data.transforms import ZipDataset
+        from gpustrat.data.combining import ZipDataset
         if datasets is not None:
             if args:
                 raise TypeError("zip: pass datasets positionally or as datasets=, not both")
@@ -427,12 +427,12 @@ class Dataset(abc.ABC):
         fused = self._batch_fused(batch_size, bool(drop_remainder))
         if fused is not None:
             return fused
-        from gpustrat.data.transforms import BatchDataset
+        from gpustrat.data.batching import BatchDataset
         return BatchDataset(self, batch_size, bool(drop_remainder))
 
     def unbatch(self) -> "Dataset":
         """Split every element along its first axis into that many elements."""
-        from gpustrat.data.transforms import UnbatchDataset
+        from gpustrat.data.batching import UnbatchDataset
         return UnbatchDataset(self)
 
     def map(self, map_func: Callable, num_parallel_calls: int | None = None,
@@ -442,48 +442,48 @@ class Dataset(abc.ABC):
         With ``num_parallel_calls`` (an int or AUTOTUNE) the calls run in a thread pool;
         results keep the input order unless ``deterministic`` is False.
         """
-        from gpustrat.data.transforms import MapDataset
+        from gpustrat.data.mapping import MapDataset
         return MapDataset(self, map_func, num_parallel_calls, deterministic)
 
     def filter(self, predicate: Callable) -> "Dataset":
         """Keep the elements for which ``predicate`` returns a true scalar."""
-        from gpustrat.data.transforms import FilterDataset
+        from gpustrat.data.mapping import FilterDataset
         return FilterDataset(self, predicate)
 
     def shuffle(self, buffer_size: int, seed: int | None = None,
                 reshuffle_each_iteration: bool = True) -> "Dataset":
         """Randomly shuffle with a buffer of ``buffer_size`` elements (tf.data semantics)."""
-        from gpustrat.data.transforms import ShuffleDataset
+        from gpustrat.data.shuffling import ShuffleDataset
         return ShuffleDataset(self, buffer_size, seed, reshuffle_each_iteration)
 
     def repeat(self, count: int | None = None) -> "Dataset":
         """Repeat the dataset ``count`` times (None or -1: forever)."""
-        from gpustrat.data.transforms import RepeatDataset
+        from gpustrat.data.positional import RepeatDataset
         return RepeatDataset(self, count)
 
     def take(self, count: int) -> "Dataset":
         """At most the first ``count`` elements (-1: all)."""
-        from gpustrat.data.transforms import TakeDataset
+        from gpustrat.data.positional import TakeDataset
         return TakeDataset(self, count)
 
     def skip(self, count: int) -> "Dataset":
         """All but the first ``count`` elements (-1: skip everything)."""
-        from gpustrat.data.transforms import SkipDataset
+        from gpustrat.data.positional import SkipDataset
         return SkipDataset(self, count)
 
     def shard(self, num_shards: int, index: int) -> "Dataset":
         """Elements ``i`` with ``i % num_shards == index``."""
-        from gpustrat.data.transforms import ShardDataset
+        from gpustrat.data.positional import ShardDataset
         return ShardDataset(self, num_shards, index)
 
     def enumerate(self, start: int = 0, name: str | None = None) -> "Dataset":
         """Pairs ``(i, element)`` with an int64 counter starting at ``start``."""
-        from gpustrat.data.transforms import EnumerateDataset
+        from gpustrat.data.positional import EnumerateDataset
         return EnumerateDataset(self, start)
 
     def concatenate(self, dataset: "Dataset") -> "Dataset":
         """This dataset's elements, then ``dataset``'s (element specs must be compatible)."""
-        from gpustrat.data.transforms import ConcatenateDataset
+        from gpustrat.data.combining import ConcatenateDataset
         return ConcatenateDataset(self, dataset)
 
     def interleave(self, map_func: Callable, cycle_length: int | None = None,
@@ -571,12 +571,12 @@ class Dataset(abc.ABC):
 
     def prefetch(self, buffer_size: int) -> "Dataset":
         """Compute up to ``buffer_size`` elements ahead in a background thread."""
-        from gpustrat.data.transforms import PrefetchDataset
+        from gpustrat.data.unary import PrefetchDataset
         return PrefetchDataset(self, buffer_size)
 
     def with_options(self, options: Options) -> "Dataset":
         """The same dataset with ``options`` merged over the pipeline's options."""
-        from gpustrat.data.transforms import OptionsDataset
+        from gpustrat.data.unary import OptionsDataset
         return OptionsDataset(self, options)
 
     def reduce(self, initial_state: Any, reduce_func: Callable) -> Any:

@@ -29,7 +29,7 @@ import numpy as np
 from gpustrat.data.dataset import (AUTOTUNE, Dataset, _IterContext, autotune_parallelism)
 from gpustrat.data.iterator_state import FunctionIterator, IndexedIterator, StateIterator
 from gpustrat.data.spec import STRING, TensorSpec
-from gpustrat.data.transforms import _close
+from gpustrat.data.unary import _close
 
 
 def as_path(name: Any) -> str:

@@ -24,8 +24,9 @@ import numpy as np
 from gpustrat import nest
 from gpustrat.data.dataset import UNKNOWN_CARDINALITY, Dataset
 from gpustrat.data.iterator_state import FunctionIterator, IndexedIterator, StateIterator
+from gpustrat.data.mapping import FilterDataset, MapDataset
 from gpustrat.data.spec import STRING
-from gpustrat.data.transforms import FilterDataset, MapDataset, UnaryDataset, _close
+from gpustrat.data.unary import UnaryDataset, _close
 
 log = logging.getLogger("gpustrat")
 

@@ -34,7 +34,7 @@ from gpustrat.data.dataset import (INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Da
 from gpustrat.data.iterator_state import (StateIterator, pack_elements, state_iter_of,
                                           unpack_elements)
 from gpustrat.data.spec import TensorSpec
-from gpustrat.data.transforms import UnaryDataset, _close
+from gpustrat.data.unary import UnaryDataset, _close
 from gpustrat.data.windowing import ElementsDataset
 
 

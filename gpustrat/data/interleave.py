@@ -28,8 +28,8 @@ from gpustrat.data.iterator_state import (PrefetchIterator, StateIterator,
                                           load_element, save_element, state_iter_of)
 from gpustrat.data.dataset import (AUTOTUNE, UNKNOWN_CARDINALITY, Dataset, _check_positive,
                                    _IterContext)
-from gpustrat.data.transforms import (UnaryDataset, _close, _function_spec,
-                                      _resolve_parallelism)
+from gpustrat.data.mapping import _function_spec, _resolve_parallelism
+from gpustrat.data.unary import UnaryDataset, _close
 
 
 def _default_cycle_length() -> int:
@@ -155,7 +155,7 @@ class InterleaveDataset(UnaryDataset):
 
     def _compute_spec(self):
         # The specs of the datasets map_func returns for the first elements and probes
-        # of the input (see transforms._function_spec), merged.
+        # of the input (see mapping._function_spec), merged.
         def dataset_spec(element):
             ds = st.call_with_element(self._fn, element)
             if not isinstance(ds, Dataset):

@@ -30,7 +30,7 @@ from gpustrat import devices, nest
 from gpustrat.data import structure as st
 from gpustrat.data.dataset import Dataset, rows_of_batches
 from gpustrat.data.spec import STRING, TensorSpec
-from gpustrat.data.transforms import UnaryDataset, _close
+from gpustrat.data.unary import UnaryDataset, _close
 
 
 def _as_shape(shape: Any, where: str) -> tuple:

@@ -24,7 +24,7 @@ from gpustrat.data import structure as st
 from gpustrat.data.dataset import UNKNOWN_CARDINALITY, Dataset
 from gpustrat.data.iterator_state import StateIterator, load_element, save_element
 from gpustrat.data.spec import TensorSpec
-from gpustrat.data.transforms import UnaryDataset, _close
+from gpustrat.data.unary import UnaryDataset, _close
 
 
 def _check_sizes(batch_sizes) -> list[int]:

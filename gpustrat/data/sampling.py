@@ -32,7 +32,7 @@ import numpy as np
 from gpustrat.data.dataset import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Dataset
 from gpustrat.data.iterator_state import FunctionIterator, StateIterator, resume_epochs
 from gpustrat.data.spec import TensorSpec, merge_specs
-from gpustrat.data.transforms import _close
+from gpustrat.data.unary import _close
 
 _INT64 = np.dtype(np.int64)
 _DRAWS = 1024  # uniform numbers drawn per NumPy call

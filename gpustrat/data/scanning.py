@@ -19,7 +19,7 @@ from gpustrat.data import structure as st
 from gpustrat.data.dataset import Dataset, _IterContext
 from gpustrat.data.iterator_state import StateIterator, load_element, save_element
 from gpustrat.data.spec import merge_specs, spec_of, zeros_like_spec
-from gpustrat.data.transforms import UnaryDataset, _close
+from gpustrat.data.unary import UnaryDataset, _close
 
 
 def _dtype_name(leaf) -> str:

@@ -30,7 +30,7 @@ from gpustrat.data.dataset import Dataset, _check_positive
 from gpustrat.data.iterator_state import (ListIterator, StateIterator, pack_elements,
                                           unpack_elements)
 from gpustrat.data.spec import TensorSpec
-from gpustrat.data.transforms import UnaryDataset, _close
+from gpustrat.data.unary import UnaryDataset, _close
 
 
 class DatasetSpec:

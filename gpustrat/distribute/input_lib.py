@@ -235,7 +235,7 @@ class DistributedDataset(_DistributedBase):
         self._counts_differ = policy is AutoShardPolicy.FILE
         # The appended prefetch of num_replicas_in_sync batches, in a thread when
         # producing a batch costs more than a thread handoff (see adaptive_prefetch).
-        from gpustrat.data.transforms import PrefetchDataset  # noqa: PLC0415
+        from gpustrat.data.unary import PrefetchDataset  # noqa: PLC0415
         self._dataset = PrefetchDataset(dataset, strategy.num_replicas_in_sync, adaptive=True)
         if self._whole:
             self.element_spec = _spec_or_none(dataset)
