@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -14,6 +14,18 @@ from gpustrat.data.dataset import UNKNOWN_CARDINALITY, rows_of_batches
 from gpustrat.data.iterator_state import (FunctionIterator, StateIterator, load_element,
                                           save_element)
 from gpustrat.data.unary import _MISSING, UnaryDataset, _close
+
+
+def _stacker(first: Any) -> Callable[[list], Any]:
+    """The function that stacks a list of elements shaped like ``first`` into a batch."""
+    flatten, pack = st.make_plan(first)
+    if len(flatten(first)) == 1 and not nest.is_nested(first):
+        return st.stack
+
+    def build(chunk):
+        columns = zip(*[flatten(e) for e in chunk])
+        return pack([st.stack(list(c)) for c in columns])
+    return build
 
 
 class BatchDataset(UnaryDataset):
@@ -33,15 +45,7 @@ class BatchDataset(UnaryDataset):
             first = next(it, _MISSING)
             if first is _MISSING:
                 return
-            flatten, pack = st.make_plan(first)
-            single = len(flatten(first)) == 1 and not nest.is_nested(first)
-
-            def build(chunk):
-                if single:
-                    return st.stack(chunk)
-                columns = zip(*[flatten(e) for e in chunk])
-                return pack([st.stack(list(c)) for c in columns])
-
+            build = _stacker(first)
             chunk = []
             for element in itertools.chain((first,), it):
                 chunk.append(element)
@@ -61,14 +65,8 @@ class BatchDataset(UnaryDataset):
 
         def build(chunk):
             if not plan:
-                flatten, pack = st.make_plan(chunk[0])
-                plan.extend((flatten, pack, len(flatten(chunk[0])) == 1
-                             and not nest.is_nested(chunk[0])))
-            flatten, pack, single = plan
-            if single:
-                return st.stack(chunk)
-            columns = zip(*[flatten(e) for e in chunk])
-            return pack([st.stack(list(c)) for c in columns])
+                plan.append(_stacker(chunk[0]))
+            return plan[0](chunk)
 
         def step_fn(it):
             if it.fields["done"]:
@@ -111,6 +109,25 @@ def _check_unbatchable(spec: Any) -> None:
                          "component must have the same number of rows")
 
 
+def _rows(element: Any, plan: list) -> Iterable:
+    """The rows of one element to unbatch. ``plan`` is the flatten and pack functions
+    of the elements' structure, made from the first nested element and kept there."""
+    if not nest.is_nested(element):
+        if np.ndim(element) == 0:
+            raise ValueError("unbatch: element is a scalar; unbatching needs a "
+                             "leading dimension")
+        return element
+    if not plan:
+        plan.extend(st.make_plan(element))
+    flatten, pack = plan
+    leaves = flatten(element)
+    dims = [st.leading_dim(v) for v in leaves]
+    if len(set(dims)) != 1:
+        raise ValueError(f"unbatch: components have different leading "
+                         f"dimensions {dims}; they must all be equal")
+    return map(pack, zip(*leaves))
+
+
 class UnbatchDataset(UnaryDataset):
     """``unbatch()``: every row of every element becomes an element."""
 
@@ -126,23 +143,9 @@ class UnbatchDataset(UnaryDataset):
         self._input_spec()
         it = self._input._iter(ctx)
         try:
-            flatten = pack = None
+            plan = []
             for element in it:
-                if not nest.is_nested(element):
-                    if np.ndim(element) == 0:
-                        raise ValueError("unbatch: element is a scalar; unbatching needs "
-                                         "a leading dimension")
-                    yield from element
-                    continue
-                if flatten is None:
-                    flatten, pack = st.make_plan(element)
-                leaves = flatten(element)
-                dims = [st.leading_dim(v) for v in leaves]
-                if len(set(dims)) != 1:
-                    raise ValueError(f"unbatch: components have different leading "
-                                     f"dimensions {dims}; they must all be equal")
-                for row in zip(*leaves):
-                    yield pack(row)
+                yield from _rows(element, plan)
         finally:
             _close(it)
 
@@ -173,7 +176,7 @@ class _UnbatchIterator(StateIterator):
     def __init__(self, source: StateIterator):
         self._inputs = (source,)
         self._element, self._rows, self._row = None, [], 0
-        self._plan = None
+        self._plan = []
 
     def __next__(self):
         while self._element is None or self._row >= len(self._rows):
@@ -183,21 +186,7 @@ class _UnbatchIterator(StateIterator):
         return row
 
     def _set(self, element, row: int) -> None:
-        if not nest.is_nested(element):
-            if np.ndim(element) == 0:
-                raise ValueError("unbatch: element is a scalar; unbatching needs a "
-                                 "leading dimension")
-            rows = list(element)
-        else:
-            if self._plan is None:
-                self._plan = st.make_plan(element)
-            flatten, pack = self._plan
-            leaves = flatten(element)
-            dims = [st.leading_dim(v) for v in leaves]
-            if len(set(dims)) != 1:
-                raise ValueError(f"unbatch: components have different leading "
-                                 f"dimensions {dims}; they must all be equal")
-            rows = [pack(r) for r in zip(*leaves)]
+        rows = list(_rows(element, self._plan))
         self._element, self._rows, self._row = element, rows, row
 
     def save(self):
