@@ -158,6 +158,7 @@ for rows in ([1] * W, [k % 2 for k in range(W)], [k + 1 for k in range(W)]):
     xs = [np.full((n, 2), k, np.int32) for k, n in enumerate(rows)]
     for _ in range(2):
         eq(c.gather([xs[r]], 0), np.concatenate(xs))
+        eq(c.gather([xs[r].T], 1), np.concatenate(xs).T)
 # A named reduce of every dtype and op, small and large, 0-d too; the same call again
 # (its plan remembered) and after another layout.
 k = np.arange(W)

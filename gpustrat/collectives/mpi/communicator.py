@@ -360,7 +360,8 @@ class MpiCommunicator(HostCommunicator):
                 ch._disagree(kind, shape, dtype, "")
             rows = ch.counts()
             if rows.count(rows[0]) == len(rows):  # every rank has this rank's rows
-                return inline.copy().reshape(same_shape)
+                out = inline.copy().reshape(same_shape)
+                return np.ascontiguousarray(np.moveaxis(out, 0, ax)) if ax else out
         else:
             # tobytes writes any layout in C order: a small payload needs no contiguous
             # copy.
