@@ -102,6 +102,15 @@ class Communicator(abc.ABC):
         returning it) and ``hint`` says what to do, in the message.
         """
 
+    def reduce_named(self, x: Any, op: ReduceOp, name: str, hint: str = "",
+                     shown=None) -> Any:
+        """:meth:`agree_layout` of ``x`` (named ``name``, with ``hint``; an error shows
+        the shape ``shown``, default ``x.shape``) then :meth:`reduce` of ``[x]``: one
+        worker-local replica's array. Backends may do both in one step (over MPI a small
+        payload rides in the agreement's own header)."""
+        self.agree_layout(x.shape if shown is None else shown, x.dtype, name, hint)
+        return self.reduce([x], op)
+
     def agree(self, key: tuple, what, hint: str = "") -> None:
         """Check, between workers, that every worker passes the same ``key`` (a tuple of
         ints and strings: a layout, a state, a checksum); raise ValueError on every

@@ -118,6 +118,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         if self._one_host and type(value) is np.ndarray and value.dtype.kind in _NUMERIC \
                 and context.current()[1] is None:
             # The call every loop makes: one host array of numbers, one replica here.
+            if axis is None and value.dtype.kind != "b":
+                return self._communicator.reduce_named(
+                    value, op, reduction.NAMES_AXIS_NONE[id(op)], reduction.HINT_AXIS_NONE)
             return reduction.reduce_host_array(self._communicator, op, value, axis)
         comps = self._one_leaf(value)
         if comps is None:

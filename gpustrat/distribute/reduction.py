@@ -24,7 +24,7 @@ from gpustrat.distribute.collective_ops import as_array
 from gpustrat.reduce_util import ReduceOp
 
 
-_HINT_AXIS_NONE = ("A partial batch gives workers different row counts: pass axis=0 to "
+HINT_AXIS_NONE = ("A partial batch gives workers different row counts: pass axis=0 to "
                    "reduce over the batch dimension as well")
 _HINT_AXIS = "Sizes may differ only along the reduced axis (shown as '*')"
 
@@ -108,7 +108,7 @@ def _identity(op: ReduceOp, dtype) -> Any:
 
 
 # Keyed by id(op): hashing an Enum member runs Python code, an id does not.
-_NAMES_AXIS_NONE = {id(op): f"reduce({op.name}, axis=None)" for op in ReduceOp}
+NAMES_AXIS_NONE = {id(op): f"reduce({op.name}, axis=None)" for op in ReduceOp}
 _NAMES_AXIS: dict = {}
 _MEAN = ReduceOp.MEAN  # a module global: reading an Enum member runs Python code
 
@@ -135,14 +135,12 @@ def reduce_host_array(comm: Communicator, op: ReduceOp, a: np.ndarray, axis: int
     if a.dtype.kind == "b":
         check_leaf(a, op, "strategy.reduce", "component 0")   # MAX and MIN only
     if axis is None:
-        comm.agree_layout(a.shape, a.dtype, _NAMES_AXIS_NONE[id(op)], _HINT_AXIS_NONE)
-        return comm.reduce([a], op)
+        return comm.reduce_named(a, op, NAMES_AXIS_NONE[id(op)], HINT_AXIS_NONE)
     if op is not _MEAN and a.dtype.kind != "b":
         one_row = _ONE_ROW.get((a.shape, axis, id(op)))
         if one_row is not None:  # see _reduce_arrays: one row, reduced as a view
             rest, shown, name = one_row
-            comm.agree_layout(shown, a.dtype, name, _HINT_AXIS)
-            return comm.reduce([a.reshape(rest)], op)
+            return comm.reduce_named(a.reshape(rest), op, name, _HINT_AXIS, shown)
     return _reduce_arrays(comm, op, [a], axis)
 
 
@@ -162,7 +160,7 @@ def _reduce_arrays(comm: Communicator, op: ReduceOp, arrays: list, axis: int | N
         # Between workers too: a reduction of mismatched buffers would combine unrelated
         # bytes (or break the MPI library) instead of failing. Over MPI this check
         # rides in the header of the reduce itself.
-        comm.agree_layout(first.shape, first.dtype, _NAMES_AXIS_NONE[id(op)], _HINT_AXIS_NONE)
+        comm.agree_layout(first.shape, first.dtype, NAMES_AXIS_NONE[id(op)], HINT_AXIS_NONE)
         return comm.reduce(arrays, op)
     if len(arrays) == 1 and op is not _MEAN:
         a = arrays[0]

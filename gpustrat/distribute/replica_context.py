@@ -15,6 +15,9 @@ from gpustrat.values import PerReplica, regroup, select_replica
 _merge = threading.local()
 # By id: an Enum member's .name and hash run Python code on every collective.
 _OP_NAMES = {id(op): op.name for op in ReduceOp}
+# What the communicator's header calls a replica's all_reduce (the same string objects
+# every time: its plan is remembered by them).
+_KINDS = {id(op): f"all_reduce({op.name})" for op in ReduceOp}
 _NUMERIC = "biufc"  # NumPy dtype kinds that need no per-leaf check
 
 
@@ -77,7 +80,7 @@ class ReplicaContext:
                 # This replica's reduce is every local replica's all_reduce.
                 return self._rendezvous.call_alone(
                     self._local_index, "all_reduce", _OP_NAMES[id(op)],
-                    self._communicator.reduce, value, op)
+                    self._communicator.reduce_named, value, op, _KINDS[id(op)])
         op = ReduceOp.from_value(reduce_op)
         comm = self._strategy.communicator
         sig = collective_ops.leaf_signature("all_reduce", _OP_NAMES[id(op)], value)
@@ -91,7 +94,7 @@ class ReplicaContext:
         if self._alone and type(value) is np.ndarray and value.ndim and \
                 type(axis) is int and value.dtype.kind in _NUMERIC:
             return self._rendezvous.call_alone(
-                self._local_index, "all_gather", axis, self._communicator.gather, value,
+                self._local_index, "all_gather", axis, self._communicator.gather, [value],
                 axis)
         comm = self._strategy.communicator
         sig = collective_ops.leaf_signature("all_gather", str(axis), value, skip_axis=axis)

@@ -148,17 +148,17 @@ class Rendezvous:
         return results[index]
 
     def call_alone(self, index: int, kind: str, what: Any, collective: Callable,
-                   value: Any, arg: Any) -> Any:
+                   *args: Any) -> Any:
         """:meth:`exchange` for a worker's only replica on a CPU, given one array:
-        ``collective([value], arg)`` (a communicator's ``reduce`` or ``gather``: the
-        result for this one replica) under the same checks, with no signature built
-        (``kind`` and ``what`` name the collective in errors)."""
+        ``collective(*args)`` (a communicator's reduce or gather of it: the result for
+        this one replica) under the same checks, with no signature built (``kind`` and
+        ``what`` name the collective in errors)."""
         with self._lock:
             if self._broken is not None:
                 raise ReplicaAborted("another replica failed") from self._broken
             if self.returned is not None:
                 raise self._unmatched(index, (kind, what))
-            return collective([value], arg)
+            return collective(*args)
 
     def _unmatched(self, index: int, signature: Any) -> Exception:
         if self.returned == NO_STEP:

@@ -328,7 +328,7 @@ def test_a_collective_whose_peer_never_comes_times_out_in_the_watchdog():
     from gpustrat.errors import CollectiveTimeout
     with testing.sanitize(seed=0, check=False) as san:
         cp = devices.cupy()
-        comm = NcclCommunicator([Device("gpu", 0), Device("gpu", 1)], timeout=0.3)
+        comm = NcclCommunicator([Device("gpu", 0), Device("gpu", 1)], timeout=1.0)
         try:
             bufs = []
             for i in (0, 1):
@@ -340,10 +340,10 @@ def test_a_collective_whose_peer_never_comes_times_out_in_the_watchdog():
             comm._comms[1].allReduce = lambda *a: None      # replica 1's peer is gone
             t0 = time.monotonic()
             comm.all_reduce(bufs, "sum")                    # still returns at once
-            assert time.monotonic() - t0 < 0.3
+            assert time.monotonic() - t0 < 1.0
             while comm._watchdog.failure is None and time.monotonic() - t0 < 10:
                 time.sleep(0.02)
-            with pytest.raises(CollectiveTimeout, match="did not complete within 0.3 s"):
+            with pytest.raises(CollectiveTimeout, match="did not complete within 1 s"):
                 comm.all_reduce(bufs, "sum")
             assert all(c.aborted for c in comm._comms)
             san.drain()                                     # the abort ended the stuck call

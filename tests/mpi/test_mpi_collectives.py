@@ -139,6 +139,51 @@ g = MpiWorkerGroup()
 c = MpiCommunicator(resolve_devices(["cpu:0"]), g)
 """
 
+SMALL_AND_LARGE = ONE_REPLICA_PRELUDE + r"""
+from gpustrat.reduce_util import ReduceOp
+from gpustrat.distribute.reduction import NAMES_AXIS_NONE
+assert install_abort_on_error(g)
+W, r = g.size, g.rank
+eq = np.testing.assert_array_equal
+# A gather along axis 1 where this rank's few numbers would ride in the header as a
+# non-contiguous view while another rank's do not fit there: every rank sends its rows.
+cols = [2 if k % 2 == 0 else 10 for k in range(W)]
+parts = [np.arange(2 * n, dtype=np.float32).reshape(2, n) + 100 * k
+         for k, n in enumerate(cols)]
+for _ in range(2):
+    eq(c.gather([parts[r]], axis=1), np.concatenate(parts, axis=1))
+    eq(c.all_gather([parts[r]], axis=1)[0], np.concatenate(parts, axis=1))
+# Few rows on every rank, the same count or not.
+for rows in ([1] * W, [k % 2 for k in range(W)], [k + 1 for k in range(W)]):
+    xs = [np.full((n, 2), k, np.int32) for k, n in enumerate(rows)]
+    for _ in range(2):
+        eq(c.gather([xs[r]], 0), np.concatenate(xs))
+        eq(c.gather([xs[r].T], 1), np.concatenate(xs).T)
+# A named reduce of every dtype and op, small and large, 0-d too; the same call again
+# (its plan remembered) and after another layout.
+k = np.arange(W)
+for shape in ((), (1,), (3,), (40,)):
+    for dtype in (np.float32, np.float64, np.int32, np.int64, np.float16):
+        for op in ReduceOp:
+            x = np.full(shape, r + 1, dtype)
+            for _ in range(2):
+                got = c.reduce_named(x, op, NAMES_AXIS_NONE[id(op)])
+                want = {ReduceOp.SUM: (k + 1).sum(), ReduceOp.MEAN: (k + 1).mean(),
+                        ReduceOp.MAX: W, ReduceOp.MIN: 1}[op]
+                assert got.shape == shape, (got.shape, shape)
+                np.testing.assert_allclose(got, np.full(shape, want), rtol=1e-3)
+                eq(x, np.full(shape, r + 1, dtype))  # the input is left alone
+print("OK", r, flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("n", [2, 3])
+def test_small_payloads_beside_large_ones_and_named_reduces(n):
+    assert_mpi_ok(n, SMALL_AND_LARGE, timeout=80, expect_lines=n,
+                  env={gmpi.ENV_TIMEOUT: "30"})
+
+
 MISMATCH = ONE_REPLICA_PRELUDE + r"""
 r = g.rank
 c.reduce([np.ones(2, np.float32)], "sum")  # agreeing calls pass

@@ -12,7 +12,8 @@ from gpustrat.collectives.base import layout_code
 from gpustrat.collectives.host import HostCommunicator, divide
 from gpustrat.collectives.mpi import waits as _waits
 from gpustrat.collectives.mpi.group import MpiWorkerGroup
-from gpustrat.collectives.mpi.header import _BLOCKING_BYTES, _INLINE, _Channel, fold_code
+from gpustrat.collectives.mpi.header import (_BLOCKING_BYTES, _INLINE, _PACK_PAYLOAD,
+                                             _STEP_MASK, _Channel, fold_code, kind_code)
 from gpustrat.collectives.mpi.waits import (_BOOL_NP_OPS, _MEAN, _NP_OPS, _describe,
                                             input_steps_from_env, reduce_args)
 from gpustrat.devices import Device, to_host
@@ -106,6 +107,8 @@ class MpiCommunicator(HostCommunicator):
         self._gather_plans: dict = {}
         self._last_gather: tuple = (None, None, None, None)
         self._folds: dict = {}
+        self._named: dict = {}
+        self._last_named: tuple = (None, None, None, None)
         sizes = workers.allgather(self.num_local)
         if len(set(sizes)) > 1:
             raise ValueError(f"every worker must hold the same number of local replicas, "
@@ -154,6 +157,58 @@ class MpiCommunicator(HostCommunicator):
             out = self._allreduce(x, op, owned=False)
             return divide(out, self.num_replicas) if op is _MEAN else out
         return super().reduce(buffers, op)  # local reduction into a new array first
+
+    def reduce_named(self, x: np.ndarray, op: ReduceOp, name: str, hint: str = "",
+                     shown=None):
+        """``agree_layout(x.shape, x.dtype, name, hint)`` then ``reduce([x], op)`` for one
+        host array of numbers, in one call: a payload that rides in the header (a few
+        numbers, the loss a loop reduces every step) is packed, exchanged and combined
+        here with no other call in between. ``name`` must be the same object for every
+        call of a kind (a module constant): the layout's plan is remembered by it.
+        ``shown``: the shape an error shows (default ``x.shape``)."""
+        ch = self._ch
+        shape, dtype = x.shape, x.dtype
+        last = self._last_named
+        if last[0] is name and last[1] == shape and last[2] is dtype:
+            plan = last[3]
+        else:
+            plan = self._named_plan(x, op, name)
+        if plan is None or ch.fold is not None or ch.debug:
+            ch.pending = (name, hint, shape if shown is None else shown)
+            out = self._allreduce(x, op, owned=False)
+            return divide(out, self.num_replicas) if op is _MEAN else out
+        code, lcode, nbytes, views, ufunc = plan
+        steps = ch.steps
+        _PACK_PAYLOAD(ch._sendb, 0, code, lcode,
+                      0 if steps is None else (steps.input_steps & _STEP_MASK) << 32,
+                      nbytes, x.tobytes())
+        if not ch.swap((name, shape, dtype)):
+            ch.pending = (name, hint, shape if shown is None else shown)
+            ch._disagree(name, shape, dtype, hint)
+        # Rank by rank, in rank order, so every rank computes the same bits.
+        out = ufunc(views[0], views[1]) if len(views) > 1 else views[0].copy()
+        for v in views[2:]:
+            out = ufunc(out, v)
+        if type(out) is not np.ndarray:  # 0-d operands give a NumPy scalar
+            out = np.asarray(out)
+        return divide(out, self.num_replicas) if op is _MEAN else out
+
+    def _named_plan(self, x: np.ndarray, op: ReduceOp, name: str):
+        """:meth:`reduce_named`'s ``(kind code, layout checksum, bytes, per-rank payload
+        views, ufunc)`` for ``x``'s layout, or None when the payload does not ride in
+        the header as numbers combined one rank at a time (larger arrays, booleans,
+        float16); remembered as the last plan."""
+        key = (name, x.shape, x.dtype)
+        if key in self._named:
+            plan = self._named[key]
+        else:
+            self._check_dtype(x, name)
+            hit, lcode, nbytes, views, _, ufunc = self._plan(x.shape, x.dtype, op)
+            plan = None if not views else (kind_code(name), lcode, nbytes, views, ufunc)
+            if len(self._named) < 1024:
+                self._named[key] = plan
+        self._last_named = (name, x.shape, x.dtype, plan)
+        return plan
 
     def all_reduce(self, buffers, op):
         if len(buffers) == 1 and self.num_local == 1:
@@ -293,15 +348,27 @@ class MpiCommunicator(HostCommunicator):
             self._last_gather = (shape, dtype, axis, plan)
         ax, kind, lcode, rest, row_bytes, inline, same_shape = plan
         front = np.moveaxis(x, ax, 0) if ax else x
-        nbytes = x.nbytes
-        small = nbytes <= _INLINE
-        if not small and not front.flags.c_contiguous:
-            front = np.ascontiguousarray(front)
         ch = self._ch
-        # tobytes writes any layout in C order: a small payload needs no contiguous copy.
-        ch.header(kind, lcode, front.shape[0], front.tobytes() if small else None,
-                  shape, dtype)
-        rows = ch.counts()
+        if inline is not None and ch.pending is None and ch.fold is None and not ch.debug:
+            # A few numbers: they ride in the header, which is the whole collective.
+            steps = ch.steps
+            # tobytes writes any layout in C order: no contiguous copy needed.
+            _PACK_PAYLOAD(ch._sendb, 0, kind_code(kind), lcode,
+                          0 if steps is None else (steps.input_steps & _STEP_MASK) << 32,
+                          shape[ax], front.tobytes())
+            if not ch.swap((kind, shape, dtype)):
+                ch._disagree(kind, shape, dtype, "")
+            rows = ch.counts()
+            if rows.count(rows[0]) == len(rows):  # every rank has this rank's rows
+                out = inline.copy().reshape(same_shape)
+                return np.ascontiguousarray(np.moveaxis(out, 0, ax)) if ax else out
+        else:
+            # tobytes writes any layout in C order: a small payload needs no contiguous
+            # copy.
+            ch.header(kind, lcode, front.shape[0],
+                      front.tobytes() if x.nbytes <= _INLINE else None, shape, dtype)
+            rows = ch.counts()
+        nbytes = x.nbytes
         total, most = sum(rows), max(rows)
         same = most * len(rows) == total  # the same rows everywhere
         if most * row_bytes <= _INLINE:
@@ -318,6 +385,8 @@ class MpiCommunicator(HostCommunicator):
                     at += nb
         else:
             out = self._results.get((total,) + rest, x.dtype)
+            if not front.flags.c_contiguous:  # also a small one, when others' are not
+                front = np.ascontiguousarray(front)
             if same:
                 if nbytes >= _BLOCKING_BYTES:
                     # As in _allreduce: every rank is in this gather, so the blocking

@@ -43,6 +43,7 @@ _AGREE = 24  # leading bytes of a header that every rank must share
 _PACK = struct.Struct("=4q").pack_into
 _PACK_PAYLOAD = struct.Struct(f"=4q{_INLINE}s").pack_into
 _STEP_MASK = 0x7FFFFFFF  # the input step travels modulo 2**31 in slot 2's high half
+_QUICK = range(64)  # Tests before a header's wait is handed to waits.wait
 
 
 def fold_code(key: tuple) -> int:
@@ -167,7 +168,6 @@ class _Channel:
         ``payload``: bytes (at most 32) that ride in the header, or None. ``shape``,
         ``dtype`` and ``hint`` are only used to explain a disagreement.
         """
-        self.calls += 1
         pending = self.pending
         if pending is not None:  # the public call's own name, e.g. reduce(SUM, axis=0)
             kind = pending[0]
@@ -186,25 +186,36 @@ class _Channel:
             _PACK(self._sendb, 0, code, layout, mark, count)
         else:  # one call writes the payload too (zero-padded to 32 bytes)
             _PACK_PAYLOAD(self._sendb, 0, code, layout, mark, count, payload)
+        if not self.swap((kind, shape, dtype)):
+            self._disagree(kind, shape, dtype, hint)
+        if pending is not None or fold is not None:
+            self.pending = self.fold = None
+        return self._recv
+
+    def swap(self, what) -> bool:
+        """Allgather the header already packed in the send buffer; whether every rank's
+        leading slots equal this rank's. ``what`` names the collective if the wait times
+        out (see :func:`waits.wait`)."""
+        self.calls += 1
         req = self._req
         if req is None:
             req = self._req = self.comm.Allgather_init([self._send, _waits._MPI.INT64_T],
                                                        [self._recv, _waits._MPI.INT64_T])
         req.Start()
-        if not req.Test():
-            wait(req, (kind, shape, dtype), self.rank, self.timeout, self.exits)
+        test = req.Test
+        for _ in _QUICK:  # a peer already there is met without a call into wait
+            if test():
+                break
+        else:
+            wait(req, what, self.rank, self.timeout, self.exits)
         raw = self._recv.tobytes()
         ref = raw[:_AGREE]
         if self.size == 2:
-            if raw[64:64 + _AGREE] != ref:
-                self._disagree(kind, shape, dtype, hint)
-        else:
-            for off in self._offsets:
-                if raw[off:off + _AGREE] != ref:
-                    self._disagree(kind, shape, dtype, hint)
-        if pending is not None or fold is not None:
-            self.pending = self.fold = None
-        return self._recv
+            return raw[64:64 + _AGREE] == ref
+        for off in self._offsets:
+            if raw[off:off + _AGREE] != ref:
+                return False
+        return True
 
     def counts(self) -> tuple:
         """Every rank's slot 3 (the size that may differ) in the last headers."""
