@@ -47,6 +47,12 @@ class Metric:
             raise ValueError(f"metric {self.name!r}: dtype must be floating point, got "
                              f"{self.dtype}")
         self._variables: list = []
+        # Resets (and restores) so far, and update_state calls since the last one per
+        # local replica (each replica thread counts in its own slot): what every worker
+        # must agree on when the result is reduced across workers.
+        self._resets = 0
+        self._updates = [0]
+        self._describe_counts = self._counts_description
 
     def add_variable(self, name: str) -> Variable:
         """A scalar state variable of zeros: sync-on-read (SUM) under a strategy."""
@@ -60,6 +66,7 @@ class Metric:
             v = zeros(strategy, (), self.dtype, full, VariableSynchronization.ON_READ,
                       VariableAggregation.SUM)
         self._variables.append(v)
+        self._updates = [0] * max(len(_components(v)), len(self._updates))
         return v
 
     @property
@@ -77,10 +84,30 @@ class Metric:
         return self._compute(*self._read())
 
     def reset_state(self) -> None:
-        """Back to zero on every component (no communication)."""
+        """Back to zero on every component (no communication). Under several workers
+        every worker must reset (and update) a metric alike: the next cross-replica
+        :meth:`result` raises on every worker, naming each worker's counts, where they
+        did not."""
         for v in self._variables:
             for c in _components(v):
                 c._write("assign", np.zeros((), self.dtype))
+        self._restarted()
+
+    def _restarted(self) -> None:
+        self._resets += 1
+        self._updates = [0] * len(self._updates)
+
+    def _counts(self) -> tuple:
+        return self._resets, sum(self._updates)
+
+    def _counts_description(self) -> tuple:
+        """The ``(key, what, hint)`` of the counts every worker must share at a read."""
+        resets, updates = self._counts()
+        return ((f"{resets} resets", f"{updates} update_state calls since the last reset"),
+                f"metric {self.name!r} result()",
+                "every worker must update and reset a metric alike between reads of its "
+                "result() (the same number of update_state calls, and reset_state on "
+                "every worker or on none), else the result mixes the workers' states")
 
     def __call__(self, *args, **kwargs):
         """``update_state`` then ``result``."""
@@ -95,20 +122,24 @@ class Metric:
         """Add ``amounts[k]`` to state variable k: the replica's own component inside
         ``run``; in cross-replica context, ``amounts[k] / num_workers`` to the first
         local component (every worker adds, the total grows by the amount once)."""
+        strategy, replica_ctx = context.current()
+        index = 0 if replica_ctx is None else replica_ctx.local_index
+        updates = self._updates
+        if index >= len(updates):  # a replica's own slot: no lock between threads
+            updates.extend([0] * (index + 1 - len(updates)))
+        updates[index] += 1
         for v, a in zip(self._variables, amounts):
             comps = _components(v)
             target = comps[0]
             if getattr(v, "_atomic_updates", False):
                 pass  # held on a parameter server, which applies one update at a time
             elif not isinstance(v, DistributedVariable):
-                strategy, replica_ctx = context.current()
                 if replica_ctx is not None and len(strategy.local_devices) > 1:
                     raise ValueError(
                         f"metric {self.name!r} was made outside strategy.scope(), so its "
                         f"state has one copy that {len(strategy.local_devices)} replicas "
                         "would update at once: make the metric inside strategy.scope()")
             else:
-                strategy, replica_ctx = context.current()
                 if strategy is not None and strategy is not v.distribute_strategy:
                     v.value()  # raises the error that names both strategies
                 if replica_ctx is not None:
@@ -128,9 +159,12 @@ class Metric:
         # Cross-replica: every state variable in one fused reduction over all replicas.
         owner = first.distribute_strategy
         pairs = [(v, None) for v in self._variables]
+        # Every worker's resets and updates must agree: that rides with the reduction.
+        resets, updates = self._counts()
+        also = ((resets * 0x9E3779B1 + updates) & 0xFFFFFFFF, self._describe_counts)
         context.push(owner, None)
         try:
-            reduced = owner.extended.batch_reduce_to(ReduceOp.SUM, pairs)
+            reduced = owner.extended._batch_reduce(ReduceOp.SUM, pairs, also)
         finally:
             context.pop()
         return [r.values[0] if hasattr(r, "values") else r for r in reduced]
@@ -152,6 +186,7 @@ class Metric:
                              "the same metric class")
         for v, value in zip(self._variables, state):
             v.assign(np.asarray(value, self.dtype))
+        self._restarted()
 
     def __repr__(self) -> str:
         return f"<gs.metrics.{type(self).__name__} {self.name!r}>"

@@ -12,7 +12,8 @@ from gpustrat.collectives.base import layout_code
 from gpustrat.collectives.host import HostCommunicator, divide
 from gpustrat.collectives.mpi import waits as _waits
 from gpustrat.collectives.mpi.group import MpiWorkerGroup
-from gpustrat.collectives.mpi.header import _BLOCKING_BYTES, _INLINE, _Channel, fold_code
+from gpustrat.collectives.mpi.header import (_BLOCKING_BYTES, _INLINE, _STEP_MASK, _Channel,
+                                             fold_code)
 from gpustrat.collectives.mpi.waits import (_BOOL_NP_OPS, _MEAN, _NP_OPS, _describe,
                                             input_steps_from_env, reduce_args)
 from gpustrat.devices import Device, to_host
@@ -133,7 +134,7 @@ class MpiCommunicator(HostCommunicator):
         finally:
             ch.pending = saved
 
-    def agreeing(self, key, what, hint=""):
+    def agreeing(self, key, what, hint="", also=None):
         # Rides in the header of the first collective inside: no collective of its own.
         fold = self._folds.get(key)
         # (Compared by value: callers often build the same text anew for each call.)
@@ -141,6 +142,8 @@ class MpiCommunicator(HostCommunicator):
             if len(self._folds) >= 256:
                 self._folds.clear()
             fold = self._folds[key] = (fold_code(key), key, what, hint)
+        if also is not None:  # its checksum mixed in; described only on a disagreement
+            fold = (fold[0] ^ ((also[0] & _STEP_MASK) << 32), key, what, hint, also[1])
         return _Folded(self._ch, fold)
 
     def reduce(self, buffers, op):
