@@ -52,7 +52,6 @@ class Metric:
         # must agree on when the result is reduced across workers.
         self._resets = 0
         self._updates = [0]
-        self._describe_counts = self._counts_description
 
     def add_variable(self, name: str) -> Variable:
         """A scalar state variable of zeros: sync-on-read (SUM) under a strategy."""
@@ -161,7 +160,7 @@ class Metric:
         pairs = [(v, None) for v in self._variables]
         # Every worker's resets and updates must agree: that rides with the reduction.
         resets, updates = self._counts()
-        also = ((resets * 0x9E3779B1 + updates) & 0xFFFFFFFF, self._describe_counts)
+        also = ((resets * 0x9E3779B1 + updates) & 0xFFFFFFFF, self._counts_description)
         context.push(owner, None)
         try:
             reduced = owner.extended._batch_reduce(ReduceOp.SUM, pairs, also)

@@ -93,14 +93,9 @@ class Optimizer:
         self._plans: dict = {}
         self._last_plan: StepPlan | None = None
         self._remember_step(0)
-        names = self.agreed_settings
-        self._settings = (operator.attrgetter(*names) if len(names) > 1 else
-                          (lambda _: ()) if not names else
-                          (lambda o, get=operator.attrgetter(names[0]): (get(o),)))
         # (learning rate, settings, their checksum) of the last step, and its step.
         self._agreed = (None, None, 0)
         self._agreed_step = 0
-        self._describe_agreed = self._agreed_description
 
     # --- state ----------------------------------------------------------------------
     @property
@@ -383,13 +378,16 @@ class Optimizer:
         step ``step`` (from 1) with the same learning rate and :attr:`agreed_settings`.
         The checksum of the settings is kept until they change; the step is mixed into
         it with integer arithmetic."""
-        settings = self._settings(self)
+        get = _SETTINGS.get(type(self))
+        if get is None:
+            get = _SETTINGS[type(self)] = _getter(self.agreed_settings)
+        settings = get(self)
         held = self._agreed
         if held[0] != lr or held[1] != settings:
             code = zlib.crc32(repr((type(self).__name__, lr, settings)).encode())
             held = self._agreed = (lr, settings, code)
         self._agreed_step = step
-        return (held[2] + step * 0x9E3779B1) & 0xFFFFFFFF, self._describe_agreed
+        return (held[2] + step * 0x9E3779B1) & 0xFFFFFFFF, self._agreed_description
 
     def _agreed_description(self) -> tuple:
         """The ``(key, what, hint)`` of :meth:`_settings_agreement`'s last step."""
@@ -501,6 +499,20 @@ class Optimizer:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "name")
         return f"{type(self).__name__}({args})"
+
+
+#: Per optimizer class: a function giving the values of its ``agreed_settings``.
+_SETTINGS: dict = {}
+
+
+def _getter(names: tuple):
+    """A function of an object giving the tuple of its attributes ``names`` (in C)."""
+    if len(names) > 1:
+        return operator.attrgetter(*names)
+    if names:
+        one = operator.attrgetter(names[0])
+        return lambda obj: (one(obj),)
+    return lambda obj: ()
 
 
 class _StepArgs:
