@@ -47,11 +47,13 @@ class Metric:
             raise ValueError(f"metric {self.name!r}: dtype must be floating point, got "
                              f"{self.dtype}")
         self._variables: list = []
-        # Resets (and restores) so far, and update_state calls since the last one per
-        # local replica (each replica thread counts in its own slot): what every worker
-        # must agree on when the result is reduced across workers.
+        # Resets (and restores) so far, and cross-replica updates since the last one:
+        # what every worker must agree on when the result is reduced across workers. A
+        # cross-replica update adds its value divided by the number of workers, so
+        # every worker must make it; inside run the replicas may update any number of
+        # times (the result aggregates every update).
         self._resets = 0
-        self._updates = [0]
+        self._cross_updates = 0
 
     def add_variable(self, name: str) -> Variable:
         """A scalar state variable of zeros: sync-on-read (SUM) under a strategy."""
@@ -65,7 +67,6 @@ class Metric:
             v = zeros(strategy, (), self.dtype, full, VariableSynchronization.ON_READ,
                       VariableAggregation.SUM)
         self._variables.append(v)
-        self._updates = [0] * max(len(_components(v)), len(self._updates))
         return v
 
     @property
@@ -84,9 +85,10 @@ class Metric:
 
     def reset_state(self) -> None:
         """Back to zero on every component (no communication). Under several workers
-        every worker must reset (and update) a metric alike: the next cross-replica
-        :meth:`result` raises on every worker, naming each worker's counts, where they
-        did not."""
+        every worker must reset a metric alike (and make the same cross-replica
+        updates): the next cross-replica :meth:`result` raises on every worker, naming
+        each worker's counts, where they did not (the result would mix one worker's new
+        state with another's old one)."""
         for v in self._variables:
             for c in _components(v):
                 c._write("assign", np.zeros((), self.dtype))
@@ -94,19 +96,16 @@ class Metric:
 
     def _restarted(self) -> None:
         self._resets += 1
-        self._updates = [0] * len(self._updates)
-
-    def _counts(self) -> tuple:
-        return self._resets, sum(self._updates)
+        self._cross_updates = 0
 
     def _counts_description(self) -> tuple:
         """The ``(key, what, hint)`` of the counts every worker must share at a read."""
-        resets, updates = self._counts()
-        return ((f"{resets} resets", f"{updates} update_state calls since the last reset"),
-                f"metric {self.name!r} result()",
-                "every worker must update and reset a metric alike between reads of its "
-                "result() (the same number of update_state calls, and reset_state on "
-                "every worker or on none), else the result mixes the workers' states")
+        return ((f"{self._resets} resets", f"{self._cross_updates} cross-replica "
+                 "updates since the last reset"), f"metric {self.name!r} result()",
+                "every worker must call reset_state (or restore the metric) alike, on "
+                "every worker or on none, and make the same update_state calls outside "
+                "strategy.run (each adds its value divided by the number of workers), "
+                "else the result mixes the workers' states")
 
     def __call__(self, *args, **kwargs):
         """``update_state`` then ``result``."""
@@ -122,11 +121,8 @@ class Metric:
         ``run``; in cross-replica context, ``amounts[k] / num_workers`` to the first
         local component (every worker adds, the total grows by the amount once)."""
         strategy, replica_ctx = context.current()
-        index = 0 if replica_ctx is None else replica_ctx.local_index
-        updates = self._updates
-        if index >= len(updates):  # a replica's own slot: no lock between threads
-            updates.extend([0] * (index + 1 - len(updates)))
-        updates[index] += 1
+        if replica_ctx is None:
+            self._cross_updates += 1
         for v, a in zip(self._variables, amounts):
             comps = _components(v)
             target = comps[0]
@@ -158,9 +154,9 @@ class Metric:
         # Cross-replica: every state variable in one fused reduction over all replicas.
         owner = first.distribute_strategy
         pairs = [(v, None) for v in self._variables]
-        # Every worker's resets and updates must agree: that rides with the reduction.
-        resets, updates = self._counts()
-        also = ((resets * 0x9E3779B1 + updates) & 0xFFFFFFFF, self._counts_description)
+        # Every worker's counts must agree: that rides with the reduction.
+        also = ((self._resets * 0x9E3779B1 + self._cross_updates) & 0xFFFFFFFF,
+                self._counts_description)
         context.push(owner, None)
         try:
             reduced = owner.extended._batch_reduce(ReduceOp.SUM, pairs, also)

@@ -1,7 +1,8 @@
 """State that every worker must hold alike and that no shape reveals, under ``mpiexec
 -n 2/3`` (1 or 2 replicas each), with timeouts: an optimizer's learning rate (a
 constant, or a schedule of the step), hyperparameters and ``iterations``, and a metric's
-resets and updates when its result is read. A difference raises the same
+resets and cross-replica updates when its result is
+read. A difference raises the same
 ``StateMismatch`` on every worker, naming each worker's values, and writes nothing;
 agreeing workers go on training."""
 
@@ -137,29 +138,38 @@ s.run(lambda: m.update_state(np.ones(4, np.float32)))
 assert float(m.result()) == 1.0
 if r == last:
     m.reset_state()                       # one worker starts its epoch early
-expect(m.result, rf"metric 'mean' result\(\): the workers disagree: rank 0: \(0 resets, "
-                 rf"{L} update_state calls since the last reset\); .*rank {last}: \(1 resets, "
-                 r"0 update_state calls since the last reset\)\. every worker must update")
+expect(m.result, r"metric 'mean' result\(\): the workers disagree: rank 0: \(0 resets, 0 "
+                 r"cross-replica updates since the last reset\); "
+                 rf".*rank {last}: \(1 resets, 0 cross-replica updates since the last "
+                 r"reset\)\. every worker must call reset_state")
 if r != last:
     m.reset_state()
 s.run(lambda: m.update_state(np.full(4, 1.0 + r, np.float32)))
 want = sum(1.0 + k for k in range(W)) / W
 assert np.isclose(float(m.result()), want), (float(m.result()), want)
-# One more update on one worker (in cross-replica context): an error, then agreement
-# again once every worker has made it.
+# Inside run the workers may update a metric different numbers of times (a loop over
+# the examples of their batches): the result aggregates every update of every worker.
+def updates():
+    for _ in range(r + 1):
+        total.update_state(np.ones(2, np.float32))
+s.run(updates)
+want = 2.0 * L * sum(range(1, W + 1))
+assert float(total.result()) == want, (float(total.result()), want)
+# One more cross-replica update on one worker (it adds its value over the number of
+# workers): an error, then agreement again once every worker has made it.
 if r == 0:
-    total.update_state(np.ones(2, np.float32))
-expect(total.result, rf"rank 0: \(0 resets, 1 update_state calls since the last reset\); "
-                     r"rank 1: \(0 resets, 0 update_state calls")
+    total.update_state(np.full(2, W, np.float32))
+expect(total.result, r"rank 0: \(0 resets, 1 cross-replica updates since the last reset\); "
+                     r"rank 1: \(0 resets, 0 cross-replica updates")
 if r != 0:
-    total.update_state(np.ones(2, np.float32))
-assert float(total.result()) == 2.0
+    total.update_state(np.full(2, W, np.float32))
+assert float(total.result()) == want + 2.0 * W, float(total.result())
 print(f"OK rank {r}", flush=True)
 s.close()
 """
 
 
 @pytest.mark.parametrize("ranks, local", [(2, 2), (3, 1)])
-def test_metrics_reset_or_updated_on_some_workers_raise_at_result(ranks, local):
+def test_metrics_reset_or_updated_across_replicas_on_some_workers_raise_at_result(ranks, local):
     # A reset on one worker used to give a result that mixed the others' old totals in.
     assert_mpi_ok(ranks, METRICS, timeout=300, args=(local,), expect_lines=ranks)
