@@ -171,8 +171,9 @@ def layout_code(shape, dtype) -> int:
     code = _layout_codes.get(key)
     if code is None:
         code = zlib.crc32(repr(layout(shape, dtype)).encode())
-        if len(_layout_codes) < 4096:
-            _layout_codes[key] = code
+        if len(_layout_codes) >= 4096:  # keys that change every step (a step count)
+            _layout_codes.clear()       # must not keep the loop's own layouts out
+        _layout_codes[key] = code
     return code
 
 
