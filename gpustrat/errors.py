@@ -24,6 +24,13 @@ class LayoutMismatch(CollectiveMismatch, ValueError):
     rank's shape and dtype; a ValueError too, as bad input is."""
 
 
+class StateMismatch(CollectiveMismatch, ValueError):
+    """Workers issued the same collective but hold state that must be the same on every
+    worker and is not (an optimizer's learning rate, hyperparameters or ``iterations``;
+    the resets and updates of a metric being read). Raised on every rank, naming each
+    rank's values; a ValueError too, as bad input is."""
+
+
 class OutOfRangeError(StopIteration):
     """``get_next()`` past the end of a distributed dataset (``tf.errors.OutOfRangeError``).
 

@@ -47,6 +47,13 @@ class Metric:
             raise ValueError(f"metric {self.name!r}: dtype must be floating point, got "
                              f"{self.dtype}")
         self._variables: list = []
+        # Resets (and restores) so far, and cross-replica updates since the last one:
+        # what every worker must agree on when the result is reduced across workers. A
+        # cross-replica update adds its value divided by the number of workers, so
+        # every worker must make it; inside run the replicas may update any number of
+        # times (the result aggregates every update).
+        self._resets = 0
+        self._cross_updates = 0
 
     def add_variable(self, name: str) -> Variable:
         """A scalar state variable of zeros: sync-on-read (SUM) under a strategy."""
@@ -77,10 +84,28 @@ class Metric:
         return self._compute(*self._read())
 
     def reset_state(self) -> None:
-        """Back to zero on every component (no communication)."""
+        """Back to zero on every component (no communication). Under several workers
+        every worker must reset a metric alike (and make the same cross-replica
+        updates): the next cross-replica :meth:`result` raises on every worker, naming
+        each worker's counts, where they did not (the result would mix one worker's new
+        state with another's old one)."""
         for v in self._variables:
             for c in _components(v):
                 c._write("assign", np.zeros((), self.dtype))
+        self._restarted()
+
+    def _restarted(self) -> None:
+        self._resets += 1
+        self._cross_updates = 0
+
+    def _counts_description(self) -> tuple:
+        """The ``(key, what, hint)`` of the counts every worker must share at a read."""
+        return ((f"{self._resets} resets", f"{self._cross_updates} cross-replica "
+                 "updates since the last reset"), f"metric {self.name!r} result()",
+                "every worker must call reset_state (or restore the metric) alike, on "
+                "every worker or on none, and make the same update_state calls outside "
+                "strategy.run (each adds its value divided by the number of workers), "
+                "else the result mixes the workers' states")
 
     def __call__(self, *args, **kwargs):
         """``update_state`` then ``result``."""
@@ -95,20 +120,21 @@ class Metric:
         """Add ``amounts[k]`` to state variable k: the replica's own component inside
         ``run``; in cross-replica context, ``amounts[k] / num_workers`` to the first
         local component (every worker adds, the total grows by the amount once)."""
+        strategy, replica_ctx = context.current()
+        if replica_ctx is None:
+            self._cross_updates += 1
         for v, a in zip(self._variables, amounts):
             comps = _components(v)
             target = comps[0]
             if getattr(v, "_atomic_updates", False):
                 pass  # held on a parameter server, which applies one update at a time
             elif not isinstance(v, DistributedVariable):
-                strategy, replica_ctx = context.current()
                 if replica_ctx is not None and len(strategy.local_devices) > 1:
                     raise ValueError(
                         f"metric {self.name!r} was made outside strategy.scope(), so its "
                         f"state has one copy that {len(strategy.local_devices)} replicas "
                         "would update at once: make the metric inside strategy.scope()")
             else:
-                strategy, replica_ctx = context.current()
                 if strategy is not None and strategy is not v.distribute_strategy:
                     v.value()  # raises the error that names both strategies
                 if replica_ctx is not None:
@@ -128,9 +154,12 @@ class Metric:
         # Cross-replica: every state variable in one fused reduction over all replicas.
         owner = first.distribute_strategy
         pairs = [(v, None) for v in self._variables]
+        # Every worker's counts must agree: that rides with the reduction.
+        also = ((self._resets * 0x9E3779B1 + self._cross_updates) & 0xFFFFFFFF,
+                self._counts_description)
         context.push(owner, None)
         try:
-            reduced = owner.extended.batch_reduce_to(ReduceOp.SUM, pairs)
+            reduced = owner.extended._batch_reduce(ReduceOp.SUM, pairs, also)
         finally:
             context.pop()
         return [r.values[0] if hasattr(r, "values") else r for r in reduced]
@@ -152,6 +181,7 @@ class Metric:
                              "the same metric class")
         for v, value in zip(self._variables, state):
             v.assign(np.asarray(value, self.dtype))
+        self._restarted()
 
     def __repr__(self) -> str:
         return f"<gs.metrics.{type(self).__name__} {self.name!r}>"

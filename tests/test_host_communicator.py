@@ -117,3 +117,21 @@ def test_layout_agreement_over_a_worker_group():
     agree_layout_over(local, (1,), np.int8, "x")
     assert local.duplicate() is local
     comm(2).agree_layout((3,), np.float32, "x")     # the host communicator: a no-op
+
+
+def test_a_second_agreement_joins_the_key_of_a_backend_without_headers():
+    # Backends that agree by a collective of their own (NCCL between workers) check the
+    # second agreement's words with the key, in that one collective.
+    class Recording(HostCommunicator):
+        def agree(self, key, what, hint=""):
+            self.agreed = (key, what, hint)
+
+    c = Recording([Device("cpu", 0)])
+    said = lambda: (("lr=0.1", "iterations=4"), "opt", "use one rate")   # noqa: E731
+    with c.agreeing(("a:3:float32",), "fused(SUM)", "same values", also=(5, said)):
+        pass
+    assert c.agreed == (("a:3:float32", "opt: lr=0.1", "opt: iterations=4"), "fused(SUM)",
+                        "same values; use one rate")
+    with c.agreeing(("a:3:float32",), "fused(SUM)", "same values"):
+        pass
+    assert c.agreed == (("a:3:float32",), "fused(SUM)", "same values")

@@ -122,7 +122,7 @@ class Communicator(abc.ABC):
         """
         self.agree_layout(key, np.uint8, what, hint)
 
-    def agreeing(self, key: tuple, what, hint: str = ""):
+    def agreeing(self, key: tuple, what, hint: str = "", also=None):
         """:meth:`agree` on ``key``, as a context manager around the collectives it guards:
         ``with comm.agreeing(key, what): comm.all_reduce_inplace(...)``.
 
@@ -131,7 +131,19 @@ class Communicator(abc.ABC):
         its own; a disagreement still raises on every worker before any data moves.
         Elsewhere it is :meth:`agree`, on entry. Every worker must issue the same first
         collective inside the ``with``.
+
+        ``also``: a second agreement that rides with the first, on state that changes
+        from call to call (an optimizer's step count): ``(code, describe)``, where
+        ``code`` is a 32-bit checksum the caller keeps (so that nothing is hashed anew
+        each call) and ``describe()`` gives its ``(key, what, hint)``, called only to
+        explain a disagreement (over MPI) or for a backend's own collective. Workers
+        whose keys agree but whose ``also`` do not raise
+        :class:`~gpustrat.errors.StateMismatch` with ``describe()``'s words.
         """
+        if also is not None:
+            extra, extra_what, extra_hint = also[1]()
+            key = tuple(key) + tuple(f"{extra_what}: {k}" for k in extra)
+            hint = f"{hint}; {extra_hint}" if hint else extra_hint
         self.agree(key, what, hint)
         return _NOTHING
 
@@ -168,8 +180,9 @@ def layout_code(shape, dtype) -> int:
     code = _layout_codes.get(key)
     if code is None:
         code = zlib.crc32(repr(layout(shape, dtype)).encode())
-        if len(_layout_codes) < 4096:
-            _layout_codes[key] = code
+        if len(_layout_codes) >= 4096:  # keys that change every step (a step count)
+            _layout_codes.clear()       # must not keep the loop's own layouts out
+        _layout_codes[key] = code
     return code
 
 

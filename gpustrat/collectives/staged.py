@@ -65,9 +65,9 @@ class StagedCommunicator(Communicator):
     def agree(self, key, what, hint=""):
         self.host.agree(key, what, hint)
 
-    def agreeing(self, key, what, hint=""):
+    def agreeing(self, key, what, hint="", also=None):
         # The host collective of the staged call made inside carries it.
-        return self.host.agreeing(key, what, hint)
+        return self.host.agreeing(key, what, hint, also)
 
     def reduce(self, buffers, op):
         return to_device(self.host.reduce(self._down(buffers), op), self.devices[0])

@@ -13,8 +13,11 @@ Words:
         ``.gpustrat-cache`` while the first pass runs (into a temporary file, renamed
         when the pass completes). Once the file exists, every iteration of any dataset
         caching to that name, in any process, reads it instead of its input; delete the
-        file to refill it. While a pass writes, a lock file (``.lock``) makes a second
-        writer fail with a clear error instead of mixing two writes. The format is
+        file to refill it. While a pass writes, a lock file (``.lock``, naming the
+        writer's process and host, under an ``flock`` the system drops when that
+        process ends) makes a second writer fail with a clear error instead of mixing
+        two writes; a lock left by a process that died mid-pass is taken over, with a
+        warning. The format is
         gpustrat's own (not TensorFlow's); strings, arrays of any dtype and shape and
         nested elements round-trip exactly.
 """
@@ -31,6 +34,7 @@ import numpy as np
 
 from gpustrat import devices, nest
 from gpustrat.data import structure as st
+from gpustrat.data.cache_lock import remove as _remove, take_lock
 from gpustrat.data.dataset import Dataset
 from gpustrat.data.iterator_state import ListIterator, StateIterator, same_state
 from gpustrat.data.unary import UnaryDataset, _close
@@ -149,23 +153,20 @@ class _FileWriter:
             raise FileNotFoundError(f"cache: the folder {folder!r} of the cache file "
                                     f"{path!r} does not exist; create it first")
         self._path, self._lock = path, path + ".lock"
-        try:
-            fd = os.open(self._lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            raise FileExistsError(
-                f"cache: another iterator is writing the cache {path!r} (its lock file "
-                f"{self._lock!r} exists). Two passes cannot fill one cache file at once: "
-                "give each process or iterator its own filename; if no writer is running, "
-                "delete the lock file") from None
-        os.write(fd, f"pid {os.getpid()}\n".encode())
-        os.close(fd)
+        self._held = take_lock(self._lock, path)
         self._tmp = f"{path}.tmp-{os.getpid()}-{token}"
         try:
             self._out = open(self._tmp, "wb")
             self._out.write(_MAGIC)
         except BaseException:
-            _remove(self._lock)
+            self._release()
             raise
+
+    def _release(self) -> None:
+        # Removed while still held, so that a process waiting on the old file sees
+        # that it was replaced (see cache_lock.take_lock).
+        _remove(self._lock)
+        self._held.close()
 
     def write(self, element: Any) -> None:
         _write_element(self._out, element)
@@ -175,21 +176,14 @@ class _FileWriter:
         self._out.write(_END)
         self._out.close()
         os.replace(self._tmp, self._path)
-        _remove(self._lock)
+        self._release()
 
     def abort(self) -> None:
         """The pass stopped early: nothing is kept."""
         self._out.close()
         _remove(self._tmp)
         log.warning(_PARTIAL, "file")
-        _remove(self._lock)
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
+        self._release()
 
 
 def file_cache_names(dataset: Dataset) -> list[str]:

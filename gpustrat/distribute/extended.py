@@ -108,11 +108,18 @@ class StrategyExtended:
             ValueError: values whose shape or dtype differ between replicas or
                 workers (on every worker).
         """
+        return self._batch_reduce(reduce_op, value_destination_pairs)
+
+    def _batch_reduce(self, reduce_op, value_destination_pairs: Sequence,
+                      also=None) -> list:
+        """:meth:`batch_reduce_to`; ``also`` rides with its agreement (see
+        ``Communicator.agreeing``)."""
         op = ReduceOp.from_value(reduce_op)
         ctx = self._replica_context()
         if ctx is not None:
-            return ctx.merge_call(lambda s, pairs: s.extended.batch_reduce_to(op, pairs),
-                                  args=(list(value_destination_pairs),))
+            return ctx.merge_call(
+                lambda s, pairs: s.extended._batch_reduce(op, pairs, also),
+                args=(list(value_destination_pairs),))
         strategy = self._strategy
         devices = strategy.local_devices
         on_host = not any(d.is_gpu for d in devices)
@@ -140,7 +147,7 @@ class StrategyExtended:
         comm = strategy.communicator
         if len(tensors) == 1:
             agree = agreement(strategy, describe_layouts(tensors), what)
-            with comm.agreeing(*agree) if agree else _NOTHING:
+            with comm.agreeing(*agree, also) if agree else _NOTHING:
                 out = [comm.all_reduce(tensors[0], op)]
         else:
             # Checked and planned once, for the agreement and the fusion both.
@@ -148,7 +155,7 @@ class StrategyExtended:
             if layout.described is None:
                 layout.described = _describe(tensors)
             agree = agreement(strategy, layout.described, what)
-            with comm.agreeing(*agree) if agree else _NOTHING:
+            with comm.agreeing(*agree, also) if agree else _NOTHING:
                 if single:
                     return fused_all_reduce_single(comm, tensors, op, layout=layout)
                 out = fused_all_reduce(comm, tensors, op, layout=layout)

@@ -15,6 +15,8 @@ class Adam(Optimizer):
     (AMSGrad: ``v`` replaced by its running maximum).
     """
 
+    agreed_settings = ("beta_1", "beta_2", "epsilon", "amsgrad")
+
     def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999,
                  epsilon: float = 1e-7, amsgrad: bool = False, name: str = "Adam",
                  compression=None):

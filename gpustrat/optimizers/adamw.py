@@ -16,6 +16,8 @@ class AdamW(Adam):
         Other arguments as :class:`Adam`.
     """
 
+    agreed_settings = Adam.agreed_settings + ("weight_decay", "exclude_from_weight_decay")
+
     def __init__(self, learning_rate=0.001, weight_decay: float = 0.004, beta_1=0.9,
                  beta_2=0.999, epsilon=1e-7, amsgrad=False, name: str = "AdamW",
                  compression=None, exclude_from_weight_decay=None):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import zlib
 from itertools import repeat
 from typing import Iterable
 
@@ -71,6 +72,9 @@ class Optimizer:
 
     #: Names of the slots each variable gets.
     slot_names: tuple = ()
+    #: Attributes (hyperparameters) that every worker must set alike, beside the
+    #: learning rate and ``iterations``.
+    agreed_settings: tuple = ()
 
     def __init__(self, learning_rate, name: str, compression=None):
         if not callable(learning_rate):
@@ -89,6 +93,9 @@ class Optimizer:
         self._plans: dict = {}
         self._last_plan: StepPlan | None = None
         self._remember_step(0)
+        # (learning rate, settings, their checksum) of the last step, and its step.
+        self._agreed = (None, None, 0)
+        self._agreed_step = 0
 
     # --- state ----------------------------------------------------------------------
     @property
@@ -325,6 +332,8 @@ class Optimizer:
             if agree is None:
                 agree = plan.agreement = agreement(plan.owner, plan.described,
                                                    f"{type(self).__name__}.apply_gradients")
+            if agree is not None:  # and the learning rate, settings and iterations
+                agree = agree + (self._settings_agreement(lr, step),)
         arenas = plan.buffer_arenas([a.grads for a in per_replica])
         if arenas is not None:
             # The gradients were written into the plan's gradient buffers: reduced in
@@ -363,6 +372,35 @@ class Optimizer:
                   else (self._iterations,)):
             c._write("assign_add", one)
         self._remember_step(step)
+
+    def _settings_agreement(self, lr: float, step: int) -> tuple:
+        """``(code, describe)`` for ``comm.agreeing``'s ``also``: every worker must take
+        step ``step`` (from 1) with the same learning rate and :attr:`agreed_settings`.
+        The checksum of the settings is kept until they change; the step is mixed into
+        it with integer arithmetic."""
+        get = _SETTINGS.get(type(self))
+        if get is None:
+            get = _SETTINGS[type(self)] = _getter(self.agreed_settings)
+        settings = get(self)
+        held = self._agreed
+        if held[0] != lr or held[1] != settings:
+            code = zlib.crc32(repr((type(self).__name__, lr, settings)).encode())
+            held = self._agreed = (lr, settings, code)
+        self._agreed_step = step
+        return (held[2] + step * 0x9E3779B1) & 0xFFFFFFFF, self._agreed_description
+
+    def _agreed_description(self) -> tuple:
+        """The ``(key, what, hint)`` of :meth:`_settings_agreement`'s last step."""
+        lr, settings, _ = self._agreed
+        key = (f"learning_rate={lr!r}",) + tuple(
+            f"{n}={v!r}" for n, v in zip(self.agreed_settings, settings)) + (
+            f"iterations={self._agreed_step - 1}",)
+        return (key, f"{type(self).__name__}.apply_gradients (learning rate, "
+                "hyperparameters and iterations)",
+                "every worker must take each step with the same learning rate, "
+                "hyperparameters and iterations: make the optimizer alike on every worker "
+                "(with a learning rate or schedule that does not depend on the worker) "
+                "and restore every worker from the same checkpoint")
 
     def _plan(self, variables: list) -> StepPlan:
         # Training loops pass the same variables every step: the bookkeeping is done once.
@@ -461,6 +499,20 @@ class Optimizer:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "name")
         return f"{type(self).__name__}({args})"
+
+
+#: Per optimizer class: a function giving the values of its ``agreed_settings``.
+_SETTINGS: dict = {}
+
+
+def _getter(names: tuple):
+    """A function of an object giving the tuple of its attributes ``names`` (in C)."""
+    if len(names) > 1:
+        return operator.attrgetter(*names)
+    if names:
+        one = operator.attrgetter(names[0])
+        return lambda obj: (one(obj),)
+    return lambda obj: ()
 
 
 class _StepArgs:

@@ -16,6 +16,8 @@ class SGD(Optimizer):
         compression: the dtype gradients are reduced in (None, "float16", "bfloat16").
     """
 
+    agreed_settings = ("momentum", "nesterov")
+
     def __init__(self, learning_rate=0.01, momentum: float = 0.0, nesterov: bool = False,
                  name: str = "SGD", compression=None):
         momentum = float(momentum)

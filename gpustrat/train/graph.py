@@ -19,8 +19,10 @@ The graph is walked in order (entries, dict keys and attributes in insertion ord
 sequences by index). An object met again (a variable shared by two layers) or a cycle is
 saved once, under the first key; restoring walks the same way, so the same structure
 gives the same keys. Inside containers and plain objects, values that lead to no savable
-(strings, arrays, functions, numbers) are not part of the graph: a plain object's
-numbers are its own business, as TensorFlow tracks only trackable attributes.
+(strings, arrays, functions, numbers; per-worker iterators of ParameterServerStrategy)
+are not part of the graph: a plain object's numbers are its own business, as
+TensorFlow tracks only trackable attributes. As a ``Checkpoint``'s own entry, an object
+that saves nothing is a TypeError (a class may say why in ``_checkpoint_refused``).
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ def check_entry(name: str, obj) -> None:
     if isinstance(obj, NUMBER_TYPES) or savable_kind(obj) is not None or \
             _is_checkpoint(obj) or isinstance(obj, (dict, list, tuple)) or _plain(obj):
         return
+    refused = getattr(type(obj), "_checkpoint_refused", None)
+    if refused:  # a gpustrat object that explains why it is not saved
+        raise TypeError(f"Checkpoint: cannot save {name}={type(obj).__name__}: {refused}")
     raise TypeError(f"Checkpoint: cannot save {name}={type(obj).__name__}: a checkpoint "
                     "holds gs.Variable, optimizers, metrics, dataset and distributed "
                     "iterators, plain numbers, nested Checkpoints, and dicts, lists, "

@@ -229,6 +229,22 @@ for y in (x, big):
                "rank 1: (a:3:float32, b:3:float32)" in str(e) and "do the same" in str(e), e
     else:
         raise AssertionError("no error")
+# A second agreement (a kept checksum, words only when asked) rides in the same header;
+# where only it differs, every rank raises StateMismatch with its words.
+from gpustrat.errors import StateMismatch
+said = lambda: ((f"lr={0.1 * (1 + (r == 1)):.1f}", "n=3"), "opt", "use one rate")
+before = c._ch.calls
+with c.agreeing(("a:3:float32",), "fused(SUM)", "do the same", also=(7, said)):
+    assert np.array_equal(c.reduce([x], "sum"), np.full(3, total))
+assert c._ch.calls - before == 1
+try:
+    with c.agreeing(("a:3:float32",), "fused(SUM)", "do the same", also=(7 + r, said)):
+        c.reduce([x], "sum")
+except StateMismatch as e:
+    assert "opt: the workers disagree: rank 0: (lr=0.1, n=3); rank 1: (lr=0.2, n=3)" \
+        in str(e) and str(e).endswith("use one rate"), e
+else:
+    raise AssertionError("no error")
 # An error inside the with, before any collective: the agreement is dropped with it.
 try:
     with c.agreeing((f"rank {r}",), "nothing", ""):

@@ -215,6 +215,12 @@ def dataset_fn():
     x = np.random.default_rng(5).normal(size=(256, 8)).astype(np.float32)
     return gs.data.Dataset.from_tensor_slices((x, x @ TRUE_W + 0.5)).repeat().batch(32)
 it = iter(coord.create_per_worker_dataset(dataset_fn))
+try:  # per-worker iterators are not saved (as in TensorFlow): a clear error
+    gs.train.Checkpoint(w=w, it=it)
+except TypeError as e:
+    assert "per-worker values and iterators are not saved" in str(e), e
+else:
+    raise AssertionError("a Checkpoint took a per-worker iterator")
 
 def step(iterator):
     x, y = next(iterator)

@@ -282,3 +282,29 @@ def test_the_pipe_moves_headers_and_large_arrays_in_pieces():
     with pytest.raises(EOFError):
         b.recv()
     b.close()
+
+
+def test_a_checkpoint_refuses_per_worker_iterators_and_skips_them_when_held(tmp_path):
+    # TensorFlow 2.21: tf.train.Checkpoint(it=<PerWorkerDistributedIterator>) raises
+    # ("expecting a trackable object"), and a module attribute holding one is not saved.
+    from gpustrat.distribute.parameter_server.values import (PerWorkerDataset,
+                                                             PerWorkerIterator,
+                                                             PerWorkerValues)
+    it = PerWorkerIterator(PerWorkerValues([1, 2]))
+    for name, value in (("it", it), ("values", PerWorkerValues([1, 2])),
+                        ("ds", PerWorkerDataset(None, PerWorkerValues([1, 2])))):
+        with pytest.raises(TypeError, match=rf"cannot save {name}={type(value).__name__}: "
+                           r"per-worker values and iterators are not saved in checkpoints "
+                           r"under ParameterServerStrategy.*starts from its beginning"):
+            gs.train.Checkpoint(**{name: value})
+
+    class Trainer:
+        def __init__(self):
+            self.w = gs.Variable(np.arange(3.0, dtype=np.float32), name="w")
+            self.iterator = it
+
+    trainer = Trainer()
+    path = gs.train.Checkpoint(trainer=trainer).save(str(tmp_path / "c"))
+    trainer.w.assign(np.zeros(3, np.float32))
+    gs.train.Checkpoint(trainer=trainer).restore(path).assert_consumed()
+    assert trainer.w.numpy().tolist() == [0.0, 1.0, 2.0] and trainer.iterator is it

@@ -136,7 +136,7 @@ class MpiCommunicator(HostCommunicator):
         finally:
             ch.pending = saved
 
-    def agreeing(self, key, what, hint=""):
+    def agreeing(self, key, what, hint="", also=None):
         # Rides in the header of the first collective inside: no collective of its own.
         fold = self._folds.get(key)
         # (Compared by value: callers often build the same text anew for each call.)
@@ -144,6 +144,8 @@ class MpiCommunicator(HostCommunicator):
             if len(self._folds) >= 256:
                 self._folds.clear()
             fold = self._folds[key] = (fold_code(key), key, what, hint)
+        if also is not None:  # its checksum mixed in; described only on a disagreement
+            fold = (fold[0] ^ ((also[0] & _STEP_MASK) << 32), key, what, hint, also[1])
         return _Folded(self._ch, fold)
 
     def reduce(self, buffers, op):

@@ -15,7 +15,7 @@ import numpy as np
 from gpustrat.collectives.mpi import waits as _waits
 from gpustrat.collectives.mpi.waits import (ENV_DEBUG, ENV_INPUT_STEPS, _describe, _shown,
                                             debug_from_env, mpi, timeout_from_env, wait)
-from gpustrat.errors import CollectiveMismatch, LayoutMismatch
+from gpustrat.errors import CollectiveMismatch, LayoutMismatch, StateMismatch
 
 # --- the header every collective starts with ----------------------------------------
 
@@ -140,8 +140,10 @@ class _Channel:
         self.exits = exits
         # (what, hint, shape shown) of the next collective, for its layout error.
         self.pending = None
-        # (fold_code(key), key, what, hint): an agreement that rides in the next
-        # header (slot 1's high half), so that it costs no collective of its own.
+        # (fold_code(key), key, what, hint[, describe]): an agreement that rides in the
+        # next header (slot 1's high half), so that it costs no collective of its own;
+        # ``describe()`` gives the (key, what, hint) of a second agreement whose
+        # checksum is mixed into the code (MpiCommunicator.agreeing's ``also``).
         self.fold = None
         # The worker group whose input_steps every header carries (data channels), or
         # None (control channels: the end-of-data agreement runs inside next()).
@@ -236,7 +238,8 @@ class _Channel:
         mine = (kind, what, None if shape is None else _shown(shape),
                 None if dtype is None else str(dtype), public, site,
                 None if fold is None else
-                (fold[1], fold[2]() if callable(fold[2]) else fold[2], fold[3]))
+                (fold[1], fold[2]() if callable(fold[2]) else fold[2], fold[3],
+                 fold[4]() if len(fold) > 4 else None))
         gathered = self.allgather_raw(mine, "describing collectives that disagree")
         infos = [info[:6] for info in gathered]
         folds = [info[6] for info in gathered]
@@ -274,6 +277,9 @@ class _Channel:
         keys = [None if f is None else f[0] for f in folds]
         if any(k != keys[0] for k in keys):
             raise LayoutMismatch(_fold_message(folds))
+        alsos = [None if f is None else f[3] for f in folds]
+        if any(a != alsos[0] for a in alsos):  # the same values, other state
+            raise StateMismatch(_fold_message(alsos))
         layouts = [(s, d) for _, _, s, d, _, _ in infos]
         parts = "; ".join(f"rank {r}: {s} {d}" for r, (s, d) in enumerate(layouts))
         if kind.startswith("all_gather"):

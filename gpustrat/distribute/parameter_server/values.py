@@ -111,6 +111,14 @@ class PerWorkerValues:
         TypeError: a value cannot be sent to a worker.
     """
 
+    #: Why a ``gs.train.Checkpoint`` refuses it as an entry (see graph.check_entry).
+    _checkpoint_refused = (
+        "per-worker values and iterators are not saved in checkpoints under "
+        "ParameterServerStrategy (as in TensorFlow): a restored job makes them again and "
+        "each worker's dataset starts from its beginning. Leave it out of the "
+        "Checkpoint; to go on part-way through the data, save a number (such as the "
+        "step count, optimizer.iterations) and let dataset_fn skip or reseed from it")
+
     def __init__(self, values):
         if isinstance(values, PerWorkerValues):
             values = values._values
@@ -189,6 +197,8 @@ class PerWorkerDataset:
     """A dataset made on every worker (``create_per_worker_dataset``); ``iter()`` gives
     a :class:`PerWorkerIterator`. ``values`` is the :class:`PerWorkerValues` of the
     workers' datasets."""
+
+    _checkpoint_refused = PerWorkerValues._checkpoint_refused
 
     def __init__(self, coordinator, values: PerWorkerValues):
         self._coordinator = coordinator
