@@ -23,6 +23,7 @@ answer within ``GPUSTRAT_TIMEOUT`` seconds raises :class:`ServerLostError`.
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 import threading
 import time
@@ -74,9 +75,11 @@ class ServerLostError(RuntimeError):
 
 class Backoff:
     """Waiting in polling loops: spin for ``spin_s`` (an answer expected within
-    microseconds must not wait for a time slice), then sleep, from 10 us doubling up to
-    1 ms, so that a waiting process gives its core to those that compute (MPI's own
-    blocking waits spin; Python's sleep releases the core). ``__call__(wait)`` sleeps
+    microseconds must not wait for a time slice), yielding the core at each poll to any
+    process that is ready to run on it (``sched_yield``: on an idle core the spin goes
+    on at once, on a busy one the computing process goes first), then sleep, from 10 us
+    doubling up to 1 ms, so that a waiting process gives its core to those that compute
+    (MPI's own blocking waits spin; Python's sleep releases the core). ``__call__(wait)`` sleeps
     in ``wait(seconds)`` instead: a doorbell's ``sleep`` (see :mod:`.doorbell`), which
     returns True as soon as it is rung, and the wait spins again. ``cap`` is the
     longest sleep; ``rung``: every sender of what is waited for rings the doorbell
@@ -103,6 +106,7 @@ class Backoff:
             self.since = now
             return
         if now - self.since < self.spin_s:
+            _yield()
             return
         if not getattr(_slack, "done", False):
             _fine_timers()
@@ -113,6 +117,9 @@ class Backoff:
             self.reset()
             return
         self.delay = min(2 * self.delay, self.cap)
+
+
+_yield = getattr(os, "sched_yield", lambda: None)
 
 
 class Orphaned(Exception):
@@ -221,10 +228,12 @@ class Channel:
 
     def recv_into(self, source: int, data_tag: int, arrays: list,
                   sleep_slot: int = doorbell.REPLIES) -> None:
-        """Receive the arrays that follow a header into ``arrays`` (C-contiguous)."""
+        """Receive the arrays that follow a header into ``arrays`` (C-contiguous): they
+        are on their way, so the wait polls about as long as the bytes take to move."""
         comm = self.comm
         self.wait([comm.Irecv(wire.raw(a), source=source, tag=data_tag) for a in arrays],
-                  source, "receiving from it", sleep_slot)
+                  source, "receiving from it", sleep_slot,
+                  spin_s=50e-6 + sum(a.nbytes for a in arrays) / 1e9)
 
     def wait(self, requests: list, peer: int, what: str,
              sleep_slot: int = doorbell.REPLIES, spin_s: float = 50e-6) -> None:

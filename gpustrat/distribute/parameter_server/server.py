@@ -21,6 +21,10 @@ from gpustrat.distribute.parameter_server.channel import (ERR_OFFSET, FAST_OPS, 
                                                            Channel)
 
 
+#: How long a server polls for the next request before it sleeps.
+LINGER_S = 300e-6
+
+
 class _Var:
     __slots__ = ("array", "name")
 
@@ -49,7 +53,10 @@ class Server:
 
     def serve(self, watch=None) -> None:
         comm = self.ch.comm
-        backoff = self.ch.backoff()
+        # After a request, poll a while before sleeping: a caller's next request comes
+        # within microseconds when it reads or updates in a loop, and waking a sleeping
+        # rank costs more than the transfer of a MiB (the polls yield a busy core).
+        backoff = self.ch.backoff(LINGER_S)
         sleep = self.ch.sleeper()  # every request rings this rank's doorbell
         any_source, any_tag = _any_source(), _any_tag()
         status = _status()
@@ -119,8 +126,10 @@ class Server:
             if code == 0:
                 sent = comm.Isend(wire.raw(var.array), dest=source, tag=tag)
                 self.ch.ring(source)
-                # Until the reader has the bytes, no update may change them.
-                self.ch.wait([sent], source, f"sending variable {var.name!r} to it")
+                # Until the reader has the bytes, no update may change them. Polled
+                # about as long as the bytes take to move (the reader is receiving).
+                self.ch.wait([sent], source, f"sending variable {var.name!r} to it",
+                             spin_s=50e-6 + var.array.nbytes / 1e9)
                 return
             a = var.array
             if nbytes != a.nbytes:

@@ -1,0 +1,204 @@
+"""The pipe between a worker rank and its function process: a local socket for the
+headers and a shared-memory arena per direction for the arrays.
+
+A message is an 8-byte length, then the pickled ``(header, array layouts, where the
+arrays are, how many arena messages of the other end this end has taken)``. Its arrays
+travel one of two ways:
+
+- through the sender's *arena* (a ``memfd`` mapped by both processes): the sender
+  copies each array in, the receiver copies it out into a new array, one ``memcpy``
+  each way and no system call for the bytes. The arena grows (a new ``memfd``, passed
+  with the message as ``SCM_RIGHTS``) when a message needs more, up to
+  :data:`ARENA_LIMIT`;
+- or after the header on the socket, sent in one ``sendmsg`` from the arrays' own
+  memory and received with ``recv_into`` straight into the new arrays (the kernel's
+  two copies): for messages larger than the arena may grow, where ``memfd`` is
+  missing, and whenever the other end has not yet taken the previous arena message.
+
+Every message says how many arena messages its sender has taken, so an end writes
+its arena again only after the other end has copied the previous contents out: an
+arena is never overwritten while it is read, whatever order the messages go in.
+"""
+
+from __future__ import annotations
+
+import array
+import mmap
+import os
+import pickle
+import socket
+import struct
+
+import numpy as np
+
+from gpustrat.distribute.parameter_server.wire import empty_like_metas, metas, raw
+
+_LENGTH = struct.Struct("<Q")
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
+#: The largest arena (bytes); larger messages take the socket.
+ARENA_LIMIT = 256 << 20
+_ARENA_MIN = 1 << 20
+_ALIGN = 64
+
+
+def _offsets(arrays: list) -> tuple[list, int]:
+    """Where each array starts in an arena (64-byte aligned), and the bytes in all."""
+    out, at = [], 0
+    for a in arrays:
+        out.append(at)
+        at += -(-a.nbytes // _ALIGN) * _ALIGN
+    return out, at
+
+
+def _layout_offsets(ms: list) -> list:
+    out, at = [], 0
+    for dt, shape in ms:
+        out.append(at)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+        at += -(-nbytes // _ALIGN) * _ALIGN
+    return out
+
+
+class Pipe:
+    """One end of the pipe (see the module docstring); ``shared=False`` sends every
+    array on the socket."""
+
+    def __init__(self, sock: socket.socket, shared: bool = True):
+        self.sock = sock
+        self.shared = shared and hasattr(os, "memfd_create")
+        self._out = None  # this end's arena (mmap) and its size
+        self._out_size = 0
+        self._in = None  # the other end's arena, as this end maps it
+        self._sent = 0  # arena messages sent
+        self._acked = 0  # of those, how many the other end has taken
+        self._taken = 0  # arena messages of the other end taken here
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        self.sock.close()
+        for m in (self._out, self._in):
+            if m is not None:
+                m.close()
+        self._out = self._in = None
+
+    # --- sending ------------------------------------------------------------------
+    def send(self, header, arrays=()) -> None:
+        arrays = [a for a in arrays]
+        offsets, total = _offsets(arrays)
+        fds = []
+        in_arena = (self.shared and total > 0 and total <= ARENA_LIMIT
+                    and self._acked == self._sent)
+        if in_arena:
+            fd = self._reserve(total)
+            if fd is not None:
+                fds.append(fd)
+            view = memoryview(self._out)
+            for a, at in zip(arrays, offsets):
+                if a.nbytes:
+                    view[at:at + a.nbytes] = raw(a)
+            view.release()
+            self._sent += 1
+        blob = pickle.dumps((header, metas(arrays), in_arena, self._taken),
+                            protocol=_PROTOCOL)
+        parts = [memoryview(_LENGTH.pack(len(blob))), memoryview(blob)]
+        if not in_arena:
+            parts += [raw(a) for a in arrays if a.nbytes]
+        try:
+            self._sendmsg(parts, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _reserve(self, nbytes: int):
+        """Make this end's arena hold ``nbytes``; the new arena's file descriptor when
+        it had to grow (it travels with the message), else None."""
+        if nbytes <= self._out_size:
+            return None
+        size = max(nbytes, 2 * self._out_size, _ARENA_MIN)
+        size = min(-(-size // mmap.PAGESIZE) * mmap.PAGESIZE,
+                   max(ARENA_LIMIT, nbytes))
+        fd = os.memfd_create("gpustrat-pipe", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            arena = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        if self._out is not None:
+            self._out.close()
+        self._out, self._out_size = arena, size
+        return fd
+
+    def _sendmsg(self, parts: list, fds: list) -> None:
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        while parts:
+            sent = self.sock.sendmsg(parts, anc)
+            anc = []  # the descriptors went with the first bytes
+            while parts and sent >= len(parts[0]):
+                sent -= len(parts[0])
+                parts.pop(0)
+            if parts and sent:
+                parts[0] = parts[0][sent:]
+
+    # --- receiving ----------------------------------------------------------------
+    def recv(self):
+        """``(header, arrays)``; ``EOFError`` when the other end is gone."""
+        (n,) = _LENGTH.unpack(self._first(_LENGTH.size))
+        header, ms, in_arena, taken = pickle.loads(self._exact(n))
+        self._acked = taken
+        arrays = empty_like_metas(ms)
+        if in_arena:
+            view = memoryview(self._in)
+            for a, at in zip(arrays, _layout_offsets(ms)):
+                if a.nbytes:
+                    memoryview(a).cast("B")[:] = view[at:at + a.nbytes]
+            view.release()
+            self._taken += 1
+        else:
+            for a in arrays:
+                if a.nbytes:
+                    self._into(memoryview(a).cast("B"))
+        return header, arrays
+
+    def _first(self, n: int) -> bytearray:
+        """The first ``n`` bytes of a message, and the arena that comes with it."""
+        buf = bytearray(n)
+        view = memoryview(buf)
+        k, anc, _, _ = self.sock.recvmsg_into([view], socket.CMSG_SPACE(4 * 4))
+        fds = []
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds += array.array("i", data[:len(data) - len(data) % 4]).tolist()
+        for fd in fds[:-1]:
+            os.close(fd)
+        if fds:
+            self._map(fds[-1])
+        if k == 0:
+            raise EOFError("the other end of the pipe closed it")
+        if k < n:
+            self._into(view[k:])
+        return buf
+
+    def _map(self, fd: int) -> None:
+        try:
+            arena = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        if self._in is not None:
+            self._in.close()
+        self._in = arena
+
+    def _exact(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        self._into(memoryview(buf))
+        return buf
+
+    def _into(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            k = self.sock.recv_into(view[got:])
+            if k == 0:
+                raise EOFError("the other end of the pipe closed it")
+            got += k
