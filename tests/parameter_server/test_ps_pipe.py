@@ -102,3 +102,38 @@ def test_messages_larger_than_the_arena_limit_take_the_socket(monkeypatch):
     finally:
         a.close()
         b.close()
+
+
+def test_arrays_placed_in_the_arena_travel_without_a_copy_and_views_stay_until_a_reply():
+    a, b = _pair()
+    try:
+        # An answer filled where the arena carries it (as a worker rank receives a
+        # variable's bytes from MPI), first growing the arena.
+        into = a.placed([("<f4", (600, 1000)), ("<i8", ())])
+        assert into is not None and a._new_fd is not None
+        into[0][...] = 3.0
+        into[1][...] = 7
+        a.send(("ans",), into)
+        (_,), (x, n) = b.recv()
+        assert np.all(x == 3.0) and x.shape == (600, 1000) and n == 7
+        # Views of the other end's arena (a request's arrays on their way to a server)
+        # hold until this end answers; the other end then writes the arena again.
+        b.send(("req",), [np.arange(10.0)])
+        (_,), (view,) = a.recv(views=True)
+        assert np.array_equal(view, np.arange(10.0))
+        assert b.placed([("<f8", (10,))]) is None  # not taken back yet
+        a.send(("done",))
+        b.recv()
+        again = b.placed([("<f8", (10,))])
+        assert again is not None
+        again[0][...] = 5.0  # the same memory: the view was good only until the answer
+        assert np.all(view == 5.0)
+        # Until the other end has taken a message, nothing is placed: the caller's own
+        # arrays then take the socket.
+        a.send(("one",), [np.ones(4)])
+        assert a.placed([("<f8", (4,))]) is None
+        a.send(("two",), [np.full(4, 2.0)])
+        assert np.all(b.recv()[1][0] == 1.0) and np.all(b.recv()[1][0] == 2.0)
+    finally:
+        a.close()
+        b.close()

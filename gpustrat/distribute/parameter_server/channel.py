@@ -122,6 +122,12 @@ class Backoff:
 _yield = getattr(os, "sched_yield", lambda: None)
 
 
+def transfer_spin(nbytes: int) -> float:
+    """How long a wait for ``nbytes`` on their way polls before it sleeps: about as
+    long as they take to move within a machine."""
+    return 50e-6 + nbytes / 4e9
+
+
 class Orphaned(Exception):
     """The coordinator's process ended without stopping this rank."""
 
@@ -233,7 +239,7 @@ class Channel:
         comm = self.comm
         self.wait([comm.Irecv(wire.raw(a), source=source, tag=data_tag) for a in arrays],
                   source, "receiving from it", sleep_slot,
-                  spin_s=50e-6 + sum(a.nbytes for a in arrays) / 1e9)
+                  spin_s=transfer_spin(sum(a.nbytes for a in arrays)))
 
     def wait(self, requests: list, peer: int, what: str,
              sleep_slot: int = doorbell.REPLIES, spin_s: float = 50e-6) -> None:
@@ -285,12 +291,13 @@ class Channel:
                     "from a checkpoint")
             backoff(sleep)
 
-    def request(self, server: int, op: str, args: tuple = (), arrays=()):
-        """Ask server ``server`` (its index) to do ``op``; returns (payload, arrays)."""
+    def request(self, server: int, op: str, args: tuple = (), arrays=(), into=None):
+        """Ask server ``server`` (its index) to do ``op``; returns (payload, arrays).
+        A read (``args``: variable id, shape, dtype) lands in ``into`` when given."""
         code = FAST_CODES.get(op)
         if code == 0 and len(args) == 3 and not arrays:
             vid, shape, dtype = args
-            out = np.empty(shape, np.dtype(dtype))
+            out = np.empty(shape, np.dtype(dtype)) if into is None else into
             self._fast(server, code, vid, None, out, op)
             return None, [out]
         if code and len(args) == 1 and len(arrays) == 1:
@@ -325,7 +332,7 @@ class Channel:
         if test(pending):
             return
         # Spin about as long as the bytes take to move, then sleep (see Backoff).
-        backoff = self.backoff(50e-6 + (nbytes + answer.nbytes) / 4e9)
+        backoff = self.backoff(transfer_spin(nbytes + answer.nbytes))
         sleep = self.sleeper()
         deadline = time.monotonic() + self.timeout
         polls = 0

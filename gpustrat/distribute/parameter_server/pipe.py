@@ -41,6 +41,13 @@ _ARENA_MIN = 1 << 20
 _ALIGN = 64
 
 
+class _Layout:
+    """An array's size, for :func:`_offsets` before the array exists."""
+
+    def __init__(self, dtype, shape):
+        self.nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
 def _offsets(arrays: list) -> tuple[list, int]:
     """Where each array starts in an arena (64-byte aligned), and the bytes in all."""
     out, at = [], 0
@@ -51,12 +58,8 @@ def _offsets(arrays: list) -> tuple[list, int]:
 
 
 def _layout_offsets(ms: list) -> list:
-    out, at = [], 0
-    for dt, shape in ms:
-        out.append(at)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
-        at += -(-nbytes // _ALIGN) * _ALIGN
-    return out
+    """:func:`_offsets` of arrays described by their layouts."""
+    return _offsets([_Layout(dt, shape) for dt, shape in ms])[0]
 
 
 class Pipe:
@@ -66,8 +69,10 @@ class Pipe:
     def __init__(self, sock: socket.socket, shared: bool = True):
         self.sock = sock
         self.shared = shared and hasattr(os, "memfd_create")
-        self._out = None  # this end's arena (mmap) and its size
+        self._out = None  # this end's arena (mmap), its size and address
         self._out_size = 0
+        self._out_address = 0
+        self._new_fd = None  # a new arena's descriptor, for the next message
         self._in = None  # the other end's arena, as this end maps it
         self._sent = 0  # arena messages sent
         self._acked = 0  # of those, how many the other end has taken
@@ -78,28 +83,28 @@ class Pipe:
 
     def close(self) -> None:
         self.sock.close()
-        for m in (self._out, self._in):
-            if m is not None:
-                m.close()
+        if self._new_fd is not None:
+            os.close(self._new_fd)
+            self._new_fd = None
+        # The arenas are unmapped when the last array viewing them goes.
         self._out = self._in = None
 
     # --- sending ------------------------------------------------------------------
     def send(self, header, arrays=()) -> None:
-        arrays = [a for a in arrays]
+        """Send ``header`` (picklable) and ``arrays`` (C-contiguous). Arrays that
+        :meth:`placed` gave, already where the arena holds them, are not copied."""
+        arrays = [np.asarray(a) for a in arrays]
         offsets, total = _offsets(arrays)
-        fds = []
-        in_arena = (self.shared and total > 0 and total <= ARENA_LIMIT
-                    and self._acked == self._sent)
+        in_arena = self._arena_free(total) and self._reserve(total)
         if in_arena:
-            fd = self._reserve(total)
-            if fd is not None:
-                fds.append(fd)
             view = memoryview(self._out)
             for a, at in zip(arrays, offsets):
-                if a.nbytes:
+                if a.nbytes and a.ctypes.data != self._out_address + at:
                     view[at:at + a.nbytes] = raw(a)
             view.release()
             self._sent += 1
+        fds = [self._new_fd] if self._new_fd is not None else []
+        self._new_fd = None
         blob = pickle.dumps((header, metas(arrays), in_arena, self._taken),
                             protocol=_PROTOCOL)
         parts = [memoryview(_LENGTH.pack(len(blob))), memoryview(blob)]
@@ -111,25 +116,48 @@ class Pipe:
             for fd in fds:
                 os.close(fd)
 
-    def _reserve(self, nbytes: int):
-        """Make this end's arena hold ``nbytes``; the new arena's file descriptor when
-        it had to grow (it travels with the message), else None."""
-        if nbytes <= self._out_size:
+    def placed(self, layouts: list):
+        """New arrays of ``layouts`` (``(dtype, shape)`` pairs) where this end's next
+        message will carry them in its arena, for the caller to fill and then
+        :meth:`send` without a copy; None when that message cannot use the arena (the
+        caller makes its own arrays)."""
+        offsets, total = _offsets([_Layout(dt, shape) for dt, shape in layouts])
+        if not (self._arena_free(total) and self._reserve(total)):
             return None
+        return [np.frombuffer(self._out, np.dtype(dt), int(np.prod(shape, dtype=np.int64)),
+                              at).reshape(shape) for (dt, shape), at in zip(layouts, offsets)]
+
+    def _arena_free(self, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` of arrays may go through this end's arena:
+        some bytes, not too many, and the other end has taken the last one."""
+        return (self.shared and 0 < nbytes <= ARENA_LIMIT
+                and self._acked == self._sent)
+
+    def _reserve(self, nbytes: int) -> bool:
+        """Make this end's arena hold ``nbytes`` (a new, larger arena when it must grow:
+        its descriptor goes with the next message); False where no arena can be made."""
+        if nbytes <= self._out_size:
+            return True
         size = max(nbytes, 2 * self._out_size, _ARENA_MIN)
         size = min(-(-size // mmap.PAGESIZE) * mmap.PAGESIZE,
                    max(ARENA_LIMIT, nbytes))
-        fd = os.memfd_create("gpustrat-pipe", os.MFD_CLOEXEC)
+        try:
+            fd = os.memfd_create("gpustrat-pipe", os.MFD_CLOEXEC)
+        except OSError:
+            self.shared = False
+            return False
         try:
             os.ftruncate(fd, size)
             arena = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
             raise
-        if self._out is not None:
-            self._out.close()
-        self._out, self._out_size = arena, size
-        return fd
+        if self._new_fd is not None:
+            os.close(self._new_fd)
+        # The old arena is unmapped when the last array viewing it goes.
+        self._out, self._out_size, self._new_fd = arena, size, fd
+        self._out_address = np.frombuffer(arena, np.uint8, 1).ctypes.data
+        return True
 
     def _sendmsg(self, parts: list, fds: list) -> None:
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
@@ -143,11 +171,20 @@ class Pipe:
                 parts[0] = parts[0][sent:]
 
     # --- receiving ----------------------------------------------------------------
-    def recv(self):
-        """``(header, arrays)``; ``EOFError`` when the other end is gone."""
+    def recv(self, views: bool = False):
+        """``(header, arrays)``; ``EOFError`` when the other end is gone. With
+        ``views``, arrays that came through the arena are views of it instead of
+        copies: valid only until this end sends its next message (the other end may
+        then write its arena again)."""
         (n,) = _LENGTH.unpack(self._first(_LENGTH.size))
         header, ms, in_arena, taken = pickle.loads(self._exact(n))
         self._acked = taken
+        if in_arena:
+            self._taken += 1
+            if views:
+                return header, [np.frombuffer(self._in, np.dtype(dt), int(np.prod(
+                    shape, dtype=np.int64)), at).reshape(shape)
+                    for (dt, shape), at in zip(ms, _layout_offsets(ms))]
         arrays = empty_like_metas(ms)
         if in_arena:
             view = memoryview(self._in)
@@ -155,7 +192,6 @@ class Pipe:
                 if a.nbytes:
                     memoryview(a).cast("B")[:] = view[at:at + a.nbytes]
             view.release()
-            self._taken += 1
         else:
             for a in arrays:
                 if a.nbytes:
@@ -183,12 +219,9 @@ class Pipe:
 
     def _map(self, fd: int) -> None:
         try:
-            arena = mmap.mmap(fd, os.fstat(fd).st_size)
+            self._in = mmap.mmap(fd, os.fstat(fd).st_size)
         finally:
             os.close(fd)
-        if self._in is not None:
-            self._in.close()
-        self._in = arena
 
     def _exact(self, n: int) -> bytearray:
         buf = bytearray(n)

@@ -170,7 +170,9 @@ class WorkerRank:
             if ready:
                 busy = True
                 try:
-                    header, arrays = conn.recv()
+                    # Views of the process's arena: a variable request's arrays go to
+                    # the server from there (see _from_process).
+                    header, arrays = conn.recv(views=True)
                 except (EOFError, OSError):
                     self._lost()
                     continue
@@ -203,8 +205,12 @@ class WorkerRank:
         kind = header[0]
         if kind == "var":
             _, server, op, args = header
+            # A read lands where the answer to the process carries it (no copy here).
+            into = self.fp.conn.placed([(args[2], args[1])]) \
+                if op == "read" and len(args) == 3 and not arrays else None
             try:
-                payload, out = self.ch.request(server, op, args, arrays)
+                payload, out = self.ch.request(server, op, args, arrays,
+                                               into=into[0] if into else None)
                 reply = ("var_reply", "ok", payload)
             except Exception as e:  # noqa: BLE001 - the function gets the error
                 reply, out = ("var_reply", "error", (type(e).__name__, str(e))), []
@@ -216,6 +222,8 @@ class WorkerRank:
             except OSError:
                 pass
             return
+        # Other arrays outlive the next message to the process: copies of the views.
+        arrays = [a.copy() for a in arrays]
         if kind in ("done", "error"):
             self.inflight = None
             self._to_coordinator(header, arrays)
