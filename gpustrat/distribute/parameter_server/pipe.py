@@ -9,15 +9,18 @@ travel one of two ways:
   copies each array in, the receiver copies it out into a new array, one ``memcpy``
   each way and no system call for the bytes. The arena grows (a new ``memfd``, passed
   with the message as ``SCM_RIGHTS``) when a message needs more, up to
-  :data:`ARENA_LIMIT`;
+  :data:`ARENA_LIMIT`, and keeps the size of the largest message so far;
 - or after the header on the socket, sent in one ``sendmsg`` from the arrays' own
   memory and received with ``recv_into`` straight into the new arrays (the kernel's
   two copies): for messages larger than the arena may grow, where ``memfd`` is
   missing, and whenever the other end has not yet taken the previous arena message.
 
 Every message says how many arena messages its sender has taken, so an end writes
-its arena again only after the other end has copied the previous contents out: an
-arena is never overwritten while it is read, whatever order the messages go in.
+its arena again only after the other end has taken the previous message: copied its
+arrays out or, having received views of them (``recv(views=True)``), sent a message
+since. An arena is never overwritten while it is read, whatever order the messages go
+in. A sender may also fill its arena in place (:meth:`Pipe.placed`: a worker rank
+receives a variable's bytes from MPI straight into the answer to its process).
 """
 
 from __future__ import annotations
