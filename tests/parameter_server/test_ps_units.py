@@ -262,28 +262,6 @@ def test_a_doorbell_wakes_its_sleeper_and_keeps_a_ring_nobody_waited_for():
         ringer.close()
 
 
-def test_the_pipe_moves_headers_and_large_arrays_in_pieces():
-    import socket
-
-    a_end, b_end = socket.socketpair()
-    a, b = wire.Pipe(a_end), wire.Pipe(b_end)
-    big = np.arange(3 << 20, dtype=np.float32).reshape(-1, 3)  # larger than a socket buffer
-    small, empty = np.float64(2.5).reshape(()), np.zeros((0, 4), np.int8)
-    got = []
-    reader = threading.Thread(target=lambda: got.append(b.recv()))
-    reader.start()
-    a.send(("var", 1, {"k": [1, 2]}), [big, small, empty])
-    reader.join(timeout=60)
-    header, arrays = got[0]
-    assert header == ("var", 1, {"k": [1, 2]})
-    assert np.array_equal(arrays[0], big) and arrays[0].dtype == big.dtype
-    assert arrays[1].shape == () and arrays[1] == 2.5 and arrays[2].shape == (0, 4)
-    a.close()
-    with pytest.raises(EOFError):
-        b.recv()
-    b.close()
-
-
 def test_a_checkpoint_refuses_per_worker_iterators_and_skips_them_when_held(tmp_path):
     # TensorFlow 2.21: tf.train.Checkpoint(it=<PerWorkerDistributedIterator>) raises
     # ("expecting a trackable object"), and a module attribute holding one is not saved.

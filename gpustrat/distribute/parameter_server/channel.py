@@ -23,6 +23,7 @@ answer within ``GPUSTRAT_TIMEOUT`` seconds raises :class:`ServerLostError`.
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 import threading
 import time
@@ -74,9 +75,11 @@ class ServerLostError(RuntimeError):
 
 class Backoff:
     """Waiting in polling loops: spin for ``spin_s`` (an answer expected within
-    microseconds must not wait for a time slice), then sleep, from 10 us doubling up to
-    1 ms, so that a waiting process gives its core to those that compute (MPI's own
-    blocking waits spin; Python's sleep releases the core). ``__call__(wait)`` sleeps
+    microseconds must not wait for a time slice), yielding the core at each poll to any
+    process that is ready to run on it (``sched_yield``: on an idle core the spin goes
+    on at once, on a busy one the computing process goes first), then sleep, from 10 us
+    doubling up to 1 ms, so that a waiting process gives its core to those that compute
+    (MPI's own blocking waits spin; Python's sleep releases the core). ``__call__(wait)`` sleeps
     in ``wait(seconds)`` instead: a doorbell's ``sleep`` (see :mod:`.doorbell`), which
     returns True as soon as it is rung, and the wait spins again. ``cap`` is the
     longest sleep; ``rung``: every sender of what is waited for rings the doorbell
@@ -103,6 +106,7 @@ class Backoff:
             self.since = now
             return
         if now - self.since < self.spin_s:
+            _yield()
             return
         if not getattr(_slack, "done", False):
             _fine_timers()
@@ -113,6 +117,15 @@ class Backoff:
             self.reset()
             return
         self.delay = min(2 * self.delay, self.cap)
+
+
+_yield = getattr(os, "sched_yield", lambda: None)
+
+
+def transfer_spin(nbytes: int) -> float:
+    """How long a wait for ``nbytes`` on their way polls before it sleeps: about as
+    long as they take to move within a machine."""
+    return 50e-6 + nbytes / 4e9
 
 
 class Orphaned(Exception):
@@ -221,10 +234,12 @@ class Channel:
 
     def recv_into(self, source: int, data_tag: int, arrays: list,
                   sleep_slot: int = doorbell.REPLIES) -> None:
-        """Receive the arrays that follow a header into ``arrays`` (C-contiguous)."""
+        """Receive the arrays that follow a header into ``arrays`` (C-contiguous): they
+        are on their way, so the wait polls about as long as the bytes take to move."""
         comm = self.comm
         self.wait([comm.Irecv(wire.raw(a), source=source, tag=data_tag) for a in arrays],
-                  source, "receiving from it", sleep_slot)
+                  source, "receiving from it", sleep_slot,
+                  spin_s=transfer_spin(sum(a.nbytes for a in arrays)))
 
     def wait(self, requests: list, peer: int, what: str,
              sleep_slot: int = doorbell.REPLIES, spin_s: float = 50e-6) -> None:
@@ -276,12 +291,13 @@ class Channel:
                     "from a checkpoint")
             backoff(sleep)
 
-    def request(self, server: int, op: str, args: tuple = (), arrays=()):
-        """Ask server ``server`` (its index) to do ``op``; returns (payload, arrays)."""
+    def request(self, server: int, op: str, args: tuple = (), arrays=(), into=None):
+        """Ask server ``server`` (its index) to do ``op``; returns (payload, arrays).
+        A read (``args``: variable id, shape, dtype) lands in ``into`` when given."""
         code = FAST_CODES.get(op)
         if code == 0 and len(args) == 3 and not arrays:
             vid, shape, dtype = args
-            out = np.empty(shape, np.dtype(dtype))
+            out = np.empty(shape, np.dtype(dtype)) if into is None else into
             self._fast(server, code, vid, None, out, op)
             return None, [out]
         if code and len(args) == 1 and len(arrays) == 1:
@@ -316,7 +332,7 @@ class Channel:
         if test(pending):
             return
         # Spin about as long as the bytes take to move, then sleep (see Backoff).
-        backoff = self.backoff(50e-6 + (nbytes + answer.nbytes) / 4e9)
+        backoff = self.backoff(transfer_spin(nbytes + answer.nbytes))
         sleep = self.sleeper()
         deadline = time.monotonic() + self.timeout
         polls = 0

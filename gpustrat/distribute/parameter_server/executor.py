@@ -1,7 +1,7 @@
 """The function process of a worker rank: runs scheduled functions one at a time.
 
 Started by the worker rank as ``python -m gpustrat.distribute.parameter_server.executor
-FD``, it talks to its rank over the socket ``FD`` (see :mod:`.wire` for the framing).
+FD``, it talks to its rank over the socket ``FD`` (see :mod:`.pipe`).
 It never initialises MPI: variable reads and updates go to the worker rank, which
 forwards them to the servers. It holds this worker's per-worker values (its datasets,
 iterators and other resources, see :mod:`.values`); a replacement process makes them
@@ -20,6 +20,7 @@ import traceback
 from gpustrat.distribute.parameter_server import variables as remote
 from gpustrat.distribute.parameter_server import wire
 from gpustrat.distribute.parameter_server.channel import ServerLostError
+from gpustrat.distribute.parameter_server.pipe import Pipe
 
 #: This process's state: the connection, the worker's index and count, its devices,
 #: and this worker's per-worker values (number -> object).
@@ -36,8 +37,8 @@ _ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "MemoryError": Memo
 def _request(server: int, op: str, args: tuple = (), arrays=()):
     conn = state["conn"]
     with _request_lock:
-        wire.pipe_send(conn, ("var", server, op, args), arrays)
-        (kind, status, payload), out = wire.pipe_recv(conn)
+        conn.send(("var", server, op, args), arrays)
+        (kind, status, payload), out = conn.recv()
     if status != "ok":
         name, text = payload
         raise _ERRORS.get(name, RuntimeError)(text)
@@ -98,11 +99,11 @@ def main(fd: int, parent: int | None = None) -> None:
     _die_with_parent()
     if parent is not None and os.getppid() != parent:
         return  # the rank died before the request above took effect
-    conn = state["conn"] = wire.Pipe(socket.socket(fileno=fd))
+    conn = state["conn"] = Pipe(socket.socket(fileno=fd))
     remote.set_requester(_request)
     while True:
         try:
-            header, arrays = wire.pipe_recv(conn)
+            header, arrays = conn.recv()
         except (EOFError, OSError):
             return  # the worker rank is gone
         kind = header[0]
@@ -120,7 +121,7 @@ def main(fd: int, parent: int | None = None) -> None:
                 err = None
             except BaseException as e:  # noqa: BLE001
                 err = (type(e).__name__, f"{type(e).__name__}: {e}")
-            wire.pipe_send(conn, ("setup_done", ident, notify, err))
+            conn.send(("setup_done", ident, notify, err))
             continue
         if kind == "run":
             _, task_id, blob = header
@@ -131,19 +132,19 @@ def main(fd: int, parent: int | None = None) -> None:
                 from gpustrat.errors import OutOfRangeError  # noqa: PLC0415
                 err = OutOfRangeError(str(e) or "End of sequence: a per-worker iterator "
                                       "ran out of data")
-                wire.pipe_send(conn, ("error", task_id, _error_blob(err),
+                conn.send(("error", task_id, _error_blob(err),
                                       "".join(traceback.format_exc())))
                 continue
             except BaseException as e:  # noqa: BLE001 - reported to the coordinator
-                wire.pipe_send(conn, ("error", task_id, _error_blob(e),
+                conn.send(("error", task_id, _error_blob(e),
                                       "".join(traceback.format_exc())))
                 continue
             try:
                 out, out_arrays = wire.pack(result, "the function's result")
             except TypeError as e:
-                wire.pipe_send(conn, ("error", task_id, _error_blob(e), str(e)))
+                conn.send(("error", task_id, _error_blob(e), str(e)))
                 continue
-            wire.pipe_send(conn, ("done", task_id, out), out_arrays)
+            conn.send(("done", task_id, out), out_arrays)
 
 
 if __name__ == "__main__":

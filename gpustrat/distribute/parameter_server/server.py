@@ -12,13 +12,19 @@ and assigned as any variable is.
 from __future__ import annotations
 
 import pickle
+import time
 import traceback
 
 import numpy as np
 
 from gpustrat.distribute.parameter_server import wire
 from gpustrat.distribute.parameter_server.channel import (ERR_OFFSET, FAST_OPS, TAG_FAST,
-                                                           Channel)
+                                                           Channel, transfer_spin)
+
+
+#: How long a server polls for the next request before it sleeps: after a request that
+#: came within ``LINGER_S`` of the one before, and after others.
+LINGER_S, POLL_S = 300e-6, 50e-6
 
 
 class _Var:
@@ -49,18 +55,30 @@ class Server:
 
     def serve(self, watch=None) -> None:
         comm = self.ch.comm
+        # After a request that came within LINGER_S of the one before, poll that long
+        # before sleeping: its caller reads or updates in a loop, and waking a sleeping
+        # rank costs more than the transfer of a MiB. Requests further apart (training
+        # steps) get the short poll: lingering would take processor time from the
+        # processes that compute (the polls yield a busy core, but still cost).
         backoff = self.ch.backoff()
         sleep = self.ch.sleeper()  # every request rings this rank's doorbell
         any_source, any_tag = _any_source(), _any_tag()
         status = _status()
+        idle_from = None
         while True:
             # Any tag: per source, a request's header always comes before its data.
             msg = comm.improbe(source=any_source, tag=any_tag, status=status)
             if msg is None:
+                if idle_from is None:
+                    idle_from = time.perf_counter()
                 backoff(sleep)
                 if watch is not None and backoff.delay >= 1e-3:
                     watch()
                 continue
+            if idle_from is not None:
+                backoff.spin_s = LINGER_S if time.perf_counter() - idle_from < LINGER_S \
+                    else POLL_S
+                idle_from = None
             backoff.reset()
             source = status.Get_source()
             if status.Get_tag() == TAG_FAST:
@@ -119,8 +137,10 @@ class Server:
             if code == 0:
                 sent = comm.Isend(wire.raw(var.array), dest=source, tag=tag)
                 self.ch.ring(source)
-                # Until the reader has the bytes, no update may change them.
-                self.ch.wait([sent], source, f"sending variable {var.name!r} to it")
+                # Until the reader has the bytes, no update may change them. Polled
+                # about as long as the bytes take to move (the reader is receiving).
+                self.ch.wait([sent], source, f"sending variable {var.name!r} to it",
+                             spin_s=transfer_spin(var.array.nbytes))
                 return
             a = var.array
             if nbytes != a.nbytes:

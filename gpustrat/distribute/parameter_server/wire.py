@@ -3,9 +3,9 @@
 Words:
 - *packing*: an object is pickled with every NumPy array taken out (a persistent id
   stands in its place); the arrays travel separately as raw buffers: through mpi4py's
-  upper-case ``Isend``/``Irecv`` between ranks, and ``sendmsg``/``recv_into`` over the
-  socket to a worker's function process (:class:`Pipe`). So control messages stay
-  small and arrays are never pickled or copied in Python.
+  upper-case ``Isend``/``Irecv`` between ranks, and through shared memory (or the
+  socket) to a worker's function process (:mod:`.pipe`). So control messages stay
+  small and arrays are never pickled.
 - *functions*: a function importable by its module and qualified name (a module-level
   function of an importable module) travels by reference, as pickle does. Any other
   function (one defined in the script run by ``mpiexec``, a lambda, a nested function)
@@ -22,8 +22,6 @@ import importlib
 import io
 import marshal
 import pickle
-import socket
-import struct
 import types
 
 import numpy as np
@@ -192,71 +190,6 @@ def _buffer(a: np.ndarray):
     # 0-d and empty arrays: mpi4py takes any contiguous buffer; bytes view keeps dtype
     # out of MPI (the receiver knows it from the header).
     return memoryview(a).cast("B") if a.nbytes else memoryview(b"")
-
-
-# --- the pipe to a function process --------------------------------------------------
-
-_LENGTH = struct.Struct("<Q")
-
-
-class Pipe:
-    """One end of the socket between a worker rank and its function process.
-
-    A message is an 8-byte length, the pickled ``(header, array layouts)``, then each
-    array's bytes: sent in one ``sendmsg`` from the arrays' own memory and received
-    with ``recv_into`` straight into the new arrays (the kernel's copies only)."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def send(self, header, arrays=()) -> None:
-        blob = pickle.dumps((header, metas(arrays)), protocol=_PROTOCOL)
-        parts = [memoryview(_LENGTH.pack(len(blob))), memoryview(blob)]
-        parts += [_buffer(a) for a in arrays if a.nbytes]
-        while parts:
-            sent = self.sock.sendmsg(parts)
-            while parts and sent >= len(parts[0]):
-                sent -= len(parts[0])
-                parts.pop(0)
-            if parts and sent:
-                parts[0] = parts[0][sent:]
-
-    def recv(self):
-        """``(header, arrays)``; ``EOFError`` when the other end is gone."""
-        (n,) = _LENGTH.unpack(self._exact(_LENGTH.size))
-        header, ms = pickle.loads(self._exact(n))
-        arrays = empty_like_metas(ms)
-        for a in arrays:
-            if a.nbytes:
-                self._into(memoryview(a).cast("B"))
-        return header, arrays
-
-    def _exact(self, n: int) -> bytearray:
-        buf = bytearray(n)
-        self._into(memoryview(buf))
-        return buf
-
-    def _into(self, view: memoryview) -> None:
-        got = 0
-        while got < len(view):
-            k = self.sock.recv_into(view[got:])
-            if k == 0:
-                raise EOFError("the other end of the pipe closed it")
-            got += k
-
-
-def pipe_send(pipe: Pipe, header, arrays=()) -> None:
-    pipe.send(header, arrays)
-
-
-def pipe_recv(pipe: Pipe):
-    return pipe.recv()
 
 
 def describe_function(fn) -> str:

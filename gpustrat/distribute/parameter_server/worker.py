@@ -17,10 +17,11 @@ import socket
 import subprocess
 import sys
 
-from gpustrat.distribute.parameter_server import doorbell, wire
+from gpustrat.distribute.parameter_server import doorbell
 from gpustrat.distribute.parameter_server.channel import (TAG_RESULT, TAG_RESULT_DATA,
                                                            TAG_TASK, TAG_TASK_DATA,
                                                            Channel, ServerLostError)
+from gpustrat.distribute.parameter_server.pipe import Pipe
 
 # The launcher's variables would make a child that imports mpi4py join the MPI job.
 _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "MPIR_", "HYDRA_", "HYDI_", "OMPI_", "MPICH_")
@@ -49,8 +50,8 @@ class FunctionProcess:
              str(child.fileno()), str(os.getpid())],
             pass_fds=(child.fileno(),), env=_child_env(), stdin=subprocess.DEVNULL)
         child.close()
-        self.conn = wire.Pipe(parent)
-        wire.pipe_send(self.conn, ("init", self.info))
+        self.conn = Pipe(parent)
+        self.conn.send(("init", self.info))
 
     def exit_code(self):
         return None if self.proc is None else self.proc.poll()
@@ -59,7 +60,7 @@ class FunctionProcess:
         if self.proc is None:
             return
         try:
-            wire.pipe_send(self.conn, ("stop",))
+            self.conn.send(("stop",))
         except OSError:
             pass
         try:
@@ -104,7 +105,7 @@ class WorkerRank:
         header, arrays, what = self.outbox.popleft()
         self.inflight = what
         try:
-            wire.pipe_send(self.fp.conn, header, arrays)
+            self.fp.conn.send(header, arrays)
         except OSError:
             pass  # the process is gone: found by the loop
 
@@ -169,7 +170,9 @@ class WorkerRank:
             if ready:
                 busy = True
                 try:
-                    header, arrays = wire.pipe_recv(conn)
+                    # Views of the process's arena: a variable request's arrays go to
+                    # the server from there (see _from_process).
+                    header, arrays = conn.recv(views=True)
                 except (EOFError, OSError):
                     self._lost()
                     continue
@@ -202,8 +205,12 @@ class WorkerRank:
         kind = header[0]
         if kind == "var":
             _, server, op, args = header
+            # A read lands where the answer to the process carries it (no copy here).
+            into = self.fp.conn.placed([(args[2], args[1])]) \
+                if op == "read" and len(args) == 3 and not arrays else None
             try:
-                payload, out = self.ch.request(server, op, args, arrays)
+                payload, out = self.ch.request(server, op, args, arrays,
+                                               into=into[0] if into else None)
                 reply = ("var_reply", "ok", payload)
             except Exception as e:  # noqa: BLE001 - the function gets the error
                 reply, out = ("var_reply", "error", (type(e).__name__, str(e))), []
@@ -211,10 +218,12 @@ class WorkerRank:
                     self._to_coordinator(("server_lost", self.ch.server_ranks[server],
                                           str(e)))
             try:
-                wire.pipe_send(self.fp.conn, reply, out)
+                self.fp.conn.send(reply, out)
             except OSError:
                 pass
             return
+        # Other arrays outlive the next message to the process: copies of the views.
+        arrays = [a.copy() for a in arrays]
         if kind in ("done", "error"):
             self.inflight = None
             self._to_coordinator(header, arrays)
