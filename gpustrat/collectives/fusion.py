@@ -194,7 +194,8 @@ def fused_all_reduce_single(comm: Communicator, tensors: Sequence[Sequence], op,
 
 def fused_all_reduce_flat(comm: Communicator, tensors: Sequence[Sequence], op,
                           bucket_bytes: int | None = None,
-                          layout: "FusionLayout | None" = None) -> list[tuple[list, list]]:
+                          layout: "FusionLayout | None" = None,
+                          shared: bool = False) -> list[tuple[list, list]]:
     """:func:`fused_all_reduce`, giving each bucket's reduced fusion buffers instead of
     one result per tensor: for code that works on the tensors of a bucket as one flat
     array (an optimizer updating all its variables with a few large operations).
@@ -203,11 +204,14 @@ def fused_all_reduce_flat(comm: Communicator, tensors: Sequence[Sequence], op,
         ``[(indices, buffers), ...]`` per bucket, in order: the tensor indices it holds
         and one 1-D reduced buffer per local replica, holding those tensors flattened,
         back to back. The buffers are the caller's; host buffers are slices of a pooled
-        arena that a later call reuses once nothing refers to them.
+        arena that a later call reuses once nothing refers to them. With ``shared``
+        (a caller that only reads them), local replicas on one host may get one
+        read-only buffer, the same object for all (see
+        :meth:`~gpustrat.collectives.base.Communicator.all_reduce_shared`).
     """
     return [(bucket, reduced)
             for bucket, _, reduced in _reduced_buckets(comm, tensors, op, bucket_bytes,
-                                                       layout)]
+                                                       layout, shared=shared)]
 
 
 def all_reduce_arenas(comm: Communicator, arenas: Sequence, op,
@@ -272,10 +276,12 @@ def check_layout(comm: Communicator, tensors: Sequence[Sequence],
     return tensors, layout_of(shapes, dtypes, int(bucket_bytes))
 
 
-def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout, arenas=None):
+def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout, arenas=None,
+                     shared: bool = False):
     """Yield ``(bucket, how to cut it into tensors, reduced buffers)`` for each bucket:
     ``tensors`` packed into fusion buffers, or the buckets' slices of ``arenas`` (one
-    per local replica) reduced in place."""
+    per local replica) reduced in place; ``shared``: the packed buffers' reduction may
+    be one read-only array for every local replica."""
     if type(op) is not ReduceOp:
         op = ReduceOp.from_value(op)
     if arenas is None:
@@ -307,7 +313,8 @@ def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout, aren
                 buffers.append(_pack_host(parts, arena[start:start + total]))
         # The packed buffers are ours: the backend may reduce in them, and the results
         # are views of them.
-        reduced = comm.all_reduce_inplace(buffers, op)
+        reduced = comm.all_reduce_shared(buffers, op) if shared else \
+            comm.all_reduce_inplace(buffers, op)
         if arenas is not None:
             # A backend that returned new arrays: the arenas hold the result all the same.
             for b, r in zip(buffers, reduced):

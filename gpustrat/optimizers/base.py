@@ -428,9 +428,12 @@ class Optimizer:
             comm = plan.owner.communicator
             with comm.agreeing(*agree) if agree else _NO_CONTEXT:
                 # plan.gradients checked the shapes and dtypes: the fusion need not again.
+                # Uncompressed, the update only reads the sums: host replicas may share
+                # one (no copy per replica).
                 buckets = fused_all_reduce_flat(comm, packed, ReduceOp.SUM,
                                                 layout=None if wire is not None else
-                                                layout_of(plan.shapes, plan.dtypes))
+                                                layout_of(plan.shapes, plan.dtypes),
+                                                shared=wire is None)
             if wire is not None:
                 buckets = [(b, [_cast(x, plan.dtypes[0]) for x in bufs])
                            for b, bufs in buckets]
@@ -451,8 +454,18 @@ class Optimizer:
         """Update ``param`` (of the variable called ``name``) in place from the summed
         ``grad``; ``slots`` maps slot names to this replica's slot arrays (updated in
         place too); ``step`` counts from 1. ``param`` may be the flattened values of
-        several variables at once (``name`` None; see :meth:`flat_ok`)."""
+        several variables at once (``name`` None; see :meth:`flat_ok`). ``grad`` is
+        read-only: the local replicas may share it."""
         raise NotImplementedError
+
+    def update_replicas(self, params: list, grad, slots: list, lr: float, step: int
+                        ) -> None:
+        """:meth:`update_step` of every local host replica's flattened values
+        (``params[i]``, ``slots[i]``) from one summed ``grad`` they share (read-only).
+        An algorithm may override it to compute what the replicas share once, giving
+        the same values as one ``update_step`` per replica."""
+        for param, s in zip(params, slots):
+            self.update_step(param, grad, s, lr, step, None)
 
     def get_config(self) -> dict:
         return {"name": self.name, "learning_rate": self._learning_rate,
