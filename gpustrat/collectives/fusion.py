@@ -192,6 +192,27 @@ def fused_all_reduce_single(comm: Communicator, tensors: Sequence[Sequence], op,
     return out
 
 
+def fused_all_reduce_arrays(comm: Communicator, arrays: Sequence, op,
+                            layout: "FusionLayout") -> list:
+    """:func:`fused_all_reduce_single` of one local replica's arrays given as one flat
+    list (``arrays[j]`` is tensor ``j``), whose shapes and dtypes the caller has read
+    into ``layout`` (:func:`layout_of`): no per-tensor rows are built or checked."""
+    if comm.num_local != 1:
+        raise ValueError(f"fused_all_reduce_arrays needs one local replica, but the "
+                         f"communicator has {comm.num_local}: use fused_all_reduce")
+    out: list = [None] * len(arrays)
+    for bucket, runs, reduced in _reduced_buckets(comm, None, op, None, layout,
+                                                  columns=(arrays,)):
+        views = _unpack_views(reduced[0], runs)
+        lo, hi = bucket[0], bucket[-1] + 1
+        if hi - lo == len(bucket):
+            out[lo:hi] = views
+        else:
+            for j, v in zip(bucket, views):
+                out[j] = v
+    return out
+
+
 def fused_all_reduce_flat(comm: Communicator, tensors: Sequence[Sequence], op,
                           bucket_bytes: int | None = None,
                           layout: "FusionLayout | None" = None,
@@ -277,14 +298,15 @@ def check_layout(comm: Communicator, tensors: Sequence[Sequence],
 
 
 def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout, arenas=None,
-                     shared: bool = False):
+                     shared: bool = False, columns=None):
     """Yield ``(bucket, how to cut it into tensors, reduced buffers)`` for each bucket:
-    ``tensors`` packed into fusion buffers, or the buckets' slices of ``arenas`` (one
-    per local replica) reduced in place; ``shared``: the packed buffers' reduction may
-    be one read-only array for every local replica."""
+    ``tensors`` (or ``columns``, ``columns[i][j]`` being tensor j of local replica i,
+    with ``layout`` given) packed into fusion buffers, or the buckets' slices of
+    ``arenas`` (one per local replica) reduced in place; ``shared``: the packed
+    buffers' reduction may be one read-only array for every local replica."""
     if type(op) is not ReduceOp:
         op = ReduceOp.from_value(op)
-    if arenas is None:
+    if arenas is None and columns is None:
         if not tensors:
             return
         if layout is None:
@@ -299,11 +321,16 @@ def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout, aren
                                  f"of dtype {dtype}")
             buffers = [a[start:start + total] for a in arenas]
         else:
-            rows = tensors[lo:hi] if hi else [tensors[j] for j in bucket]
+            if columns is None:
+                rows = tensors[lo:hi] if hi else [tensors[j] for j in bucket]
             buffers = []
             for i in range(n_local):
-                parts = list(map(_ITEMS[i], rows)) if i < len(_ITEMS) else \
-                    [row[i] for row in rows]
+                if columns is not None:
+                    col = columns[i]
+                    parts = col[lo:hi] if hi else [col[j] for j in bucket]
+                else:
+                    parts = list(map(_ITEMS[i], rows)) if i < len(_ITEMS) else \
+                        [row[i] for row in rows]
                 if is_gpu_array(parts[0]):
                     buffers.append(_pack_gpu(parts))
                     continue

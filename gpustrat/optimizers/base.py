@@ -39,6 +39,9 @@ from gpustrat.optimizers import bfloat16
 from gpustrat.optimizers.plan import StepPlan, fresh_arrays, replica_devices
 
 _NO_CONTEXT = contextlib.nullcontext()
+#: What each step adds to ``iterations`` (read-only: shared by every step).
+_ONE = np.ones((), np.int64)
+_ONE.flags.writeable = False
 
 #: Wire types for ``compression``.
 COMPRESSIONS = {"float16": np.dtype(np.float16)}
@@ -358,10 +361,9 @@ class Optimizer:
                 if reduce:
                     tensors = self._reduce(plan, tensors, agree)
                 plan.step_each(self, tensors, lr, step)
-        one = np.ones((), np.int64)
         for c in (self._iterations.values if isinstance(self._iterations, DistributedVariable)
                   else (self._iterations,)):
-            c._write("assign_add", one)
+            c._write("assign_add", _ONE)
         self._remember_step(step)
 
     def _plan(self, variables: list) -> StepPlan:
