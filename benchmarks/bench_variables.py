@@ -21,7 +21,10 @@ Targets:
   after writing its send buffer, less the write. Beside it, the same difference for
   gradient arrays (both steps pack them), and ``strategy.extended.batch_reduce_to`` of
   100 gradient arrays (checks, packing, the reduction and one result view per array)
-  against the plain bare call, checked against the same target.
+  against the plain bare call, checked against the same target. Beside it the floor of
+  any call given 100 separate arrays: packing them into one buffer, then the bare call
+  (memory traffic that the bare call, given one buffer, does not do), and what
+  ``batch_reduce_to`` adds to that floor.
 
 Every time is the best of several repeats, the ways interleaved so that a busy machine
 slows all of them; the fused and separate steps are checked to give the same weights
