@@ -30,6 +30,9 @@ class SGD(Optimizer):
         self._descend(param, slots, lr * grad)
 
     def update_replicas(self, params, grad, slots, lr, step):
+        if type(self).update_step is not SGD.update_step:   # a subclass's own update
+            super().update_replicas(params, grad, slots, lr, step)
+            return
         step_size = lr * grad   # the replicas' common term, computed once
         for param, s in zip(params, slots):
             self._descend(param, s, step_size)

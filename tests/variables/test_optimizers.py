@@ -313,9 +313,6 @@ def test_an_update_that_writes_its_shared_gradient_raises():
             grad *= 2                              # the gradient is read-only
             super().update_step(param, grad, slots, lr, step, name)
 
-        def update_replicas(self, params, grad, slots, lr, step):
-            gs.optimizers.Optimizer.update_replicas(self, params, grad, slots, lr, step)
-
     strategy = gs.MirroredStrategy(["cpu:0", "cpu:1"])
     try:
         with strategy.scope():
@@ -325,3 +322,20 @@ def test_an_update_that_writes_its_shared_gradient_raises():
             strategy.run(lambda: opt.apply_gradients([(np.ones(3, np.float32), v)]))
     finally:
         strategy.close()
+
+
+def test_a_subclass_update_step_is_used_for_replicas_sharing_a_gradient():
+    class Doubling(gs.optimizers.SGD):
+        def update_step(self, param, grad, slots, lr, step, name):
+            super().update_step(param, 2 * grad, slots, lr, step, name)
+
+    strategy = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    try:
+        with strategy.scope():
+            v = gs.Variable(np.zeros(3, np.float32))
+            opt = Doubling(0.25)
+        strategy.run(lambda: opt.apply_gradients([(np.ones(3, np.float32), v)]))
+    finally:
+        strategy.close()
+    for c in strategy.experimental_local_results(v):
+        np.testing.assert_array_equal(c.numpy(), [-1.0, -1.0, -1.0])   # 0.25 * 2 * (1 + 1)
