@@ -12,7 +12,8 @@ Targets:
   imports here), one process kept for the whole run, and its rounds of steps alternate
   with gpustrat's, so that both see the same load. Without TensorFlow the number
   recorded with TensorFlow 2.21 on this project's 2-core machine is printed instead,
-  labelled as recorded (a fallback: the load of another day);
+  labelled as recorded, and the target is reported not measured (the ratio against
+  that figure given as the reason): another day's load gives no verdict;
 - under ``mpiexec -n 2`` (one replica per worker), the gradient reduction inside
   ``apply_gradients`` at least 0.8x the bandwidth of one bare ``Allreduce`` of the same
   bytes. Each step writes its gradients into ``optimizer.gradient_buffers`` (reduced in
@@ -149,11 +150,12 @@ class TensorFlowRuns:
         except queue.Empty:
             line = None
         if line is None or not line.startswith(word):
-            self.close()
             self._err.seek(0)
-            tail = self._err.read()[-600:]
-            self._err.close()
-            raise RuntimeError(f"TensorFlow's process gave {line!r} where {word} was due "
+            # Its last lines (a traceback's last names the error), on one line.
+            tail = " | ".join(self._err.read().strip().splitlines()[-2:])[-600:]
+            self.close()
+            got = "nothing (it ended or timed out)" if line is None else repr(line)
+            raise RuntimeError(f"TensorFlow's process gave {got} where {word} was due "
                                f"(within {self.timeout:.0f} s): {tail}")
         return line
 
@@ -458,7 +460,7 @@ def main(argv=None) -> dict:
     else:
         tf_ms = TF_RECORDED_MS
         tf_how = f"RECORDED on {TF_RECORDED_WHEN}, another day's load ({tf_why})"
-        how = f"recorded {TF_RECORDED_WHEN}; no TensorFlow in this run"
+        how = "recorded"
     row.update(tf_ms=tf_ms, tf_how=tf_how, vs_tf=tf_ms / row["fused_ms"])
     print(f"apply_gradients of {N_VARS} variables x {SIZE} float32, 2 CPU replicas "
           f"(best of {repeats} x {steps} steps)")
@@ -470,8 +472,14 @@ def main(argv=None) -> dict:
                               "x")]
     print(f"  TensorFlow MirroredStrategy, tf.function {tf_ms:5.3f} ms/step   "
           f"gpustrat {row['vs_tf']:.1f}x faster\n    [{tf_how}]")
-    verdicts.append(targets.check(f"apply_gradients vs TensorFlow's ({how}), 2 CPU "
-                                  "replicas", row["vs_tf"], TARGET_TF, "x"))
+    tf_target = "apply_gradients vs TensorFlow's (same run, interleaved), 2 CPU replicas"
+    if how == "same run, interleaved":
+        verdicts.append(targets.check(tf_target, row["vs_tf"], TARGET_TF, "x"))
+    else:
+        # Another day's figure gives no verdict: its load is not this run's.
+        verdicts.append(targets.not_measured(
+            tf_target, TARGET_TF, f"{tf_why}; against the figure recorded on "
+            f"{TF_RECORDED_WHEN}: {row['vs_tf']:.2f}x", "x"))
     result = {"suite": "variables", "in_process": row, "verdicts": verdicts}
     bandwidth = ("gradient reduction in apply_gradients (gradient buffers) vs bare MPI "
                  "Allreduce bandwidth")
