@@ -150,19 +150,26 @@ class TensorFlowRuns:
         except queue.Empty:
             line = None
         if line is None or not line.startswith(word):
-            self._err.seek(0)
-            # Its last lines (a traceback's last names the error), on one line.
-            tail = " | ".join(self._err.read().strip().splitlines()[-2:])[-600:]
-            self.close()
-            got = "nothing (it ended or timed out)" if line is None else repr(line)
-            raise RuntimeError(f"TensorFlow's process gave {got} where {word} was due "
-                               f"(within {self.timeout:.0f} s): {tail}")
+            raise self._failure("nothing (it ended or timed out)" if line is None
+                                else repr(line), word)
         return line
+
+    def _failure(self, got: str, word: str) -> RuntimeError:
+        """End the process; the error saying what came instead of ``word``, with the
+        last lines it wrote to stderr (a traceback's last names the error)."""
+        self._err.seek(0)
+        tail = " | ".join(self._err.read().strip().splitlines()[-2:])[-600:]
+        self.close()
+        return RuntimeError(f"TensorFlow's process gave {got} where {word} was due "
+                            f"(within {self.timeout:.0f} s): {tail}")
 
     def round(self) -> float:
         """Run ``steps`` TensorFlow steps now; ms per step."""
-        self._proc.stdin.write(f"{self.steps}\n")
-        self._proc.stdin.flush()
+        try:
+            self._proc.stdin.write(f"{self.steps}\n")
+            self._proc.stdin.flush()
+        except OSError as e:   # the process has ended
+            raise self._failure(f"a closed input ({e})", "TF_MS") from None
         return float(self._expect("TF_MS").split()[1])
 
     def close(self) -> None:
