@@ -70,6 +70,13 @@ class Communicator(abc.ABC):
         """
         return self.all_reduce(buffers, op)
 
+    def all_reduce_shared(self, buffers: Sequence[Any], op: ReduceOp) -> list:
+        """:meth:`all_reduce_inplace` for a caller that only reads the results: local
+        replicas on one host may get one read-only array, the same object for all
+        (no copy of the reduction per replica). The default is
+        :meth:`all_reduce_inplace`."""
+        return self.all_reduce_inplace(buffers, op)
+
     @abc.abstractmethod
     def all_gather(self, buffers: Sequence[Any], axis: int = 0) -> list:
         """Concatenate every replica's buffer along ``axis``, in global replica order.

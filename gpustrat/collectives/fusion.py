@@ -192,9 +192,31 @@ def fused_all_reduce_single(comm: Communicator, tensors: Sequence[Sequence], op,
     return out
 
 
+def fused_all_reduce_arrays(comm: Communicator, arrays: Sequence, op,
+                            layout: "FusionLayout") -> list:
+    """:func:`fused_all_reduce_single` of one local replica's arrays given as one flat
+    list (``arrays[j]`` is tensor ``j``), whose shapes and dtypes the caller has read
+    into ``layout`` (:func:`layout_of`): no per-tensor rows are built or checked."""
+    if comm.num_local != 1:
+        raise ValueError(f"fused_all_reduce_arrays needs one local replica, but the "
+                         f"communicator has {comm.num_local}: use fused_all_reduce")
+    out: list = [None] * len(arrays)
+    for bucket, runs, reduced in _reduced_buckets(comm, None, op, None, layout,
+                                                  columns=(arrays,)):
+        views = _unpack_views(reduced[0], runs)
+        lo, hi = bucket[0], bucket[-1] + 1
+        if hi - lo == len(bucket):
+            out[lo:hi] = views
+        else:
+            for j, v in zip(bucket, views):
+                out[j] = v
+    return out
+
+
 def fused_all_reduce_flat(comm: Communicator, tensors: Sequence[Sequence], op,
                           bucket_bytes: int | None = None,
-                          layout: "FusionLayout | None" = None) -> list[tuple[list, list]]:
+                          layout: "FusionLayout | None" = None,
+                          shared: bool = False) -> list[tuple[list, list]]:
     """:func:`fused_all_reduce`, giving each bucket's reduced fusion buffers instead of
     one result per tensor: for code that works on the tensors of a bucket as one flat
     array (an optimizer updating all its variables with a few large operations).
@@ -203,11 +225,14 @@ def fused_all_reduce_flat(comm: Communicator, tensors: Sequence[Sequence], op,
         ``[(indices, buffers), ...]`` per bucket, in order: the tensor indices it holds
         and one 1-D reduced buffer per local replica, holding those tensors flattened,
         back to back. The buffers are the caller's; host buffers are slices of a pooled
-        arena that a later call reuses once nothing refers to them.
+        arena that a later call reuses once nothing refers to them. With ``shared``
+        (a caller that only reads them), local replicas on one host may get one
+        read-only buffer, the same object for all (see
+        :meth:`~gpustrat.collectives.base.Communicator.all_reduce_shared`).
     """
     return [(bucket, reduced)
             for bucket, _, reduced in _reduced_buckets(comm, tensors, op, bucket_bytes,
-                                                       layout)]
+                                                       layout, shared=shared)]
 
 
 def all_reduce_arenas(comm: Communicator, arenas: Sequence, op,
@@ -272,13 +297,16 @@ def check_layout(comm: Communicator, tensors: Sequence[Sequence],
     return tensors, layout_of(shapes, dtypes, int(bucket_bytes))
 
 
-def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout, arenas=None):
+def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout, arenas=None,
+                     shared: bool = False, columns=None):
     """Yield ``(bucket, how to cut it into tensors, reduced buffers)`` for each bucket:
-    ``tensors`` packed into fusion buffers, or the buckets' slices of ``arenas`` (one
-    per local replica) reduced in place."""
+    ``tensors`` (or ``columns``, ``columns[i][j]`` being tensor j of local replica i,
+    with ``layout`` given) packed into fusion buffers, or the buckets' slices of
+    ``arenas`` (one per local replica) reduced in place; ``shared``: the packed
+    buffers' reduction may be one read-only array for every local replica."""
     if type(op) is not ReduceOp:
         op = ReduceOp.from_value(op)
-    if arenas is None:
+    if arenas is None and columns is None:
         if not tensors:
             return
         if layout is None:
@@ -293,11 +321,16 @@ def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout, aren
                                  f"of dtype {dtype}")
             buffers = [a[start:start + total] for a in arenas]
         else:
-            rows = tensors[lo:hi] if hi else [tensors[j] for j in bucket]
+            if columns is None:
+                rows = tensors[lo:hi] if hi else [tensors[j] for j in bucket]
             buffers = []
             for i in range(n_local):
-                parts = list(map(_ITEMS[i], rows)) if i < len(_ITEMS) else \
-                    [row[i] for row in rows]
+                if columns is not None:
+                    col = columns[i]
+                    parts = col[lo:hi] if hi else [col[j] for j in bucket]
+                else:
+                    parts = list(map(_ITEMS[i], rows)) if i < len(_ITEMS) else \
+                        [row[i] for row in rows]
                 if is_gpu_array(parts[0]):
                     buffers.append(_pack_gpu(parts))
                     continue
@@ -307,7 +340,8 @@ def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout, aren
                 buffers.append(_pack_host(parts, arena[start:start + total]))
         # The packed buffers are ours: the backend may reduce in them, and the results
         # are views of them.
-        reduced = comm.all_reduce_inplace(buffers, op)
+        reduced = comm.all_reduce_shared(buffers, op) if shared else \
+            comm.all_reduce_inplace(buffers, op)
         if arenas is not None:
             # A backend that returned new arrays: the arenas hold the result all the same.
             for b, r in zip(buffers, reduced):

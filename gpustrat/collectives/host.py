@@ -79,6 +79,14 @@ class HostCommunicator(Communicator):
         return self._replicate(self.reduce(buffers, op))
 
     def all_reduce_inplace(self, buffers, op):
+        return self._reduce_into_first(buffers, op, shared=False)
+
+    def all_reduce_shared(self, buffers, op):
+        return self._reduce_into_first(buffers, op, shared=True)
+
+    def _reduce_into_first(self, buffers, op, shared: bool) -> list:
+        """Reduce into replica 0's buffer; the others get a copy of it in their own
+        buffer, or (``shared``) that buffer itself, made read-only."""
         if type(op) is not ReduceOp:
             op = ReduceOp.from_value(op)
         bufs = [to_host(b) for b in buffers]
@@ -96,6 +104,10 @@ class HostCommunicator(Communicator):
         out = self._across_workers_reduce(out, op)
         if op is ReduceOp.MEAN:
             out = divide(out, self.num_replicas)
+        if shared:
+            out = out.view()   # read-only for its readers; the buffer stays writeable
+            out.flags.writeable = False
+            return [out] * len(bufs)
         results = [out]
         for b in bufs[1:]:
             if b.dtype == out.dtype and b.flags.writeable:

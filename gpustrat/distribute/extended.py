@@ -15,12 +15,14 @@ All three are cross-replica operations; called in replica context they go throug
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from gpustrat.collectives.fusion import (check_layout, fused_all_reduce,
-                                         fused_all_reduce_single)
+                                         fused_all_reduce_arrays, fused_all_reduce_single,
+                                         layout_of)
 from gpustrat.distribute import context
 from gpustrat.distribute.collective_ops import as_array
 from gpustrat.distribute.distributed_variables import DistributedVariable, as_components
@@ -28,6 +30,8 @@ from gpustrat.reduce_util import ReduceOp
 from gpustrat.values import DistributedValues, Mirrored, regroup, select_replica
 
 _NOTHING = contextlib.nullcontext()
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
 
 
 class StrategyExtended:
@@ -127,7 +131,10 @@ class StrategyExtended:
         values = [value for value, _ in value_destination_pairs]
         if on_host and single and set(map(type, values)) == {np.ndarray}:
             # The common case (one replica's own host arrays, e.g. a gradient step's
-            # hundred gradients) needs no placement: checked in C, wrapped in one pass.
+            # hundred gradients) needs no placement and no rows per replica: their
+            # layout is read in C and they are packed from the list as given.
+            if len(values) > 1:
+                return self._reduce_host_arrays(op, values)
             tensors = list(zip(values))   # tensors[j] = (value j,): one per replica
             values = ()
         else:
@@ -160,6 +167,17 @@ class StrategyExtended:
                     return fused_all_reduce_single(comm, tensors, op, layout=layout)
                 out = fused_all_reduce(comm, tensors, op, layout=layout)
         return [r[0] if len(r) == 1 else Mirrored(r) for r in out]
+
+    def _reduce_host_arrays(self, op: ReduceOp, values: list) -> list:
+        """:meth:`batch_reduce_to` of several host arrays of a worker's one replica."""
+        strategy = self._strategy
+        layout = layout_of(list(map(_SHAPE, values)), list(map(_DTYPE, values)))
+        if layout.described is None:
+            layout.described = describe_shapes(layout.shapes, layout.dtypes)
+        agree = agreement(strategy, layout.described, f"batch_reduce_to({op.name})")
+        comm = strategy.communicator
+        with comm.agreeing(*agree) if agree else _NOTHING:
+            return fused_all_reduce_arrays(comm, values, op, layout)
 
 
 def _components(strategy, value: Any, op: ReduceOp) -> tuple:

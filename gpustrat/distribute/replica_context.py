@@ -132,7 +132,9 @@ class ReplicaContext:
             args, kwargs = items[0][1], items[0][2]
         else:
             args = _merge_args([a for _, a, _ in items])
-            kwargs = regroup([k for _, _, k in items], keep_shared=True)
+            kwargs = [k for _, _, k in items]
+            # No keyword arguments (the common merge): nothing to regroup.
+            kwargs = regroup(kwargs, keep_shared=True) if any(kwargs) else {}
         context.push(strategy, None)
         _merge.depth = getattr(_merge, "depth", 0) + 1
         try:

@@ -40,6 +40,9 @@ from gpustrat.optimizers import bfloat16
 from gpustrat.optimizers.plan import StepPlan, fresh_arrays, replica_devices
 
 _NO_CONTEXT = contextlib.nullcontext()
+#: What each step adds to ``iterations`` (read-only: shared by every step).
+_ONE = np.ones((), np.int64)
+_ONE.flags.writeable = False
 
 #: Wire types for ``compression``.
 COMPRESSIONS = {"float16": np.dtype(np.float16)}
@@ -367,10 +370,9 @@ class Optimizer:
                 if reduce:
                     tensors = self._reduce(plan, tensors, agree)
                 plan.step_each(self, tensors, lr, step)
-        one = np.ones((), np.int64)
         for c in (self._iterations.values if isinstance(self._iterations, DistributedVariable)
                   else (self._iterations,)):
-            c._write("assign_add", one)
+            c._write("assign_add", _ONE)
         self._remember_step(step)
 
     def _settings_agreement(self, lr: float, step: int) -> tuple:
@@ -466,9 +468,12 @@ class Optimizer:
             comm = plan.owner.communicator
             with comm.agreeing(*agree) if agree else _NO_CONTEXT:
                 # plan.gradients checked the shapes and dtypes: the fusion need not again.
+                # Uncompressed, the update only reads the sums: host replicas may share
+                # one (no copy per replica).
                 buckets = fused_all_reduce_flat(comm, packed, ReduceOp.SUM,
                                                 layout=None if wire is not None else
-                                                layout_of(plan.shapes, plan.dtypes))
+                                                layout_of(plan.shapes, plan.dtypes),
+                                                shared=wire is None)
             if wire is not None:
                 buckets = [(b, [_cast(x, plan.dtypes[0]) for x in bufs])
                            for b, bufs in buckets]
@@ -489,8 +494,18 @@ class Optimizer:
         """Update ``param`` (of the variable called ``name``) in place from the summed
         ``grad``; ``slots`` maps slot names to this replica's slot arrays (updated in
         place too); ``step`` counts from 1. ``param`` may be the flattened values of
-        several variables at once (``name`` None; see :meth:`flat_ok`)."""
+        several variables at once (``name`` None; see :meth:`flat_ok`). ``grad`` is
+        read-only: the local replicas may share it."""
         raise NotImplementedError
+
+    def update_replicas(self, params: list, grad, slots: list, lr: float, step: int
+                        ) -> None:
+        """:meth:`update_step` of every local host replica's flattened values
+        (``params[i]``, ``slots[i]``) from one summed ``grad`` they share (read-only).
+        An algorithm may override it to compute what the replicas share once, giving
+        the same values as one ``update_step`` per replica."""
+        for param, s in zip(params, slots):
+            self.update_step(param, grad, s, lr, step, None)
 
     def get_config(self) -> dict:
         return {"name": self.name, "learning_rate": self._learning_rate,

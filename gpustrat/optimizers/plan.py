@@ -294,6 +294,14 @@ class FlatArenas:
         update = optimizer.update_step
         for indices, grads in buckets:
             lo, hi = self.offsets[indices[0]], self.offsets[indices[-1] + 1]
+            if len(grads) > 1 and not self.plan.gpu and \
+                    all(g is grads[0] for g in grads):
+                # One summed gradient for every local replica (a host reduction's).
+                optimizer.update_replicas(
+                    [p[lo:hi] for p in self.params], grads[0],
+                    [{s: a[lo:hi] for s, a in slots.items()} for slots in self.slots],
+                    lr, step)
+                continue
             for i, grad in enumerate(grads):
                 dev = self.plan.devices[i][0]
                 with dev.activate() if dev.is_gpu else _NO_CONTEXT:

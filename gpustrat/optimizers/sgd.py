@@ -29,14 +29,26 @@ class SGD(Optimizer):
         super().__init__(learning_rate, name, compression)
 
     def update_step(self, param, grad, slots, lr, step, name):
+        self._descend(param, slots, lr * grad)
+
+    def update_replicas(self, params, grad, slots, lr, step):
+        if type(self).update_step is not SGD.update_step:   # a subclass's own update
+            super().update_replicas(params, grad, slots, lr, step)
+            return
+        step_size = lr * grad   # the replicas' common term, computed once
+        for param, s in zip(params, slots):
+            self._descend(param, s, step_size)
+
+    def _descend(self, param, slots, step_size) -> None:
+        """The update given ``step_size = lr * grad``."""
         if not self.momentum:
-            param -= lr * grad
+            param -= step_size
             return
         m = slots["momentum"]
         m *= self.momentum
-        m -= lr * grad
+        m -= step_size
         if self.nesterov:
-            param += self.momentum * m - lr * grad
+            param += self.momentum * m - step_size
         else:
             param += m
 

@@ -50,12 +50,11 @@ def test_one_fused_reduction_per_step(monkeypatch):
     from gpustrat.collectives import host
     strategy = gs.MirroredStrategy(["cpu:0", "cpu:1"])
     calls = []
-    real = host.HostCommunicator.all_reduce_inplace
-
-    def counting(self, buffers, op):
-        calls.append(len(buffers))
-        return real(self, buffers, op)
-    monkeypatch.setattr(host.HostCommunicator, "all_reduce_inplace", counting)
+    for name in ("all_reduce_inplace", "all_reduce_shared"):
+        def counting(self, buffers, op, real=getattr(host.HostCommunicator, name)):
+            calls.append(len(buffers))
+            return real(self, buffers, op)
+        monkeypatch.setattr(host.HostCommunicator, name, counting)
     try:
         with strategy.scope():
             vs = [gs.Variable(np.zeros(5, np.float32)) for _ in range(20)]
@@ -285,3 +284,58 @@ def test_warm_step_still_checks_each_replica_and_each_pair():
         assert int(opt.iterations) == 2
     finally:
         strategy.close()
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"momentum": 0.9}, {"momentum": 0.5, "nesterov": True}])
+def test_sgd_updates_replicas_sharing_a_gradient_as_one_update_each(kwargs):
+    opt = gs.optimizers.SGD(0.03, **kwargs)
+    rng = np.random.default_rng(3)
+    grad = rng.standard_normal(50).astype(np.float32)
+    grad.flags.writeable = False
+    params = [rng.standard_normal(50).astype(np.float32) for _ in range(3)]
+    slots = [{s: rng.standard_normal(50).astype(np.float32) for s in opt.slot_names}
+             for _ in range(3)]
+    want_p = [p.copy() for p in params]
+    want_s = [{k: v.copy() for k, v in s.items()} for s in slots]
+    for p, s in zip(want_p, want_s):
+        opt.update_step(p, grad, s, 0.03, 1, None)
+    opt.update_replicas(params, grad, slots, 0.03, 1)
+    for p, w in zip(params, want_p):
+        np.testing.assert_array_equal(p, w)          # bit for bit
+    for s, w in zip(slots, want_s):
+        for k in s:
+            np.testing.assert_array_equal(s[k], w[k])
+
+
+def test_an_update_that_writes_its_shared_gradient_raises():
+    class Scaling(gs.optimizers.SGD):
+        def update_step(self, param, grad, slots, lr, step, name):
+            grad *= 2                              # the gradient is read-only
+            super().update_step(param, grad, slots, lr, step, name)
+
+    strategy = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    try:
+        with strategy.scope():
+            v = gs.Variable(np.zeros(3, np.float32))
+            opt = Scaling(0.1)
+        with pytest.raises(ValueError, match="read-only"):
+            strategy.run(lambda: opt.apply_gradients([(np.ones(3, np.float32), v)]))
+    finally:
+        strategy.close()
+
+
+def test_a_subclass_update_step_is_used_for_replicas_sharing_a_gradient():
+    class Doubling(gs.optimizers.SGD):
+        def update_step(self, param, grad, slots, lr, step, name):
+            super().update_step(param, 2 * grad, slots, lr, step, name)
+
+    strategy = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    try:
+        with strategy.scope():
+            v = gs.Variable(np.zeros(3, np.float32))
+            opt = Doubling(0.25)
+        strategy.run(lambda: opt.apply_gradients([(np.ones(3, np.float32), v)]))
+    finally:
+        strategy.close()
+    for c in strategy.experimental_local_results(v):
+        np.testing.assert_array_equal(c.numpy(), [-1.0, -1.0, -1.0])   # 0.25 * 2 * (1 + 1)
