@@ -26,6 +26,7 @@ receives a variable's bytes from MPI straight into the answer to its process).
 from __future__ import annotations
 
 import array
+import math
 import mmap
 import os
 import pickle
@@ -44,11 +45,17 @@ _ARENA_MIN = 1 << 20
 _ALIGN = 64
 
 
+def _count(shape) -> int:
+    """The number of elements of an array of ``shape`` (``math.prod``: a NumPy
+    reduction costs microseconds per message)."""
+    return int(math.prod(shape))
+
+
 class _Layout:
     """An array's size, for :func:`_offsets` before the array exists."""
 
     def __init__(self, dtype, shape):
-        self.nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        self.nbytes = _count(shape) * np.dtype(dtype).itemsize
 
 
 def _offsets(arrays: list) -> tuple[list, int]:
@@ -127,8 +134,8 @@ class Pipe:
         offsets, total = _offsets([_Layout(dt, shape) for dt, shape in layouts])
         if not (self._arena_free(total) and self._reserve(total)):
             return None
-        return [np.frombuffer(self._out, np.dtype(dt), int(np.prod(shape, dtype=np.int64)),
-                              at).reshape(shape) for (dt, shape), at in zip(layouts, offsets)]
+        return [np.frombuffer(self._out, np.dtype(dt), _count(shape), at).reshape(shape)
+                for (dt, shape), at in zip(layouts, offsets)]
 
     def _arena_free(self, nbytes: int) -> bool:
         """Whether a message of ``nbytes`` of arrays may go through this end's arena:
@@ -185,8 +192,8 @@ class Pipe:
         if in_arena:
             self._taken += 1
             if views:
-                return header, [np.frombuffer(self._in, np.dtype(dt), int(np.prod(
-                    shape, dtype=np.int64)), at).reshape(shape)
+                return header, [
+                    np.frombuffer(self._in, np.dtype(dt), _count(shape), at).reshape(shape)
                     for (dt, shape), at in zip(ms, _layout_offsets(ms))]
         arrays = empty_like_metas(ms)
         if in_arena:
