@@ -172,6 +172,17 @@ def fused_all_reduce(comm: Communicator, tensors: Sequence[Sequence], op,
     return out
 
 
+def _place(out: list, bucket: Sequence[int], views: list) -> None:
+    """``out[j] = views[k]`` for the k-th tensor ``j`` of ``bucket`` (one slice when the
+    bucket's tensors are consecutive)."""
+    lo, hi = bucket[0], bucket[-1] + 1
+    if hi - lo == len(bucket):
+        out[lo:hi] = views
+    else:
+        for j, v in zip(bucket, views):
+            out[j] = v
+
+
 def fused_all_reduce_single(comm: Communicator, tensors: Sequence[Sequence], op,
                             bucket_bytes: int | None = None,
                             layout: "FusionLayout | None" = None) -> list:
@@ -182,13 +193,7 @@ def fused_all_reduce_single(comm: Communicator, tensors: Sequence[Sequence], op,
                          f"communicator has {comm.num_local}: use fused_all_reduce")
     out: list = [None] * len(tensors)
     for bucket, runs, reduced in _reduced_buckets(comm, tensors, op, bucket_bytes, layout):
-        views = _unpack_views(reduced[0], runs)
-        lo, hi = bucket[0], bucket[-1] + 1
-        if hi - lo == len(bucket):
-            out[lo:hi] = views
-        else:
-            for j, v in zip(bucket, views):
-                out[j] = v
+        _place(out, bucket, _unpack_views(reduced[0], runs))
     return out
 
 
@@ -203,13 +208,7 @@ def fused_all_reduce_arrays(comm: Communicator, arrays: Sequence, op,
     out: list = [None] * len(arrays)
     for bucket, runs, reduced in _reduced_buckets(comm, None, op, None, layout,
                                                   columns=(arrays,)):
-        views = _unpack_views(reduced[0], runs)
-        lo, hi = bucket[0], bucket[-1] + 1
-        if hi - lo == len(bucket):
-            out[lo:hi] = views
-        else:
-            for j, v in zip(bucket, views):
-                out[j] = v
+        _place(out, bucket, _unpack_views(reduced[0], runs))
     return out
 
 
