@@ -340,7 +340,7 @@ def test_a_training_loop_frees_its_pieces_and_temporaries_without_the_garbage_co
     # a block kept per step would add 20 over the steady steps.
     steady = in_use[2:-2]
     assert max(steady) - min(steady) <= 8, str(in_use)
-    assert in_use[-1] < min(steady), str(in_use)
+    assert in_use[-1] <= min(steady), str(in_use)   # no more held once the data ends
     for w in ws:
         np.testing.assert_allclose(w, _reference(x, y), rtol=1e-5)
 
