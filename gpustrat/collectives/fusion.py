@@ -135,6 +135,23 @@ def _as_arrays(tensors):
              for t in row] for row in tensors]
 
 
+def _check_one_local(comm: Communicator, name: str) -> None:
+    if comm.num_local != 1:
+        raise ValueError(f"{name} needs one local replica, but the communicator has "
+                         f"{comm.num_local}: use fused_all_reduce")
+
+
+def _place(out: list, bucket: Sequence[int], views: list) -> None:
+    """``out[j] = views[k]`` for the k-th tensor ``j`` of ``bucket`` (one slice when the
+    bucket's tensors are consecutive)."""
+    lo, hi = bucket[0], bucket[-1] + 1
+    if hi - lo == len(bucket):
+        out[lo:hi] = views
+    else:
+        for j, v in zip(bucket, views):
+            out[j] = v
+
+
 def fused_all_reduce(comm: Communicator, tensors: Sequence[Sequence], op,
                      bucket_bytes: int | None = None,
                      layout: "FusionLayout | None" = None) -> list[list]:
@@ -162,25 +179,8 @@ def fused_all_reduce(comm: Communicator, tensors: Sequence[Sequence], op,
     for bucket, runs, reduced in _reduced_buckets(comm, tensors, op, bucket_bytes, layout):
         per_replica = [_unpack_views(r, runs) for r in reduced]
         # map/zip run in C: one list per tensor without a Python-level loop body.
-        per_tensor = list(map(list, zip(*per_replica)))
-        lo, hi = bucket[0], bucket[-1] + 1
-        if hi - lo == len(bucket):
-            out[lo:hi] = per_tensor
-        else:
-            for j, results in zip(bucket, per_tensor):
-                out[j] = results
+        _place(out, bucket, list(map(list, zip(*per_replica))))
     return out
-
-
-def _place(out: list, bucket: Sequence[int], views: list) -> None:
-    """``out[j] = views[k]`` for the k-th tensor ``j`` of ``bucket`` (one slice when the
-    bucket's tensors are consecutive)."""
-    lo, hi = bucket[0], bucket[-1] + 1
-    if hi - lo == len(bucket):
-        out[lo:hi] = views
-    else:
-        for j, v in zip(bucket, views):
-            out[j] = v
 
 
 def fused_all_reduce_single(comm: Communicator, tensors: Sequence[Sequence], op,
@@ -188,9 +188,7 @@ def fused_all_reduce_single(comm: Communicator, tensors: Sequence[Sequence], op,
                             layout: "FusionLayout | None" = None) -> list:
     """:func:`fused_all_reduce` for a communicator with one local replica: ``out[j]`` is
     tensor ``j``'s result itself (not a list of one)."""
-    if comm.num_local != 1:
-        raise ValueError(f"fused_all_reduce_single needs one local replica, but the "
-                         f"communicator has {comm.num_local}: use fused_all_reduce")
+    _check_one_local(comm, "fused_all_reduce_single")
     out: list = [None] * len(tensors)
     for bucket, runs, reduced in _reduced_buckets(comm, tensors, op, bucket_bytes, layout):
         _place(out, bucket, _unpack_views(reduced[0], runs))
@@ -202,9 +200,7 @@ def fused_all_reduce_arrays(comm: Communicator, arrays: Sequence, op,
     """:func:`fused_all_reduce_single` of one local replica's arrays given as one flat
     list (``arrays[j]`` is tensor ``j``), whose shapes and dtypes the caller has read
     into ``layout`` (:func:`layout_of`): no per-tensor rows are built or checked."""
-    if comm.num_local != 1:
-        raise ValueError(f"fused_all_reduce_arrays needs one local replica, but the "
-                         f"communicator has {comm.num_local}: use fused_all_reduce")
+    _check_one_local(comm, "fused_all_reduce_arrays")
     out: list = [None] * len(arrays)
     for bucket, runs, reduced in _reduced_buckets(comm, None, op, None, layout,
                                                   columns=(arrays,)):
