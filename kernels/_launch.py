@@ -228,7 +228,7 @@ def order_after_current(cp, nstream) -> None:
     stream of the current device, where the launch's CuPy inputs were written."""
     current = cp.cuda.get_current_stream()
     if stream_handle(nstream) != stream_handle(current):
-        cp.cuda.ExternalStream(stream_handle(nstream)).wait_event(current.record())
+        external_cupy_stream(cp, stream_handle(nstream)).wait_event(current.record())
 
 
 def _is_cupy(x) -> bool:

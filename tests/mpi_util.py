@@ -25,6 +25,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def repo_env(base: dict | None = None, **extra) -> dict:
+    """``base`` (the environment by default) with the repository first on PYTHONPATH,
+    keeping what PYTHONPATH held (where a launch put its packages), plus ``extra``."""
+    env = dict(os.environ if base is None else base, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
 @functools.lru_cache(maxsize=None)
 def mpiexec_path() -> str | None:
     """The ``mpiexec`` beside ``sys.executable`` (the venv's MPICH wheel), else on PATH."""
@@ -84,9 +92,7 @@ def run_mpi(n: int, script: str, timeout: float = 120, env: dict | None = None,
     child_env["OMP_NUM_THREADS"] = "1"
     # Unbuffered output writes a print's pieces separately, interleaving the ranks.
     child_env.pop("PYTHONUNBUFFERED", None)
-    child_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO), child_env.get("PYTHONPATH", "")) if p)
-    child_env.update(env or {})
+    child_env = repo_env(child_env, **(env or {}))
     with tempfile.TemporaryDirectory(prefix="gpustrat-mpi-") as tmp:
         path = Path(tmp) / "child.py"
         path.write_text(textwrap.dedent(script))

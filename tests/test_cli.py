@@ -4,7 +4,6 @@ with timeouts) and print well-formed output; every benchmark suite runs in quick
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ for mpi_util
-from mpi_util import assert_mpi_ok, run_mpi  # noqa: E402
+from mpi_util import assert_mpi_ok, repo_env, run_mpi  # noqa: E402
 
 import gpustrat  # noqa: E402
 from gpustrat import cli, devices  # noqa: E402
@@ -26,9 +25,7 @@ EPOCH_LINE = re.compile(r"^epoch (\d+)/(\d+)  loss (\d+\.\d+)  ([\d,]+) samples/
 
 
 def gpustrat_cmd(*args, timeout=120, env=None) -> subprocess.CompletedProcess:
-    child_env = dict(os.environ, **(env or {}))
-    child_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO), child_env.get("PYTHONPATH", "")) if p)
+    child_env = repo_env(**(env or {}))
     return subprocess.run([sys.executable, "-m", "gpustrat", *args], capture_output=True,
                           text=True, timeout=timeout, env=child_env, cwd=REPO)
 

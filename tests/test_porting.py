@@ -4,7 +4,6 @@ every line that uses tf.distribute or tf.data ports by the namespace change alon
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ for mpi_util
-from mpi_util import assert_mpi_ok  # noqa: E402
+from mpi_util import assert_mpi_ok, repo_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = (REPO / "docs" / "porting.md").read_text()
@@ -47,7 +46,7 @@ def port_line(line: str) -> str:
 
 
 def run_port(source: str, epilogue: str = "") -> list[str]:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
+    env = repo_env(CUDA_VISIBLE_DEVICES="")
     env.pop("PYTHONUNBUFFERED", None)
     proc = subprocess.run([sys.executable, "-c", source + "\n" + epilogue],
                           capture_output=True, text=True, timeout=120, env=env, cwd=REPO)

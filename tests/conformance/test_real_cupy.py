@@ -25,6 +25,8 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO / "tests"))
+from mpi_util import repo_env  # noqa: E402
 from cupy_probe import COVERED_ELSEWHERE, ENTRY_POINTS  # noqa: E402
 from install_cupy import TARGETS  # noqa: E402
 
@@ -261,7 +263,7 @@ def test_info_without_cupy_says_nccl_is_not_loaded():
          "u.find_spec = lambda n, *a: None if n.split('.')[0] == 'cupy' else real(n, *a)\n"
          "from gpustrat.cli import collect_info; print(json.dumps(collect_info()))"],
         capture_output=True, text=True, timeout=120, cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=str(REPO)))
+        env=repo_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     info = json.loads(proc.stdout)
     assert info["nccl"] == "not loaded (CuPy not installed)"

@@ -14,6 +14,8 @@ import pytest
 from gpustrat.data import Dataset
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))  # for mpi_util
+from mpi_util import repo_env  # noqa: E402
 
 # Reads part of a file-cached dataset, so that its pass holds the lock, then says so
 # and waits for stdin to close; then dies without any cleanup.
@@ -29,8 +31,7 @@ os._exit(1)
 
 
 def start_writer(path: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+    env = repo_env()
     proc = subprocess.Popen([sys.executable, "-c", WRITER, path], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env)
     try:

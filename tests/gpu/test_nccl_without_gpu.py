@@ -22,11 +22,11 @@ from gpustrat.errors import CollectiveTimeout
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from mpi_util import assert_mpi_ok  # noqa: E402
+from mpi_util import assert_mpi_ok, repo_env  # noqa: E402
 
 
 def run_python(code: str, env=None) -> subprocess.CompletedProcess:
-    child_env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
+    child_env = repo_env(**(env or {}))
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=child_env, timeout=120)
 
@@ -355,7 +355,7 @@ def test_gpu_tests_fail_when_a_gpu_is_required():
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
          str(HERE / "test_gpu_kernels.py")],
         capture_output=True, text=True, timeout=300, cwd=REPO,
-        env=dict(os.environ, GPUSTRAT_TEST_GPU="1", PYTHONPATH=str(REPO)))
+        env=repo_env(GPUSTRAT_TEST_GPU="1"))
     assert proc.returncode != 0
     assert "GPUSTRAT_TEST_GPU=1 says a GPU must be present" in proc.stdout, proc.stdout[-2000:]
     # Without the variable they run on the stream-ordering sanitizer's fake GPUs.
@@ -363,8 +363,7 @@ def test_gpu_tests_fail_when_a_gpu_is_required():
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
          "-rs", "-k", "scatter", str(HERE / "test_gpu_kernels.py")],
         capture_output=True, text=True, timeout=300, cwd=REPO,
-        env={k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO)).items()
-             if k != "GPUSTRAT_TEST_GPU"})
+        env={k: v for k, v in repo_env().items() if k != "GPUSTRAT_TEST_GPU"})
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-2000:]
 
 

@@ -3,7 +3,6 @@ and the observed TensorFlow outputs. No Numba needed."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,8 @@ from gpustrat.kernels.split import split_reference, split_sizes
 from gpustrat.kernels.sum_buffers import sum_buffers_reference
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))  # for mpi_util
+from mpi_util import repo_env  # noqa: E402
 
 
 @given(n=st.integers(0, 10_000), replicas=st.integers(1, 300))
@@ -95,7 +96,7 @@ def test_split_sizes_imports_without_numba():
             "assert split_sizes(10, 4) == [3, 3, 3, 1]\n"
             "assert 'numba.cuda' not in sys.modules\n"
             "print('OK')\n")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = repo_env()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr

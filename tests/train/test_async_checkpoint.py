@@ -18,6 +18,8 @@ from gpustrat.train import saving
 
 ASYNC = gs.train.CheckpointOptions(enable_async=True)
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))  # for mpi_util
+from mpi_util import repo_env  # noqa: E402
 
 
 @pytest.fixture
@@ -179,7 +181,7 @@ print("returned", flush=True)
 
 
 def test_the_end_of_the_program_finishes_a_save_in_flight(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = repo_env()
     out = subprocess.run([sys.executable, "-c", EXIT, str(tmp_path)], capture_output=True,
                          text=True, timeout=120, env=env, cwd=str(tmp_path))
     assert out.returncode == 0 and "returned" in out.stdout, out
