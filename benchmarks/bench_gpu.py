@@ -78,6 +78,15 @@ def _check(name, got, want):
             raise AssertionError(f"{name}: the GPU result differs from the NumPy reference")
 
 
+def _numba_view(x):
+    """``x`` as a Numba device array (None on the sanitizer's fake GPUs)."""
+    from gpustrat.devices import numba_cuda
+    cuda = numba_cuda()
+    if getattr(cuda, "is_fake", False):
+        return None
+    return cuda.as_cuda_array(x)
+
+
 def bench_kernels(cp, nbytes: int, repeats: int) -> list[dict]:
     from gpustrat.kernels.pack import pack, pack_reference, unpack, unpack_reference
     from gpustrat.kernels.split import split, split_reference
@@ -103,6 +112,14 @@ def bench_kernels(cp, nbytes: int, repeats: int) -> list[dict]:
     res = split(batch, replicas)
     _check("split", res.pieces, split_reference(host, replicas).pieces)
     row("split", time_gpu(cp, lambda: split(batch, replicas), repeats), 2 * batch.nbytes)
+    # A Numba array takes the kernel (a CuPy batch without a gather is split with
+    # device copies and memsets).
+    kernel_batch = _numba_view(batch)
+    if kernel_batch is not None:
+        _check("split kernel", [cp.asarray(p) for p in split(kernel_batch, replicas).pieces],
+               split_reference(host, replicas).pieces)
+        row("split (kernel)", time_gpu(cp, lambda: split(kernel_batch, replicas), repeats),
+            2 * batch.nbytes)
     row("cupy: split = views + copy", time_gpu(cp, lambda: [
         batch[a:a + c].copy() for a, c in zip(
             np.cumsum([0] + split_reference(host[:, :1], replicas).counts[:-1]),

@@ -11,19 +11,20 @@ Words:
 Algorithm: the K tensors are separate allocations on one device. The launcher builds a
 *window* (see ``kernels/_launch.py``), one 1-D array spanning all of them, plus a
 ``(3, K)`` int64 table of each tensor's offset in the window, its size and its start in
-the buffer. The grid is 1-D over the buffer's elements: thread ``g`` (in a grid-stride
-loop) finds the tensor holding buffer element ``g`` by a binary search over the starts
-(the last tensor ``k`` with ``starts[k] <= g``; empty tensors are skipped by that rule)
-and copies one element. Consecutive threads copy consecutive elements of one tensor
-(coalesced), and every block has work whatever the mix of sizes: a 2-D grid of
-tensors x elements, sized by the largest tensor, would launch K times the blocks of the
-largest tensor, most of them idle (ResNet-50's 161 gradients, 256 threads a block:
-1,483,776 blocks of which 99,851 have work; the 1-D grid needs 99,833 and launches
-65,536, the cap of ``launch_config``, whose threads take 1.5 elements each). A thread's
-elements increase along its loop, so its previous tensor bounds the next search from
-below. The search costs about ``log2(K)`` loads from a table that stays in L1, well
-within the arithmetic a memory-bound copy leaves idle. Unpack is the same walk with
-source and destination exchanged.
+the buffer. The grid is 1-D over the buffer: block ``b`` moves the *chunk* of elements
+``b * chunk .. (b + 1) * chunk - 1`` (``chunk = threads * UNROLL * PASSES``), so every
+block has work whatever the mix of sizes (a 2-D grid of tensors x elements, sized by
+the largest tensor, would launch K times the blocks of the largest tensor, most of
+them idle: ResNet-50's 161 gradients, 256 threads a block, 1,483,776 blocks of which
+99,851 have work). Thread ``t`` of a block takes elements ``t``, ``t + threads``, ... of
+its chunk (consecutive threads, consecutive elements: coalesced). It finds the tensor
+holding its first element by a binary search over the starts (the last tensor ``k``
+with ``starts[k] <= g``; empty tensors are skipped by that rule), once per launch,
+then walks forward: its elements increase, so the next element's tensor is the same
+one or a later one, found by comparing with where the next tensor starts. Each pass
+issues the loads of ``UNROLL`` elements before their stores: one load in flight per
+thread leaves the memory system idle (a copy needs tens of kilobytes in flight per
+multiprocessor). Unpack is the same walk with source and destination exchanged.
 """
 
 from __future__ import annotations
@@ -40,6 +41,14 @@ cuda = None
 
 # --- kernels ---------------------------------------------------------------------------
 
+#: Elements of the buffer each thread moves per pass, loads first: one load per thread
+#: in flight leaves a GPU's memory idle (a copy needs tens of kilobytes in flight per
+#: multiprocessor), four keep it busy.
+UNROLL = 4
+#: Passes of one block over its chunk of the buffer.
+PASSES = 8
+
+
 def _tensor_at(table, g, lo):
     """The tensor ``k >= lo`` holding buffer element ``g``: the last ``k`` with
     ``starts[k] <= g`` (a device function)."""
@@ -53,57 +62,161 @@ def _tensor_at(table, g, lo):
     return lo
 
 
-def _pack_copy(win, table, out):
+def _next_start(table, k, total):
+    """Where the tensor after ``k`` starts in the buffer (``total`` after the last)."""
+    if k < table.shape[1] - 1:
+        return table[2, k + 1]
+    return total
+
+
+def _walk(table, g, k, nxt, shift, total):
+    """Tensor ``k`` (its successor starting at ``nxt``; ``shift`` = its window offset
+    minus its buffer start) walked forward to the tensor holding element ``g``."""
+    while g >= nxt:
+        k += 1
+        nxt = _next_start(table, k, total)
+        shift = table[0, k] - table[2, k]
+    return k, nxt, shift
+
+
+def _chunk_start(table, chunk, block, thread):
+    """Thread ``thread`` of block ``block``: its first element, its block's end, the
+    buffer's size, and the tensor holding that element (``k``, ``nxt``, ``shift`` as
+    :func:`_walk` takes them)."""
+    last = table.shape[1] - 1
+    total = table[2, last] + table[1, last]
+    start = block * chunk
+    end = min(start + chunk, total)
+    g = start + thread
+    k = _tensor_at(table, min(g, total - 1), 0)
+    return g, end, total, k, _next_start(table, k, total), table[0, k] - table[2, k]
+
+
+def _pack_copy(win, table, out, chunk):
     """out[g] = win[offsets[k] + g - starts[k]] for every element g of the buffer."""
-    last = table.shape[1] - 1
-    total = table[2, last] + table[1, last]
-    k = 0
-    for g in range(cuda.grid(1), total, cuda.gridsize(1)):
-        k = _tensor_at(table, g, k)
-        out[g] = win[table[0, k] + g - table[2, k]]
+    g, end, total, k, nxt, shift = _chunk_start(table, chunk, cuda.blockIdx.x,
+                                                  cuda.threadIdx.x)
+    step = cuda.blockDim.x
+    while g + (UNROLL - 1) * step < end:
+        k, nxt, shift = _walk(table, g, k, nxt, shift, total)
+        a0 = shift + g
+        k, nxt, shift = _walk(table, g + step, k, nxt, shift, total)
+        a1 = shift + g + step
+        k, nxt, shift = _walk(table, g + 2 * step, k, nxt, shift, total)
+        a2 = shift + g + 2 * step
+        k, nxt, shift = _walk(table, g + 3 * step, k, nxt, shift, total)
+        a3 = shift + g + 3 * step
+        v0 = win[a0]
+        v1 = win[a1]
+        v2 = win[a2]
+        v3 = win[a3]
+        out[g] = v0
+        out[g + step] = v1
+        out[g + 2 * step] = v2
+        out[g + 3 * step] = v3
+        g += UNROLL * step
+    while g < end:
+        k, nxt, shift = _walk(table, g, k, nxt, shift, total)
+        out[g] = win[shift + g]
+        g += step
 
 
-def _pack_scaled(win, table, out, scale):
+def _pack_scaled(win, table, out, chunk, scale):
     """out[g] = win[offsets[k] + g - starts[k]] * scale."""
-    last = table.shape[1] - 1
-    total = table[2, last] + table[1, last]
-    k = 0
-    for g in range(cuda.grid(1), total, cuda.gridsize(1)):
-        k = _tensor_at(table, g, k)
-        out[g] = win[table[0, k] + g - table[2, k]] * scale
+    g, end, total, k, nxt, shift = _chunk_start(table, chunk, cuda.blockIdx.x,
+                                                  cuda.threadIdx.x)
+    step = cuda.blockDim.x
+    while g + (UNROLL - 1) * step < end:
+        k, nxt, shift = _walk(table, g, k, nxt, shift, total)
+        a0 = shift + g
+        k, nxt, shift = _walk(table, g + step, k, nxt, shift, total)
+        a1 = shift + g + step
+        k, nxt, shift = _walk(table, g + 2 * step, k, nxt, shift, total)
+        a2 = shift + g + 2 * step
+        k, nxt, shift = _walk(table, g + 3 * step, k, nxt, shift, total)
+        a3 = shift + g + 3 * step
+        v0 = win[a0]
+        v1 = win[a1]
+        v2 = win[a2]
+        v3 = win[a3]
+        out[g] = v0 * scale
+        out[g + step] = v1 * scale
+        out[g + 2 * step] = v2 * scale
+        out[g + 3 * step] = v3 * scale
+        g += UNROLL * step
+    while g < end:
+        k, nxt, shift = _walk(table, g, k, nxt, shift, total)
+        out[g] = win[shift + g] * scale
+        g += step
 
 
-def _unpack_copy(buf, table, win):
+def _unpack_copy(buf, table, win, chunk):
     """win[offsets[k] + g - starts[k]] = buf[g] for every element g of the buffer."""
-    last = table.shape[1] - 1
-    total = table[2, last] + table[1, last]
-    k = 0
-    for g in range(cuda.grid(1), total, cuda.gridsize(1)):
-        k = _tensor_at(table, g, k)
-        win[table[0, k] + g - table[2, k]] = buf[g]
+    g, end, total, k, nxt, shift = _chunk_start(table, chunk, cuda.blockIdx.x,
+                                                  cuda.threadIdx.x)
+    step = cuda.blockDim.x
+    while g + (UNROLL - 1) * step < end:
+        v0 = buf[g]
+        v1 = buf[g + step]
+        v2 = buf[g + 2 * step]
+        v3 = buf[g + 3 * step]
+        k, nxt, shift = _walk(table, g, k, nxt, shift, total)
+        win[shift + g] = v0
+        k, nxt, shift = _walk(table, g + step, k, nxt, shift, total)
+        win[shift + g + step] = v1
+        k, nxt, shift = _walk(table, g + 2 * step, k, nxt, shift, total)
+        win[shift + g + 2 * step] = v2
+        k, nxt, shift = _walk(table, g + 3 * step, k, nxt, shift, total)
+        win[shift + g + 3 * step] = v3
+        g += UNROLL * step
+    while g < end:
+        k, nxt, shift = _walk(table, g, k, nxt, shift, total)
+        win[shift + g] = buf[g]
+        g += step
 
 
-def _unpack_scaled(buf, table, win, scale):
+def _unpack_scaled(buf, table, win, chunk, scale):
     """win[offsets[k] + g - starts[k]] = buf[g] * scale."""
-    last = table.shape[1] - 1
-    total = table[2, last] + table[1, last]
-    k = 0
-    for g in range(cuda.grid(1), total, cuda.gridsize(1)):
-        k = _tensor_at(table, g, k)
-        win[table[0, k] + g - table[2, k]] = buf[g] * scale
+    g, end, total, k, nxt, shift = _chunk_start(table, chunk, cuda.blockIdx.x,
+                                                  cuda.threadIdx.x)
+    step = cuda.blockDim.x
+    while g + (UNROLL - 1) * step < end:
+        v0 = buf[g]
+        v1 = buf[g + step]
+        v2 = buf[g + 2 * step]
+        v3 = buf[g + 3 * step]
+        k, nxt, shift = _walk(table, g, k, nxt, shift, total)
+        win[shift + g] = v0 * scale
+        k, nxt, shift = _walk(table, g + step, k, nxt, shift, total)
+        win[shift + g + step] = v1 * scale
+        k, nxt, shift = _walk(table, g + 2 * step, k, nxt, shift, total)
+        win[shift + g + 2 * step] = v2 * scale
+        k, nxt, shift = _walk(table, g + 3 * step, k, nxt, shift, total)
+        win[shift + g + 3 * step] = v3 * scale
+        g += UNROLL * step
+    while g < end:
+        k, nxt, shift = _walk(table, g, k, nxt, shift, total)
+        win[shift + g] = buf[g] * scale
+        g += step
 
 
 #: dtypes the kernels are compiled for (scaled variants: the floating ones).
 DTYPES = ("float16", "float32", "float64", "int8", "uint8", "int32", "uint32",
           "int64", "uint64")
 SCALED_DTYPES = ("float16", "float32", "float64")
-_kernels = _launch.LazyKernels(globals(), device_functions=("_tensor_at",))
+_kernels = _launch.LazyKernels(
+    globals(), device_functions=("_tensor_at", "_next_start", "_walk", "_chunk_start"))
 
 
 def launch_config(total: int, threads: int | None = None):
-    """``(grid, block)`` of a pack or unpack of ``total`` elements: 1-D, one thread per
-    element up to ``_launch.MAX_USEFUL_GRID_X`` blocks (then a grid-stride loop)."""
-    return _launch.launch_config_1d(total, threads or _launch.env_threads())
+    """``(grid, block, chunk)`` of a pack or unpack of ``total`` elements: block ``b``
+    moves buffer elements ``b * chunk .. (b + 1) * chunk - 1``, ``PASSES`` passes of
+    ``UNROLL`` elements per thread, so ``grid = ceil(total / chunk)`` (at least 1)."""
+    block = threads or _launch.env_threads()
+    if block < 1 or block > 1024:
+        raise ValueError(f"threads per block must be in 1..1024, got {block}")
+    chunk = block * UNROLL * PASSES
+    return max(-(-int(total) // chunk), 1), block, chunk
 
 
 def ptx_signatures():
@@ -115,11 +228,11 @@ def ptx_signatures():
     for name in DTYPES:
         t = getattr(types, name)
         arr = types.Array(t, 1, "C")
-        out.append((_pack_copy, (arr, table, arr)))
-        out.append((_unpack_copy, (arr, table, arr)))
+        out.append((_pack_copy, (arr, table, arr, types.int64)))
+        out.append((_unpack_copy, (arr, table, arr, types.int64)))
         if name in SCALED_DTYPES:
-            out.append((_pack_scaled, (arr, table, arr, t)))
-            out.append((_unpack_scaled, (arr, table, arr, t)))
+            out.append((_pack_scaled, (arr, table, arr, types.int64, t)))
+            out.append((_unpack_scaled, (arr, table, arr, types.int64, t)))
     return out
 
 
@@ -190,12 +303,12 @@ def pack(tensors, out=None, scale=None, stream=None, threads=None):
             nstream = _launch.launch_stream(stream, like=tensors[0])
             table = _launch.to_kernel_array(np.stack([offsets, sizes, starts]),
                                             tensors[0], nstream)
-            grid, block = launch_config(total, threads)
+            grid, block, chunk = launch_config(total, threads)
             dst = _launch.kernel_arg(out, nstream)
             if s is None:
-                _kernels["_pack_copy"][grid, block, nstream](win, table, dst)
+                _kernels["_pack_copy"][grid, block, nstream](win, table, dst, chunk)
             else:
-                _kernels["_pack_scaled"][grid, block, nstream](win, table, dst, s)
+                _kernels["_pack_scaled"][grid, block, nstream](win, table, dst, chunk, s)
     return out
 
 
@@ -232,12 +345,12 @@ def unpack(buffer, shapes, out=None, scale=None, stream=None, threads=None):
             nstream = _launch.launch_stream(stream, like=buffer)
             table = _launch.to_kernel_array(np.stack([offsets, sizes, starts]),
                                             buffer, nstream)
-            grid, block = launch_config(total, threads)
+            grid, block, chunk = launch_config(total, threads)
             src = _launch.kernel_arg(buffer, nstream)
             if s is None:
-                _kernels["_unpack_copy"][grid, block, nstream](src, table, win)
+                _kernels["_unpack_copy"][grid, block, nstream](src, table, win, chunk)
             else:
-                _kernels["_unpack_scaled"][grid, block, nstream](src, table, win, s)
+                _kernels["_unpack_scaled"][grid, block, nstream](src, table, win, chunk, s)
     return out
 
 

@@ -70,49 +70,87 @@ class Split(NamedTuple):
 
 # --- kernels ---------------------------------------------------------------------------
 
-def _split_rows(src, out, chunk, n):
-    """out[p, r, :] = src[p * chunk + r, :] where that row exists, else zeros."""
-    pieces = out.shape[0]
-    rows = out.shape[1]
-    words = out.shape[2]
+def _split_rows(src, out, rows, chunk, n, zero):
+    """out[p * rows + r, :] = src[p * chunk + r, :] where that row exists (``r < chunk``
+    and inside the data), else ``zero`` (0 as a word); ``p`` is the piece, ``rows`` its
+    rows in ``out``."""
+    pieces = out.shape[0] // rows
+    words = out.shape[1]
     w0 = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     wstep = cuda.gridDim.x * cuda.blockDim.x
     r0 = cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y
     rstep = cuda.gridDim.y * cuda.blockDim.y
-    for orow in range(r0, pieces * rows, rstep):
-        p = orow // rows
-        r = orow - p * rows
-        g = p * chunk + r
-        if r < chunk and g < n:
-            for w in range(w0, words, wstep):
-                out[p, r, w] = src[g, w]
-        else:
-            for w in range(w0, words, wstep):
-                out[p, r, w] = 0
+    p = cuda.blockIdx.z
+    while p < pieces:
+        first = p * chunk
+        valid = min(chunk, n - first)       # rows with data (0 or less: none)
+        out0 = p * rows
+        # Four rows per pass, their loads issued before their stores: one load in
+        # flight per thread leaves a GPU's memory idle.
+        r = r0
+        while r < rows:
+            g0 = first + r if r < valid else -1
+            g1 = first + r + rstep if r + rstep < valid else -1
+            g2 = first + r + 2 * rstep if r + 2 * rstep < valid else -1
+            g3 = first + r + 3 * rstep if r + 3 * rstep < valid else -1
+            w = w0
+            while w < words:
+                v0 = src[g0, w] if g0 >= 0 else zero
+                v1 = src[g1, w] if g1 >= 0 else zero
+                v2 = src[g2, w] if g2 >= 0 else zero
+                v3 = src[g3, w] if g3 >= 0 else zero
+                out[out0 + r, w] = v0
+                if r + rstep < rows:
+                    out[out0 + r + rstep, w] = v1
+                if r + 2 * rstep < rows:
+                    out[out0 + r + 2 * rstep, w] = v2
+                if r + 3 * rstep < rows:
+                    out[out0 + r + 3 * rstep, w] = v3
+                w += wstep
+            r += 4 * rstep
+        p += cuda.gridDim.z
 
 
-def _gather_split_rows(src, index, out, chunk, n):
-    """out[p, r, :] = src[index[p * chunk + r], :] where that row exists, else zeros."""
-    pieces = out.shape[0]
-    rows = out.shape[1]
-    words = out.shape[2]
+def _gather_split_rows(src, index, out, rows, chunk, n, zero):
+    """out[p * rows + r, :] = src[index[p * chunk + r], :] where that row exists, else
+    zeros (as :func:`_split_rows`)."""
+    pieces = out.shape[0] // rows
+    words = out.shape[1]
     w0 = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     wstep = cuda.gridDim.x * cuda.blockDim.x
     r0 = cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y
     rstep = cuda.gridDim.y * cuda.blockDim.y
-    for orow in range(r0, pieces * rows, rstep):
-        p = orow // rows
-        r = orow - p * rows
-        g = p * chunk + r
-        if r < chunk and g < n:
-            s = index[g]
-            for w in range(w0, words, wstep):
-                out[p, r, w] = src[s, w]
-        else:
-            for w in range(w0, words, wstep):
-                out[p, r, w] = 0
+    p = cuda.blockIdx.z
+    while p < pieces:
+        first = p * chunk
+        valid = min(chunk, n - first)
+        out0 = p * rows
+        r = r0
+        while r < rows:
+            s0 = index[first + r] if r < valid else -1
+            s1 = index[first + r + rstep] if r + rstep < valid else -1
+            s2 = index[first + r + 2 * rstep] if r + 2 * rstep < valid else -1
+            s3 = index[first + r + 3 * rstep] if r + 3 * rstep < valid else -1
+            w = w0
+            while w < words:
+                v0 = src[s0, w] if s0 >= 0 else zero
+                v1 = src[s1, w] if s1 >= 0 else zero
+                v2 = src[s2, w] if s2 >= 0 else zero
+                v3 = src[s3, w] if s3 >= 0 else zero
+                out[out0 + r, w] = v0
+                if r + rstep < rows:
+                    out[out0 + r + rstep, w] = v1
+                if r + 2 * rstep < rows:
+                    out[out0 + r + 2 * rstep, w] = v2
+                if r + 3 * rstep < rows:
+                    out[out0 + r + 3 * rstep, w] = v3
+                w += wstep
+            r += 4 * rstep
+        p += cuda.gridDim.z
 
 
+#: Output rows each thread moves per pass of the kernels.
+ROWS_PER_PASS = 4
 _WORDS = ("uint8", "uint16", "uint32", "uint64")
 _INDEX = ("int32", "int64")
 _kernels = _launch.LazyKernels(globals())
@@ -127,11 +165,12 @@ def ptx_signatures():
     out = []
     for w in _WORDS:
         word = getattr(types, w)
-        src, dst = types.Array(word, 2, "C"), types.Array(word, 3, "C")
-        out.append((_split_rows, (src, dst, types.int64, types.int64)))
+        src, dst = types.Array(word, 2, "C"), types.Array(word, 2, "C")
+        ints = (types.int64, types.int64, types.int64, word)
+        out.append((_split_rows, (src, dst, *ints)))
         for i in _INDEX:
             idx = types.Array(getattr(types, i), 1, "C")
-            out.append((_gather_split_rows, (src, idx, dst, types.int64, types.int64)))
+            out.append((_gather_split_rows, (src, idx, dst, *ints)))
     return out
 
 
@@ -192,6 +231,46 @@ def _prepare(batch, index, check_index: bool, nstream):
     return batch
 
 
+def launch_config(pieces: int, rows: int, words: int, threads: int | None = None):
+    """``(grid, block)`` of a split into ``pieces`` pieces of ``rows`` rows of ``words``
+    words: blocks shaped by :func:`_launch.launch_config_2d` over a piece's rows
+    (``ROWS_PER_PASS`` rows per thread) and words, one grid layer per piece (up to the
+    65,535 layers a grid has, then a loop)."""
+    (gx, gy), block = _launch.launch_config_2d(-(-max(int(rows), 1) // ROWS_PER_PASS),
+                                               words, threads or _launch.env_threads())
+    return (gx, gy, min(max(int(pieces), 1), _launch.MAX_GRID_Y)), block
+
+
+def _copy_pieces(cp, batch, out, sizes, chunk, nstream) -> None:
+    """The split of a contiguous CuPy ``batch`` without a gather: each piece's rows are
+    one range of the batch, so the pieces are device-to-device copies and the rows past
+    each piece's data zero-filled with memsets, on the launch stream ``nstream``
+    (adjacent ranges merged: without padding, one copy and at most one memset)."""
+    rows_out = int(out.shape[1])
+    row = int(out.shape[2]) * out.dtype.itemsize
+    copies, zeros = [], []                  # [dst, src, bytes], [dst, bytes]
+    for p, count in enumerate(sizes):
+        dst = p * rows_out * row
+        if count:
+            if copies and copies[-1][0] + copies[-1][2] == dst \
+                    and copies[-1][1] + copies[-1][2] == p * chunk * row:
+                copies[-1][2] += count * row
+            else:
+                copies.append([dst, p * chunk * row, count * row])
+        if rows_out > count:
+            start, size = dst + count * row, (rows_out - count) * row
+            if zeros and zeros[-1][0] + zeros[-1][1] == start:
+                zeros[-1][1] += size
+            else:
+                zeros.append([start, size])
+    with _launch.cupy_stream(cp, nstream):
+        stream = cp.cuda.get_current_stream()
+        for dst, src, size in copies:
+            (out.data + dst).copy_from_device_async(batch.data + src, size, stream)
+        for dst, size in zeros:
+            (out.data + dst).memset_async(0, size, stream)
+
+
 def split(batch, num_replicas: int, index=None, pad_to: int | None = None,
           stream=None, threads: int | None = None, check_index: bool = True) -> Split:
     """Cut ``batch`` (on a GPU) into ``num_replicas`` pieces by the splitting rule, in one launch.
@@ -237,17 +316,23 @@ def split(batch, num_replicas: int, index=None, pad_to: int | None = None,
         word = _launch.word_dtype(row_bytes, _launch.data_ptr(batch))
         words = row_bytes // word.itemsize
         out = _launch.empty(batch, (num_replicas, rows_out, words), word, nstream)
-        if num_replicas * rows_out * words:
+        cp = _launch._cupy_of(batch)
+        if not num_replicas * rows_out * words:
+            pass
+        elif index is None and cp is not None and not _launch.simulating():
+            _copy_pieces(cp, batch, out, sizes, chunk, nstream)
+        else:
             src = batch.reshape(int(batch.shape[0]), row_elems).view(word)
-            grid, block = _launch.launch_config_2d(
-                num_replicas * rows_out, words, threads or _launch.env_threads())
+            grid, block = launch_config(num_replicas, rows_out, words, threads)
             src = _launch.kernel_arg(src, nstream)
-            dst = _launch.kernel_arg(out, nstream)
+            dst = _launch.kernel_arg(out.reshape(num_replicas * rows_out, words), nstream)
             if index is None:
-                _kernels["_split_rows"][grid, block, nstream](src, dst, chunk, n)
+                _kernels["_split_rows"][grid, block, nstream](
+                    src, dst, rows_out, chunk, n, word.type(0))
             else:
                 _kernels["_gather_split_rows"][grid, block, nstream](
-                    src, _launch.kernel_arg(index, nstream), dst, chunk, n)
+                    src, _launch.kernel_arg(index, nstream), dst, rows_out, chunk, n,
+                    word.type(0))
     pieces = []
     for p, count in enumerate(sizes):
         rows = rows_out if pad_to is not None else count

@@ -5,7 +5,7 @@ before (or instead of) a collective between devices.
 
 Algorithm: a window (see ``kernels/_launch.py``) spans the K buffers, and a table
 holds each buffer's element offset in it. Each thread takes elements ``j`` in a
-grid-stride loop and adds ``buffer[0][j] + buffer[1][j] + ... + buffer[K-1][j]`` in
+grid-stride loop, four per pass (each buffer's four loads issued together), and adds ``buffer[0][j] + buffer[1][j] + ... + buffer[K-1][j]`` in
 that order, in the buffers' dtype, so the result is bit-for-bit the one of summing the
 buffers one after the other on the host (what the host communicator does). Integer
 sums wrap around as NumPy's do.
@@ -23,13 +23,45 @@ cuda = None
 
 def _sum_kernel(win, offsets, out):
     """out[j] = win[offsets[0] + j] + ... + win[offsets[K-1] + j]."""
-    j0 = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    jstep = cuda.gridDim.x * cuda.blockDim.x
-    for j in range(j0, out.shape[0], jstep):
+    n = out.shape[0]
+    step = cuda.gridDim.x * cuda.blockDim.x
+    j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    # Four elements per pass, their loads of each buffer issued together: one load in
+    # flight per thread leaves a GPU's memory idle.
+    while j + 3 * step < n:
+        o = offsets[0]
+        a0 = win[o + j]
+        a1 = win[o + j + step]
+        a2 = win[o + j + 2 * step]
+        a3 = win[o + j + 3 * step]
+        for k in range(1, offsets.shape[0]):
+            o = offsets[k]
+            b0 = win[o + j]
+            b1 = win[o + j + step]
+            b2 = win[o + j + 2 * step]
+            b3 = win[o + j + 3 * step]
+            a0 = a0 + b0
+            a1 = a1 + b1
+            a2 = a2 + b2
+            a3 = a3 + b3
+        out[j] = a0
+        out[j + step] = a1
+        out[j + 2 * step] = a2
+        out[j + 3 * step] = a3
+        j += 4 * step
+    while j < n:
         acc = win[offsets[0] + j]
         for k in range(1, offsets.shape[0]):
             acc = acc + win[offsets[k] + j]
         out[j] = acc
+        j += step
+
+
+def launch_config(count: int, threads: int | None = None):
+    """``(grid, block)`` of a sum of ``count`` elements: four elements per thread (the
+    kernel's pass), up to ``_launch.MAX_USEFUL_GRID_X`` blocks (then a grid-stride
+    loop)."""
+    return _launch.launch_config_1d(-(-int(count) // 4), threads or _launch.env_threads())
 
 
 DTYPES = ("float16", "float32", "float64", "int32", "int64", "uint32", "uint64")
@@ -95,7 +127,7 @@ def sum_buffers(buffers, out=None, stream=None, threads=None):
             win, offsets = _launch.window(buffers, dtype)
             nstream = _launch.launch_stream(stream, like=buffers[0])
             table = _launch.to_kernel_array(offsets, buffers[0], nstream)
-            grid, block = _launch.launch_config_1d(count, threads or _launch.env_threads())
+            grid, block = launch_config(count, threads)
             flat = _launch.kernel_arg(target.reshape(count), nstream)
             _kernels["_sum_kernel"][grid, block, nstream](win, table, flat)
             if target is not out:

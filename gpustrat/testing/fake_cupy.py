@@ -495,6 +495,19 @@ class _MemoryPointer:
     def ptr(self) -> int:
         return self.mem.blk.addr + self._off
 
+    def __add__(self, offset: int):
+        return _MemoryPointer(self._fake, self.mem, self._off + int(offset))
+
+    def memset_async(self, value: int, size: int, stream=None):
+        fake = self._fake
+        s = stream or fake.current_stream()
+        blk, off = fake.san.block_at(self.ptr, size)
+
+        def run():
+            blk.buf[off:off + size] = value
+        fake.san.enqueue(s._s, "memset", run, [], [(blk, off, off + size)],
+                         count="copies")
+
     def copy_from_device_async(self, src, size, stream=None):
         fake = self._fake
         s = stream or fake.current_stream()

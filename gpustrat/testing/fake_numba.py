@@ -104,14 +104,15 @@ def _raw(a: "DeviceArray"):
     return lambda: np.ndarray(shape, dtype, buffer=blk.buf, offset=lo)
 
 
-def _split(san, src, out, chunk, n, index=None):
+def _split(san, src, out, rows, chunk, n, index=None):
     src_np, out_np = _raw(src), _raw(out)
     index_np = None if index is None else _raw(index)
 
     def run():
         s, o = src_np(), out_np()
+        o = o.reshape(o.shape[0] // rows, rows, *o.shape[1:])
         idx = None if index_np is None else index_np()
-        pieces, rows = o.shape[0], o.shape[1]
+        pieces = o.shape[0]
         o[...] = 0
         for p in range(pieces):
             count = max(0, min(chunk, n - p * chunk, rows))
@@ -152,13 +153,18 @@ def _sum(san, win, offsets, out):
 
 
 EFFECTS = {
-    "_split_rows": lambda san, src, out, chunk, n: _split(san, src, out, chunk, n),
-    "_gather_split_rows": lambda san, src, index, out, chunk, n: _split(
-        san, src, out, chunk, n, index),
-    "_pack_copy": lambda san, win, table, out: _windowed(san, win, table, out, None, True),
-    "_pack_scaled": lambda san, win, table, out, s: _windowed(san, win, table, out, s, True),
-    "_unpack_copy": lambda san, buf, table, win: _windowed(san, win, table, buf, None, False),
-    "_unpack_scaled": lambda san, buf, table, win, s: _windowed(san, win, table, buf, s, False),
+    "_split_rows": lambda san, src, out, rows, chunk, n, zero: _split(
+        san, src, out, rows, chunk, n),
+    "_gather_split_rows": lambda san, src, index, out, rows, chunk, n, zero: _split(
+        san, src, out, rows, chunk, n, index),
+    "_pack_copy": lambda san, win, table, out, chunk: _windowed(
+        san, win, table, out, None, True),
+    "_pack_scaled": lambda san, win, table, out, chunk, s: _windowed(
+        san, win, table, out, s, True),
+    "_unpack_copy": lambda san, buf, table, win, chunk: _windowed(
+        san, win, table, buf, None, False),
+    "_unpack_scaled": lambda san, buf, table, win, chunk, s: _windowed(
+        san, win, table, buf, s, False),
     "_sum_kernel": _sum,
 }
 

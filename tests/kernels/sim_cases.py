@@ -78,6 +78,21 @@ def test_gather_split_with_padding_matches_reference(n, dtype):
         np.concatenate([g[:c] for g, c in zip(got.pieces, got.counts)]), src[index])
 
 
+@pytest.mark.parametrize("gather", (False, True))
+def test_split_walks_rows_and_pieces_past_the_grid(monkeypatch, gather):
+    # One block of 8 threads along rows and one grid layer: each thread walks every
+    # piece and, four rows a pass, every row of it (zero rows included).
+    monkeypatch.setattr(_launch, "MAX_GRID_Y", 1)
+    src = data((301, 2), np.float32, 3)
+    index = np.random.default_rng(1).permutation(301)[:299] if gather else None
+    for pad in (None, 80):
+        got = split(src, 4, index=index, pad_to=pad, threads=8)
+        want = split_reference(src, 4, index=index, pad_to=pad)
+        assert got.counts == want.counts
+        for g, w in zip(got.pieces, want.pieces):
+            assert_same(g, w)
+
+
 @pytest.mark.parametrize("shape,dtype,word", [
     ((130, 3), np.float16, "u2"),      # 6-byte rows move as 2-byte words
     ((129, 2, 2), np.int64, "u8"),     # 32-byte rows as 8-byte words
@@ -157,10 +172,12 @@ def test_pack_unpack_scale_match_reference(dtype):
 
 
 @pytest.mark.parametrize("scale", (None, 0.5))
-def test_pack_unpack_many_small_and_empty_tensors_with_a_grid_stride(monkeypatch, scale):
-    # 32-thread blocks and at most 2 of them: each thread walks many elements, crossing
-    # tensors, empty ones included (first, middle, last), in its grid-stride loop.
-    monkeypatch.setattr(_launch, "MAX_USEFUL_GRID_X", 2)
+def test_pack_unpack_many_small_and_empty_tensors_across_chunks(monkeypatch, scale):
+    # 32-thread blocks of one pass (chunks of 128 elements): each thread walks
+    # elements across tensors, empty ones included (first, middle, last), in its
+    # unrolled passes and its tail, and chunks end inside tensors.
+    from gpustrat.kernels import pack as pack_mod
+    monkeypatch.setattr(pack_mod, "PASSES", 1)
     sizes = [0, 1, 31, 32, 33, 0, 0, 64, 65, 1, 2, 0, 95, 3, 0]
     tensors = [data((n,), np.float32, 50 + k) for k, n in enumerate(sizes)]
     buf = pack(tensors, scale=scale, threads=32)
@@ -210,16 +227,16 @@ def test_pack_of_resnet50_gradients_launches_no_idle_block(monkeypatch):
     monkeypatch.setattr(pack_mod, "_kernels", Recorder())
     pack(tensors, threads=256)
     unpack(np.empty(total, np.float32), shapes, out=tensors, threads=256)
-    # One thread per element up to the 65,536-block cap (a 2-D grid sized by the
-    # largest tensor launched 9,216 x 161 = 1,483,776 blocks here).
-    assert launches == [("_pack_copy", 65536, 256), ("_unpack_copy", 65536, 256)]
-    assert -(-total // 256) > 65536
-    # A list small enough to need fewer blocks gets one thread per element, and its
-    # last block is the only one with idle threads.
+    # One block per chunk of the buffer (a 2-D grid sized by the largest tensor
+    # launched 9,216 x 161 = 1,483,776 blocks here).
+    chunk = 256 * pack_mod.UNROLL * pack_mod.PASSES
+    blocks = -(-total // chunk)
+    assert launches == [("_pack_copy", blocks, 256), ("_unpack_copy", blocks, 256)]
+    # A small list gets one block, the only one with idle threads.
     launches.clear()
     small = [np.empty(n, np.float32) for n in (1, 300, 7, 2049)]
     pack(small, threads=128)
-    assert launches == [("_pack_copy", -(-2357 // 128), 128)]
+    assert launches == [("_pack_copy", 1, 128)]
 
 
 def test_pack_errors():
@@ -245,6 +262,17 @@ def test_sum_buffers_matches_reference(n, dtype):
     want = sum_buffers_reference(bufs)
     assert sum_buffers(bufs, out=bufs[0], threads=THREADS) is bufs[0]
     assert_same(bufs[0], want)
+
+
+@pytest.mark.parametrize("dtype", (np.float16, np.float32, np.int64))
+@pytest.mark.parametrize("n", (255, 256, 1000, 4099))
+def test_sum_buffers_in_unrolled_passes_and_a_grid_stride(monkeypatch, n, dtype):
+    # Two blocks of 32 threads: each thread sums four elements a pass, many passes,
+    # then the elements left over one by one.
+    monkeypatch.setattr(_launch, "MAX_USEFUL_GRID_X", 2)
+    for k in (1, 2, 5):
+        bufs = [data((n,), dtype, 300 * k + i) for i in range(k)]
+        assert_same(sum_buffers(bufs, threads=32), sum_buffers_reference(bufs))
 
 
 @pytest.mark.parametrize("dtype", (np.float32, np.int64))

@@ -1,5 +1,5 @@
 """The pack and unpack kernels' index arithmetic, without Numba: which tensor holds
-each buffer element (the binary search the kernels run per element), and the grid."""
+each buffer element (a thread's binary search, then its walk forward), and the grid."""
 
 from __future__ import annotations
 
@@ -30,11 +30,41 @@ def test_every_element_maps_to_the_tensor_holding_it(sizes, stride, first):
         assert starts[k] <= g < starts[k] + sizes_a[k]
 
 
-@given(total=st.integers(0, 1 << 26), threads=st.sampled_from([32, 128, 256, 1024]))
-def test_the_grid_is_one_thread_per_element_up_to_the_cap(total, threads):
-    grid, block = pack.launch_config(total, threads)
-    assert block == threads
-    assert grid == min(max(-(-total // threads), 1), _launch.MAX_USEFUL_GRID_X)
-    # No block without work (below the cap), and every element has a thread or a
-    # grid-stride turn.
-    assert (grid - 1) * threads < max(total, 1)
+def _py(f):
+    return getattr(f, "py_func", f)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(0, 40), min_size=1, max_size=30),
+       threads=st.sampled_from([1, 2, 3, 8, 32]), passes=st.integers(1, 3))
+def test_every_thread_walks_its_chunk_onto_the_right_tensors(sizes, threads, passes):
+    # Every block and thread of a launch, as the kernels walk: each element of the
+    # buffer is visited exactly once, and mapped into the tensor holding it.
+    sizes_a, starts, total = pack.layout([(n,) for n in sizes])
+    if total == 0:
+        return
+    offsets = np.cumsum(np.r_[0, sizes_a[:-1] + 3])        # gaps between allocations
+    table = np.stack([offsets, sizes_a, starts])
+    chunk = threads * pack.UNROLL * passes
+    grid = -(-total // chunk)
+    seen = np.zeros(total, np.int64)
+    for b in range(grid):
+        for t in range(threads):
+            g, end, tot, k, nxt, shift = _py(pack._chunk_start)(table, chunk, b, t)
+            assert tot == total and end == min((b + 1) * chunk, total)
+            while g < end:
+                k, nxt, shift = _py(pack._walk)(table, g, k, nxt, shift, total)
+                assert starts[k] <= g < starts[k] + sizes_a[k], (g, k, sizes)
+                assert shift + g == offsets[k] + g - starts[k]
+                seen[g] += 1
+                g += threads
+    assert (seen == 1).all()
+
+
+@given(total=st.integers(0, 1 << 40), threads=st.sampled_from([32, 128, 256, 1024]))
+def test_the_grid_has_one_block_per_chunk(total, threads):
+    grid, block, chunk = pack.launch_config(total, threads)
+    assert block == threads and chunk == threads * pack.UNROLL * pack.PASSES
+    assert grid == max(-(-total // chunk), 1)
+    # No block without work, and every element in some block's chunk.
+    assert (grid - 1) * chunk < max(total, 1) <= grid * chunk
