@@ -70,6 +70,28 @@ def time_gpu(cp, fn, repeats: int, warmup: int = 3) -> float:
     return float(np.median(times))
 
 
+def time_kernel(cp, fn, repeats: int, inner: int = 8, warmup: int = 3):
+    """``(alone, queued, host)`` seconds per call of ``fn()``: ``alone`` is one call
+    between two CUDA events (its launch cost included, the GPU idle while Python
+    prepares it); ``queued`` is ``inner`` calls back to back between two events, per
+    call (the GPU's time when calls queue up, as in a training loop); ``host`` is the
+    Python time per call in that loop. Medians over ``repeats``."""
+    import time
+    alone = time_gpu(cp, fn, repeats, warmup)
+    queued, host = [], []
+    for _ in range(repeats):
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        host.append((time.perf_counter() - t0) / inner)
+        stop.record()
+        stop.synchronize()
+        queued.append(cp.cuda.get_elapsed_time(start, stop) / 1e3 / inner)
+    return alone, float(np.median(queued)), float(np.median(host))
+
+
 def _check(name, got, want):
     got = [g.get() for g in got] if isinstance(got, (list, tuple)) else [got.get()]
     want = want if isinstance(want, (list, tuple)) else [want]
@@ -97,30 +119,33 @@ def bench_kernels(cp, nbytes: int, repeats: int) -> list[dict]:
     host = rng.standard_normal((n_rows, width)).astype(np.float32)
     batch = cp.asarray(host)
     dst = cp.empty_like(batch)
-    copy_s = time_gpu(cp, lambda: dst.data.copy_from_device_async(
+    copy_s = time_kernel(cp, lambda: dst.data.copy_from_device_async(
         batch.data, batch.nbytes), repeats)
 
-    def row(name, seconds, moved):
-        seconds, copy = max(seconds, 1e-12), max(copy_s, 1e-12)   # 0 on fake GPUs
+    def row(name, times, moved):
+        # Bandwidth from the queued time: the GPU's own speed, the launch overlapped.
+        alone, queued, host = times
+        seconds, copy = max(queued, 1e-12), max(copy_s[1], 1e-12)   # 0 on fake GPUs
         bw = moved / seconds / 1e9
         copy_bw = 2 * batch.nbytes / copy / 1e9
         rows.append({"kernel": name, "bytes": int(moved // 2), "time_us": seconds * 1e6,
+                     "alone_us": alone * 1e6, "host_us": host * 1e6,
                      "GB_s": bw, "copy_GB_s": copy_bw, "vs_copy": bw / copy_bw})
 
     row("d2d copy", copy_s, 2 * batch.nbytes)
     replicas = 4
     res = split(batch, replicas)
     _check("split", res.pieces, split_reference(host, replicas).pieces)
-    row("split", time_gpu(cp, lambda: split(batch, replicas), repeats), 2 * batch.nbytes)
+    row("split", time_kernel(cp, lambda: split(batch, replicas), repeats), 2 * batch.nbytes)
     # A Numba array takes the kernel (a CuPy batch without a gather is split with
     # device copies and memsets).
     kernel_batch = _numba_view(batch)
     if kernel_batch is not None:
         _check("split kernel", [cp.asarray(p) for p in split(kernel_batch, replicas).pieces],
                split_reference(host, replicas).pieces)
-        row("split (kernel)", time_gpu(cp, lambda: split(kernel_batch, replicas), repeats),
+        row("split (kernel)", time_kernel(cp, lambda: split(kernel_batch, replicas), repeats),
             2 * batch.nbytes)
-    row("cupy: split = views + copy", time_gpu(cp, lambda: [
+    row("cupy: split = views + copy", time_kernel(cp, lambda: [
         batch[a:a + c].copy() for a, c in zip(
             np.cumsum([0] + split_reference(host[:, :1], replicas).counts[:-1]),
             split_reference(host[:, :1], replicas).counts)], repeats), 2 * batch.nbytes)
@@ -128,14 +153,14 @@ def bench_kernels(cp, nbytes: int, repeats: int) -> list[dict]:
     index = cp.asarray(index_h)
     _check("gather split", split(batch, replicas, index=index).pieces,
            split_reference(host, replicas, index=index_h).pieces)
-    row("split+gather", time_gpu(cp, lambda: split(batch, replicas, index=index,
+    row("split+gather", time_kernel(cp, lambda: split(batch, replicas, index=index,
                                                    check_index=False), repeats),
         2 * batch.nbytes)
-    row("cupy: batch[index]", time_gpu(cp, lambda: batch[index], repeats), 2 * batch.nbytes)
+    row("cupy: batch[index]", time_kernel(cp, lambda: batch[index], repeats), 2 * batch.nbytes)
     pad = -(-n_rows // replicas) + 1
     _check("fixed-shape split", split(batch, replicas, pad_to=pad).pieces,
            split_reference(host, replicas, pad_to=pad).pieces)
-    row("split fixed-shape", time_gpu(cp, lambda: split(batch, replicas, pad_to=pad),
+    row("split fixed-shape", time_kernel(cp, lambda: split(batch, replicas, pad_to=pad),
                                       repeats), 2 * batch.nbytes)
     # Pack: 1,000 tensors of nbytes / 1000 each (fusion-sized pieces).
     per = max(nbytes // 4 // 1000, 1)
@@ -145,23 +170,23 @@ def bench_kernels(cp, nbytes: int, repeats: int) -> list[dict]:
     _check("pack", buf, pack_reference(tensors_h))
     _check("pack scaled", pack(tensors, scale=0.5), pack_reference(tensors_h, scale=0.5))
     out = cp.empty_like(buf)
-    row("pack (1000 tensors)", time_gpu(cp, lambda: pack(tensors, out=out), repeats),
+    row("pack (1000 tensors)", time_kernel(cp, lambda: pack(tensors, out=out), repeats),
         2 * buf.nbytes)
-    row("cupy: concatenate", time_gpu(cp, lambda: cp.concatenate(
+    row("cupy: concatenate", time_kernel(cp, lambda: cp.concatenate(
         [t.ravel() for t in tensors]), repeats), 2 * buf.nbytes)
     shapes = [t.shape for t in tensors_h]
     outs = [cp.empty_like(t) for t in tensors]
     _check("unpack", unpack(buf, shapes), unpack_reference(pack_reference(tensors_h), shapes))
-    row("unpack (1000 tensors)", time_gpu(cp, lambda: unpack(buf, shapes, out=outs),
+    row("unpack (1000 tensors)", time_kernel(cp, lambda: unpack(buf, shapes, out=outs),
                                           repeats), 2 * buf.nbytes)
     k = 4
     parts_h = [rng.standard_normal(batch.size // k).astype(np.float32) for _ in range(k)]
     parts = [cp.asarray(p) for p in parts_h]
     total = cp.empty_like(parts[0])
     _check("sum_buffers", sum_buffers(parts), sum_buffers_reference(parts_h))
-    row(f"sum of {k} buffers", time_gpu(cp, lambda: sum_buffers(parts, out=total), repeats),
+    row(f"sum of {k} buffers", time_kernel(cp, lambda: sum_buffers(parts, out=total), repeats),
         (k + 1) * parts[0].nbytes)
-    row("cupy: a + b + ...", time_gpu(cp, lambda: sum(parts[1:], parts[0]), repeats),
+    row("cupy: a + b + ...", time_kernel(cp, lambda: sum(parts[1:], parts[0]), repeats),
         (k + 1) * parts[0].nbytes)
     return rows
 
@@ -284,10 +309,13 @@ def main(argv=None) -> dict:
     kernels = bench_kernels(cp, nbytes, repeats)
     print(f"kernels ({cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}), "
           f"target: split and pack >= {COPY_TARGET:.0%} of a device-to-device copy")
-    print(f"{'kernel':<22} {'bytes':>12} {'time (us)':>10} {'GB/s':>8} {'vs copy':>8}")
+    print("time: per call with calls queued back to back (GB/s and vs copy from it); "
+          "alone: one call between two events, its launch included; host: Python per call")
+    print(f"{'kernel':<26} {'bytes':>10} {'time (us)':>10} {'GB/s':>8} {'vs copy':>8} "
+          f"{'alone (us)':>11} {'host (us)':>10}")
     for r in kernels:
-        print(f"{r['kernel']:<22} {r['bytes']:>12} {r['time_us']:>10.1f} {r['GB_s']:>8.1f} "
-              f"{r['vs_copy']:>7.0%}")
+        print(f"{r['kernel']:<26} {r['bytes']:>10} {r['time_us']:>10.1f} {r['GB_s']:>8.1f} "
+              f"{r['vs_copy']:>7.0%} {r['alone_us']:>11.1f} {r['host_us']:>10.1f}")
     verdicts = [targets.check(f"{r['kernel']} vs device-to-device copy", r["vs_copy"] * 100,
                               COPY_TARGET * 100, "%")
                 for r in kernels if r["kernel"] in ("split", "pack (1000 tensors)")]

@@ -3,6 +3,8 @@ each buffer element (a thread's binary search, then its walk forward), and the g
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -30,8 +32,18 @@ def test_every_element_maps_to_the_tensor_holding_it(sizes, stride, first):
         assert starts[k] <= g < starts[k] + sizes_a[k]
 
 
-def _py(f):
-    return getattr(f, "py_func", f)
+def _plain_pack_module():
+    """A fresh copy of the pack module, its device functions plain Python (a launch in
+    this process rebinds the module's own names to compiled device functions, which
+    Python cannot call)."""
+    spec = importlib.util.spec_from_file_location("gpustrat.kernels._pack_plain",
+                                                  pack.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PLAIN = _plain_pack_module()
 
 
 @settings(max_examples=200, deadline=None)
@@ -50,10 +62,10 @@ def test_every_thread_walks_its_chunk_onto_the_right_tensors(sizes, threads, pas
     seen = np.zeros(total, np.int64)
     for b in range(grid):
         for t in range(threads):
-            g, end, tot, k, nxt, shift = _py(pack._chunk_start)(table, chunk, b, t)
+            g, end, tot, k, nxt, shift = PLAIN._chunk_start(table, chunk, b, t)
             assert tot == total and end == min((b + 1) * chunk, total)
             while g < end:
-                k, nxt, shift = _py(pack._walk)(table, g, k, nxt, shift, total)
+                k, nxt, shift = PLAIN._walk(table, g, k, nxt, shift, total)
                 assert starts[k] <= g < starts[k] + sizes_a[k], (g, k, sizes)
                 assert shift + g == offsets[k] + g - starts[k]
                 seen[g] += 1
