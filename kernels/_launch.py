@@ -16,7 +16,6 @@ pure helpers of the kernel modules work where Numba is not installed.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import threading
 from collections import OrderedDict
@@ -141,7 +140,20 @@ def numba_stream(stream=None, like=None):
     ptr = int(stream.ptr) if hasattr(stream, "ptr") else int(stream)
     # CuPy's null stream (ptr 0) is the legacy default stream, which is Numba's default
     # stream only while NUMBA_CUDA_PER_THREAD_DEFAULT_STREAM is off: name it exactly.
-    return cuda.legacy_default_stream() if ptr == 0 else cuda.external_stream(ptr)
+    if ptr == 0:
+        return cuda.legacy_default_stream()
+    if getattr(cuda, "is_fake", False):
+        return cuda.external_stream(ptr)
+    # A wrapper names the handle only: one per handle serves every launch on it.
+    nstream = _external_streams.get(ptr)
+    if nstream is None:
+        if len(_external_streams) >= 64:
+            _external_streams.clear()
+        nstream = _external_streams[ptr] = cuda.external_stream(ptr)
+    return nstream
+
+
+_external_streams: dict = {}
 
 
 def _is_numba_stream(stream) -> bool:
@@ -165,15 +177,18 @@ def device_context(*arrays):
     current stream, which a launch with ``stream=None`` uses, is ``gpu:3``'s only while
     ``gpu:3`` is CuPy's current device.
     """
-    from gpustrat.devices import device_of  # noqa: PLC0415
-    devs = {d for d in (device_of(a) for a in arrays) if d is not None}
-    if len(devs) > 1:
+    from gpustrat.devices import Device  # noqa: PLC0415
+    # The device of a CuPy array is its memory's (an int: cheaper than ``x.device``
+    # for the hundreds of tensors of a fusion bucket).
+    ids = {a.data.device_id for a in arrays if _is_cupy(a)}
+    if len(ids) > 1:
         raise ValueError(f"one launch reads and writes one device, but the arrays are on "
-                         f"{sorted(d.name for d in devs)}: copy them to one device first")
-    if not devs or simulating():
+                         f"{sorted(f'gpu:{i}' for i in ids)}: copy them to one device "
+                         "first")
+    if not ids or simulating():
         return contextlib.nullcontext()
     cuda = _cuda()
-    device = devs.pop()
+    device = Device("gpu", int(ids.pop()))
     stack = contextlib.ExitStack()
     stack.enter_context(cuda.gpus[device.index])
     # CuPy's current stream is per device: the launch stream (numba_stream), the
@@ -287,17 +302,22 @@ def window(arrays, dtype):
         ``(window_array, offsets)`` with ``offsets`` a host int64 array.
     """
     dtype = np.dtype(dtype)
-    ptrs = np.array([data_ptr(a) for a in arrays], dtype=np.int64)
-    sizes = np.array([_size(a) for a in arrays], dtype=np.int64)
+    ptrs = np.empty(len(arrays), dtype=np.int64)
+    sizes = np.empty(len(arrays), dtype=np.int64)
+    # One pass of attribute reads per array: a fusion bucket holds hundreds.
     for k, a in enumerate(arrays):
-        if np.dtype(a.dtype) != dtype:
+        if a.dtype != dtype:
             raise TypeError(f"tensor {k} has dtype {np.dtype(a.dtype)}, expected {dtype}: "
                             "one launch handles one dtype (bucket tensors by dtype)")
         if not is_c_contiguous(a):
             raise ValueError(f"tensor {k} (shape {tuple(a.shape)}) is not C-contiguous")
-        if ptrs[k] % dtype.itemsize:
-            raise ValueError(f"tensor {k} at address {ptrs[k]:#x} is not aligned to its "
-                             f"item size {dtype.itemsize}")
+        ptrs[k] = a.data.ptr if _is_cupy(a) else data_ptr(a)
+        sizes[k] = a.size
+    misaligned = np.flatnonzero(ptrs % dtype.itemsize)
+    if len(misaligned):
+        k = int(misaligned[0])
+        raise ValueError(f"tensor {k} at address {int(ptrs[k]):#x} is not aligned to its "
+                         f"item size {dtype.itemsize}")
     base = int(ptrs.min()) if len(ptrs) else 0
     end = int((ptrs + sizes * dtype.itemsize).max()) if len(ptrs) else 0
     n = max((end - base) // dtype.itemsize, 1)
@@ -312,15 +332,14 @@ def window(arrays, dtype):
                 FakeCUDAArray)
             win = FakeCUDAArray(win)
     else:
-        cuda = _cuda()
         desc = {"shape": (n,), "strides": None, "typestr": dtype.str,
                 "data": (base, False), "version": 3}
-        win = cuda.from_cuda_array_interface(desc, owner=None, sync=False)
+        first = arrays[0]
+        if _is_cupy(first):
+            win = _numba_view(first.data.device_id, desc)
+        else:
+            win = _cuda().from_cuda_array_interface(desc, owner=None, sync=False)
     return win, offsets
-
-
-def _size(a) -> int:
-    return int(math.prod(a.shape))
 
 
 def stream_handle(stream) -> int:
@@ -330,6 +349,38 @@ def stream_handle(stream) -> int:
         return int(stream)  # Numba: the handle; CU_STREAM_LEGACY is 1
     ptr = int(stream.ptr) if hasattr(stream, "ptr") else int(stream)
     return ptr if ptr else 1  # CuPy's null stream is the legacy default stream
+
+
+#: Numba views of recent device ranges, by (device, address, shape, strides, dtype):
+#: building one costs more than a kernel launch, and a training step passes the same
+#: ranges every step (CuPy's pool hands the same addresses back). A view owns nothing:
+#: the caller's array keeps the memory alive, as with a fresh view.
+VIEW_CACHE_SIZE = 256
+_views: OrderedDict = OrderedDict()
+_views_lock = threading.Lock()
+
+
+def _numba_view(device_id: int, desc: dict, owner=None):
+    """A Numba device array over the range ``desc`` (a CUDA Array Interface dict)
+    describes, imported without synchronising, from the cache when the same range was
+    viewed before. ``owner`` keeps the memory alive for an uncached view (the
+    sanitizer's, which tracks each view's memory)."""
+    cuda = _cuda()
+    if getattr(cuda, "is_fake", False):
+        return cuda.from_cuda_array_interface(desc, owner=owner, sync=False)
+    key = (device_id, desc["data"][0], tuple(desc["shape"]),
+           None if desc.get("strides") is None else tuple(desc["strides"]), desc["typestr"])
+    with _views_lock:
+        view = _views.get(key)
+        if view is not None:
+            _views.move_to_end(key)
+            return view
+    view = cuda.from_cuda_array_interface(desc, owner=None, sync=False)
+    with _views_lock:
+        _views[key] = view
+        while len(_views) > VIEW_CACHE_SIZE:
+            _views.popitem(last=False)
+    return view
 
 
 def kernel_arg(x, nstream):
@@ -344,8 +395,7 @@ def kernel_arg(x, nstream):
     """
     if not _is_cupy(x) or simulating():
         return x
-    cuda = _cuda()
-    return cuda.from_cuda_array_interface(x.__cuda_array_interface__, owner=x, sync=False)
+    return _numba_view(x.data.device_id, x.__cuda_array_interface__, owner=x)
 
 
 def launch_stream(stream=None, like=None):
@@ -370,9 +420,11 @@ _tables_lock = threading.Lock()
 
 
 def clear_table_cache() -> None:
-    """Forget the cached tables (a new backend, or memory given back)."""
+    """Forget the cached tables and views (a new backend, or memory given back)."""
     with _tables_lock:
         _tables.clear()
+    with _views_lock:
+        _views.clear()
 
 
 def to_kernel_array(host: np.ndarray, like, stream=None):
@@ -411,9 +463,8 @@ def to_kernel_array(host: np.ndarray, like, stream=None):
             while len(_tables) > TABLE_CACHE_SIZE:
                 _tables.popitem(last=False)
     # Uploaded on the launch stream: ordered before the kernel, no host wait needed.
-    cuda = _cuda()
-    return cuda.from_cuda_array_interface(table.__cuda_array_interface__, owner=table,
-                                          sync=False)
+    # The cache holds the table as long as its view may be used.
+    return _numba_view(device.index, table.__cuda_array_interface__, owner=table)
 
 
 def cupy_stream(cp, nstream):

@@ -240,7 +240,11 @@ def ptx_signatures():
 
 def layout(shapes):
     """``(sizes, starts, total)`` of tensors of ``shapes`` packed back to back."""
-    sizes = np.array([math.prod(s) for s in shapes], dtype=np.int64)
+    return _layout_sizes(np.array([math.prod(s) for s in shapes], dtype=np.int64))
+
+
+def _layout_sizes(sizes):
+    """``(sizes, starts, total)`` of tensors of ``sizes`` elements packed back to back."""
     starts = np.zeros(len(sizes), dtype=np.int64)
     if len(sizes) > 1:
         np.cumsum(sizes[:-1], out=starts[1:])
@@ -290,7 +294,8 @@ def pack(tensors, out=None, scale=None, stream=None, threads=None):
     for k, t in enumerate(tensors):
         _launch.check_kernel_input(t, f"tensor {k}")
     dtype = _check_tensors(tensors)
-    sizes, starts, total = layout([t.shape for t in tensors])
+    sizes, starts, total = _layout_sizes(
+        np.fromiter((t.size for t in tensors), np.int64, len(tensors)))
     s = _scale_value(scale, dtype)
     with _launch.device_context(*tensors, *(() if out is None else (out,))):
         if out is None:
@@ -358,7 +363,8 @@ def pack_reference(tensors, out=None, scale=None, stream=None, threads=None):
     """NumPy reference of :func:`pack`."""
     tensors = [np.asarray(t) for t in tensors]
     dtype = _check_tensors(tensors)
-    sizes, starts, total = layout([t.shape for t in tensors])
+    sizes, starts, total = _layout_sizes(
+        np.fromiter((t.size for t in tensors), np.int64, len(tensors)))
     s = _scale_value(scale, dtype)
     if out is None:
         out = np.empty(total, dtype)

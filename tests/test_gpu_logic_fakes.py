@@ -51,6 +51,10 @@ class FakeCupy:
             def __init__(self, arr):
                 self.arr = arr
 
+            @property
+            def device_id(self):
+                return self.arr.device.id
+
             def copy_from_device_async(self, src, size, stream=None):
                 fake.log.append(("copy", src.arr.device.id, self.arr.device.id, size,
                                  stream.name, fake.current_device()))
@@ -239,9 +243,10 @@ def imports(monkeypatch):
     calls = []
 
     def fake_import(desc, owner=None, sync=True):
-        calls.append((owner, desc["stream"], sync))
-        return ("numba view of", owner)
+        calls.append((desc["data"][0], desc["stream"], sync))
+        return ("numba view of", desc["data"][0])
     monkeypatch.setattr(_launch, "simulating", lambda: False)
+    monkeypatch.setattr(_launch, "_views", type(_launch._views)())
     monkeypatch.setattr(cuda, "from_cuda_array_interface", fake_import, raising=False)
     return calls
 
@@ -251,21 +256,28 @@ def test_a_cupy_argument_is_imported_without_a_host_wait(fake_cupy, imports):
     cp = fake_cupy
     with cp.cuda.Device(1), cp.Stream("s", 1) as s:
         x = cp.ndarray((8,), np.float32, device_id=1)
-        assert _launch.kernel_arg(x, s) == ("numba view of", x)
-        # A launch on some other stream: launch_stream ordered it by an event.
-        _launch.kernel_arg(x, s.ptr + 7)
-    assert imports == [(x, s.ptr, False), (x, s.ptr, False)]
+        view = _launch.kernel_arg(x, s)
+        assert view == ("numba view of", id(x))
+        # The same range in a later launch (on another stream, which launch_stream
+        # ordered by an event): the view is reused, not imported again.
+        assert _launch.kernel_arg(x, s.ptr + 7) is view
+    assert imports == [(id(x), s.ptr, False)]
     # CuPy's null stream is exported as 1, the legacy default stream's handle.
     x0 = cp.ndarray((8,), np.float32, device_id=0)
     with cp.cuda.Device(0), cp.Stream("null-like", 0) as null:
         null.ptr = 0
         _launch.kernel_arg(x0, 1)
         assert _launch.stream_handle(null) == 1
-    assert imports[-1] == (x0, 1, False)
+    assert imports[-1] == (id(x0), 1, False)
     # No stream in the interface: nothing to synchronize.
     cp.exported_stream = None
-    _launch.kernel_arg(x0, 5)
-    assert imports[-1] == (x0, None, False)
+    x1 = cp.ndarray((8,), np.float32, device_id=0)
+    _launch.kernel_arg(x1, 5)
+    assert imports[-1] == (id(x1), None, False)
+    # Another shape over the same address is another view.
+    x1.shape = (4, 2)
+    _launch.kernel_arg(x1, 5)
+    assert len(imports) == 4
     # Host arrays pass through untouched.
     h = np.zeros(3)
     assert _launch.kernel_arg(h, 5) is h and len(imports) == 4
@@ -285,7 +297,7 @@ def test_tables_upload_once_per_device_stream_and_content(fake_cupy, imports, mo
     # One upload, on the launch's stream and device; the second call hits the cache.
     assert uploads == [("asarray", 1, "s", t_a.tolist())]
     assert first == again and first[0] == "numba view of"
-    assert [sync for _, _, sync in imports] == [False, False]
+    assert [sync for _, _, sync in imports] == [False]     # one view of one table
     # A launch on a stream other than CuPy's current one uploads on that stream.
     with cp.cuda.Device(1):
         _launch.to_kernel_array(t_a, like1, 77)

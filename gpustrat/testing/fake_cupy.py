@@ -495,6 +495,10 @@ class _MemoryPointer:
     def ptr(self) -> int:
         return self.mem.blk.addr + self._off
 
+    @property
+    def device_id(self) -> int:
+        return self.mem.blk.device
+
     def __add__(self, offset: int):
         return _MemoryPointer(self._fake, self.mem, self._off + int(offset))
 

@@ -204,6 +204,18 @@ def _(cp, nccl, cuda):
     y.data.copy_from_device_async(x.data, x.nbytes, cp.cuda.Stream.null)
 
 
+@entry("cupy.cuda.MemoryPointer.__add__", "cupy.cuda.MemoryPointer.memset_async",
+       "cupy.cuda.MemoryPointer.device_id")
+def _(cp, nccl, cuda):
+    # kernels.split zero-fills the rows past a piece's data; the launchers read the
+    # device of an array from its memory.
+    x = fake_array(cp)
+    assert x.data.device_id == 0
+    tail = x.data + 16
+    assert tail.ptr == x.data.ptr + 16
+    tail.memset_async(0, 16, cp.cuda.Stream.null)
+
+
 @entry("cupy.ndarray.__setitem__", "cupy.ndarray.__itruediv__", "cupy.ndarray.__truediv__")
 def _(cp, nccl, cuda):
     x, y = fake_array(cp), fake_array(cp, ptr=0x20000)
