@@ -109,6 +109,19 @@ def _numba_view(x):
     return cuda.as_cuda_array(x)
 
 
+def _launch_only(cp, name, kernel_name, module, like, args_fn):
+    """A call that launches ``module``'s kernel ``kernel_name`` with arguments prepared
+    once by ``args_fn(nstream)`` -> ``(grid, block, args)``: the kernel's own speed,
+    without its launcher's Python (None on the sanitizer's fake GPUs)."""
+    from gpustrat.kernels import _launch
+    if _numba_view(like) is None:
+        return None
+    nstream = _launch.launch_stream(None, like=like)
+    grid, block, args = args_fn(nstream)
+    kernel = module._kernels[kernel_name]
+    return lambda: kernel[grid, block, nstream](*args)
+
+
 def bench_kernels(cp, nbytes: int, repeats: int) -> list[dict]:
     from gpustrat.kernels.pack import pack, pack_reference, unpack, unpack_reference
     from gpustrat.kernels.split import split, split_reference
@@ -143,7 +156,7 @@ def bench_kernels(cp, nbytes: int, repeats: int) -> list[dict]:
     if kernel_batch is not None:
         _check("split kernel", [cp.asarray(p) for p in split(kernel_batch, replicas).pieces],
                split_reference(host, replicas).pieces)
-        row("split (kernel)", time_kernel(cp, lambda: split(kernel_batch, replicas), repeats),
+        row("split (Numba array in)", time_kernel(cp, lambda: split(kernel_batch, replicas), repeats),
             2 * batch.nbytes)
     row("cupy: split = views + copy", time_kernel(cp, lambda: [
         batch[a:a + c].copy() for a, c in zip(
@@ -157,6 +170,23 @@ def bench_kernels(cp, nbytes: int, repeats: int) -> list[dict]:
                                                    check_index=False), repeats),
         2 * batch.nbytes)
     row("cupy: batch[index]", time_kernel(cp, lambda: batch[index], repeats), 2 * batch.nbytes)
+    from gpustrat.kernels import _launch, split as split_mod
+
+    def gather_args(nstream):
+        chunk = split_mod.split_sizes(n_rows, replicas)[0]
+        word = _launch.word_dtype(width * 4, batch.data.ptr)
+        words = width * 4 // word.itemsize
+        out = cp.empty((replicas * chunk, words), word)
+        keep.append(out)
+        grid, block = split_mod.launch_config(replicas, chunk, words)
+        return grid, block, (_launch.kernel_arg(batch.view(word), nstream),
+                             _launch.kernel_arg(index, nstream),
+                             _launch.kernel_arg(out, nstream), chunk, chunk, n_rows,
+                             word.type(0))
+    keep = []
+    only = _launch_only(cp, "gather", "_gather_split_rows", split_mod, batch, gather_args)
+    if only is not None:
+        row("split+gather kernel alone", time_kernel(cp, only, repeats), 2 * batch.nbytes)
     pad = -(-n_rows // replicas) + 1
     _check("fixed-shape split", split(batch, replicas, pad_to=pad).pieces,
            split_reference(host, replicas, pad_to=pad).pieces)
@@ -172,6 +202,19 @@ def bench_kernels(cp, nbytes: int, repeats: int) -> list[dict]:
     out = cp.empty_like(buf)
     row("pack (1000 tensors)", time_kernel(cp, lambda: pack(tensors, out=out), repeats),
         2 * buf.nbytes)
+    from gpustrat.kernels import pack as pack_mod
+
+    def pack_args(nstream):
+        win, offsets = _launch.window(tensors, np.float32)
+        sizes, starts, total = pack_mod._layout_sizes(
+            np.array([t.size for t in tensors], np.int64))
+        table = _launch.to_kernel_array(np.stack([offsets, sizes, starts]), tensors[0],
+                                        nstream)
+        grid, block, chunk = pack_mod.launch_config(total)
+        return grid, block, (win, table, _launch.kernel_arg(out, nstream), chunk)
+    only = _launch_only(cp, "pack", "_pack_copy", pack_mod, tensors[0], pack_args)
+    if only is not None:
+        row("pack kernel alone", time_kernel(cp, only, repeats), 2 * buf.nbytes)
     row("cupy: concatenate", time_kernel(cp, lambda: cp.concatenate(
         [t.ravel() for t in tensors]), repeats), 2 * buf.nbytes)
     shapes = [t.shape for t in tensors_h]

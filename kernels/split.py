@@ -333,10 +333,11 @@ def split(batch, num_replicas: int, index=None, pad_to: int | None = None,
                 _kernels["_gather_split_rows"][grid, block, nstream](
                     src, _launch.kernel_arg(index, nstream), dst, rows_out, chunk, n,
                     word.type(0))
-    pieces = []
-    for p, count in enumerate(sizes):
-        rows = rows_out if pad_to is not None else count
-        pieces.append(out[p, :rows].view(dtype).reshape((rows,) + trailing))
+    # One view of the whole buffer, then a piece per replica: indexing a device array
+    # costs microseconds of Python per call.
+    full = out.view(dtype).reshape((num_replicas, rows_out) + trailing)
+    pieces = [full[p] if pad_to is not None or count == rows_out else full[p][:count]
+              for p, count in enumerate(sizes)]
     return Split(pieces, list(sizes))
 
 
