@@ -195,22 +195,7 @@ def device_context(*arrays):
     # stream the arguments export (kernel_arg) and the table upload must be this
     # device's, not those of whichever device the caller had current.
     stack.enter_context(device.activate())
-    stack.enter_context(_numba_context_attached(cuda))
     return stack
-
-
-def _numba_context_attached(cuda):
-    """Numba's current context attached for the launch: each Numba call of a launch
-    (views, streams, the launch itself) otherwise asks the driver again which context
-    is current, about 10 µs each on the first GPU measured; attached once, they reuse
-    it. (Numba's own ``require_context`` does this around one call.)"""
-    if getattr(cuda, "is_fake", False):
-        return contextlib.nullcontext()
-    try:
-        from numba.cuda.cudadrv.devices import _runtime  # noqa: PLC0415
-        return _runtime.ensure_context()
-    except (ImportError, AttributeError):       # another numba-cuda layout: just slower
-        return contextlib.nullcontext()
 
 
 def check_kernel_input(x, what: str):

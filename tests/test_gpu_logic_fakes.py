@@ -3,7 +3,6 @@ small fake ``cupy`` that records what is called, on which device and stream."""
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 import types
@@ -433,10 +432,6 @@ def test_a_launch_uses_the_stream_of_the_arrays_device_not_the_callers(fake_cupy
 
     monkeypatch.setattr(cuda, "gpus", {0: NumbaCtx(0), 1: NumbaCtx(1)}, raising=False)
     monkeypatch.setattr(cuda, "external_stream", lambda ptr: ("external", ptr))
-    monkeypatch.setattr(_launch, "_external_streams", {})
-    # Attaching Numba's current context asks the (absent) driver.
-    monkeypatch.setattr(_launch, "_numba_context_attached",
-                        lambda cuda: contextlib.nullcontext())
     x = cp.ndarray((4,), np.float32, device_id=1)
     with cp.cuda.Device(1), cp.Stream("s1", 1) as s1:
         with cp.cuda.Device(0), cp.Stream("s0", 0):     # the caller's current device
