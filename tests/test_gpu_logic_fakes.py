@@ -432,6 +432,7 @@ def test_a_launch_uses_the_stream_of_the_arrays_device_not_the_callers(fake_cupy
 
     monkeypatch.setattr(cuda, "gpus", {0: NumbaCtx(0), 1: NumbaCtx(1)}, raising=False)
     monkeypatch.setattr(cuda, "external_stream", lambda ptr: ("external", ptr))
+    monkeypatch.setattr(_launch, "_external_streams", {})   # no fake wrapper kept
     x = cp.ndarray((4,), np.float32, device_id=1)
     with cp.cuda.Device(1), cp.Stream("s1", 1) as s1:
         with cp.cuda.Device(0), cp.Stream("s0", 0):     # the caller's current device
