@@ -79,6 +79,20 @@ def _walk(table, g, k, nxt, shift, total):
     return k, nxt, shift
 
 
+def _walk4(table, g, step, k, nxt, shift, total):
+    """:func:`_walk` over elements ``g``, ``g + step``, ``g + 2 step``, ``g + 3 step``;
+    returns the walk's state and the four elements' window offsets."""
+    k, nxt, shift = _walk(table, g, k, nxt, shift, total)
+    a0 = shift + g
+    k, nxt, shift = _walk(table, g + step, k, nxt, shift, total)
+    a1 = shift + g + step
+    k, nxt, shift = _walk(table, g + 2 * step, k, nxt, shift, total)
+    a2 = shift + g + 2 * step
+    k, nxt, shift = _walk(table, g + 3 * step, k, nxt, shift, total)
+    a3 = shift + g + 3 * step
+    return k, nxt, shift, a0, a1, a2, a3
+
+
 def _chunk_start(table, chunk, block, thread):
     """Thread ``thread`` of block ``block``: its first element, its block's end, the
     buffer's size, and the tensor holding that element (``k``, ``nxt``, ``shift`` as
@@ -98,14 +112,7 @@ def _pack_copy(win, table, out, chunk):
                                                   cuda.threadIdx.x)
     step = cuda.blockDim.x
     while g + (UNROLL - 1) * step < end:
-        k, nxt, shift = _walk(table, g, k, nxt, shift, total)
-        a0 = shift + g
-        k, nxt, shift = _walk(table, g + step, k, nxt, shift, total)
-        a1 = shift + g + step
-        k, nxt, shift = _walk(table, g + 2 * step, k, nxt, shift, total)
-        a2 = shift + g + 2 * step
-        k, nxt, shift = _walk(table, g + 3 * step, k, nxt, shift, total)
-        a3 = shift + g + 3 * step
+        k, nxt, shift, a0, a1, a2, a3 = _walk4(table, g, step, k, nxt, shift, total)
         v0 = win[a0]
         v1 = win[a1]
         v2 = win[a2]
@@ -127,14 +134,7 @@ def _pack_scaled(win, table, out, chunk, scale):
                                                   cuda.threadIdx.x)
     step = cuda.blockDim.x
     while g + (UNROLL - 1) * step < end:
-        k, nxt, shift = _walk(table, g, k, nxt, shift, total)
-        a0 = shift + g
-        k, nxt, shift = _walk(table, g + step, k, nxt, shift, total)
-        a1 = shift + g + step
-        k, nxt, shift = _walk(table, g + 2 * step, k, nxt, shift, total)
-        a2 = shift + g + 2 * step
-        k, nxt, shift = _walk(table, g + 3 * step, k, nxt, shift, total)
-        a3 = shift + g + 3 * step
+        k, nxt, shift, a0, a1, a2, a3 = _walk4(table, g, step, k, nxt, shift, total)
         v0 = win[a0]
         v1 = win[a1]
         v2 = win[a2]
@@ -160,14 +160,11 @@ def _unpack_copy(buf, table, win, chunk):
         v1 = buf[g + step]
         v2 = buf[g + 2 * step]
         v3 = buf[g + 3 * step]
-        k, nxt, shift = _walk(table, g, k, nxt, shift, total)
-        win[shift + g] = v0
-        k, nxt, shift = _walk(table, g + step, k, nxt, shift, total)
-        win[shift + g + step] = v1
-        k, nxt, shift = _walk(table, g + 2 * step, k, nxt, shift, total)
-        win[shift + g + 2 * step] = v2
-        k, nxt, shift = _walk(table, g + 3 * step, k, nxt, shift, total)
-        win[shift + g + 3 * step] = v3
+        k, nxt, shift, a0, a1, a2, a3 = _walk4(table, g, step, k, nxt, shift, total)
+        win[a0] = v0
+        win[a1] = v1
+        win[a2] = v2
+        win[a3] = v3
         g += UNROLL * step
     while g < end:
         k, nxt, shift = _walk(table, g, k, nxt, shift, total)
@@ -185,14 +182,11 @@ def _unpack_scaled(buf, table, win, chunk, scale):
         v1 = buf[g + step]
         v2 = buf[g + 2 * step]
         v3 = buf[g + 3 * step]
-        k, nxt, shift = _walk(table, g, k, nxt, shift, total)
-        win[shift + g] = v0 * scale
-        k, nxt, shift = _walk(table, g + step, k, nxt, shift, total)
-        win[shift + g + step] = v1 * scale
-        k, nxt, shift = _walk(table, g + 2 * step, k, nxt, shift, total)
-        win[shift + g + 2 * step] = v2 * scale
-        k, nxt, shift = _walk(table, g + 3 * step, k, nxt, shift, total)
-        win[shift + g + 3 * step] = v3 * scale
+        k, nxt, shift, a0, a1, a2, a3 = _walk4(table, g, step, k, nxt, shift, total)
+        win[a0] = v0 * scale
+        win[a1] = v1 * scale
+        win[a2] = v2 * scale
+        win[a3] = v3 * scale
         g += UNROLL * step
     while g < end:
         k, nxt, shift = _walk(table, g, k, nxt, shift, total)
@@ -205,7 +199,8 @@ DTYPES = ("float16", "float32", "float64", "int8", "uint8", "int32", "uint32",
           "int64", "uint64")
 SCALED_DTYPES = ("float16", "float32", "float64")
 _kernels = _launch.LazyKernels(
-    globals(), device_functions=("_tensor_at", "_next_start", "_walk", "_chunk_start"))
+    globals(), device_functions=("_tensor_at", "_next_start", "_walk", "_walk4",
+                                 "_chunk_start"))
 
 
 def launch_config(total: int, threads: int | None = None):
