@@ -248,8 +248,15 @@ def order_after_current(cp, nstream) -> None:
 
 def _is_cupy(x) -> bool:
     # Cheaper than building __cuda_array_interface__ (a dict per call) for each of the
-    # hundreds of tensors of a fusion bucket.
-    return type(x).__module__.startswith("cupy")
+    # hundreds of tensors of a fusion bucket; the answer is kept per type.
+    kind = type(x)
+    answer = _cupy_types.get(kind)
+    if answer is None:
+        answer = _cupy_types[kind] = kind.__module__.startswith("cupy")
+    return answer
+
+
+_cupy_types: dict = {}
 
 
 def data_ptr(x) -> int:
@@ -302,17 +309,22 @@ def window(arrays, dtype):
         ``(window_array, offsets)`` with ``offsets`` a host int64 array.
     """
     dtype = np.dtype(dtype)
-    ptrs = np.empty(len(arrays), dtype=np.int64)
-    sizes = np.empty(len(arrays), dtype=np.int64)
+    ptrs, sizes = [], []
     # One pass of attribute reads per array: a fusion bucket holds hundreds.
     for k, a in enumerate(arrays):
         if a.dtype != dtype:
             raise TypeError(f"tensor {k} has dtype {np.dtype(a.dtype)}, expected {dtype}: "
                             "one launch handles one dtype (bucket tensors by dtype)")
-        if not is_c_contiguous(a):
+        if _is_cupy(a):
+            contiguous, ptr = a.flags.c_contiguous, a.data.ptr
+        else:
+            contiguous, ptr = is_c_contiguous(a), data_ptr(a)
+        if not contiguous:
             raise ValueError(f"tensor {k} (shape {tuple(a.shape)}) is not C-contiguous")
-        ptrs[k] = a.data.ptr if _is_cupy(a) else data_ptr(a)
-        sizes[k] = a.size
+        ptrs.append(ptr)
+        sizes.append(a.size)
+    ptrs = np.array(ptrs, dtype=np.int64)
+    sizes = np.array(sizes, dtype=np.int64)
     misaligned = np.flatnonzero(ptrs % dtype.itemsize)
     if len(misaligned):
         k = int(misaligned[0])

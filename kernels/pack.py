@@ -260,7 +260,7 @@ def _check_tensors(tensors):
         raise ValueError("nothing to pack: pass at least one tensor")
     dtype = np.dtype(tensors[0].dtype)
     for k, t in enumerate(tensors):
-        if np.dtype(t.dtype) != dtype:
+        if t.dtype != dtype:
             raise TypeError(f"tensor {k} has dtype {np.dtype(t.dtype)} but tensor 0 has "
                             f"{dtype}: a fusion buffer holds one dtype (bucket by dtype)")
     return dtype
