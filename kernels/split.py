@@ -17,16 +17,16 @@ Words:
   CUDA graphs downstream then never see a new shape, even on the last partial batch.
 
 Algorithm: the output is one contiguous buffer of shape ``(N, P, words)`` (``P`` is
-``pad_to`` or ``chunk``). A 2-D grid walks it with grid-stride loops: threads along x
-take consecutive words of a row (coalesced reads and writes), threads along y take
-output rows. Output row ``(p, r)`` is global row ``g = p * chunk + r``; it is copied
-when ``r < chunk`` and ``g < n`` and zero-filled otherwise. Each piece is then a view
-of the buffer (``out[p, :count]``, contiguous), so moving it to its replica's device
-is a single copy.
+``pad_to`` or ``chunk``). The grid has one layer per piece; in a layer, threads along
+x take consecutive words of a row (coalesced reads and writes) and threads along y
+take rows, four per pass (loads before stores). Row ``r`` of piece ``p`` is global row
+``g = p * chunk + r``; it is copied when ``r < chunk`` and ``g < n`` and zero-filled
+otherwise. Each piece is then a view of the buffer (``out[p, :count]``, contiguous),
+so moving it to its replica's device is a single copy.
 
-Without ``index`` and ``pad_to`` no kernel is needed at all (a contiguous batch splits
-into views along axis 0); the distributed-input layer calls the kernel when it gathers,
-pads, or wants one fresh contiguous buffer per step.
+Without ``index`` each piece's rows are one range of the batch: a CuPy batch is split
+with device-to-device copies and memsets (faster than any kernel), and a contiguous
+batch with neither option needs nothing at all (its pieces are views along axis 0).
 """
 
 from __future__ import annotations
@@ -273,7 +273,9 @@ def _copy_pieces(cp, batch, out, sizes, chunk, nstream) -> None:
 
 def split(batch, num_replicas: int, index=None, pad_to: int | None = None,
           stream=None, threads: int | None = None, check_index: bool = True) -> Split:
-    """Cut ``batch`` (on a GPU) into ``num_replicas`` pieces by the splitting rule, in one launch.
+    """Cut ``batch`` (on a GPU) into ``num_replicas`` pieces by the splitting rule, into
+    one fresh buffer: one kernel launch for a gather (or a Numba array), device copies
+    and memsets for a CuPy batch otherwise.
 
     Args:
         batch: a device array (CuPy, Numba, any ``__cuda_array_interface__``; NumPy
@@ -317,8 +319,8 @@ def split(batch, num_replicas: int, index=None, pad_to: int | None = None,
         words = row_bytes // word.itemsize
         out = _launch.empty(batch, (num_replicas, rows_out, words), word, nstream)
         cp = _launch._cupy_of(batch)
-        if not num_replicas * rows_out * words:
-            pass
+        if num_replicas * rows_out * words == 0:
+            pass                                # an empty buffer: nothing to write
         elif index is None and cp is not None and not _launch.simulating():
             _copy_pieces(cp, batch, out, sizes, chunk, nstream)
         else:
