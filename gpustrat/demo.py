@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 from typing import Callable
 
 import numpy as np
@@ -254,6 +255,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return p
 
 
+#: Numba's warning for a launch of few blocks (its text may carry terminal colours).
+LOW_OCCUPANCY_WARNING = r".*Grid size \d+ will likely result in GPU under-utilization"
+
+
 def main(argv=None, prog: str | None = None) -> dict:
     """Parse ``argv``, train, print progress on worker 0; return the final weights."""
     from pathlib import Path  # noqa: PLC0415
@@ -268,6 +273,9 @@ def main(argv=None, prog: str | None = None) -> dict:
         if not folder.is_dir():
             parser.error(f"argument --save: the folder {folder} does not exist; create it "
                          "or choose another path")
+    # The demo's launches are small: Numba's warning that a small grid leaves the GPU
+    # underused says nothing its user can act on.
+    warnings.filterwarnings("ignore", message=LOW_OCCUPANCY_WARNING)
     launch = detect_launch()
     multi_worker = args.multi_worker
     if multi_worker is None:

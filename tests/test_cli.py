@@ -120,6 +120,22 @@ def test_demo_two_replicas_same_loss_as_one():
     assert e1[2] == pytest.approx(e2[2], rel=1e-6)
 
 
+def test_demo_hides_numbas_low_occupancy_warning_only(capsys):
+    # On a GPU the demo's small launches make Numba warn (text as numba-cuda 0.30
+    # prints it, colours included); the demo hides that warning and no other.
+    import warnings  # noqa: PLC0415
+    from gpustrat import demo  # noqa: PLC0415
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        demo.main(["--quick", "--epochs", "1", "--samples", "256", "--devices", "cpu:0"])
+        warnings.warn("\x1b[1mGrid size 1 will likely result in GPU under-utilization due "
+                      "to low occupancy.\x1b[0m", UserWarning)
+        warnings.warn("Grid sizes are fine, this one is not about occupancy", UserWarning)
+    assert [str(w.message) for w in caught] == [
+        "Grid sizes are fine, this one is not about occupancy"]
+    assert "epoch 1/1" in capsys.readouterr().out
+
+
 @pytest.mark.mpi
 def test_demo_multi_worker_prints_on_rank_0_only():
     out = assert_mpi_ok(2, """
