@@ -174,11 +174,14 @@ class Channel:
         #: every rank has a doorbell on this machine (a ring ends the sleep at once),
         #: else 1 ms (a rank on another machine cannot ring).
         self.cap = _MAX_SLEEP_S
+        #: How many ranks of the job run on this rank's machine (all, when unknown).
+        self.local_ranks = self.size
         if job is not None:
             # A collective: every rank makes its channel in the strategy's constructor.
             mine = (socket.gethostname(), all(b.sock is not None
                                               for b in self.bells.values()))
             every = comm.allgather(mine)
+            self.local_ranks = sum(host == mine[0] for host, _ in every)
             if len({host for host, _ in every}) == 1 and all(ok for _, ok in every):
                 self.cap = _RUNG_SLEEP_S
 
@@ -301,7 +304,7 @@ class Channel:
             self._fast(server, code, vid, None, out, op)
             return None, [out]
         if code and len(args) == 1 and len(arrays) == 1:
-            self._fast(server, code, args[0], arrays[0], np.empty(1, np.int64), op)
+            self._fast(server, code, args[0], arrays[0], None, op)
             return None, []
         dest = self.server_ranks[server]
         tag = self.reply_tag()
@@ -316,11 +319,25 @@ class Channel:
 
 
     def _fast(self, server: int, code: int, vid: int, value, answer, op: str) -> None:
+        """One fast request; ``answer``: where a read lands (None: an update, whose
+        8-byte acknowledgement lands in this thread's buffer)."""
         comm = self.comm
         dest = self.server_ranks[server]
         tag = self.reply_tag()
         nbytes = 0 if value is None else value.nbytes
-        header = np.array([code, tag, vid, nbytes], np.int64)
+        # This thread's header and acknowledgement buffers: the header is sent before
+        # this returns, and the acknowledgement's receive completes or is cancelled.
+        bufs = _fast_buffers.__dict__
+        header = bufs.get("header")
+        if header is None:
+            header = bufs["header"] = np.empty(4, np.int64)
+            bufs["ack"] = np.empty(1, np.int64)
+        if answer is None:
+            answer = bufs["ack"]
+        header[0] = code
+        header[1] = tag
+        header[2] = vid
+        header[3] = nbytes
         pending = [comm.Irecv(wire.raw(answer), source=dest, tag=tag)]
         comm.Send(header, dest=dest, tag=TAG_FAST)  # 32 bytes: sent at once
         if nbytes:
@@ -358,8 +375,15 @@ class Channel:
 
 
 def _test_all():
-    from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
-    return mpi().Request.Testall
+    global _testall
+    if _testall is None:
+        from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
+        _testall = mpi().Request.Testall
+    return _testall
+
+
+_testall = None
+_fast_buffers = threading.local()
 
 
 _ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "MemoryError": MemoryError,
