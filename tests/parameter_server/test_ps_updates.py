@@ -1,8 +1,8 @@
 """Remote variable updates (``assign_add``/``assign_sub``) under mpiexec -n 3
 (coordinator, one server, one worker): each update is applied once, in order, and seen
-by every later request, whether the server adds in its loop or in its applier thread
-(the test chooses; by default a server uses the thread when its machine has a core to
-spare beside one per rank). Every launch has a timeout (tests/mpi_util.py)."""
+by every later request, whether its value goes through the caller's slots at the
+server (shared memory), through MPI, or some one way and some the other (the test
+sets the slots' size). Every launch has a timeout (tests/mpi_util.py)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,9 @@ pytestmark = pytest.mark.mpi
 UPDATES = r"""
 import numpy as np
 import gpustrat as gs
-from gpustrat.distribute.parameter_server import server
+from gpustrat.distribute.parameter_server import staging
 
-THREADED = {threaded}
-server.spare_core = lambda ch: THREADED  # read by the server when it starts
+staging.SLOT_BYTES = {slot_bytes}  # read by every rank when the strategy starts
 resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
 strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
 rng = np.random.default_rng(0)
@@ -37,8 +36,8 @@ with strategy.scope():
     e = gs.Variable(np.zeros((0, 3), np.float32), name="e")
     opt = gs.optimizers.SGD(0.5)
 
-# Back-to-back updates of two variables of one size (the server alternates its
-# buffers), each followed at once by a read of the other variable or of itself.
+# Back-to-back updates of two variables of one size (the caller alternates its two
+# slots), each followed at once by a read of the other variable or of itself.
 ra, rb = np.zeros(MIB // 4, np.float32), np.zeros(MIB // 4, np.float32)
 for i in range(40):
     x = rng.normal(size=MIB // 4).astype(np.float32)
@@ -94,6 +93,14 @@ try:
     raise SystemExit("an update of an unknown variable was accepted")
 except KeyError as err:
     assert "no variable #999" in str(err), err
+small = gs.distribute.parameter_server.variables.RemoteVariable._handle(
+    a._vid, 0, (10,), np.float32, "small", True, a.synchronization, a.aggregation)
+for attempt in range(3):  # each use of a slot is released, also when refused
+    try:
+        small.assign_add(np.ones(10, np.float32))
+        raise SystemExit("an update of the wrong size was accepted")
+    except ValueError as err:
+        assert "got 40 bytes for its 1048576" in str(err), err
 try:
     a.assign_add(np.ones(MIB // 4 + 1, np.float32))
     raise SystemExit("an update of the wrong shape was accepted")
@@ -106,6 +113,20 @@ except TypeError as err:
     assert "dtype" in str(err), err
 a.assign_add(np.ones(MIB // 4, np.float32))
 assert np.array_equal(a.numpy(), np.full(MIB // 4, 6, np.float32)), a.numpy()[:4]
+
+# Two threads of the coordinator update at once (one of them through MPI while the
+# other holds the slots).
+import threading
+b.assign(np.zeros(MIB // 4, np.float32))
+def many(k):
+    for _ in range(30):
+        b.assign_add(np.full(MIB // 4, k, np.float32))
+threads = [threading.Thread(target=many, args=(k,)) for k in (1, 2)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+assert np.array_equal(b.numpy(), np.full(MIB // 4, 90, np.float32)), b.numpy()[:4]
 
 # Functions on the worker update the same variable between the coordinator's updates
 # (integer values: the sum is exact in any order).
@@ -122,7 +143,10 @@ print("UPDATES OK", flush=True)
 """
 
 
-@pytest.mark.parametrize("threaded", [True, False], ids=["applier-thread", "in-loop"])
-def test_updates_apply_once_in_order_and_are_seen(threaded):
-    out = assert_mpi_ok(3, UPDATES.format(threaded=threaded), timeout=120)
+# Slots of 4 MiB take every update here; of 0 bytes none; of 40000 bytes those of
+# the float16 and float64 variables (13,440 and 840 bytes), not the MiB ones.
+@pytest.mark.parametrize("slot_bytes", [4 << 20, 0, 40000],
+                         ids=["staged", "through-mpi", "mixed"])
+def test_updates_apply_once_in_order_and_are_seen(slot_bytes):
+    out = assert_mpi_ok(3, UPDATES.format(slot_bytes=slot_bytes), timeout=120)
     assert "UPDATES OK" in out

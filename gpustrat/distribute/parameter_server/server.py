@@ -11,9 +11,7 @@ and assigned as any variable is.
 
 from __future__ import annotations
 
-import os
 import pickle
-import threading
 import time
 import traceback
 
@@ -22,64 +20,12 @@ import numpy as np
 from gpustrat.distribute.parameter_server import wire
 from gpustrat.distribute.parameter_server.channel import (ERR_OFFSET, FAST_OPS, TAG_FAST,
                                                            Channel, transfer_spin)
+from gpustrat.distribute.parameter_server.staging import STAGED
 
 
 #: How long a server polls for the next request before it sleeps: after a request that
 #: came within ``LINGER_S`` of the one before, and after others.
 LINGER_S, POLL_S = 300e-6, 50e-6
-
-
-class _Applier:
-    """A thread that adds received updates into their variables while the server's
-    loop takes the next request's bytes.
-
-    At most one addition is pending; :meth:`join` waits for it. The loop joins before
-    it handles any request other than a fast update (whose bytes land in a buffer the
-    pending addition does not use) and before it starts the next addition, so every
-    later request still sees each update, and updates apply in arrival order.
-    NumPy releases the interpreter lock for the arithmetic, so it runs beside MPI.
-    """
-
-    def __init__(self):
-        self._go = threading.Lock()
-        self._go.acquire()
-        self._idle = threading.Lock()
-        self._job = None
-        #: the buffer that the pending addition reads (None: none pending)
-        self.pending = None
-        self._failed = None
-        threading.Thread(target=self._run, name="gpustrat-ps-apply", daemon=True).start()
-
-    def apply(self, var, delta, subtract: bool, buffer) -> None:
-        """Start ``var.array += delta`` (``-=`` when ``subtract``) after the pending
-        one; ``buffer`` holds ``delta``'s bytes until :meth:`join`."""
-        self._idle.acquire()
-        self.pending = buffer
-        self._job = (var, delta, subtract)
-        self._go.release()
-
-    def join(self) -> str | None:
-        """Wait for the pending addition; what went wrong with it, None if nothing."""
-        if self.pending is None:
-            return None
-        with self._idle:
-            self.pending = None
-            failed, self._failed = self._failed, None
-        return failed
-
-    def _run(self) -> None:
-        go, idle = self._go, self._idle
-        while True:
-            go.acquire()
-            var, delta, subtract = self._job
-            self._job = None
-            try:
-                _add(var.array, delta, subtract)
-            except Exception as e:  # noqa: BLE001 - reported by the next request
-                self._failed = (f"an earlier update of variable {var.name!r} could not "
-                                f"be applied: {type(e).__name__}: {e}")
-            finally:
-                idle.release()
 
 
 class _Var:
@@ -107,10 +53,6 @@ class Server:
         self._next_slot_id = -1
         self._scratch: dict = {}
         self._header = np.empty(4, np.int64)
-        #: Adds updates in a thread of its own (see _Applier) when this machine has a
-        #: core for it beside one per rank; else in the loop, right after the answer.
-        self._threaded = spare_core(ch)
-        self._applier: _Applier | None = None
 
     def serve(self, watch=None) -> None:
         comm = self.ch.comm
@@ -144,14 +86,11 @@ class Server:
                 self._fast(msg, source)
                 continue
             (op, tag, args), ms = msg.recv()
-            failed = self._settle()
             arrays = self._receive(source, tag, ms, op, args) if ms else []
             if op == "stop":
                 self.ch.send(source, tag, ("ok", None))
                 return
             try:
-                if failed is not None:
-                    raise RuntimeError(failed)
                 payload, out = getattr(self, "op_" + op)(*args, arrays=arrays)
                 reply = ("ok", payload)
             except Exception as e:  # noqa: BLE001 - every error goes back to the caller
@@ -169,78 +108,74 @@ class Server:
         header = self._header
         msg.Recv(header)
         code, tag, vid, nbytes = (int(x) for x in header)
+        if code & STAGED:
+            self._staged(source, code, tag, vid, nbytes)
+            return
         var = self.vars.get(vid)
         fits = nbytes and var is not None and var.array.nbytes == nbytes
+        if code == 1 and fits:
+            self.ch.recv_into(source, tag, [var.array])  # in place
+            comm.Send(_ACK, dest=source, tag=tag)
+            self.ch.ring(source)
+            return
         value = None
-        if code in (2, 3) and fits:
-            # Acknowledged on arrival and applied by the applier thread while this loop
-            # takes the next request: the caller need not wait for the arithmetic, and
-            # every later request (of any process) waits for it (see _Applier).
-            value = self._update_buffer(nbytes)
+        if nbytes:  # taken before the answer, whatever it is (the caller waits)
+            value = self._scratch.get(("fast", nbytes))
+            if value is None:
+                value = self._scratch[("fast", nbytes)] = np.empty(nbytes, np.uint8)
             self.ch.recv_into(source, tag, [value])
-            failed = self._settle()
-            if failed is None:
-                comm.Send(_ACK, dest=source, tag=tag)
-                self.ch.ring(source)
-                a = var.array
-                delta = value.view(a.dtype).reshape(a.shape)
-                if not self._threaded:
-                    _add(a, delta, code == 3)
-                    return
-                if self._applier is None:
-                    self._applier = _Applier()
-                self._applier.apply(var, delta, code == 3, value)
-                return
-        else:
-            failed = self._settle()
-            if code == 1 and fits and failed is None:
-                self.ch.recv_into(source, tag, [var.array])  # in place
-                comm.Send(_ACK, dest=source, tag=tag)
-                self.ch.ring(source)
-                return
-            if nbytes:  # taken before the answer, whatever it is (the caller waits)
-                value = self._update_buffer(nbytes)
-                self.ch.recv_into(source, tag, [value])
         try:
-            if failed is not None:
-                raise RuntimeError(failed)
             var = self._var(vid)
+            a = var.array
             if code == 0:
-                sent = comm.Isend(wire.raw(var.array), dest=source, tag=tag)
+                sent = comm.Isend(wire.raw(a), dest=source, tag=tag)
                 self.ch.ring(source)
                 # Until the reader has the bytes, no update may change them. Polled
                 # about as long as the bytes take to move (the reader is receiving).
                 self.ch.wait([sent], source, f"sending variable {var.name!r} to it",
-                             spin_s=transfer_spin(var.array.nbytes))
+                             spin_s=transfer_spin(a.nbytes))
                 return
-            if nbytes != var.array.nbytes:
-                raise ValueError(f"{FAST_OPS[code]} of variable {var.name!r} got "
-                                 f"{nbytes} bytes for its {var.array.nbytes}")
-            # Left here: an update of a variable without elements, nothing to apply.
-            comm.Send(_ACK, dest=source, tag=tag)
-            self.ch.ring(source)
+            self._check_size(var, code, nbytes)
         except Exception as e:  # noqa: BLE001 - the caller raises it
-            self.ch.send(source, tag + ERR_OFFSET, ("error", (
-                type(e).__name__, f"parameter server {self.index} (rank {self.ch.rank}): "
-                f"{e}")))
+            self._fast_error(source, tag, e)
+            return
+        # Acknowledged on arrival, applied right after: the caller need not wait for
+        # the arithmetic, and every later request (of any process) is handled after
+        # it, so each still sees the update.
+        comm.Send(_ACK, dest=source, tag=tag)
+        self.ch.ring(source)
+        if nbytes:
+            _add(a, value.view(a.dtype).reshape(a.shape), code == 3)
 
-    def _settle(self) -> str | None:
-        """Wait for the pending addition (see _Applier); what went wrong with it."""
-        return self._applier.join() if self._applier is not None else None
+    def _staged(self, source: int, code: int, tag: int, vid: int, nbytes: int) -> None:
+        """An update whose value waits in the caller's slot (see :mod:`.staging`)."""
+        staging = self.ch.staging
+        try:
+            var = self._var(vid)
+            self._check_size(var, code & 7, nbytes)
+        except Exception as e:  # noqa: BLE001 - the caller raises it
+            staging.release(source, code)
+            self._fast_error(source, tag, e)
+            return
+        # Acknowledged first, as above; the caller writes this slot again only after
+        # the release below.
+        self.ch.comm.Send(_ACK, dest=source, tag=tag)
+        self.ch.ring(source)
+        a = var.array
+        _add(a, staging.incoming(source, code, nbytes).view(a.dtype).reshape(a.shape),
+             code & 7 == 3)
+        staging.release(source, code)
 
-    def _update_buffer(self, nbytes: int) -> np.ndarray:
-        """A buffer of ``nbytes`` for an update's bytes, kept from one request to the
-        next, that the pending addition does not read (two per size, the second made
-        when first needed)."""
-        bufs = self._scratch.get(("fast", nbytes))
-        if bufs is None:
-            bufs = self._scratch[("fast", nbytes)] = [np.empty(nbytes, np.uint8)]
-        pending = self._applier.pending if self._applier is not None else None
-        if bufs[0] is not pending:
-            return bufs[0]
-        if len(bufs) == 1:
-            bufs.append(np.empty(nbytes, np.uint8))
-        return bufs[1]
+    @staticmethod
+    def _check_size(var: _Var, code: int, nbytes: int) -> None:
+        if nbytes != var.array.nbytes:
+            raise ValueError(f"{FAST_OPS[code]} of variable {var.name!r} got "
+                             f"{nbytes} bytes for its {var.array.nbytes}")
+
+    def _fast_error(self, source: int, tag: int, e: Exception) -> None:
+        self.ch.send(source, tag + ERR_OFFSET, ("error", (
+            type(e).__name__, f"parameter server {self.index} (rank {self.ch.rank}): "
+            f"{e}")))
 
     def _receive(self, source: int, tag: int, ms: list, op: str, args: tuple) -> list:
         """The request's arrays: an assign lands in the variable itself; other updates
@@ -379,15 +314,6 @@ def _add(array, delta, subtract: bool) -> None:
         np.subtract(array, delta, out=array)
     else:
         np.add(array, delta, out=array)
-
-
-def spare_core(ch: Channel) -> bool:
-    """Whether this rank may use more cores than the job has ranks on its machine."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return cores > ch.local_ranks
 
 
 def _any_tag() -> int:
