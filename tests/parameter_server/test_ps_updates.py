@@ -27,6 +27,10 @@ resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
 strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
 rng = np.random.default_rng(0)
 MIB = 1 << 20
+# The coordinator's slots at the server, as this test set them.
+from gpustrat.distribute.parameter_server.channel import channel
+sizes = [out[4] for out in channel().staging._out.values()]
+assert sizes == ([staging._slot_bytes(3, 1)] if {slot_bytes} else []), sizes
 
 with strategy.scope():
     a = gs.Variable(np.zeros(MIB // 4, np.float32), name="a")
@@ -143,7 +147,7 @@ print("UPDATES OK", flush=True)
 """
 
 
-# Slots of 4 MiB take every update here; of 0 bytes none; of 40000 bytes those of
+# Slots of 4 MiB take every update here; of 0 bytes none; of 40,000 bytes those of
 # the float16 and float64 variables (13,440 and 840 bytes), not the MiB ones.
 @pytest.mark.parametrize("slot_bytes", [4 << 20, 0, 40000],
                          ids=["staged", "through-mpi", "mixed"])

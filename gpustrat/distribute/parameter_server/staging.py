@@ -22,6 +22,7 @@ the update goes through MPI as before (see :meth:`.channel.Channel._fast`).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -30,7 +31,7 @@ import numpy as np
 #: Marks a staged update in a fast request's code: bits 0-2 the operation, bit 4 the
 #: slot's number, bits 5 on how many times the caller used the slot before.
 STAGED = 8
-#: Bytes of a slot: updates up to this size are staged.
+#: Bytes of a slot (at most; see _slot_bytes): updates up to this size are staged.
 SLOT_BYTES = 4 << 20
 #: Before the slots of a region: the use count that last released each slot.
 _HEAD = 64
@@ -44,31 +45,37 @@ class Staging:
         me = comm.Get_rank()
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
         ranks = node.allgather(me)  # the channel rank of each rank of this machine
-        slot = -(-SLOT_BYTES // _HEAD) * _HEAD
-        self._region = _HEAD + 2 * slot
-        size = self._region * len(ranks) if me in server_ranks else 0
+        size = 0
+        if me in server_ranks:
+            slot = _slot_bytes(len(ranks), sum(r in server_ranks for r in ranks))
+            size = (_HEAD + 2 * slot) * len(ranks) if slot else 0
         self.win = MPI.Win.Allocate_shared(size, 1, comm=node)
         self.win.Lock_all(MPI.MODE_NOCHECK)
-        self._slot = slot
         self._node = node
         mine = ranks.index(me)
         #: server rank -> [its region for this rank, the use counts that released each
-        #: slot, the slot to use next, the use count of each slot]
+        #: slot, the slot to use next, the use count of each slot, the slots' size]
         self._out: dict = {}
         self._locks: dict = {}
-        #: caller rank -> its region here (on a server)
+        #: on a server: caller rank -> its region here; the slots' size
         self._in: dict = {}
+        self._slot = 0
         for i, rank in enumerate(ranks):
             if rank not in server_ranks:
                 continue
             mem, _ = self.win.Shared_query(i)
             whole = np.frombuffer(mem, np.uint8)
+            region = len(whole) // len(ranks)
+            if region == 0:  # no slots at this server
+                continue
+            slot = (region - _HEAD) // 2
             if rank == me:
-                self._in = {r: whole[j * self._region:(j + 1) * self._region]
+                self._slot = slot
+                self._in = {r: whole[j * region:(j + 1) * region]
                             for j, r in enumerate(ranks) if r != me}
             else:
-                region = whole[mine * self._region:(mine + 1) * self._region]
-                self._out[rank] = [region, region[:16].view(np.int64), 0, [0, 0]]
+                mem = whole[mine * region:(mine + 1) * region]
+                self._out[rank] = [mem, mem[:16].view(np.int64), 0, [0, 0], slot]
                 self._locks[rank] = threading.Lock()
 
     # --- the caller ---------------------------------------------------------------
@@ -79,15 +86,15 @@ class Staging:
         module docstring). A server that has not released the slot within ``timeout``
         seconds: TimeoutError."""
         lock = self._locks.get(dest)
-        if lock is None or not 0 < value.nbytes <= self._slot or \
+        if lock is None or not 0 < value.nbytes <= self._out[dest][4] or \
                 not lock.acquire(blocking=False):
             return None
         try:
             out = self._out[dest]
-            region, released, n, uses = out
+            region, released, n, uses, slot = out
             if uses[n]:
                 self._wait_released(released, n, uses[n], timeout)
-            start = _HEAD + n * self._slot
+            start = _HEAD + n * slot
             np.copyto(region[start:start + value.nbytes], value.reshape(-1).view(np.uint8))
             uses[n] += 1
             out[2] = 1 - n
@@ -126,6 +133,21 @@ class Staging:
         """Done with the slot of ``source``'s staged update ``code``."""
         self._in[source][:16].view(np.int64)[code >> 4 & 1] = code >> 5
         self.win.Sync()
+
+
+def _slot_bytes(ranks: int, servers: int) -> int:
+    """The slots' size at a server of a machine with ``ranks`` ranks, ``servers`` of
+    them servers: ``SLOT_BYTES``, less where every rank filling both its slots at
+    every server would take more than half the free shared memory (``/dev/shm``, a
+    few tens of MiB in some containers: a page that finds none there kills the
+    process). Pages of a slot are taken only when an update first fills them."""
+    slot = SLOT_BYTES
+    try:
+        st = os.statvfs("/dev/shm")
+        slot = min(slot, st.f_bavail * st.f_frsize // (4 * ranks * servers))
+    except OSError:  # no /dev/shm: the MPI library keeps shared memory elsewhere
+        pass
+    return max(slot, 0) // _HEAD * _HEAD
 
 
 def open_staging(comm, server_ranks: list, MPI) -> Staging | None:
