@@ -370,9 +370,7 @@ class Channel:
         header[3] = nbytes
         pending = [comm.Irecv(wire.raw(answer), source=dest, tag=tag)]
         comm.Send(header, dest=dest, tag=TAG_FAST)  # 32 bytes: sent at once
-        if staged:
-            nbytes = 0  # nothing more to send
-        elif nbytes:
+        if nbytes and not staged:
             # A second, contiguous message: MPI moves it as fast as a bare Send (one
             # message of header and value through a struct datatype is packed, slower).
             pending.append(comm.Isend(wire.raw(value), dest=dest, tag=tag))
@@ -380,7 +378,9 @@ class Channel:
         test = _test_all()
         if test(pending):
             return
-        # Spin about as long as the bytes take to move, then sleep (see Backoff).
+        # Spin about as long as the bytes take to move (staged: as the server may take
+        # to add the caller's update before, of about this size), then sleep (see
+        # Backoff).
         backoff = self.backoff(transfer_spin(nbytes + answer.nbytes))
         sleep = self.sleeper()
         deadline = time.monotonic() + self.timeout

@@ -9,11 +9,11 @@ Words:
   caller copies the value into its next slot and sends only the request's 32-byte
   header (its code carries :data:`STAGED`, the slot's number and the slot's use
   count); the server acknowledges it, adds straight from the slot into the variable
-  and then *releases* the slot (writes the use count beside it). Through MPI the value would be copied into a
-  buffer of the server (by the server) and then added from there: staged, the server
-  reads it once, and the caller's copy of the next update overlaps the server's
-  addition of this one (the other slot). A caller writes a slot again only after the
-  server released it.
+  and then *releases* the slot (writes the use count beside it). Through MPI the
+  value would be copied into a buffer of the server (by the server) and then added
+  from there: staged, the server reads it once, and the caller's copy of the next
+  update overlaps the server's addition of this one (the other slot). A caller
+  writes a slot again only after the server released it.
 
 A value larger than a slot, a server on another machine, a second thread of the
 caller while the first holds the slots, or an MPI library without shared windows:
@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 #: Marks a staged update in a fast request's code: bits 0-2 the operation, bit 4 the
-#: slot's number, bits 5 on how many times the caller used the slot before.
+#: slot's number, bits 5 on the slot's use count (this use included).
 STAGED = 8
 #: Bytes of a slot (at most; see _slot_bytes): updates up to this size are staged.
 SLOT_BYTES = 4 << 20
@@ -50,8 +50,7 @@ class Staging:
             slot = _slot_bytes(len(ranks), sum(r in server_ranks for r in ranks))
             size = (_HEAD + 2 * slot) * len(ranks) if slot else 0
         self.win = MPI.Win.Allocate_shared(size, 1, comm=node)
-        self.win.Lock_all(MPI.MODE_NOCHECK)
-        self._node = node
+        self.win.Lock_all(MPI.MODE_NOCHECK)  # Sync (a memory barrier) needs an epoch
         mine = ranks.index(me)
         #: server rank -> [its region for this rank, the use counts that released each
         #: slot, the slot to use next, the use count of each slot, the slots' size]
