@@ -286,3 +286,25 @@ def test_a_checkpoint_refuses_per_worker_iterators_and_skips_them_when_held(tmp_
     trainer.w.assign(np.zeros(3, np.float32))
     gs.train.Checkpoint(trainer=trainer).restore(path).assert_consumed()
     assert trainer.w.numpy().tolist() == [0.0, 1.0, 2.0] and trainer.iterator is it
+
+
+def test_update_slots_leave_shared_memory_to_spare(monkeypatch):
+    from types import SimpleNamespace
+
+    from gpustrat.distribute.parameter_server import staging
+    free = {"bytes": 1 << 40}
+    monkeypatch.setattr(staging.os, "statvfs", lambda path: SimpleNamespace(
+        f_bavail=free["bytes"] // 4096, f_frsize=4096))
+    assert staging._slot_bytes(5, 2) == staging.SLOT_BYTES
+    # 64 MiB free (a container's default /dev/shm), 9 ranks, 3 of them servers: every
+    # rank filling both slots at every server takes at most half of it.
+    free["bytes"] = 64 << 20
+    slot = staging._slot_bytes(9, 3)
+    assert slot % 64 == 0 and 9 * 3 * 2 * slot <= 32 << 20 < 9 * 3 * 2 * (slot + 64)
+    free["bytes"] = 0
+    assert staging._slot_bytes(9, 3) == 0
+
+    def missing(path):
+        raise FileNotFoundError(path)
+    monkeypatch.setattr(staging.os, "statvfs", missing)
+    assert staging._slot_bytes(9, 3) == staging.SLOT_BYTES

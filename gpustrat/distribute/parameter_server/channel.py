@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from gpustrat.distribute.parameter_server import doorbell, wire
+from gpustrat.distribute.parameter_server import doorbell, staging, wire
 
 TAG_REQ = 1
 TAG_TASK = 2
@@ -165,6 +165,8 @@ class Channel:
         self.worker_ranks: list = []
         #: ranks that did not answer in time
         self.lost: set = set()
+        #: this rank's update slots (see :meth:`open_staging`), None for none
+        self.staging = None
         slots = (doorbell.REPLIES, doorbell.RESULTS) if self.rank == 0 else \
             (doorbell.REPLIES,)
         self.bells = {s: doorbell.Doorbell(doorbell.address(job, self.rank, s))
@@ -181,6 +183,12 @@ class Channel:
             every = comm.allgather(mine)
             if len({host for host, _ in every}) == 1 and all(ok for _, ok in every):
                 self.cap = _RUNG_SLEEP_S
+
+    def open_staging(self) -> None:
+        """Make the update slots between the servers and the ranks on their machines
+        (see :mod:`.staging`), once ``server_ranks`` is set: a collective."""
+        from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
+        self.staging = staging.open_staging(self.comm, self.server_ranks, mpi())
 
     def backoff(self, spin_s: float = 50e-6) -> Backoff:
         """A Backoff for a wait that the sender of what is waited for rings."""
@@ -301,7 +309,7 @@ class Channel:
             self._fast(server, code, vid, None, out, op)
             return None, [out]
         if code and len(args) == 1 and len(arrays) == 1:
-            self._fast(server, code, args[0], arrays[0], np.empty(1, np.int64), op)
+            self._fast(server, code, args[0], arrays[0], None, op)
             return None, []
         dest = self.server_ranks[server]
         tag = self.reply_tag()
@@ -316,14 +324,53 @@ class Channel:
 
 
     def _fast(self, server: int, code: int, vid: int, value, answer, op: str) -> None:
-        comm = self.comm
+        """One fast request; ``answer``: where a read lands (None: an update, whose
+        8-byte acknowledgement lands in this thread's buffer). An update's value
+        goes through this rank's slot at the server when it can (see :mod:`.staging`),
+        else through MPI."""
         dest = self.server_ranks[server]
+        staged = None
+        if code >= 2 and self.staging is not None:
+            try:
+                staged = self.staging.put(dest, code, value, self.timeout)
+            except TimeoutError:
+                self.lost.add(dest)
+                raise ServerLostError(
+                    f"{op} on parameter server {server} (rank {dest}): it did not take "
+                    f"the update before within {self.timeout:g} s (GPUSTRAT_TIMEOUT): it "
+                    "has probably been lost. The job cannot continue: restart it and "
+                    "restore the variables from a checkpoint") from None
+        if staged is None:
+            self._request_fast(server, dest, code, vid, value, answer, op)
+            return
+        try:
+            self._request_fast(server, dest, staged, vid, value, answer, op, staged=True)
+        finally:
+            self.staging.done(dest)
+
+    def _request_fast(self, server: int, dest: int, code: int, vid: int, value, answer,
+                      op: str, staged: bool = False) -> None:
+        """Send the request (and ``value`` through MPI, unless ``staged``) and wait for
+        the answer."""
+        comm = self.comm
         tag = self.reply_tag()
         nbytes = 0 if value is None else value.nbytes
-        header = np.array([code, tag, vid, nbytes], np.int64)
+        # This thread's header and acknowledgement buffers: the header is sent before
+        # this returns, and the acknowledgement is never read.
+        bufs = _fast_buffers.__dict__
+        header = bufs.get("header")
+        if header is None:
+            header = bufs["header"] = np.empty(4, np.int64)
+            bufs["ack"] = np.empty(1, np.int64)
+        if answer is None:
+            answer = bufs["ack"]
+        header[0] = code
+        header[1] = tag
+        header[2] = vid
+        header[3] = nbytes
         pending = [comm.Irecv(wire.raw(answer), source=dest, tag=tag)]
         comm.Send(header, dest=dest, tag=TAG_FAST)  # 32 bytes: sent at once
-        if nbytes:
+        if nbytes and not staged:
             # A second, contiguous message: MPI moves it as fast as a bare Send (one
             # message of header and value through a struct datatype is packed, slower).
             pending.append(comm.Isend(wire.raw(value), dest=dest, tag=tag))
@@ -331,7 +378,9 @@ class Channel:
         test = _test_all()
         if test(pending):
             return
-        # Spin about as long as the bytes take to move, then sleep (see Backoff).
+        # Spin about as long as the bytes take to move (staged: as the server may take
+        # to add the caller's update before, of about this size), then sleep (see
+        # Backoff).
         backoff = self.backoff(transfer_spin(nbytes + answer.nbytes))
         sleep = self.sleeper()
         deadline = time.monotonic() + self.timeout
@@ -358,8 +407,15 @@ class Channel:
 
 
 def _test_all():
-    from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
-    return mpi().Request.Testall
+    global _testall
+    if _testall is None:
+        from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
+        _testall = mpi().Request.Testall
+    return _testall
+
+
+_testall = None
+_fast_buffers = threading.local()
 
 
 _ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "MemoryError": MemoryError,

@@ -20,6 +20,7 @@ import numpy as np
 from gpustrat.distribute.parameter_server import wire
 from gpustrat.distribute.parameter_server.channel import (ERR_OFFSET, FAST_OPS, TAG_FAST,
                                                            Channel, transfer_spin)
+from gpustrat.distribute.parameter_server.staging import STAGED
 
 
 #: How long a server polls for the next request before it sleeps: after a request that
@@ -107,58 +108,74 @@ class Server:
         header = self._header
         msg.Recv(header)
         code, tag, vid, nbytes = (int(x) for x in header)
+        if code & STAGED:
+            self._staged(source, code, tag, vid, nbytes)
+            return
+        var = self.vars.get(vid)
+        fits = nbytes and var is not None and var.array.nbytes == nbytes
+        if code == 1 and fits:
+            self.ch.recv_into(source, tag, [var.array])  # in place
+            comm.Send(_ACK, dest=source, tag=tag)
+            self.ch.ring(source)
+            return
         value = None
-        if nbytes:
-            var = self.vars.get(vid)
-            if code == 1 and var is not None and var.array.nbytes == nbytes:
-                self.ch.recv_into(source, tag, [var.array])  # in place
-                comm.Send(_ACK, dest=source, tag=tag)
-                self.ch.ring(source)
-                return
+        if nbytes:  # taken before the answer, whatever it is (the caller waits)
             value = self._scratch.get(("fast", nbytes))
             if value is None:
                 value = self._scratch[("fast", nbytes)] = np.empty(nbytes, np.uint8)
             self.ch.recv_into(source, tag, [value])
-            if code in (2, 3) and var is not None and var.array.nbytes == nbytes:
-                # Acknowledged on arrival, applied right after: the caller need not
-                # wait for the arithmetic, and every later request (of any process)
-                # is handled after it, so each still sees the update.
-                comm.Send(_ACK, dest=source, tag=tag)
-                self.ch.ring(source)
-                a = var.array
-                delta = value.view(a.dtype).reshape(a.shape)
-                if code == 2:
-                    a += delta
-                else:
-                    a -= delta
-                return
         try:
             var = self._var(vid)
+            a = var.array
             if code == 0:
-                sent = comm.Isend(wire.raw(var.array), dest=source, tag=tag)
+                sent = comm.Isend(wire.raw(a), dest=source, tag=tag)
                 self.ch.ring(source)
                 # Until the reader has the bytes, no update may change them. Polled
                 # about as long as the bytes take to move (the reader is receiving).
                 self.ch.wait([sent], source, f"sending variable {var.name!r} to it",
-                             spin_s=transfer_spin(var.array.nbytes))
+                             spin_s=transfer_spin(a.nbytes))
                 return
-            a = var.array
-            if nbytes != a.nbytes:
-                raise ValueError(f"{FAST_OPS[code]} of variable {var.name!r} got "
-                                 f"{nbytes} bytes for its {a.nbytes}")
-            value = value.view(a.dtype).reshape(a.shape)
-            if code == 1:
-                a[...] = value
-            elif code == 2:
-                a += value
-            else:
-                a -= value
-            comm.Send(_ACK, dest=source, tag=tag)
-            self.ch.ring(source)
+            self._check_size(var, code, nbytes)
         except Exception as e:  # noqa: BLE001 - the caller raises it
-            self.ch.send(source, tag + ERR_OFFSET, ("error", (
-                type(e).__name__, f"parameter server {self.index} (rank {self.ch.rank}): "
-                f"{e}")))
+            self._fast_error(source, tag, e)
+            return
+        # Acknowledged on arrival, applied right after: the caller need not wait for
+        # the arithmetic, and every later request (of any process) is handled after
+        # it, so each still sees the update.
+        comm.Send(_ACK, dest=source, tag=tag)
+        self.ch.ring(source)
+        if nbytes:
+            _add(a, value.view(a.dtype).reshape(a.shape), code == 3)
+
+    def _staged(self, source: int, code: int, tag: int, vid: int, nbytes: int) -> None:
+        """An update whose value waits in the caller's slot (see :mod:`.staging`)."""
+        staging = self.ch.staging
+        try:
+            var = self._var(vid)
+            self._check_size(var, code & 7, nbytes)
+        except Exception as e:  # noqa: BLE001 - the caller raises it
+            staging.release(source, code)
+            self._fast_error(source, tag, e)
+            return
+        # Acknowledged first, as above; the caller writes this slot again only after
+        # the release below.
+        self.ch.comm.Send(_ACK, dest=source, tag=tag)
+        self.ch.ring(source)
+        a = var.array
+        _add(a, staging.incoming(source, code, nbytes).view(a.dtype).reshape(a.shape),
+             code & 7 == 3)
+        staging.release(source, code)
+
+    @staticmethod
+    def _check_size(var: _Var, code: int, nbytes: int) -> None:
+        if nbytes != var.array.nbytes:
+            raise ValueError(f"{FAST_OPS[code]} of variable {var.name!r} got "
+                             f"{nbytes} bytes for its {var.array.nbytes}")
+
+    def _fast_error(self, source: int, tag: int, e: Exception) -> None:
+        self.ch.send(source, tag + ERR_OFFSET, ("error", (
+            type(e).__name__, f"parameter server {self.index} (rank {self.ch.rank}): "
+            f"{e}")))
 
     def _receive(self, source: int, tag: int, ms: list, op: str, args: tuple) -> list:
         """The request's arrays: an assign lands in the variable itself; other updates
@@ -289,6 +306,14 @@ class Server:
 
 
 _ACK = np.zeros(1, np.int64)
+
+
+def _add(array, delta, subtract: bool) -> None:
+    """``array += delta`` (``-=`` when ``subtract``), in place."""
+    if subtract:
+        np.subtract(array, delta, out=array)
+    else:
+        np.add(array, delta, out=array)
 
 
 def _any_tag() -> int:

@@ -75,6 +75,7 @@ class ParameterServerStrategy(Strategy):
         ch.server_ranks = [cluster_resolver.rank_of("ps", i) for i in range(self._num_ps)]
         ch.worker_ranks = [cluster_resolver.rank_of("worker", i)
                            for i in range(self._num_workers)]
+        ch.open_staging()
         self._channel = ch
         set_channel(ch)
         remote.set_requester(ch.request)

@@ -137,7 +137,11 @@ class RemoteVariable(_HeldElsewhere, _FetchedReads, Variable):
         return arr
 
     def _update(self, op: str, value) -> "RemoteVariable":
-        arr = wire.contiguous(to_host(self._coerce(value, op)))
+        if type(value) is np.ndarray and value.dtype == self._dtype and \
+                value.shape == self._shape and value.flags.c_contiguous:
+            arr = value  # sent from its own memory, as it is
+        else:
+            arr = wire.contiguous(to_host(self._coerce(value, op)))
         request(self._server, op, (self._vid,), [arr])
         return self
 

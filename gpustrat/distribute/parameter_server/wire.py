@@ -188,8 +188,9 @@ def raw(a: np.ndarray):
 
 def _buffer(a: np.ndarray):
     # 0-d and empty arrays: mpi4py takes any contiguous buffer; bytes view keeps dtype
-    # out of MPI (the receiver knows it from the header).
-    return memoryview(a).cast("B") if a.nbytes else memoryview(b"")
+    # out of MPI (the receiver knows it from the header). An empty one is writable, so
+    # that a receive of nothing (an empty variable's value) takes it too.
+    return memoryview(a).cast("B") if a.nbytes else memoryview(bytearray())
 
 
 def describe_function(fn) -> str:
