@@ -19,6 +19,7 @@ import contextlib
 import os
 import threading
 from collections import OrderedDict
+from typing import NamedTuple
 
 import numpy as np
 
@@ -168,9 +169,10 @@ def _cupy_of(x):
     return array_module(x) if x is not None and is_gpu_array(x) else None
 
 
-def device_context(*arrays):
+def device_context(*arrays, devices=()):
     """Numba's context, and CuPy's current device, for the device holding ``arrays``
-    (all on one device).
+    (all on one device; ``devices``: the device ids of more CuPy arrays, as
+    :func:`describe` gives them).
 
     CuPy and Numba share the primary context, but Numba launches on *its* current
     device, so a launch for ``gpu:3`` must be made inside ``cuda.gpus[3]``; and CuPy's
@@ -180,7 +182,8 @@ def device_context(*arrays):
     from gpustrat.devices import Device  # noqa: PLC0415
     # The device of a CuPy array is its memory's (an int: cheaper than ``x.device``
     # for the hundreds of tensors of a fusion bucket).
-    ids = {a.data.device_id for a in arrays if _is_cupy(a)}
+    ids = set(devices)
+    ids.update(a.data.device_id for a in arrays if _is_cupy(a))
     if len(ids) > 1:
         raise ValueError(f"one launch reads and writes one device, but the arrays are on "
                          f"{sorted(f'gpu:{i}' for i in ids)}: copy them to one device "
@@ -296,45 +299,70 @@ class _HostInterface:
                                     "typestr": dtype.str, "version": 3}
 
 
-def window(arrays, dtype):
+class Described(NamedTuple):
+    """What a launch needs of a list of arrays, read once (:func:`describe`)."""
+
+    ptrs: np.ndarray        # int64 addresses
+    sizes: np.ndarray       # int64 element counts
+    devices: set            # the device ids of the CuPy arrays among them
+    all_host: bool          # every array a NumPy array (the simulator)
+
+
+def describe(arrays, dtype, what: str = "tensor") -> Described:
+    """Check every array once (a device array, of ``dtype``, C-contiguous, aligned to
+    its item size) and read its address, size and device, in one pass: a fusion
+    bucket holds hundreds of arrays, and each attribute read costs Python time."""
+    dtype = np.dtype(dtype)
+    ptrs, sizes, devices = [], [], set()
+    all_host = True
+    for k, a in enumerate(arrays):
+        if _is_cupy(a):
+            contiguous = a.flags.c_contiguous
+            data = a.data
+            ptrs.append(data.ptr)
+            devices.add(data.device_id)
+            all_host = False
+        else:
+            check_kernel_input(a, f"{what} {k}")
+            contiguous = is_c_contiguous(a)
+            ptrs.append(data_ptr(a))
+            all_host = all_host and isinstance(a, np.ndarray)
+        if a.dtype != dtype:
+            raise TypeError(f"{what} {k} has dtype {np.dtype(a.dtype)}, expected {dtype}: "
+                            "one launch handles one dtype (bucket tensors by dtype)")
+        if not contiguous:
+            raise ValueError(f"{what} {k} (shape {tuple(a.shape)}) is not C-contiguous")
+        sizes.append(a.size)
+    ptrs = np.array(ptrs, dtype=np.int64)
+    misaligned = np.flatnonzero(ptrs % dtype.itemsize)
+    if len(misaligned):
+        k = int(misaligned[0])
+        raise ValueError(f"{what} {k} at address {int(ptrs[k]):#x} is not aligned to its "
+                         f"item size {dtype.itemsize}")
+    return Described(ptrs, np.array(sizes, dtype=np.int64), devices, all_host)
+
+
+def window(arrays, dtype, described: Described | None = None):
     """A 1-D array of ``dtype`` spanning every array in ``arrays``, and the element
     offset of each array in it.
 
     All arrays must be C-contiguous, of ``dtype``, on one device, and aligned to the
-    item size (every allocator does so). The window is only a descriptor: the kernels
-    touch the ranges of the arrays themselves, never the gaps between allocations.
-    The caller keeps ``arrays`` alive while the window is in use.
+    item size (every allocator does so; :func:`describe` checks, unless its answer
+    for these arrays is passed as ``described``). The window is only a descriptor: the
+    kernels touch the ranges of the arrays themselves, never the gaps between
+    allocations. The caller keeps ``arrays`` alive while the window is in use.
 
     Returns:
         ``(window_array, offsets)`` with ``offsets`` a host int64 array.
     """
     dtype = np.dtype(dtype)
-    ptrs, sizes = [], []
-    # One pass of attribute reads per array: a fusion bucket holds hundreds.
-    for k, a in enumerate(arrays):
-        if a.dtype != dtype:
-            raise TypeError(f"tensor {k} has dtype {np.dtype(a.dtype)}, expected {dtype}: "
-                            "one launch handles one dtype (bucket tensors by dtype)")
-        if _is_cupy(a):
-            contiguous, ptr = a.flags.c_contiguous, a.data.ptr
-        else:
-            contiguous, ptr = is_c_contiguous(a), data_ptr(a)
-        if not contiguous:
-            raise ValueError(f"tensor {k} (shape {tuple(a.shape)}) is not C-contiguous")
-        ptrs.append(ptr)
-        sizes.append(a.size)
-    ptrs = np.array(ptrs, dtype=np.int64)
-    sizes = np.array(sizes, dtype=np.int64)
-    misaligned = np.flatnonzero(ptrs % dtype.itemsize)
-    if len(misaligned):
-        k = int(misaligned[0])
-        raise ValueError(f"tensor {k} at address {int(ptrs[k]):#x} is not aligned to its "
-                         f"item size {dtype.itemsize}")
+    d = described if described is not None else describe(arrays, dtype)
+    ptrs, sizes = d.ptrs, d.sizes
     base = int(ptrs.min()) if len(ptrs) else 0
     end = int((ptrs + sizes * dtype.itemsize).max()) if len(ptrs) else 0
     n = max((end - base) // dtype.itemsize, 1)
     offsets = (ptrs - base) // dtype.itemsize
-    if all(isinstance(a, np.ndarray) for a in arrays):
+    if d.all_host:
         win = np.asarray(_HostInterface(base, n, dtype))
         if simulating():
             # The simulator copies NumPy arguments in and back out around a launch,

@@ -286,20 +286,21 @@ def pack(tensors, out=None, scale=None, stream=None, threads=None):
     Returns:
         The fusion buffer (``out`` when given).
     """
-    for k, t in enumerate(tensors):
-        _launch.check_kernel_input(t, f"tensor {k}")
-    dtype = _check_tensors(tensors)
-    sizes, starts, total = _layout_sizes(
-        np.fromiter((t.size for t in tensors), np.int64, len(tensors)))
+    if len(tensors) == 0:
+        raise ValueError("nothing to pack: pass at least one tensor")
+    dtype = np.dtype(_launch.check_kernel_input(tensors[0], "tensor 0").dtype)
+    described = _launch.describe(tensors, dtype)
+    sizes, starts, total = _layout_sizes(described.sizes)
     s = _scale_value(scale, dtype)
-    with _launch.device_context(*tensors, *(() if out is None else (out,))):
+    with _launch.device_context(*(() if out is None else (out,)),
+                                devices=described.devices):
         if out is None:
             out = _launch.empty(tensors[0], (total,), dtype, stream)
         else:
             _launch.check_kernel_input(out, "out")
             _check_buffer(out, total, "out")
         if total:
-            win, offsets = _launch.window(tensors, dtype)
+            win, offsets = _launch.window(tensors, dtype, described)
             nstream = _launch.launch_stream(stream, like=tensors[0])
             table = _launch.to_kernel_array(np.stack([offsets, sizes, starts]),
                                             tensors[0], nstream)
@@ -330,18 +331,19 @@ def unpack(buffer, shapes, out=None, scale=None, stream=None, threads=None):
     sizes, starts, total = layout(shapes)
     _check_buffer(buffer, total, "buffer")
     s = _scale_value(scale, dtype)
-    with _launch.device_context(buffer, *(out or ())):
+    described = None
+    if out is not None:
+        out = list(out)
+        if [tuple(o.shape) for o in out] != shapes:
+            raise ValueError(f"out has shapes {[tuple(o.shape) for o in out]}, "
+                             f"expected {shapes}")
+        described = _launch.describe(out, dtype, what="out")
+    with _launch.device_context(buffer, devices=() if described is None
+                                else described.devices):
         if out is None:
             out = [_launch.empty(buffer, shape, dtype, stream) for shape in shapes]
-        else:
-            out = list(out)
-            if [tuple(o.shape) for o in out] != shapes:
-                raise ValueError(f"out has shapes {[tuple(o.shape) for o in out]}, "
-                                 f"expected {shapes}")
-            for k, o in enumerate(out):
-                _launch.check_kernel_input(o, f"out[{k}]")
         if total:
-            win, offsets = _launch.window(out, dtype)
+            win, offsets = _launch.window(out, dtype, described)
             nstream = _launch.launch_stream(stream, like=buffer)
             table = _launch.to_kernel_array(np.stack([offsets, sizes, starts]),
                                             buffer, nstream)
