@@ -109,7 +109,7 @@ def _numba_view(x):
     return cuda.as_cuda_array(x)
 
 
-def _launch_only(cp, name, kernel_name, module, like, args_fn):
+def _launch_only(kernel_name, module, like, args_fn):
     """A call that launches ``module``'s kernel ``kernel_name`` with arguments prepared
     once by ``args_fn(nstream)`` -> ``(grid, block, args)``: the kernel's own speed,
     without its launcher's Python (None on the sanitizer's fake GPUs)."""
@@ -184,7 +184,7 @@ def bench_kernels(cp, nbytes: int, repeats: int) -> list[dict]:
                              _launch.kernel_arg(out, nstream), chunk, chunk, n_rows,
                              word.type(0))
     keep = []
-    only = _launch_only(cp, "gather", "_gather_split_rows", split_mod, batch, gather_args)
+    only = _launch_only("_gather_split_rows", split_mod, batch, gather_args)
     if only is not None:
         row("split+gather kernel alone", time_kernel(cp, only, repeats), 2 * batch.nbytes)
     pad = -(-n_rows // replicas) + 1
@@ -212,7 +212,7 @@ def bench_kernels(cp, nbytes: int, repeats: int) -> list[dict]:
                                         nstream)
         grid, block, chunk = pack_mod.launch_config(total)
         return grid, block, (win, table, _launch.kernel_arg(out, nstream), chunk)
-    only = _launch_only(cp, "pack", "_pack_copy", pack_mod, tensors[0], pack_args)
+    only = _launch_only("_pack_copy", pack_mod, tensors[0], pack_args)
     if only is not None:
         row("pack kernel alone", time_kernel(cp, only, repeats), 2 * buf.nbytes)
     row("cupy: concatenate", time_kernel(cp, lambda: cp.concatenate(
