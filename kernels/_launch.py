@@ -313,6 +313,9 @@ def describe(arrays, dtype, what: str = "tensor") -> Described:
     its item size) and read its address, size and device, in one pass: a fusion
     bucket holds hundreds of arrays, and each attribute read costs Python time."""
     dtype = np.dtype(dtype)
+    if len(arrays) and len({type(a) for a in arrays}) == 1 and _is_cupy(arrays[0]) \
+            and hasattr(arrays[0], "_c_contiguous"):
+        return _describe_cupy(arrays, dtype, what)
     ptrs, sizes, devices = [], [], set()
     all_host = True
     for k, a in enumerate(arrays):
@@ -334,12 +337,41 @@ def describe(arrays, dtype, what: str = "tensor") -> Described:
             raise ValueError(f"{what} {k} (shape {tuple(a.shape)}) is not C-contiguous")
         sizes.append(a.size)
     ptrs = np.array(ptrs, dtype=np.int64)
+    _check_aligned(ptrs, dtype, what)
+    return Described(ptrs, np.array(sizes, dtype=np.int64), devices, all_host)
+
+
+def _describe_cupy(arrays, dtype: np.dtype, what: str) -> Described:
+    """:func:`describe` for a list of CuPy arrays of one type: each attribute is read by
+    a comprehension over the list, and contiguity from the flag that ``flags`` copies
+    (building a ``flags`` object per array took half the time for 1,000 arrays)."""
+    datas = [a.data for a in arrays]
+    ptrs = np.array([d.ptr for d in datas], dtype=np.int64)
+    devices = {d.device_id for d in datas}
+    wrong_dtype = next((k for k, a in enumerate(arrays)
+                        if a.dtype is not dtype and a.dtype != dtype), None)
+    contiguous = [a._c_contiguous for a in arrays]
+    strided = None if all(contiguous) else contiguous.index(False)
+    if wrong_dtype is not None or strided is not None:
+        # The first array with something wrong, its dtype checked before its layout
+        # (as the general path does).
+        k = min(i for i in (wrong_dtype, strided) if i is not None)
+        a = arrays[k]
+        if a.dtype != dtype:
+            raise TypeError(f"{what} {k} has dtype {np.dtype(a.dtype)}, expected {dtype}: "
+                            "one launch handles one dtype (bucket tensors by dtype)")
+        raise ValueError(f"{what} {k} (shape {tuple(a.shape)}) is not C-contiguous")
+    _check_aligned(ptrs, dtype, what)
+    return Described(ptrs, np.array([a.size for a in arrays], dtype=np.int64), devices,
+                     False)
+
+
+def _check_aligned(ptrs: np.ndarray, dtype: np.dtype, what: str) -> None:
     misaligned = np.flatnonzero(ptrs % dtype.itemsize)
     if len(misaligned):
         k = int(misaligned[0])
         raise ValueError(f"{what} {k} at address {int(ptrs[k]):#x} is not aligned to its "
                          f"item size {dtype.itemsize}")
-    return Described(ptrs, np.array(sizes, dtype=np.int64), devices, all_host)
 
 
 def window(arrays, dtype, described: Described | None = None):

@@ -30,6 +30,7 @@ multiprocessor). Unpack is the same walk with source and destination exchanged.
 from __future__ import annotations
 
 import math
+import operator
 
 import numpy as np
 
@@ -327,17 +328,21 @@ def unpack(buffer, shapes, out=None, scale=None, stream=None, threads=None):
     """
     _launch.check_kernel_input(buffer, "buffer")
     dtype = np.dtype(buffer.dtype)
-    shapes = [tuple(int(d) for d in s) for s in shapes]
-    sizes, starts, total = layout(shapes)
+    described = None
+    if out is None:
+        shapes = [tuple(map(operator.index, s)) for s in shapes]
+        sizes, starts, total = layout(shapes)
+    else:
+        out = list(out)
+        got = [o.shape for o in out]
+        # Compared as given first: shapes that equal the tensors' need no converting.
+        if got != shapes and [tuple(g) for g in got] != (
+                shapes := [tuple(map(operator.index, s)) for s in shapes]):
+            raise ValueError(f"out has shapes {[tuple(g) for g in got]}, expected {shapes}")
+        described = _launch.describe(out, dtype, what="out")
+        sizes, starts, total = _layout_sizes(described.sizes)
     _check_buffer(buffer, total, "buffer")
     s = _scale_value(scale, dtype)
-    described = None
-    if out is not None:
-        out = list(out)
-        if [tuple(o.shape) for o in out] != shapes:
-            raise ValueError(f"out has shapes {[tuple(o.shape) for o in out]}, "
-                             f"expected {shapes}")
-        described = _launch.describe(out, dtype, what="out")
     with _launch.device_context(buffer, devices=() if described is None
                                 else described.devices):
         if out is None:

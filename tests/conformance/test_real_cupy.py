@@ -183,6 +183,60 @@ def test_info_says_nccl_loaded_and_its_version(version):
     assert info["gpu count"] == 0 and info["nccl communicators"].startswith("unusable")
 
 
+DESCRIBE = r"""
+import json, sys
+import numpy as np
+import cupy as cp
+sys.path.insert(0, "tests/conformance")
+from cupy_probe import fake_array
+from gpustrat.kernels import _launch
+
+shapes = [(3,), (5, 2), (1, 1), (0, 4), (7, 3, 2)]
+tensors = [fake_array(cp, s, ptr=0x10000 * (k + 1)) for k, s in enumerate(shapes)]
+fast = hasattr(tensors[0], "_c_contiguous")
+d = _launch.describe(tensors, np.float32)
+out = {"fast": fast, "ptrs": d.ptrs.tolist(), "sizes": d.sizes.tolist(),
+       "devices": sorted(d.devices), "all_host": d.all_host, "errors": []}
+# what each array says through the public attributes
+out["expected"] = [[t.data.ptr for t in tensors], [t.size for t in tensors]]
+bad = {
+    "strided then dtype": [tensors[0], fake_array(cp, (4, 8)).T,
+                           fake_array(cp, (2,), np.float64)],
+    "dtype then strided": [tensors[0], tensors[1], fake_array(cp, (2,), np.float64),
+                           fake_array(cp, (4, 8))[:, ::2]],
+    "misaligned": [tensors[0], fake_array(cp, (2,), ptr=0x10002)],
+}
+for name, arrays in bad.items():
+    try:
+        _launch.describe(arrays, np.float32, what="out")
+        out["errors"].append([name, "returned", ""])
+    except Exception as e:
+        out["errors"].append([name, type(e).__name__, str(e)])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+@pytest.mark.parametrize("version", VERSIONS)
+def test_describe_reads_real_cupy_arrays(version):
+    # The launchers read a fusion bucket's arrays through CuPy's contiguity flag and
+    # comprehensions over the list; what they read must be what the public attributes
+    # say, and a bad array is named by its index in the list.
+    proc = run_child(version, ["-c", DESCRIBE])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["fast"], f"CuPy {version} arrays have no _c_contiguous: the general path runs"
+    assert [got["ptrs"], got["sizes"]] == got["expected"]
+    assert got["sizes"] == [3, 10, 1, 0, 42] and got["devices"] == [0]
+    assert got["all_host"] is False
+    assert got["errors"] == [
+        ["strided then dtype", "ValueError", "out 1 (shape (8, 4)) is not C-contiguous"],
+        ["dtype then strided", "TypeError", "out 2 has dtype float64, expected float32: "
+         "one launch handles one dtype (bucket tensors by dtype)"],
+        ["misaligned", "ValueError", "out 1 at address 0x10002 is not aligned to its item "
+         "size 4"]]
+
+
 # --- the list is complete (no wheels needed) ---------------------------------------------
 
 def _chain(node) -> list | None:

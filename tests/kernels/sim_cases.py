@@ -248,6 +248,26 @@ def test_pack_errors():
         pack([np.zeros(3, np.float32)] * 2, out=np.zeros(5, np.float32))
 
 
+def test_unpack_shapes_in_any_integer_form_and_wrong_ones_named():
+    tensors = [data((3,), np.float32, 1), data((5, 2), np.float32, 2)]
+    buf = pack(tensors, threads=THREADS)
+    for shapes in ([[3], [5, 2]], ((np.int64(3),), (np.int32(5), 2)),
+                   (s for s in [(3,), (5, 2)])):
+        outs = [np.zeros(t.shape, np.float32) for t in tensors]
+        assert unpack(buf, shapes, out=outs, threads=THREADS) == outs
+        for o, t in zip(outs, tensors):
+            assert_same(o, t)
+        back = unpack(buf, [[3], [5, 2]], threads=THREADS)
+        assert [b.shape for b in back] == [(3,), (5, 2)]
+    wrong = [np.zeros(3, np.float32), np.zeros((2, 5), np.float32)]
+    with pytest.raises(ValueError, match=r"out has shapes \[\(3,\), \(2, 5\)\], "
+                                         r"expected \[\(3,\), \(5, 2\)\]"):
+        unpack(buf, [[3], [5, 2]], out=wrong)
+    with pytest.raises(ValueError, match="at least 13 elements"):
+        unpack(buf[:12], [(3,), (5, 2)], out=[np.zeros(3, np.float32),
+                                              np.zeros((5, 2), np.float32)])
+
+
 # --- sum of K buffers -------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
