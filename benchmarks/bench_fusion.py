@@ -148,15 +148,16 @@ def measure_mpi(nprocs: int, n_tensors: int, size: int, repeats: int,
                 timeout: float = 300) -> dict | None:
     """Launch this script under ``mpiexec -n nprocs``; None (with a message) when MPI
     is not installed."""
-    exe = Path(sys.executable).parent / "mpiexec"
-    if not exe.exists():
-        print(f"MPI: no mpiexec beside {sys.executable}; install the mpi extra "
-              "(pip install -e '.[mpi]') to measure the MPI communicator")
+    from gpustrat.launch import mpiexec_command  # noqa: PLC0415
+    try:
+        launcher = mpiexec_command(nprocs)
+    except FileNotFoundError as e:
+        print(f"MPI: {e}; without it the MPI communicator is not measured")
         return None
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get(
                    "PYTHONPATH", "")) if p))
-    cmd = [str(exe), "-n", str(nprocs), sys.executable, str(Path(__file__).resolve()),
+    cmd = launcher + [sys.executable, str(Path(__file__).resolve()),
            "--mpi-child", "--tensors", str(n_tensors), "--elements", str(size),
            "--repeats", str(repeats)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)

@@ -234,15 +234,16 @@ def _mpi_child(repeats: int, quick: bool) -> None:
 
 
 def run_job(nprocs: int, repeats: int, quick: bool, timeout: float = 600) -> dict:
-    exe = Path(sys.executable).parent / "mpiexec"
-    if not exe.exists():
-        raise SystemExit(f"no mpiexec beside {sys.executable}: install the mpi extra "
-                         "(pip install -e '.[mpi]')")
+    from gpustrat.launch import mpiexec_command  # noqa: PLC0415
+    try:
+        launcher = mpiexec_command(nprocs)
+    except FileNotFoundError as e:
+        raise SystemExit(str(e)) from None
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get(
                    "PYTHONPATH", "")) if p))
     env.pop("PYTHONUNBUFFERED", None)
-    cmd = [str(exe), "-n", str(nprocs), sys.executable, str(Path(__file__).resolve()),
+    cmd = launcher + [sys.executable, str(Path(__file__).resolve()),
            "--mpi-child", "--repeats", str(repeats)] + (["--quick"] if quick else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if proc.returncode != 0:

@@ -386,16 +386,17 @@ def _mpi_size(gs, strategy, repeats: int, size: int, inner: int | None = None) -
 
 def measure_mpi(nprocs: int, repeats: int, sizes, timeout: float = 600,
                 inner: int | None = None):
-    exe = Path(sys.executable).parent / "mpiexec"
-    if not exe.exists():
-        print(f"MPI: no mpiexec beside {sys.executable}; install the mpi extra "
-              "(pip install -e '.[mpi]') to measure between workers")
+    from gpustrat.launch import mpiexec_command  # noqa: PLC0415
+    try:
+        launcher = mpiexec_command(nprocs)
+    except FileNotFoundError as e:
+        print(f"MPI: {e}; without it the reduction between workers is not measured")
         return None
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get(
                    "PYTHONPATH", "")) if p))
     env.pop("PYTHONUNBUFFERED", None)
-    cmd = [str(exe), "-n", str(nprocs), sys.executable, str(Path(__file__).resolve()),
+    cmd = launcher + [sys.executable, str(Path(__file__).resolve()),
            "--mpi-child", "--repeats", str(repeats), "--elements", *map(str, sizes)]
     if inner:
         cmd += ["--calls-per-sample", str(inner)]

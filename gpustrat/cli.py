@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -107,10 +106,8 @@ def _mpi_info() -> dict:
 
 
 def _mpiexec() -> str:
-    here = Path(sys.executable).parent / "mpiexec"
-    if here.exists() and os.access(here, os.X_OK):
-        return str(here)
-    return shutil.which("mpiexec") or shutil.which("mpirun") or "not found"
+    from gpustrat.launch import find_mpiexec  # noqa: PLC0415
+    return find_mpiexec() or "not found"
 
 
 def _nccl_info() -> dict:
@@ -303,7 +300,8 @@ def run_suite(name: str, path: Path, quick: bool, timeout: float, ranks: int,
             import mpi4py  # noqa: F401, PLC0415
         except ImportError:
             return {"skipped": f"suite {name} needs mpi4py (pip install -e '.[mpi]')"}
-        cmd = [exe, "-n", str(ranks)] + cmd
+        from gpustrat.launch import mpiexec_command  # noqa: PLC0415
+        cmd = mpiexec_command(ranks, exe) + cmd
     with tempfile.TemporaryDirectory(prefix="gpustrat-bench-") as tmp:
         out = Path(tmp) / "result.json"
         cmd += [str(path), str(out)] + (["--quick"] if quick else [])

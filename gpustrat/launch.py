@@ -1,5 +1,6 @@
 """How this process was launched: by an MPI launcher, and as which rank, read from the
-launcher's environment variables alone (no MPI call, so nothing is initialised).
+launcher's environment variables alone (no MPI call, so nothing is initialised); and
+the command that starts a job on this machine (:func:`mpiexec_command`).
 
 Words:
     launch: the job a launcher started: ``size`` processes, this one ``rank``, and
@@ -20,8 +21,13 @@ Launchers and the variables they set (each names all three where it can):
 
 from __future__ import annotations
 
+import functools
 import os
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
 
 
@@ -64,3 +70,52 @@ def detect_launch(env: Mapping[str, str] | None = None) -> Launch | None:
         if size is not None and rank is not None and 0 <= rank < size:
             return Launch(launcher, size, rank, _int(env, local_var))
     return None
+
+
+# --- starting a job from a program (the benchmarks that launch themselves) ------------
+
+def find_mpiexec() -> str | None:
+    """The ``mpiexec`` beside the running Python (a virtual environment's MPICH or Open MPI
+    wheel), else ``mpiexec`` or ``mpirun`` on ``PATH``; None when there is none."""
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.exists() and os.access(here, os.X_OK):
+        return str(here)
+    return shutil.which("mpiexec") or shutil.which("mpirun")
+
+
+@functools.lru_cache(maxsize=None)
+def mpiexec_flavour(exe: str) -> str:
+    """``"openmpi"``, ``"mpich"`` or ``"unknown"``: the launcher ``exe`` is, from its
+    ``--version``."""
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout.lower()
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if "open mpi" in out or "open-mpi" in out or "openrte" in out:
+        return "openmpi"
+    if "hydra" in out or "mpich" in out:
+        return "mpich"
+    return "unknown"
+
+
+def mpiexec_command(nprocs: int, exe: str | None = None) -> list:
+    """The start of a command that runs ``nprocs`` processes on this machine:
+    ``[mpiexec, "-n", nprocs]``, with ``--oversubscribe`` for Open MPI, which otherwise
+    refuses more processes than the machine has cores (MPICH's Hydra runs them).
+
+    Args:
+        nprocs: the number of processes.
+        exe: the launcher (default :func:`find_mpiexec`).
+    Raises:
+        FileNotFoundError: no launcher was found.
+    """
+    exe = exe or find_mpiexec()
+    if exe is None:
+        raise FileNotFoundError(
+            f"no mpiexec beside {sys.executable} or on PATH: install the mpi extra "
+            "(pip install -e '.[mpi]'), or load your site's MPI")
+    cmd = [exe]
+    if mpiexec_flavour(exe) == "openmpi":
+        cmd.append("--oversubscribe")
+    return cmd + ["-n", str(int(nprocs))]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from gpustrat.launch import find_mpiexec, mpiexec_command, mpiexec_flavour
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,29 +37,13 @@ def repo_env(base: dict | None = None, **extra) -> dict:
 @functools.lru_cache(maxsize=None)
 def mpiexec_path() -> str | None:
     """The ``mpiexec`` beside ``sys.executable`` (the venv's MPICH wheel), else on PATH."""
-    here = Path(sys.executable).parent / "mpiexec"
-    if here.exists() and os.access(here, os.X_OK):
-        return str(here)
-    return shutil.which("mpiexec") or shutil.which("mpirun")
+    return find_mpiexec()
 
 
-@functools.lru_cache(maxsize=None)
 def mpi_flavour() -> str:
     """``"openmpi"``, ``"mpich"`` or ``"unknown"``, from ``mpiexec --version``."""
     exe = mpiexec_path()
-    if exe is None:
-        return "unknown"
-    try:
-        out = subprocess.run([exe, "--version"], capture_output=True, text=True,
-                             timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    low = out.lower()
-    if "open mpi" in low or "open-mpi" in low or "openrte" in low:
-        return "openmpi"
-    if "hydra" in low or "mpich" in low:
-        return "mpich"
-    return "unknown"
+    return "unknown" if exe is None else mpiexec_flavour(exe)
 
 
 def require_mpi() -> str:
@@ -84,10 +69,9 @@ def run_mpi(n: int, script: str, timeout: float = 120, env: dict | None = None,
     -9 with ``[run_mpi] timed out`` appended to stderr.
     """
     exe = require_mpi()
-    cmd = [exe]
+    cmd = mpiexec_command(n, exe)
     child_env = dict(os.environ)
     if mpi_flavour() == "openmpi":
-        cmd.append("--oversubscribe")
         child_env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     child_env["OMP_NUM_THREADS"] = "1"
     # Unbuffered output writes a print's pieces separately, interleaving the ranks.
@@ -96,7 +80,8 @@ def run_mpi(n: int, script: str, timeout: float = 120, env: dict | None = None,
     with tempfile.TemporaryDirectory(prefix="gpustrat-mpi-") as tmp:
         path = Path(tmp) / "child.py"
         path.write_text(textwrap.dedent(script))
-        cmd += [*launcher_args, "-n", str(n), sys.executable, str(path), *map(str, args)]
+        cmd[1:1] = launcher_args
+        cmd += [sys.executable, str(path), *map(str, args)]
         # A new session lets a timeout kill the launcher and every rank it started.
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=child_env, cwd=tmp, start_new_session=True)

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ for mpi_util
 from mpi_util import assert_mpi_ok, repo_env, run_mpi  # noqa: E402
 
 import gpustrat  # noqa: E402
-from gpustrat import cli, devices  # noqa: E402
+from gpustrat import cli, devices, launch  # noqa: E402
 from gpustrat.launch import Launch, detect_launch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -232,6 +232,31 @@ def test_importing_launch_reads_no_mpi():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, cwd=REPO)
     assert proc.stdout.strip() == "None False", proc.stderr
+
+
+@pytest.mark.parametrize("version_text,oversubscribe", [
+    ("mpiexec (Open MPI) 5.0.11\n\nReport bugs to https://www.open-mpi.org/community/help/",
+     True),
+    ("mpiexec (OpenRTE) 4.1.5", True),
+    ("HYDRA build details:\n    Version:                                 5.0.2", False),
+    ("", False),
+], ids=["open-mpi-5", "open-mpi-4", "mpich", "unknown"])
+def test_mpiexec_command_oversubscribes_under_open_mpi_only(tmp_path, version_text,
+                                                           oversubscribe):
+    # The benchmarks that launch themselves ask for 3-4 processes; Open MPI refuses more
+    # processes than cores unless told to oversubscribe, MPICH's Hydra runs them.
+    exe = tmp_path / "mpiexec"
+    exe.write_text(f"#!/bin/sh\ncat <<'END'\n{version_text}\nEND\n")
+    exe.chmod(0o755)
+    assert launch.mpiexec_command(4, str(exe)) == (
+        [str(exe)] + ["--oversubscribe"] * oversubscribe + ["-n", "4"])
+
+
+def test_mpiexec_command_without_a_launcher_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(launch, "find_mpiexec", lambda: None)
+    with pytest.raises(FileNotFoundError,
+                       match=r"no mpiexec beside .* or on PATH: install the mpi extra"):
+        launch.mpiexec_command(3)
 
 
 @pytest.mark.mpi
