@@ -1,9 +1,10 @@
 """ParameterServerStrategy and ClusterCoordinator under mpiexec: -n 4 (coordinator, one
-server, two workers) and -n 5 (two servers, partitioned variables). Every launch has a
-timeout (tests/mpi_util.py)."""
+server, two workers), -n 5 (two servers, partitioned variables) and -n 3 with every rank
+bound to a core. Every launch has a timeout (tests/mpi_util.py)."""
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # tests/ for mpi_util
-from mpi_util import assert_mpi_ok, format_result, run_mpi  # noqa: E402
+from mpi_util import assert_mpi_ok, format_result, mpi_flavour, run_mpi  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
@@ -376,6 +377,35 @@ def test_the_documented_example_trains():
     out = assert_mpi_ok(4, source, timeout=90)
     assert "w [2.0, -3.0, 0.5, 1.0] b 0.25" in out, out
     assert len(re.findall(r"^epoch \d: loss", out, re.M)) == 3, out
+
+
+BOUND = r"""
+import os
+import gpustrat as gs
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+coordinator = gs.distribute.coordinator.ClusterCoordinator(strategy)
+
+def cpus():
+    import os
+    return sorted(os.sched_getaffinity(0))
+
+print("function process cpus", coordinator.schedule(cpus).fetch(), flush=True)
+"""
+
+
+@pytest.mark.skipif(mpi_flavour() != "mpich" or (os.cpu_count() or 1) < 2,
+                    reason="binds ranks with MPICH's -bind-to, on a machine of 2 CPUs or more")
+def test_a_worker_bound_to_one_cpu_warns_once():
+    # Bound to one core each, the worker rank's function process inherits its core.
+    rc, out, err = run_mpi(3, BOUND, timeout=90, launcher_args=["-bind-to", "core"])
+    assert rc == 0, format_result(rc, out, err)
+    cpus = re.search(r"function process cpus \[(\d+)\]", out)
+    assert cpus, format_result(rc, out, err)
+    assert err.count("gpustrat: worker 0 (rank 2) may run on CPU") == 1, err
+    assert "srun -c 2" in err
+    rc, out, err = run_mpi(3, BOUND, timeout=90)
+    assert rc == 0 and "may run on CPU" not in err, format_result(rc, out, err)
 
 
 def test_coordinator_leaving_with_os_exit_ends_the_job():

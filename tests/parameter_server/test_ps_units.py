@@ -308,3 +308,12 @@ def test_update_slots_leave_shared_memory_to_spare(monkeypatch):
         raise FileNotFoundError(path)
     monkeypatch.setattr(staging.os, "statvfs", missing)
     assert staging._slot_bytes(9, 3) == staging.SLOT_BYTES
+
+
+def test_a_worker_bound_to_one_cpu_is_told_how_to_give_it_two():
+    from gpustrat.distribute.parameter_server.worker import one_cpu_warning
+    text = one_cpu_warning(1, 3, cpus={5}, cpu_count=16)
+    assert text.startswith("gpustrat: worker 1 (rank 3) may run on CPU 5 only")
+    assert "srun -c 2" in text and "-bind-to none" in text
+    assert one_cpu_warning(1, 3, cpus={4, 5}, cpu_count=16) is None
+    assert one_cpu_warning(1, 3, cpus={0}, cpu_count=1) is None  # a one-CPU machine

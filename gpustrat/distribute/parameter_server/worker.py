@@ -35,6 +35,25 @@ def _child_env() -> dict:
     return env
 
 
+def one_cpu_warning(index: int, rank: int, cpus=None, cpu_count=None) -> str | None:
+    """What to tell a user whose launcher bound worker ``index`` (rank ``rank``) to a
+    single CPU of a machine with more (``cpus``: its affinity, default this process's):
+    its function process inherits that CPU, and the rank's relaying then takes time
+    from the functions. None when the rank may use more than one CPU."""
+    try:
+        cpus = os.sched_getaffinity(0) if cpus is None else cpus
+    except (AttributeError, OSError):  # no affinity on this platform
+        return None
+    cpu_count = os.cpu_count() if cpu_count is None else cpu_count
+    if len(cpus) != 1 or (cpu_count or 1) < 2:
+        return None
+    return (f"gpustrat: worker {index} (rank {rank}) may run on CPU {min(cpus)} only, and "
+            "its function process, where the scheduled functions run, shares that CPU "
+            "with it. Give each worker rank two CPUs (srun -c 2; MPICH: mpiexec -bind-to "
+            "core:2; Open MPI: mpirun --map-by slot:PE=2), or launch without binding "
+            "(srun --cpu-bind=none; mpiexec -bind-to none)")
+
+
 class FunctionProcess:
     """The child process running this worker's functions."""
 
@@ -137,6 +156,9 @@ class WorkerRank:
 
     def _serve(self, watch) -> None:
         comm = self.ch.comm
+        warning = one_cpu_warning(self.index, self.ch.rank)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
         self._start()
         backoff = self.ch.backoff()
         while True:
