@@ -154,3 +154,42 @@ print("UPDATES OK", flush=True)
 def test_updates_apply_once_in_order_and_are_seen(slot_bytes):
     out = assert_mpi_ok(3, UPDATES.format(slot_bytes=slot_bytes), timeout=120)
     assert "UPDATES OK" in out
+
+
+# Waiters that sleep are woken by their answer's ring (a ring is skipped only when the
+# waiter is known to be awake): a server asleep between spaced requests, and a caller
+# that sleeps at once while waiting for its acknowledgement (no spinning). A wait that
+# slept through its answer would last a whole sleep of the rung kind, 50 ms.
+WAKE = r"""
+import statistics, time
+import numpy as np
+import gpustrat as gs
+from gpustrat.distribute.parameter_server import channel as ch_mod
+
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+assert ch_mod.channel().staging is not None
+with strategy.scope():
+    v = gs.Variable(np.zeros(1000, np.float32), name="v")
+if {caller_sleeps}:
+    ch_mod.transfer_spin = lambda nbytes: 0.0
+one = np.ones(1000, np.float32)
+took = []
+for i in range(40):
+    time.sleep(0.004)  # the server stops polling 0.3 ms after a request and sleeps
+    t0 = time.perf_counter()
+    v.assign_add(one)
+    took.append(time.perf_counter() - t0)
+assert np.array_equal(v.numpy(), np.full(1000, 40, np.float32))
+counts = [int(c[0]) for c in ch_mod.channel().staging._sleepers.values()]
+print("MEDIAN", statistics.median(took), "COUNTS", counts, flush=True)
+"""
+
+
+@pytest.mark.parametrize("caller_sleeps", [False, True], ids=["server-asleep",
+                                                                 "caller-asleep-too"])
+def test_a_sleeping_waiter_is_woken_by_its_answer(caller_sleeps):
+    out = assert_mpi_ok(3, WAKE.format(caller_sleeps=caller_sleeps), timeout=120)
+    median = float(out.split("MEDIAN ")[1].split()[0])
+    assert median < 0.02, out  # 50 ms each when a ring is missed
+    assert "COUNTS [0, 0, 0]" in out, out  # nobody counted as asleep once answered

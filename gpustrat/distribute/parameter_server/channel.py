@@ -374,7 +374,8 @@ class Channel:
             # A second, contiguous message: MPI moves it as fast as a bare Send (one
             # message of header and value through a struct datatype is packed, slower).
             pending.append(comm.Isend(wire.raw(value), dest=dest, tag=tag))
-        self.ring(dest)
+        if self.staging is None or self.staging.may_sleep(dest):
+            self.ring(dest)  # else the server is awake, polling (see .staging)
         test = _test_all()
         if test(pending):
             return
@@ -383,6 +384,12 @@ class Channel:
         # Backoff).
         backoff = self.backoff(transfer_spin(nbytes + answer.nbytes))
         sleep = self.sleeper()
+        if sleep is not None and self.staging is not None and value is not None:
+            # Counted while asleep: the server rings only a caller that may sleep.
+            bell, staging = sleep, self.staging
+
+            def sleep(seconds):
+                return staging.sleep(bell, seconds, lambda: test(pending))
         deadline = time.monotonic() + self.timeout
         polls = 0
         while not test(pending):

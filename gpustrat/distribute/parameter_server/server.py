@@ -64,6 +64,13 @@ class Server:
         backoff = self.ch.backoff()
         sleep = self.ch.sleeper()  # every request rings this rank's doorbell
         any_source, any_tag = _any_source(), _any_tag()
+        if sleep is not None and self.ch.staging is not None:
+            # Counted while asleep: a caller on this machine rings only then.
+            bell, staging = sleep, self.ch.staging
+
+            def sleep(seconds):
+                return staging.sleep(bell, seconds, lambda: comm.Iprobe(
+                    source=any_source, tag=any_tag))
         status = _status()
         idle_from = None
         while True:
@@ -107,7 +114,7 @@ class Server:
         comm = self.ch.comm
         header = self._header
         msg.Recv(header)
-        code, tag, vid, nbytes = (int(x) for x in header)
+        code, tag, vid, nbytes = header.tolist()
         if code & STAGED:
             self._staged(source, code, tag, vid, nbytes)
             return
@@ -116,7 +123,7 @@ class Server:
         if code == 1 and fits:
             self.ch.recv_into(source, tag, [var.array])  # in place
             comm.Send(_ACK, dest=source, tag=tag)
-            self.ch.ring(source)
+            self._ring_acknowledged(source)
             return
         value = None
         if nbytes:  # taken before the answer, whatever it is (the caller waits)
@@ -143,7 +150,7 @@ class Server:
         # the arithmetic, and every later request (of any process) is handled after
         # it, so each still sees the update.
         comm.Send(_ACK, dest=source, tag=tag)
-        self.ch.ring(source)
+        self._ring_acknowledged(source)
         if nbytes:
             _add(a, value.view(a.dtype).reshape(a.shape), code == 3)
 
@@ -160,11 +167,18 @@ class Server:
         # Acknowledged first, as above; the caller writes this slot again only after
         # the release below.
         self.ch.comm.Send(_ACK, dest=source, tag=tag)
-        self.ch.ring(source)
+        self._ring_acknowledged(source)
         a = var.array
         _add(a, staging.incoming(source, code, nbytes).view(a.dtype).reshape(a.shape),
              code & 7 == 3)
         staging.release(source, code)
+
+    def _ring_acknowledged(self, source: int) -> None:
+        """Ring ``source`` after its update's acknowledgement, unless it is known to be
+        awake (spinning for it: see :mod:`.staging`)."""
+        staging = self.ch.staging
+        if staging is None or staging.may_sleep(source):
+            self.ch.ring(source)
 
     @staticmethod
     def _check_size(var: _Var, code: int, nbytes: int) -> None:

@@ -18,6 +18,16 @@ Words:
 A value larger than a slot, a server on another machine, a second thread of the
 caller while the first holds the slots, or an MPI library without shared windows:
 the update goes through MPI as before (see :meth:`.channel.Channel._fast`).
+
+The same window holds, for every rank of the machine, the number of its threads
+asleep in a counted wait (:meth:`Staging.sleep`): a caller waiting for the
+acknowledgement of an update, a server waiting for requests. A server rings a
+caller's doorbell after acknowledging an update, and a caller rings a server's after
+sending a read or an update, only when that number is not 0: both spin a while before
+they sleep, and a ring costs a system call on each side. A waiter counts itself, then
+looks for what it waits for once more before it sleeps, and the sender reads the count
+after its message went out (each behind a memory barrier), so no wait sleeps through
+what it waits for.
 """
 
 from __future__ import annotations
@@ -35,6 +45,8 @@ STAGED = 8
 SLOT_BYTES = 4 << 20
 #: Before the slots of a region: the use count that last released each slot.
 _HEAD = 64
+#: At the start of every rank's part of the window: its count of sleeping waiters.
+_BELL = 64
 
 
 class Staging:
@@ -49,9 +61,10 @@ class Staging:
         if me in server_ranks:
             slot = _slot_bytes(len(ranks), sum(r in server_ranks for r in ranks))
             size = (_HEAD + 2 * slot) * len(ranks) if slot else 0
-        self.win = MPI.Win.Allocate_shared(size, 1, comm=node)
+        self.win = MPI.Win.Allocate_shared(_BELL + size, 1, comm=node)
         self.win.Lock_all(MPI.MODE_NOCHECK)  # Sync (a memory barrier) needs an epoch
         mine = ranks.index(me)
+        self._me = me
         #: server rank -> [its region for this rank, the use counts that released each
         #: slot, the slot to use next, the use count of each slot, the slots' size]
         self._out: dict = {}
@@ -59,11 +72,18 @@ class Staging:
         #: on a server: caller rank -> its region here; the slots' size
         self._in: dict = {}
         self._slot = 0
+        #: rank of this machine -> its count of sleeping waiters (see sleep)
+        self._sleepers: dict = {}
+        self._sleep_lock = threading.Lock()
         for i, rank in enumerate(ranks):
-            if rank not in server_ranks:
-                continue
             mem, _ = self.win.Shared_query(i)
             whole = np.frombuffer(mem, np.uint8)
+            self._sleepers[rank] = whole[:4].view(np.int32)
+            if rank == me:
+                self._sleepers[rank][0] = 0  # shared memory starts undefined
+            if rank not in server_ranks:
+                continue
+            whole = whole[_BELL:]
             region = len(whole) // len(ranks)
             if region == 0:  # no slots at this server
                 continue
@@ -76,6 +96,8 @@ class Staging:
                 mem = whole[mine * region:(mine + 1) * region]
                 self._out[rank] = [mem, mem[:16].view(np.int64), 0, [0, 0], slot]
                 self._locks[rank] = threading.Lock()
+        self.win.Sync()
+        node.Barrier()  # every count is 0 before anybody reads one
 
     # --- the caller ---------------------------------------------------------------
     def put(self, dest: int, code: int, value: np.ndarray, timeout: float):
@@ -120,6 +142,31 @@ class Staging:
             elif now > deadline:
                 raise TimeoutError
             time.sleep(0)
+
+    def sleep(self, sleep, seconds: float, answered) -> bool:
+        """``sleep(seconds)`` (a doorbell's) for a thread in a counted wait, counted
+        while it sleeps; ``answered()`` (whether what it waits for came) is checked
+        once more after counting, and True is returned at once if it says so."""
+        count = self._sleepers[self._me]
+        with self._sleep_lock:
+            count[0] += 1
+        try:
+            self.win.Sync()  # counted before looking again (see the module docstring)
+            if answered():
+                return True
+            return sleep(seconds)
+        finally:
+            with self._sleep_lock:
+                count[0] -= 1
+
+    def may_sleep(self, rank: int) -> bool:
+        """Whether a thread of ``rank`` may be asleep in a counted wait (True for a rank
+        of another machine: its doorbell cannot be rung anyway)."""
+        count = self._sleepers.get(rank)
+        if count is None:
+            return True
+        self.win.Sync()  # the answer went out before the count is read
+        return count[0] > 0
 
     # --- the server ---------------------------------------------------------------
     def incoming(self, source: int, code: int, nbytes: int) -> np.ndarray:
