@@ -191,5 +191,5 @@ print("MEDIAN", statistics.median(took), "COUNTS", counts, flush=True)
 def test_a_sleeping_waiter_is_woken_by_its_answer(caller_sleeps):
     out = assert_mpi_ok(3, WAKE.format(caller_sleeps=caller_sleeps), timeout=120)
     median = float(out.split("MEDIAN ")[1].split()[0])
-    assert median < 0.02, out  # 50 ms each when a ring is missed
+    assert median < 0.03, out  # 50 ms each when a ring is missed
     assert "COUNTS [0, 0, 0]" in out, out  # nobody counted as asleep once answered
