@@ -335,10 +335,11 @@ def unpack(buffer, shapes, out=None, scale=None, stream=None, threads=None):
     else:
         out = list(out)
         got = [o.shape for o in out]
-        # Compared as given first: shapes that equal the tensors' need no converting.
-        if got != shapes and [tuple(g) for g in got] != (
-                shapes := [tuple(map(operator.index, s)) for s in shapes]):
-            raise ValueError(f"out has shapes {[tuple(g) for g in got]}, expected {shapes}")
+        if got != shapes:  # shapes equal to the tensors' as given need no converting
+            shapes = [tuple(map(operator.index, s)) for s in shapes]
+            if [tuple(g) for g in got] != shapes:
+                raise ValueError(f"out has shapes {[tuple(g) for g in got]}, "
+                                 f"expected {shapes}")
         described = _launch.describe(out, dtype, what="out")
         sizes, starts, total = _layout_sizes(described.sizes)
     _check_buffer(buffer, total, "buffer")

@@ -199,6 +199,13 @@ class Channel:
         if self._ringer is not None:
             self._ringer.ring(rank, slot)
 
+    def ring_waiter(self, rank: int) -> None:
+        """Ring ``rank`` (doorbell REPLIES) after a message of a counted wait (a read or
+        an update, its acknowledgement), unless it is known to be awake, polling for it
+        (see :mod:`.staging`)."""
+        if self.staging is None or self.staging.may_sleep(rank):
+            self.ring(rank)
+
     def sleeper(self, slot: int = doorbell.REPLIES):
         """What a Backoff of a thread waiting on doorbell ``slot`` sleeps in."""
         bell = self.bells.get(slot)
@@ -374,8 +381,7 @@ class Channel:
             # A second, contiguous message: MPI moves it as fast as a bare Send (one
             # message of header and value through a struct datatype is packed, slower).
             pending.append(comm.Isend(wire.raw(value), dest=dest, tag=tag))
-        if self.staging is None or self.staging.may_sleep(dest):
-            self.ring(dest)  # else the server is awake, polling (see .staging)
+        self.ring_waiter(dest)
         test = _test_all()
         if test(pending):
             return
@@ -386,10 +392,7 @@ class Channel:
         sleep = self.sleeper()
         if sleep is not None and self.staging is not None and value is not None:
             # Counted while asleep: the server rings only a caller that may sleep.
-            bell, staging = sleep, self.staging
-
-            def sleep(seconds):
-                return staging.sleep(bell, seconds, lambda: test(pending))
+            sleep = self.staging.counted(sleep, lambda: test(pending))
         deadline = time.monotonic() + self.timeout
         polls = 0
         while not test(pending):

@@ -66,11 +66,8 @@ class Server:
         any_source, any_tag = _any_source(), _any_tag()
         if sleep is not None and self.ch.staging is not None:
             # Counted while asleep: a caller on this machine rings only then.
-            bell, staging = sleep, self.ch.staging
-
-            def sleep(seconds):
-                return staging.sleep(bell, seconds, lambda: comm.Iprobe(
-                    source=any_source, tag=any_tag))
+            sleep = self.ch.staging.counted(
+                sleep, lambda: comm.Iprobe(source=any_source, tag=any_tag))
         status = _status()
         idle_from = None
         while True:
@@ -123,7 +120,7 @@ class Server:
         if code == 1 and fits:
             self.ch.recv_into(source, tag, [var.array])  # in place
             comm.Send(_ACK, dest=source, tag=tag)
-            self._ring_acknowledged(source)
+            self.ch.ring_waiter(source)
             return
         value = None
         if nbytes:  # taken before the answer, whatever it is (the caller waits)
@@ -150,7 +147,7 @@ class Server:
         # the arithmetic, and every later request (of any process) is handled after
         # it, so each still sees the update.
         comm.Send(_ACK, dest=source, tag=tag)
-        self._ring_acknowledged(source)
+        self.ch.ring_waiter(source)
         if nbytes:
             _add(a, value.view(a.dtype).reshape(a.shape), code == 3)
 
@@ -167,18 +164,11 @@ class Server:
         # Acknowledged first, as above; the caller writes this slot again only after
         # the release below.
         self.ch.comm.Send(_ACK, dest=source, tag=tag)
-        self._ring_acknowledged(source)
+        self.ch.ring_waiter(source)
         a = var.array
         _add(a, staging.incoming(source, code, nbytes).view(a.dtype).reshape(a.shape),
              code & 7 == 3)
         staging.release(source, code)
-
-    def _ring_acknowledged(self, source: int) -> None:
-        """Ring ``source`` after its update's acknowledgement, unless it is known to be
-        awake (spinning for it: see :mod:`.staging`)."""
-        staging = self.ch.staging
-        if staging is None or staging.may_sleep(source):
-            self.ch.ring(source)
 
     @staticmethod
     def _check_size(var: _Var, code: int, nbytes: int) -> None:

@@ -20,7 +20,7 @@ caller while the first holds the slots, or an MPI library without shared windows
 the update goes through MPI as before (see :meth:`.channel.Channel._fast`).
 
 The same window holds, for every rank of the machine, the number of its threads
-asleep in a counted wait (:meth:`Staging.sleep`): a caller waiting for the
+asleep in a counted wait (:meth:`Staging.counted`): a caller waiting for the
 acknowledgement of an update, a server waiting for requests. A server rings a
 caller's doorbell after acknowledging an update, and a caller rings a server's after
 sending a read or an update, only when that number is not 0: both spin a while before
@@ -72,7 +72,7 @@ class Staging:
         #: on a server: caller rank -> its region here; the slots' size
         self._in: dict = {}
         self._slot = 0
-        #: rank of this machine -> its count of sleeping waiters (see sleep)
+        #: rank of this machine -> its count of sleeping waiters (see counted)
         self._sleepers: dict = {}
         self._sleep_lock = threading.Lock()
         for i, rank in enumerate(ranks):
@@ -143,21 +143,24 @@ class Staging:
                 raise TimeoutError
             time.sleep(0)
 
-    def sleep(self, sleep, seconds: float, answered) -> bool:
-        """``sleep(seconds)`` (a doorbell's) for a thread in a counted wait, counted
-        while it sleeps; ``answered()`` (whether what it waits for came) is checked
-        once more after counting, and True is returned at once if it says so."""
+    def counted(self, sleep, answered):
+        """``sleep`` (a doorbell's ``sleep(seconds)``) for a thread in a counted wait:
+        the thread is counted while it sleeps, and ``answered()`` (whether what it waits
+        for came) is checked once more after counting; True at once if it says so."""
         count = self._sleepers[self._me]
-        with self._sleep_lock:
-            count[0] += 1
-        try:
-            self.win.Sync()  # counted before looking again (see the module docstring)
-            if answered():
-                return True
-            return sleep(seconds)
-        finally:
+
+        def counted_sleep(seconds: float) -> bool:
             with self._sleep_lock:
-                count[0] -= 1
+                count[0] += 1
+            try:
+                self.win.Sync()  # counted before looking again (see the module docstring)
+                if answered():
+                    return True
+                return sleep(seconds)
+            finally:
+                with self._sleep_lock:
+                    count[0] -= 1
+        return counted_sleep
 
     def may_sleep(self, rank: int) -> bool:
         """Whether a thread of ``rank`` may be asleep in a counted wait (True for a rank
