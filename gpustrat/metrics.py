@@ -23,7 +23,8 @@ import numpy as np
 
 from gpustrat.devices import array_module
 from gpustrat.distribute import context
-from gpustrat.distribute.distributed_variables import DistributedVariable, zeros
+from gpustrat.distribute.distributed_variables import (SAME_READS_HINT, DistributedVariable,
+                                                      zeros)
 from gpustrat.distribute.variables import (Variable, VariableAggregation,
                                            VariableSynchronization)
 from gpustrat.reduce_util import ReduceOp
@@ -159,7 +160,8 @@ class Metric:
                 self._counts_description)
         context.push(owner, None)
         try:
-            reduced = owner.extended._batch_reduce(ReduceOp.SUM, pairs, also)
+            reduced = owner.extended._batch_reduce(ReduceOp.SUM, pairs, also, (
+                f"metric {self.name!r} result()", SAME_READS_HINT))
         finally:
             context.pop()
         return [r.values[0] if hasattr(r, "values") else r for r in reduced]

@@ -14,6 +14,7 @@ the update paths:
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any
 
@@ -30,6 +31,10 @@ _ON_READ = VariableSynchronization.ON_READ
 _HINT_SAME_UPDATES = ("every worker must make the same variable updates, in the same "
                       "order, with values of the same shape and dtype")
 
+
+SAME_READS_HINT = ("every worker must read the same sync-on-read variables and metric "
+                    "results, in the same order (each read combines every worker's copy)")
+_NOTHING = contextlib.nullcontext()
 
 _made: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -265,16 +270,22 @@ class SyncOnReadVariable(DistributedVariable):
     def _cross_replica_value(self):
         agg = self._agg
         strategy = self._strategy
-        if agg is VariableAggregation.ONLY_FIRST_REPLICA:
-            if strategy.num_workers == 1:
-                return self._values[0].value()
-            return strategy.communicator.broadcast([c._array for c in self._values],
-                                                   root=0)[0]
         if agg is VariableAggregation.NONE:
             raise ValueError(self._no_aggregation("read"))
-        from gpustrat.distribute import reduction  # noqa: PLC0415
-        return reduction.reduce_components(strategy.communicator, _AGG_OPS[agg],
-                                           [c._array for c in self._values], None)
+        if agg is VariableAggregation.ONLY_FIRST_REPLICA and strategy.num_workers == 1:
+            return self._values[0].value()
+        comm = strategy.communicator
+        # Across workers the read is a collective: which variable each worker reads
+        # rides with it, so that reads made in different orders raise on every worker
+        # instead of combining one variable with another.
+        with comm.agreeing((f"read {self._key}",), f"reading sync-on-read variable "
+                           f"{self._name!r}", SAME_READS_HINT) \
+                if strategy.num_workers > 1 else _NOTHING:
+            if agg is VariableAggregation.ONLY_FIRST_REPLICA:
+                return comm.broadcast([c._array for c in self._values], root=0)[0]
+            from gpustrat.distribute import reduction  # noqa: PLC0415
+            return reduction.reduce_components(comm, _AGG_OPS[agg],
+                                               [c._array for c in self._values], None)
 
     def read_value(self):
         ctx = self._context("read")

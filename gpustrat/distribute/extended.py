@@ -115,20 +115,21 @@ class StrategyExtended:
         return self._batch_reduce(reduce_op, value_destination_pairs)
 
     def _batch_reduce(self, reduce_op, value_destination_pairs: Sequence,
-                      also=None) -> list:
+                      also=None, words=None) -> list:
         """:meth:`batch_reduce_to`; ``also`` rides with its agreement (see
-        ``Communicator.agreeing``)."""
+        ``Communicator.agreeing``); ``words``: ``(what, hint)`` that name the call in a
+        disagreement, instead of batch_reduce_to's."""
         op = ReduceOp.from_value(reduce_op)
         ctx = self._replica_context()
         if ctx is not None:
             return ctx.merge_call(
-                lambda s, pairs: s.extended._batch_reduce(op, pairs, also),
+                lambda s, pairs: s.extended._batch_reduce(op, pairs, also, words),
                 args=(list(value_destination_pairs),))
         strategy = self._strategy
         devices = strategy.local_devices
         on_host = not any(d.is_gpu for d in devices)
         single = len(devices) == 1
-        values = [value for value, _ in value_destination_pairs]
+        values = originals = [value for value, _ in value_destination_pairs]
         if on_host and single and set(map(type, values)) == {np.ndarray}:
             # The common case (one replica's own host arrays, e.g. a gradient step's
             # hundred gradients) needs no placement and no rows per replica: their
@@ -150,10 +151,15 @@ class StrategyExtended:
                 tensors.append([as_array(c, d) for c, d in zip(comps, devices)])
         if not tensors:
             return []
-        what = f"batch_reduce_to({op.name})"
+        what = f"batch_reduce_to({op.name})" if words is None else words[0]
         comm = strategy.communicator
+        # Variables are named in the agreement: workers that reduce different variables
+        # of the same layouts (reads in different orders) raise instead of mixing them.
+        names = _variable_keys(originals) if strategy.num_workers > 1 else None
         if len(tensors) == 1:
-            agree = agreement(strategy, describe_layouts(tensors), what)
+            agree = agreement(strategy, describe_layouts(tensors, names), what)
+            if agree and words is not None:
+                agree = agree[:2] + (words[1],)
             with comm.agreeing(*agree, also) if agree else _NOTHING:
                 out = [comm.all_reduce(tensors[0], op)]
         else:
@@ -161,7 +167,10 @@ class StrategyExtended:
             tensors, layout = check_layout(comm, tensors)
             if layout.described is None:
                 layout.described = _describe(tensors)
-            agree = agreement(strategy, layout.described, what)
+            agree = agreement(strategy, layout.described if names is None else
+                              describe_layouts(tensors, names), what)
+            if agree and words is not None:
+                agree = agree[:2] + (words[1],)
             with comm.agreeing(*agree, also) if agree else _NOTHING:
                 if single:
                     return fused_all_reduce_single(comm, tensors, op, layout=layout)
@@ -178,6 +187,15 @@ class StrategyExtended:
         comm = strategy.communicator
         with comm.agreeing(*agree) if agree else _NOTHING:
             return fused_all_reduce_arrays(comm, values, op, layout)
+
+
+def _variable_keys(values: Sequence) -> list | None:
+    """Each value's variable key (``name#n``, the same on every worker for the same
+    variable) or ``value``; None where no value is a variable."""
+    keys = [v._key if isinstance(v, DistributedVariable) else None for v in values]
+    if not any(keys):
+        return None
+    return [k or "value" for k in keys]
 
 
 def _components(strategy, value: Any, op: ReduceOp) -> tuple:

@@ -173,3 +173,61 @@ s.close()
 def test_metrics_reset_or_updated_across_replicas_on_some_workers_raise_at_result(ranks, local):
     # A reset on one worker used to give a result that mixed the others' old totals in.
     assert_mpi_ok(ranks, METRICS, timeout=300, args=(local,), expect_lines=ranks)
+
+
+READ_ORDER = COMMON + r"""
+from gpustrat.errors import CollectiveMismatch
+
+ON_READ = dict(synchronization=gs.VariableSynchronization.ON_READ,
+               aggregation=gs.VariableAggregation.SUM)
+with s.scope():
+    m1 = gs.metrics.Sum(name="m1")
+    m2 = gs.metrics.Sum(name="m2")
+    a = gs.Variable(np.float32(0), name="a", **ON_READ)
+    b = gs.Variable(np.float32(0), name="b", **ON_READ)
+
+
+def step():
+    m1.update_state(np.float32(1))
+    m2.update_state(np.float32(50))
+    a.assign_add(np.float32(1))
+    b.assign_add(np.float32(50))
+s.run(step)
+n = W * L
+
+
+def mismatch(first, second, pattern):
+    # The last worker makes the two reads in the other order: every worker raises at
+    # both (each pairs with another worker's other read), none gets a mixed value.
+    order = (second, first) if r == last else (first, second)
+    for read in order:
+        try:
+            got = read()
+        except CollectiveMismatch as e:
+            assert re.search(pattern, str(e), re.S), f"rank {r}: {e}"
+        else:
+            raise AssertionError(f"rank {r}: read {got} with the workers out of order")
+
+
+mismatch(m1.result, m2.result, r"metric 'm\d' result\(\): the workers disagree: "
+         r"rank 0 \(metric 'm\d' result\(\)\): \(m\d/total#\d+:scalar:float32\).*every "
+         r"worker must read the same sync-on-read variables and metric results")
+mismatch(a.read_value, b.read_value, r"reading sync-on-read variable '[ab]': the workers "
+         r"disagree: rank 0 \(reading sync-on-read variable '[ab]'\): \(read [ab]#\d+\)")
+ones = s.run(lambda: np.float32(1))  # a per-replica value of a's layout
+mismatch(a.numpy, lambda: s.reduce("sum", ones, axis=None),
+         r"reading sync-on-read variable 'a': the workers disagree: .*nothing to agree "
+         r"on \(another call\)")
+# In the same order on every worker: the totals.
+assert float(m1.result()) == n and float(m2.result()) == 50 * n
+assert float(a.read_value()) == n and float(b.numpy()) == 50 * n
+print(f"OK rank {r}", flush=True)
+s.close()
+"""
+
+
+@pytest.mark.parametrize("ranks, local", [(2, 1), (3, 2)])
+def test_reads_of_metrics_and_sync_on_read_variables_in_other_orders_raise(ranks, local):
+    # Two metrics (or two sync-on-read variables) of one layout read in different
+    # orders on different workers used to return each a mix of both, on every worker.
+    assert_mpi_ok(ranks, READ_ORDER, timeout=300, args=(local,), expect_lines=ranks)
