@@ -289,11 +289,26 @@ def _decode_shared(entries: list, index: dict, arrays: dict) -> dict:
                 "saved")
         if here == "per_worker":
             continue
+        if here == "shared":
+            _check_class(e.key, e.obj, index["objects"][e.key]["kind"])
         value = fmt.decode(index["objects"][e.key]["tree"], arrays)
         if here == "variable":
             _check_shape(e.key, e.obj, value)
         out[e.key] = value
     return out
+
+
+def _check_class(key: str, obj, saved: str) -> None:
+    """``obj`` takes state saved from an object of class ``saved``: that class or a
+    subclass of it (a class named ``saved`` among its bases)."""
+    if saved in {c.__name__ for c in type(obj).__mro__}:
+        return
+    raise ValueError(
+        f"checkpoint key {key!r} holds state saved from class {saved}, but this "
+        f"Checkpoint has class {type(obj).__name__} there, whose state differs (an "
+        f"optimizer's slots, a metric's totals); nothing was restored: restore into an "
+        f"object of class {saved} (or a subclass), or leave the key out of the "
+        "Checkpoint to start that object afresh")
 
 
 def _check_shape(key: str, var: Variable, value: np.ndarray) -> None:

@@ -110,6 +110,41 @@ def test_another_kind_at_a_key_is_an_error_that_restores_nothing(tmp_path):
     np.testing.assert_array_equal(v2.numpy(), [0, 0, 0])
 
 
+def test_an_optimizer_or_metric_of_another_class_is_an_error_that_restores_nothing(
+        tmp_path):
+    # Adam's state used to be taken by an SGD with momentum without a word: its
+    # iterations restored, its moments dropped, its momentum left at zero.
+    s = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    with s.scope():
+        w = gs.Variable(np.ones(3, np.float32), name="w")
+        adam, mean = gs.optimizers.Adam(0.1), gs.metrics.Mean()
+    s.run(lambda: adam.apply_gradients([(np.ones(3, np.float32), w)]))
+    mean.update_state(np.float32(4))
+    path = gs.train.Checkpoint(w=w, opt=adam, m=mean).write(str(tmp_path / "ck"))
+    with s.scope():
+        w2 = gs.Variable(np.zeros(3, np.float32), name="w")
+        sgd, acc = gs.optimizers.SGD(0.1, momentum=0.9), gs.metrics.Sum()
+    with pytest.raises(ValueError, match=r"key 'opt' holds state saved from class Adam, "
+                                         r"but this Checkpoint has class SGD there.*nothing "
+                                         r"was restored: restore into an object of class "
+                                         r"Adam \(or a subclass\)"):
+        gs.train.Checkpoint(w=w2, opt=sgd).restore(path)
+    with pytest.raises(ValueError, match=r"key 'm' holds state saved from class Mean, but "
+                                         r"this Checkpoint has class Sum"):
+        gs.train.Checkpoint(w=w2, m=acc).restore(path)
+    np.testing.assert_array_equal(w2.numpy(), [0, 0, 0])     # nothing restored
+    assert int(sgd.iterations) == 0
+    # A subclass takes its base's state (AdamW keeps Adam's moments).
+    with s.scope():
+        adamw = gs.optimizers.AdamW(0.1)
+    with s.scope():
+        mean2 = gs.metrics.Mean()
+    gs.train.Checkpoint(w=w2, opt=adamw, m=mean2).restore(path).assert_consumed()
+    assert float(mean2.result()) == 4.0
+    assert int(adamw.iterations) == 1
+    np.testing.assert_array_equal(w2.numpy(), w.numpy())
+
+
 def test_containers_and_objects_without_savables_are_errors():
     with pytest.raises(TypeError, match=r"'lrs' \(list\) holds no savable"):
         gs.train.Checkpoint(lrs=[0.1, 0.2]).write("/nonexistent/never")
