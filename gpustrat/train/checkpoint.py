@@ -162,8 +162,9 @@ class Checkpoint:
 
         Raises:
             ValueError: a key holds another kind of object than saved (a variable where
-                an optimizer was saved), or a variable of another shape; nothing is
-                restored then.
+                an optimizer was saved), an optimizer or metric of another class than
+                the saved one or its subclasses, or a variable of another shape;
+                nothing is restored then.
         """
         check_options(options, "Checkpoint.restore")
         return self._load(save_path, with_counter=True)
