@@ -211,7 +211,9 @@ class Checkpoint:
                 local = {e.key: True for e in wanted}
         except Exception as e:  # noqa: BLE001
             error = saving.describe(e)
-        saving.agree(workers, error, f"reading checkpoint {path!r}")
+        saving.agree_on_path(workers, path, error, "Checkpoint.restore" if with_counter
+                             else "Checkpoint.read", "restore",
+                             f"reading checkpoint {path!r}")
         shared = _decode_shared(entries, index, shared_arrays)
         saved = set(index["objects"]) | set(index["per_worker_objects"])
         mine = {e.key for e in entries}

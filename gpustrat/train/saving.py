@@ -153,13 +153,21 @@ def take(entries: list, workers, path: str, save_counter: int,
                 arrays[key] = _host(a, key, buffers, snap.events, keep)
         except Exception as e:  # noqa: BLE001 - reported on every worker below
             error = error or describe(e)
+    agree_on_path(workers, path, error, "Checkpoint.write", "write",
+                  f"writing checkpoint {path!r}")
+    return snap
+
+
+def agree_on_path(workers, path: str, error: str | None, call: str, verb: str,
+                  what: str) -> None:
+    """:func:`agree`, and every worker gave the same ``path`` (one collective): else a
+    ValueError (different paths) or RuntimeError (an error) on every worker."""
     paths = workers.allgather((path, error)) if workers.size > 1 else [(path, error)]
     if len({p for p, _ in paths}) != 1:
-        raise ValueError(f"Checkpoint.write: the workers gave different paths "
-                         f"{[p for p, _ in paths]}; every worker must write the same "
+        raise ValueError(f"{call}: the workers gave different paths "
+                         f"{[p for p, _ in paths]}; every worker must {verb} the same "
                          "checkpoint path (one directory every worker sees)")
-    _raise_any([e for _, e in paths], workers.size, f"writing checkpoint {path!r}")
-    return snap
+    _raise_any([e for _, e in paths], workers.size, what)
 
 
 def _host(a, key: str, buffers: dict | None, events: list, keep: bool = True):
