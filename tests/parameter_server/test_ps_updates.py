@@ -181,8 +181,9 @@ for i in range(40):
     v.assign_add(one)
     took.append(time.perf_counter() - t0)
 assert np.array_equal(v.numpy(), np.full(1000, 40, np.float32))
-counts = [int(c[0]) for c in ch_mod.channel().staging._sleepers.values()]
-print("MEDIAN", statistics.median(took), "COUNTS", counts, flush=True)
+# The coordinator's own count (the server's may be 1: it sleeps between requests).
+mine = int(ch_mod.channel().staging._sleepers[0][0])
+print("MEDIAN", statistics.median(took), "CALLER COUNT", mine, flush=True)
 """
 
 
@@ -192,4 +193,4 @@ def test_a_sleeping_waiter_is_woken_by_its_answer(caller_sleeps):
     out = assert_mpi_ok(3, WAKE.format(caller_sleeps=caller_sleeps), timeout=120)
     median = float(out.split("MEDIAN ")[1].split()[0])
     assert median < 0.03, out  # 50 ms each when a ring is missed
-    assert "COUNTS [0, 0, 0]" in out, out  # nobody counted as asleep once answered
+    assert "CALLER COUNT 0" in out, out  # not counted as asleep once answered
