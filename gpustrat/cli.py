@@ -369,6 +369,22 @@ def _count_verdicts(verdicts: list) -> str:
                      for i, (n, label) in enumerate(counts) if n or i == 0)
 
 
+def _unwritable(path: str) -> str | None:
+    """Why results cannot be written to ``path`` (its folder is made when missing), or
+    None."""
+    target = Path(path)
+    if target.is_dir():
+        return "is a folder"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"its folder cannot be made ({e.strerror})"
+    if not os.access(target.parent, os.W_OK) or \
+            (target.exists() and not os.access(target, os.W_OK)):
+        return "not writable"
+    return None
+
+
 def cmd_bench(argv) -> int:
     folder = benchmarks_dir()
     p = argparse.ArgumentParser(prog="python -m gpustrat bench", description=BENCH_HELP,
@@ -422,6 +438,17 @@ def cmd_bench(argv) -> int:
             return 2
         if "sweep" not in names:
             names.append("sweep")
+    for option, value in (("--timeout", args.timeout), ("--heartbeat", args.heartbeat)):
+        if value is not None and not value > 0:  # NaN too
+            print(f"gpustrat bench: {option} {value:g} must be a positive number of "
+                  "seconds", file=sys.stderr)
+            return 2
+    for option, out in (("--json", args.json), ("--plot", args.plot)):
+        problem = out and _unwritable(out)
+        if problem:
+            print(f"gpustrat bench: {option} {out}: {problem}; give a file in a folder "
+                  "you can write (checked before any suite runs)", file=sys.stderr)
+            return 2
     timeout = args.timeout or (120.0 if args.quick else 1200.0)
     from gpustrat import __version__  # noqa: PLC0415
     report = {"gpustrat": __version__, "python": platform.python_version(),

@@ -386,3 +386,24 @@ def test_bench_prints_progress_and_a_verdict_beside_every_target(tmp_path):
     summary = out.split("== targets ==")[1].splitlines()
     assert [line.split()[0] for line in summary[1:4]] == ["fake"] * 3
     assert summary[4] == "1 target(s) met, 1 not met, 1 not measured"
+
+
+def test_bench_output_files_and_times_are_checked_before_any_suite_runs(tmp_path):
+    # --json into a folder that did not exist used to fail after every suite had run,
+    # losing the results.
+    (tmp_path / "bench_fake.py").write_text(FAKE_SUITE.replace("time.sleep(2.5)", ""))
+    env = {"GPUSTRAT_BENCHMARKS": str(tmp_path)}
+    out = tmp_path / "results" / "today" / "fake.json"
+    proc = gpustrat_cmd("bench", "fake", "--json", str(out), timeout=60, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(out.read_text())["suites"]["fake"]["verdicts"]
+    (tmp_path / "plain").write_text("")
+    for args, words in (
+            (["--json", str(tmp_path)], f"--json {tmp_path}: is a folder"),
+            (["--json", str(tmp_path / "plain" / "x.json")],
+             f"--json {tmp_path / 'plain' / 'x.json'}: its folder cannot be made"),
+            (["--timeout", "-1"], "--timeout -1 must be a positive number of seconds"),
+            (["--heartbeat", "0"], "--heartbeat 0 must be a positive number of seconds")):
+        proc = gpustrat_cmd("bench", "fake", *args, timeout=60, env=env)
+        assert proc.returncode == 2 and words in proc.stderr, (args, proc.stderr)
+        assert "measured" not in proc.stdout, args  # nothing ran
