@@ -414,3 +414,17 @@ def test_a_worker_short_of_its_promised_steps_raises():
     with pytest.raises(RuntimeError, match="worker 0 has 3 steps but its dataset's "
                                            "cardinality promised 4"):
         list(steps)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_next_inside_run_is_an_error_that_takes_no_step(n):
+    # Each replica used to take a whole step (a per-replica value of per-replica values),
+    # consuming the dataset n times as fast.
+    s = mirrored(n)
+    it = iter(s.experimental_distribute_dataset(Dataset.range(6 * n).batch(2 * n)))
+    for take in (next, lambda i: i.get_next(), lambda i: i.get_next_as_optional()):
+        with pytest.raises(RuntimeError, match=r"next\(\) of a distributed iterator "
+                           r"inside strategy.run.*strategy.run\(fn, args=\(next\(iterator\),\)\)"):
+            s.run(take, args=(it,))
+    first = s.experimental_local_results(next(it))  # still the first step
+    assert [np.asarray(p).tolist() for p in first] == [[2 * i, 2 * i + 1] for i in range(n)]

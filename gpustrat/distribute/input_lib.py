@@ -22,7 +22,7 @@ import logging
 from typing import Any, Callable
 
 from gpustrat import nest
-from gpustrat.distribute import end_of_data, input_position
+from gpustrat.distribute import context, end_of_data, input_position
 from gpustrat.distribute.placement import Placer
 from gpustrat.distribute.splitting import Splitter, deal_steps
 from gpustrat.errors import OutOfRangeError
@@ -484,6 +484,12 @@ class DistributedIterator:
         return self
 
     def __next__(self):
+        if context.current()[1] is not None:
+            raise RuntimeError(
+                "next() of a distributed iterator inside strategy.run: each replica would "
+                "take a whole step (every replica's batch), and steps would go "
+                f"{self._strategy.num_replicas_in_sync} times as fast. Take the step "
+                "outside and pass it in: strategy.run(fn, args=(next(iterator),))")
         step = self._placer.next()  # raises StopIteration at the end
         self._returned += 1
         # Every worker hands out the same steps (the end-of-data agreement pads the
