@@ -401,3 +401,30 @@ def test_component_count_is_checked_by_every_method():
                                              r"replicas \(\['cpu:0', 'cpu:1'\]\)"):
             f()
     s.close()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: gs.MirroredStrategy(["cpu:0", "cpu:1"]),
+    lambda: gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])], ids=["mirrored", "mwms"])
+def test_an_axis_that_is_no_integer_is_named_at_the_call(make):
+    # None or a string used to fail deep inside with "'<=' not supported".
+    s = make()
+    try:
+        x = s.run(lambda: np.ones((2, 3), np.float32))
+        for call, fn, bad in (
+                ("strategy.gather", lambda a: s.gather(x, axis=a), None),
+                ("strategy.gather", lambda a: s.gather(x, axis=a), "0"),
+                ("strategy.reduce", lambda a: s.reduce("sum", x, axis=a), "0"),
+                ("strategy.reduce", lambda a: s.reduce("sum", x, axis=a), 1.0),
+                ("strategy.reduce", lambda a: s.reduce("sum", x, axis=a), True),
+                ("all_gather in strategy.run", lambda a: s.run(
+                    lambda: gs.get_replica_context().all_gather(np.ones(2), axis=a)), None)):
+            with pytest.raises(TypeError, match=rf"{call}: axis must be an integer.*got "
+                                                rf"{re.escape(repr(bad))}"):
+                fn(bad)
+        # NumPy integers are integers.
+        n = s.num_replicas_in_sync
+        assert np.asarray(s.gather(x, axis=np.int64(0))).shape == (2 * n, 3)
+        assert np.asarray(s.reduce("sum", x, axis=np.int32(1))).tolist() == [3.0 * n] * 2
+    finally:
+        s.close()

@@ -110,6 +110,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         return None
 
     def reduce(self, reduce_op, value, axis=None):
+        if axis is not None and type(axis) is not int:
+            axis = reduction.check_axis(axis, "strategy.reduce", True)
         t = type(reduce_op)
         op = OPS_BY_KEY.get(id(reduce_op)) if t is ReduceOp else \
             OPS_BY_KEY.get(reduce_op) if t is str else None
@@ -128,6 +130,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         return reduction.reduce_components(self._communicator, op, comps, axis)
 
     def gather(self, value, axis):
+        if type(axis) is not int:
+            axis = reduction.check_axis(axis, "strategy.gather", False)
         if self._one_host and type(value) is np.ndarray and value.dtype.kind in _NUMERIC \
                 and context.current()[1] is None:
             return reduction.gather_host_array(self._communicator, value, axis)

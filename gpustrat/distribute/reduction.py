@@ -13,6 +13,8 @@ gathered and reduced with MAX (any) and MIN (all), not with SUM or MEAN.
 
 from __future__ import annotations
 
+import operator
+
 from typing import Any, Sequence
 
 import numpy as np
@@ -91,6 +93,22 @@ def _short_repr(x: Any, limit: int = 40) -> str:
 
 def _shapes(arrays) -> str:
     return ", ".join(f"replica {i}: {tuple(a.shape)}" for i, a in enumerate(arrays))
+
+
+def check_axis(axis: Any, call: str, none_ok: bool) -> int | None:
+    """``axis`` as an int (NumPy integers accepted), or None where ``none_ok``; else a
+    TypeError naming ``call`` and the value."""
+    if axis is None and none_ok:
+        return None
+    if not isinstance(axis, bool):
+        try:
+            return operator.index(axis)
+        except TypeError:
+            pass
+    allowed = "an integer, or None (reduce across replicas only)" if none_ok else \
+        "an integer"
+    raise TypeError(f"{call}: axis must be {allowed}, got {axis!r} "
+                    f"({type(axis).__name__})")
 
 
 def _normalize_axis(axis: int, ndim: int) -> int:

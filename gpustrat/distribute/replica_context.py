@@ -91,6 +91,8 @@ class ReplicaContext:
     def all_gather(self, value: Any, axis: int) -> Any:
         """Concatenate ``value`` (any nested structure) from every replica along ``axis``,
         in replica order; shapes may differ only along ``axis``."""
+        if type(axis) is not int:
+            axis = reduction.check_axis(axis, "all_gather in strategy.run", False)
         if self._alone and type(value) is np.ndarray and value.ndim and \
                 type(axis) is int and value.dtype.kind in _NUMERIC:
             return self._rendezvous.call_alone(

@@ -169,6 +169,8 @@ class Strategy:
         """
         op = ReduceOp.from_value(reduce_op)
         self._check_cross_replica("reduce")
+        if axis is not None and type(axis) is not int:
+            axis = reduction.check_axis(axis, "strategy.reduce", True)
 
         def leaf(v):
             v = as_components(v)
@@ -197,6 +199,8 @@ class Strategy:
         (non-distributed) leaf is returned as is, as tf.distribute's MirroredStrategy
         does; across workers it is each worker's own value, and they are gathered."""
         self._check_cross_replica("gather")
+        if type(axis) is not int:
+            axis = reduction.check_axis(axis, "strategy.gather", False)
 
         def leaf(v):
             v = as_components(v)
