@@ -20,6 +20,7 @@ on plain arrays (NumPy, or CuPy on a GPU replica), in place.
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 import zlib
 from itertools import repeat
@@ -550,13 +551,17 @@ def _cast(x, dtype):
 
 
 def _check_positive(what: str, value) -> None:
-    try:
-        ok = float(value) > 0
-    except (TypeError, ValueError):
-        ok = False
+    ok = False
+    if not isinstance(value, (str, bytes)):  # float("0.1") would take a string
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            pass
+        else:
+            ok = 0 < number < math.inf
     if not ok:
-        raise ValueError(f"{what} must be a positive number or a callable schedule, "
-                         f"got {value!r}")
+        raise ValueError(f"{what} must be a positive finite number or a callable "
+                         f"schedule, got {value!r}")
 
 
 def _check_pairs(grads_and_vars, known: list | None = None) -> tuple[list, list]:

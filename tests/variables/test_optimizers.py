@@ -116,8 +116,12 @@ def test_errors():
         finally:
             other.close()
         assert int(opt.iterations) == 0 and np.all(np.asarray(v) == 0)
-        with pytest.raises(ValueError, match="learning_rate must be a positive"):
-            gs.optimizers.SGD(-1.0)
+        for bad in (-1.0, 0, "0.1", float("inf"), float("nan"), None):
+            with pytest.raises(ValueError, match=r"learning_rate must be a positive "
+                               rf"finite number or a callable schedule, got {bad!r}"):
+                gs.optimizers.SGD(bad)
+        with pytest.raises(ValueError, match="got '0.2'"):
+            opt.learning_rate = "0.2"
         with pytest.raises(ValueError, match="compression"):
             gs.optimizers.SGD(compression="int8")
     finally:
