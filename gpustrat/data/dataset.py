@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from gpustrat.data.iterator_state import fingerprint, unsupported_nodes
+from gpustrat.data.iterator_state import drawn_seed_nodes, fingerprint, unsupported_nodes
 from gpustrat.data.options import Options
 from gpustrat.data.spec import spec_of, unknown_dims
 
@@ -102,7 +102,11 @@ class DatasetIterator:
             raise ValueError(f"cannot save the position of a dataset iterator whose "
                              f"pipeline raised {self._failed}: restore the last saved "
                              "position instead")
-        return {"dataset": fingerprint(self._dataset), "position": self._state.save()}
+        state = {"dataset": fingerprint(self._dataset), "position": self._state.save()}
+        drawn = drawn_seed_nodes(self._dataset)
+        if drawn:
+            state["seeds"] = np.array([n._seed for n in drawn], np.uint64)
+        return state
 
     def set_state(self, state: dict) -> None:
         """Continue from a position that :meth:`get_state` returned, for the same
@@ -119,6 +123,9 @@ class DatasetIterator:
                              f"dataset: saved for {list(state['dataset'])}, this dataset is "
                              f"{mine} (node:cardinality); restore into the pipeline that "
                              "was saved")
+        if "seeds" in state:  # before any node's iterator reads its seed
+            for node, seed in zip(drawn_seed_nodes(self._dataset), state["seeds"]):
+                node._seed = int(seed)
         fresh = self._dataset._state_iter(_IterContext())
         fresh.restore(state["position"])
         self._close()

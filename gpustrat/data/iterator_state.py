@@ -410,6 +410,24 @@ def unsupported_nodes(dataset) -> list[str]:
     return out
 
 
+def drawn_seed_nodes(dataset) -> list:
+    """The nodes of ``dataset``'s graph that drew their own random seed (an unseeded
+    ``shuffle``, ``list_files`` or ``sample_from_datasets``), each once, in a fixed walk
+    order. A saved position holds their seeds: a node's iterator made only after the
+    save (a ``repeat``'s next pass, a sampled input not yet read) must draw the same
+    order in the restored process."""
+    out, seen, todo = [], set(), [dataset]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if hasattr(node, "_with_seed") and not node._seeded:
+            out.append(node)
+        todo.extend(node._inputs())
+    return out
+
+
 def fingerprint(dataset) -> list:
     """What a saved position must be restored into: each node's type and cardinality,
     depth first (another transformation or another size gives another fingerprint)."""

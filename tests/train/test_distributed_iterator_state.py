@@ -44,6 +44,46 @@ def test_same_remaining_steps_after_restore(tmp_path, replicas):
 
 
 @pytest.mark.parametrize("before,after", [(2, 1), (1, 3), (2, 4)])
+def unseeded():
+    # Every build draws its own seeds, as a restarted job does. The repeat's shuffle and
+    # the sampled inputs' shuffles make their iterators only after the first save.
+    evens = Dataset.range(0, 40, 2).shuffle(8)
+    odds = Dataset.range(1, 40, 2).shuffle(8)
+    mixed = Dataset.sample_from_datasets([evens, odds], weights=[0.5, 0.5])
+    return mixed.shuffle(20).batch(4).repeat(3)
+
+
+@pytest.mark.parametrize("replicas", [None, 1, 2])
+@pytest.mark.parametrize("taken", [0, 3])
+def test_unseeded_shuffles_resume_in_the_saved_order(tmp_path, replicas, taken):
+    # A repeated unseeded shuffle saved at its epoch's start (as every distributed
+    # iterator's position is) used to draw a new seed in the restored job.
+    if replicas is None:  # a plain dataset iterator
+        def make():
+            return iter(unseeded())
+
+        def take(it, k=None):
+            return [np.asarray(x).tolist() for x in (it if k is None else
+                                                     [next(it) for _ in range(k)])]
+    else:
+        s = gs.MirroredStrategy([f"cpu:{i}" for i in range(replicas)])
+
+        def make():
+            return iter(s.experimental_distribute_dataset(unseeded()))
+
+        def take(it, k=None):
+            return steps_of(s, it, k)
+    it = make()
+    if taken:
+        take(it, taken)
+    path = gs.train.Checkpoint(input=it).save(str(tmp_path / "ck"))
+    rest = take(it)
+    again = make()
+    gs.train.Checkpoint(input=again).restore(path)
+    assert take(again) == rest
+    assert len(rest) == 30 - taken
+
+
 def test_batch_aligned_position_moves_to_another_replica_count(tmp_path, before, after):
     s = gs.MirroredStrategy([f"cpu:{i}" for i in range(before)])
     it = iter(s.experimental_distribute_dataset(build()))
