@@ -189,7 +189,8 @@ class Checkpoint:
         error = None
         try:
             index = _read_index(path)
-            shared_arrays = fmt.read_arrays(fmt.data_file(path), index["array_offsets"])
+            shared_arrays = fmt.read_arrays(fmt.data_file(path), index["array_offsets"],
+                                            index.get("array_crc32"))
             saved_w = index["num_workers"]
             wanted = [e for e in entries if e.kind == "per_worker"
                       and e.key in index["per_worker_objects"]]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import zlib
 from typing import Any, Callable
 
 import numpy as np
@@ -127,27 +128,44 @@ def write_npz(path: str, arrays: dict, tree: Any = None) -> None:
         os.fsync(f.fileno())
 
 
-def write_arrays(path: str, arrays: dict) -> dict:
+def write_arrays(path: str, arrays: dict) -> tuple[dict, dict]:
     """Write ``arrays`` one after the other as ``.npy`` records (``numpy.save`` each) to
-    ``path``, flush it to disk, and return ``{key: byte offset of its record}``."""
-    offsets = {}
+    ``path``, flush it to disk, and return ``({key: byte offset of its record},
+    {key: CRC-32 of its bytes})``."""
+    offsets, crcs = {}, {}
     with open(path, "wb") as f:
         for key, a in arrays.items():
             offsets[key] = f.tell()
+            crcs[key] = _crc(a)
             np.save(f, a, allow_pickle=False)
         f.flush()
         os.fsync(f.fileno())
-    return offsets
+    return offsets, crcs
 
 
-def read_arrays(path: str, offsets: dict) -> dict:
-    """The arrays of a file :func:`write_arrays` wrote (``numpy.load`` at each offset)."""
+def read_arrays(path: str, offsets: dict, crcs: dict | None = None) -> dict:
+    """The arrays of a file :func:`write_arrays` wrote (``numpy.load`` at each offset),
+    each checked against its CRC-32 in ``crcs`` where given.
+
+    Raises:
+        ValueError: an array's bytes are not those written (the file was damaged).
+    """
     out = {}
     with open(path, "rb") as f:
         for key, offset in offsets.items():
             f.seek(offset)
-            out[key] = np.load(f, allow_pickle=False)
+            out[key] = a = np.load(f, allow_pickle=False)
+            if crcs is not None and _crc(a) != crcs.get(key):
+                raise ValueError(
+                    f"{path!r} is damaged: the bytes of {key!r} do not match the "
+                    f"checksum written with them (CRC-32 {_crc(a):#010x}, saved "
+                    f"{crcs.get(key, 0):#010x}); restore an earlier checkpoint")
     return out
+
+
+def _crc(a: np.ndarray) -> int:
+    """CRC-32 of an array's bytes in C order (zlib's, in C)."""
+    return zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) if a.size else 0
 
 
 def write_json(path: str, obj: Any) -> None:

@@ -214,13 +214,14 @@ class Job:
             if s.rank == 0:
                 data = fmt.temp_name(fmt.data_file(s.path), s.token)
                 s.written.append(data)
-                offsets = fmt.write_arrays(data, s.shared_arrays)
+                offsets, crcs = fmt.write_arrays(data, s.shared_arrays)
                 index = fmt.temp_name(fmt.index_file(s.path), s.token)
                 s.written.append(index)
                 fmt.write_json(index, {
                     "format": fmt.FORMAT, "version": fmt.VERSION, "num_workers": s.size,
                     "save_counter": s.save_counter, "objects": s.shared,
-                    "array_offsets": offsets, "per_worker_objects": sorted(s.local)})
+                    "array_offsets": offsets, "array_crc32": crcs,
+                    "per_worker_objects": sorted(s.local)})
         except Exception as e:  # noqa: BLE001 - agreed in commit()
             self.write_error = describe(e)
 

@@ -122,6 +122,37 @@ def test_crash_before_commit_leaves_previous_checkpoint(tmp_path, monkeypatch):
     np.testing.assert_array_equal(w.numpy(), [0, 0])
 
 
+def test_a_damaged_data_file_is_an_error_that_restores_nothing(tmp_path):
+    # A flipped bit in a variable's bytes used to be restored as it was.
+    w = gs.Variable(np.arange(6, dtype=np.float32), name="w")
+    path = gs.train.Checkpoint(w=w, epoch=3).write(str(tmp_path / "model"))
+    index = json.load(open(path + ".index"))
+    key = index["objects"]["w"]["tree"]["__array__"]
+    assert set(index["array_crc32"]) == set(index["array_offsets"])
+    start = index["array_offsets"][key]
+    end = min([o for o in index["array_offsets"].values() if o > start],
+              default=os.path.getsize(path + ".data"))
+    with open(path + ".data", "r+b") as f:
+        at = end - 7  # within the array's 24 bytes, which end its record
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x10]))
+    w2 = gs.Variable(np.zeros(6, np.float32), name="w")
+    ck = gs.train.Checkpoint(w=w2, epoch=0)
+    with pytest.raises(RuntimeError, match=rf"model.data' is damaged: the bytes of {key!r} "
+                                           r"do not match the checksum.*restore an earlier"):
+        ck.restore(path)
+    np.testing.assert_array_equal(w2.numpy(), np.zeros(6))
+    assert ck.epoch == 0
+    # A checkpoint written before checksums were kept restores unchecked.
+    del index["array_crc32"]
+    with open(path + ".index", "w") as f:
+        json.dump(index, f)
+    ck.restore(path)
+    assert ck.epoch == 3
+
+
 def test_clear_errors(tmp_path):
     w = gs.Variable(np.zeros(2, np.float32), name="w")
     with pytest.raises(TypeError, match="cannot save thing=object"):
