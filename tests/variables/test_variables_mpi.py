@@ -70,7 +70,11 @@ expect(lambda: s.run(lambda: w.assign_add(np.ones(3 if rank == 0 else 4))),
 def cross():
     with s.scope():
         w.assign(np.full(3, float(rank)))
-expect(cross, "every worker must write the same value")
+# Each worker's agreement is named as it is, not as a shape and dtype.
+expect(cross, r"assign of variable 'w' in cross-replica context: the workers disagree: "
+              r"rank 0: \(w#\d+\.assign, value checksum \d+, float\d+, 3\); rank 1: "
+              r"\(w#\d+\.assign, value checksum \d+, float\d+, 3\)\. every worker must "
+              r"write the same value")
 # Nothing was written, and the strategy still works.
 assert all(np.array_equal(np.asarray(c), want) for c in s.experimental_local_results(w))
 s.run(lambda: w.assign_add(np.ones(3)))

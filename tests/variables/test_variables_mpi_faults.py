@@ -137,7 +137,8 @@ def alone():
 if which == "create":
     expect(alone, "rank 0 called creating variable 'extra'.*rank 1 called Adam.apply_gradients")
 else:  # both reductions carry an agreement: the lists differ, each caller is named
-    expect(alone, r"rank 0 \(batch_reduce_to\(SUM\)\): .*rank 1 \(Adam.apply_gradients\)")
+    expect(alone, r"rank 0 \(metric 'mean' result\(\)\): \(mean/total#\d+:scalar:float32, "
+                  r"mean/count#\d+:scalar:float32\); .*rank 1 \(Adam.apply_gradients\)")
 print(f"OK rank {r}", flush=True)
 """
 

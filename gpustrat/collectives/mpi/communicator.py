@@ -13,7 +13,8 @@ from gpustrat.collectives.host import HostCommunicator, divide
 from gpustrat.collectives.mpi import waits as _waits
 from gpustrat.collectives.mpi.group import MpiWorkerGroup
 from gpustrat.collectives.mpi.header import (_BLOCKING_BYTES, _INLINE, _PACK_PAYLOAD,
-                                             _STEP_MASK, _Channel, fold_code, kind_code)
+                                             _STEP_MASK, AgreedKey, _Channel, fold_code,
+                                             kind_code)
 from gpustrat.collectives.mpi.waits import (_BOOL_NP_OPS, _MEAN, _NP_OPS, _describe,
                                             input_steps_from_env, reduce_args)
 from gpustrat.devices import Device, to_host
@@ -132,7 +133,8 @@ class MpiCommunicator(HostCommunicator):
         saved, ch.pending = ch.pending, None
         what = what() if callable(what) else what
         try:
-            ch.header(what, layout_code(key, np.uint8), 0, None, key, np.dtype(np.uint8), hint)
+            ch.header(what, layout_code(key, np.uint8), 0, None, AgreedKey(key),
+                      np.dtype(np.uint8), hint)
         finally:
             ch.pending = saved
 

@@ -46,6 +46,13 @@ _STEP_MASK = 0x7FFFFFFF  # the input step travels modulo 2**31 in slot 2's high 
 _QUICK = range(64)  # Tests before a header's wait is handed to waits.wait
 
 
+class AgreedKey(tuple):
+    """The key of an agreement (``Communicator.agree``) where a header's layout would
+    be: a disagreement names each worker's key, not a shape and dtype."""
+
+    __slots__ = ()
+
+
 def fold_code(key: tuple) -> int:
     """The checksum of an agreement ``key`` as it travels in slot 1's high half."""
     return (zlib.crc32(repr(key).encode()) & _STEP_MASK) << 32
@@ -281,6 +288,11 @@ class _Channel:
         if any(a != alsos[0] for a in alsos):  # the same values, other state
             raise StateMismatch(_fold_message(alsos))
         layouts = [(s, d) for _, _, s, d, _, _ in infos]
+        if isinstance(shape, AgreedKey):  # every rank made this agreement (same kind)
+            raise LayoutMismatch(
+                f"{what}: the workers disagree: " + "; ".join(
+                    f"rank {r}: {s}" for r, (s, _) in enumerate(layouts))
+                + (f". {hint}" if hint else ""))
         parts = "; ".join(f"rank {r}: {s} {d}" for r, (s, d) in enumerate(layouts))
         if kind.startswith("all_gather"):
             raise LayoutMismatch(
