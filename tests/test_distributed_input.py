@@ -428,3 +428,36 @@ def test_next_inside_run_is_an_error_that_takes_no_step(n):
             s.run(take, args=(it,))
     first = s.experimental_local_results(next(it))  # still the first step
     assert [np.asarray(p).tolist() for p in first] == [[2 * i, 2 * i + 1] for i in range(n)]
+
+
+def test_what_is_not_a_dataset_a_function_or_options_is_named_at_the_call():
+    s = mirrored(2)
+    ds = Dataset.range(8).batch(4)
+    with pytest.raises(TypeError, match=r"experimental_distribute_dataset needs a "
+                                        r"gs.data.Dataset, got list"):
+        s.experimental_distribute_dataset([np.ones(2), np.ones(2)])
+    # Options as a dict used to be taken, and fail when iterated.
+    with pytest.raises(TypeError, match=r"options must be a gs.distribute.InputOptions, "
+                                        r"got dict \{'experimental_fetch_to_device': False\}"):
+        s.experimental_distribute_dataset(ds, {"experimental_fetch_to_device": False})
+    with pytest.raises(TypeError, match=r"distribute_datasets_from_function: options must"):
+        s.distribute_datasets_from_function(lambda ctx: ds, {"x": 1})
+    with pytest.raises(TypeError, match=r"needs a function dataset_fn\(input_context\).*got "
+                                        r"RangeBatchDataset.*experimental_distribute_dataset"):
+        s.distribute_datasets_from_function(ds)
+    with pytest.raises(TypeError, match=r"calls dataset_fn\(input_context\) with one "
+                                        r"argument, but 'make' has the signature \(\)"):
+        def make():
+            return ds
+        s.distribute_datasets_from_function(make)
+    # A list of arrays used to be iterated as if it were a dataset.
+    for bad, name in (([np.ones(2), np.ones(2)], "list"), (None, "NoneType")):
+        with pytest.raises(TypeError, match=rf"dataset_fn must return a gs.data.Dataset "
+                                            rf"\(batched by the per-replica batch size\), "
+                                            rf"got {name}"):
+            s.distribute_datasets_from_function(lambda ctx, bad=bad: bad)
+    # What is right still works: a function with defaults after the context, options.
+    dist = s.distribute_datasets_from_function(
+        lambda ctx, n=2: Dataset.range(8).batch(n),
+        gs.distribute.InputOptions(experimental_fetch_to_device=False))
+    assert len(list(dist)) == 2

@@ -197,9 +197,14 @@ class DistributedDataset(_DistributedBase):
     every replica in sync. Iterable once per epoch, any number of times."""
 
     def __init__(self, strategy, dataset, options: InputOptions | None = None):
-        from gpustrat.data import AutoShardPolicy, autoshard  # noqa: PLC0415
+        from gpustrat.data import AutoShardPolicy, Dataset, autoshard  # noqa: PLC0415
+        if not isinstance(dataset, Dataset):
+            raise TypeError(
+                f"experimental_distribute_dataset needs a gs.data.Dataset, got "
+                f"{type(dataset).__name__}: make one, e.g. "
+                "gs.data.Dataset.from_tensor_slices(arrays).batch(global_batch_size)")
         self._strategy = strategy
-        self._options = options or InputOptions()
+        self._options = _check_options(options, "experimental_distribute_dataset")
         self._stats = end_of_data.Agreement()
         # One replica in sync: as tf.distribute, elements pass through uncut (unbatched
         # data is fine, and element_spec is the dataset's own).
@@ -315,16 +320,24 @@ class DistributedDatasetsFromFunction(_DistributedBase):
     worker, already batched per replica; local replicas take its batches in turn."""
 
     def __init__(self, strategy, dataset_fn: Callable, options: InputOptions | None = None):
+        from gpustrat.data import Dataset  # noqa: PLC0415
+        if not callable(dataset_fn) or isinstance(dataset_fn, Dataset):
+            raise TypeError(
+                f"distribute_datasets_from_function needs a function "
+                f"dataset_fn(input_context) that returns this worker's dataset, got "
+                f"{type(dataset_fn).__name__}; to distribute a dataset you have, use "
+                "strategy.experimental_distribute_dataset(dataset)")
+        _check_takes_one_argument(dataset_fn)
         self._strategy = strategy
-        self._options = options or InputOptions()
+        self._options = _check_options(options, "distribute_datasets_from_function")
         self._stats = end_of_data.Agreement()
         workers = strategy.workers
         ctx = InputContext(workers.size, workers.rank, strategy.num_replicas_in_sync)
         self.input_context = ctx
         self._dataset = dataset_fn(ctx)
-        if not hasattr(self._dataset, "__iter__"):
-            raise TypeError(f"dataset_fn must return a dataset, got "
-                            f"{type(self._dataset).__name__}")
+        if not isinstance(self._dataset, Dataset):
+            raise TypeError(f"dataset_fn must return a gs.data.Dataset (batched by the "
+                            f"per-replica batch size), got {type(self._dataset).__name__}")
         # One replica in sync takes the batches as they are (no empty batches to make,
         # so unbatched data is fine); several need batches to pad the last step with.
         self._whole = strategy.num_replicas_in_sync == 1
@@ -397,6 +410,35 @@ def _batch_rows(dataset, card: int) -> tuple[int, int] | None:
     if card < 1 or not 0 < last <= full:
         return None
     return full, last
+
+
+def _check_options(options, what: str) -> "InputOptions":
+    """``options``, or the defaults for None; anything but InputOptions is a TypeError."""
+    if options is None:
+        return InputOptions()
+    if not isinstance(options, InputOptions):
+        raise TypeError(f"{what}: options must be a gs.distribute.InputOptions, got "
+                        f"{type(options).__name__} {options!r}: pass "
+                        "gs.distribute.InputOptions(experimental_fetch_to_device=..., ...)")
+    return options
+
+
+def _check_takes_one_argument(fn: Callable) -> None:
+    """``fn`` can be called with one positional argument (the InputContext), where its
+    signature can be read."""
+    import inspect  # noqa: PLC0415
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature: called as given
+        return
+    try:
+        sig.bind(None)
+    except TypeError:
+        raise TypeError(
+            f"distribute_datasets_from_function calls dataset_fn(input_context) with one "
+            f"argument, but {getattr(fn, '__name__', fn)!r} has the signature {sig}: "
+            "take the InputContext (ctx.get_per_replica_batch_size, "
+            "ctx.num_input_pipelines, ctx.input_pipeline_id)") from None
 
 
 def _refuse_dataset_elements(dataset, what: str = "experimental_distribute_dataset") -> None:
