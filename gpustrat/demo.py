@@ -31,6 +31,7 @@ worker 0's values and kept equal by the optimizer's identical updates.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 import warnings
@@ -222,9 +223,12 @@ def _at_least(minimum, kind=int):
 
 
 def _positive_float(text):
-    value = _at_least(0.0, float)(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected float, got {text!r}") from None
+    if not 0 < value < math.inf:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
     return value
 
 
@@ -269,6 +273,10 @@ def main(argv=None, prog: str | None = None) -> dict:
     epochs = args.epochs if args.epochs is not None else (2 if args.quick else EPOCHS)
     samples = args.samples if args.samples is not None else (2000 if args.quick else N_SAMPLES)
     if args.save:
+        # Written as given: numpy.savez would add .npz to any other name.
+        if not args.save.endswith(".npz"):
+            parser.error(f"argument --save: {args.save} does not end in .npz (the weights "
+                         "are written as a NumPy .npz file); name it FILE.npz")
         folder = Path(args.save).expanduser().absolute().parent
         if not folder.is_dir():
             parser.error(f"argument --save: the folder {folder} does not exist; create it "
@@ -294,7 +302,8 @@ def main(argv=None, prog: str | None = None) -> dict:
                         global_batch=args.batch, learning_rate=args.lr,
                         log=lambda line: print(line, flush=True))
         if args.save and strategy.worker_index == 0:
-            np.savez(args.save, **weights)
+            np.savez(Path(args.save).expanduser(), **weights)
+            print(f"weights {', '.join(weights)} written to {args.save}", flush=True)
     finally:
         strategy.close()
     return weights

@@ -161,10 +161,15 @@ def assert_one_line_error(proc, *fragments):
     (["--batch", "0"], ["argument --batch", "at least 1", "got 0"]),
     (["--epochs", "-2"], ["argument --epochs", "at least 1", "got -2"]),
     (["--samples", "x"], ["argument --samples", "expected int", "'x'"]),
-    (["--lr", "0"], ["argument --lr", "must be positive"]),
+    (["--lr", "0"], ["argument --lr", "must be a positive finite number, got 0"]),
+    (["--lr", "-1"], ["argument --lr", "must be a positive finite number, got -1"]),
+    (["--lr", "nan"], ["argument --lr", "must be a positive finite number, got nan"]),
+    (["--lr", "inf"], ["argument --lr", "must be a positive finite number, got inf"]),
     (["--devices", "cpu:0", "cpu:0"], ["argument --devices", "listed twice"]),
     (["--devices", "tpu:0"], ["argument --devices", "tpu:0"]),
-], ids=["batch", "epochs", "samples", "lr", "twice", "tpu"])
+    (["--save", "w.txt"], ["argument --save", "w.txt does not end in .npz"]),
+], ids=["batch", "epochs", "samples", "lr", "lr-negative", "lr-nan", "lr-inf", "twice",
+        "tpu", "save-suffix"])
 def test_demo_misuse_is_one_line(args, fragments):
     assert_one_line_error(gpustrat_cmd("demo", "--quick", *args, timeout=60), *fragments)
 
@@ -184,6 +189,7 @@ def test_demo_save_checks_the_folder_before_training(tmp_path):
     good = tmp_path / "w.npz"
     proc = gpustrat_cmd("demo", "--quick", "--epochs", "1", "--save", str(good), timeout=120)
     assert proc.returncode == 0, proc.stderr
+    assert f"weights w1, b1, w2, b2 written to {good}" in proc.stdout
     with np.load(good) as saved:
         assert sorted(saved.files) == ["b1", "b2", "w1", "w2"]
 
