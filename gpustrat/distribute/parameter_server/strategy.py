@@ -127,6 +127,7 @@ class ParameterServerStrategy(Strategy):
                                "variables in strategy.scope() on the coordinator, not "
                                "inside strategy.run")
         arr = wire.contiguous(initial_array(initial_value, dtype))
+        _check_variable_dtype(name, arr.dtype)
         if sync is VariableSynchronization.AUTO:
             sync = VariableSynchronization.ON_WRITE
         shards = self._num_shards(name, arr)
@@ -158,7 +159,8 @@ class ParameterServerStrategy(Strategy):
         self._next_server += 1
         vid = self._next_vid
         self._next_vid += 1
-        self._channel.request(server, "create", (vid, name, arr.dtype.str, arr.shape))
+        self._channel.request(server, "create",
+                              (vid, name, wire.describe_dtype(arr.dtype), arr.shape))
         if arr.any():
             self._channel.request(server, "assign", (vid,), [arr])
         return remote.RemoteVariable._handle(vid, server, arr.shape, arr.dtype, name,
@@ -235,6 +237,18 @@ class ParameterServerStrategy(Strategy):
                   "checkpoint", file=sys.stderr, flush=True)
             from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
             mpi().COMM_WORLD.Abort(1)
+
+
+def _check_variable_dtype(name: str, dtype: np.dtype) -> None:
+    """Variables on the servers hold numbers, booleans or strings, as TensorFlow's do:
+    the servers add updates into them, which dates and records do not allow."""
+    if dtype.kind in "Mm" or (dtype.kind == "V" and dtype.isbuiltin != 2):
+        raise TypeError(
+            f"variable {name!r}: variables on parameter servers hold numbers, booleans "
+            f"or strings (as TensorFlow's do), not {dtype}: keep datetime64 and "
+            "timedelta64 values as int64 (value.view(np.int64)) and a structured array "
+            "as one variable per field, or pass such values to scheduled functions "
+            "as arguments")
 
 
 def _serve(ch, role, index, num_workers, devices, memory_limit, MPI, watch) -> None:
