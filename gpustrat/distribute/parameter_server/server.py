@@ -231,6 +231,14 @@ class Server:
         self.nbytes += held.nbytes
         return None, []
 
+    def op_delete(self, vid: int, arrays):
+        """Forget variable ``vid`` (a shard of a variable whose other shards could not
+        be made), freeing its bytes for later variables."""
+        var = self.vars.pop(vid, None)
+        if var is not None:
+            self.nbytes -= var.array.nbytes
+        return None, []
+
     def op_read(self, vid: int, *described, arrays):
         return None, [self._var(vid).array]
 
