@@ -376,15 +376,19 @@ class Optimizer:
             c._write("assign_add", _ONE)
         self._remember_step(step)
 
+    def _settings(self) -> tuple:
+        """The values of :attr:`agreed_settings`, now (a getter made once per class)."""
+        get = _SETTINGS.get(type(self))
+        if get is None:
+            get = _SETTINGS[type(self)] = _getter(self.agreed_settings)
+        return get(self)
+
     def _settings_agreement(self, lr: float, step: int) -> tuple:
         """``(code, describe)`` for ``comm.agreeing``'s ``also``: every worker must take
         step ``step`` (from 1) with the same learning rate and :attr:`agreed_settings`.
         The checksum of the settings is kept until they change; the step is mixed into
         it with integer arithmetic."""
-        get = _SETTINGS.get(type(self))
-        if get is None:
-            get = _SETTINGS[type(self)] = _getter(self.agreed_settings)
-        settings = get(self)
+        settings = self._settings()
         held = self._agreed
         if held[0] != lr or held[1] != settings:
             code = zlib.crc32(repr((type(self).__name__, lr, settings)).encode())

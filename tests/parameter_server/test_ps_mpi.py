@@ -242,6 +242,40 @@ def test_two_servers_partitioned_variables():
     assert err_w < 0.05 and err_b < 0.05, out
 
 
+# A sharded variable that one server's memory limit refuses is made on no server: the
+# shards already made are deleted, and the next variable takes their place.
+ALL_OR_NOTHING = r"""
+import numpy as np
+import gpustrat as gs
+
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=2)
+strategy = gs.distribute.experimental.ParameterServerStrategy(
+    resolver, server_memory_limit=1_000_000,
+    variable_partitioner=gs.distribute.experimental.partitioners.MaxSizePartitioner(
+        600_000))
+def held():
+    return [strategy._channel.request(s, "stats")[0]["nbytes"] for s in range(2)]
+with strategy.scope():
+    a = gs.Variable(np.zeros(150_000, np.float32), name="a")  # 600 kB on server 0
+    try:  # two shards of 500 kB: server 1 takes the first, server 0 refuses the second
+        gs.Variable(np.ones(250_000, np.float32), name="b")
+        raise SystemExit("a variable over server 0's limit was made")
+    except MemoryError as e:
+        assert "'b/part_1'" in str(e) and "server_memory_limit" in str(e), e
+    assert held() == [600_000, 0], held()
+    c = gs.Variable(np.full(150_000, 2, np.float32), name="c")  # fits on server 1 now
+assert c.server == 1 and held() == [600_000, 600_000], (c, held())
+assert np.array_equal(c.numpy(), np.full(150_000, 2, np.float32))
+assert [v.name for v in strategy._variables] == ["a", "c"]
+print("OK", flush=True)
+"""
+
+
+def test_a_sharded_variable_is_made_whole_or_not_at_all():
+    out = assert_mpi_ok(4, ALL_OR_NOTHING, timeout=90)
+    assert out.rstrip().endswith("OK")
+
+
 # Function processes killed mid-training: by themselves (os._exit), and from outside
 # (SIGKILL while running). Every function still runs and its result is fetched; the
 # replacement process has the worker's iterator again.

@@ -186,6 +186,69 @@ def test_optimizer_slots_live_on_the_servers(n, num_ps, partitioner):
     assert out.rstrip().endswith("OK")
 
 
+# Hyperparameters changed between steps (on the coordinator, and in the copy a scheduled
+# function gets) take effect at the next step, on every server, as with local
+# optimizers; two servers, so that a step's parts go to the one holding `iterations`
+# and to another.
+HYPERPARAMETERS = r"""
+import numpy as np
+import gpustrat as gs
+
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=2)
+strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+def make():
+    return (gs.optimizers.SGD(0.1, momentum=0.5), gs.optimizers.Adam(0.05),
+            gs.optimizers.AdamW(0.05, weight_decay=0.1))
+init = np.linspace(1, 2, 4).astype(np.float32)
+with strategy.scope():
+    opts = make()
+    ws = [gs.Variable(init, name=f"w{i}") for i in range(6)]  # servers 0, 1, 0, ...
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
+local_opts = make()
+local_ws = [gs.Variable(init.copy()) for _ in range(6)]
+
+def step(opts, ws, g):
+    for k, opt in enumerate(opts):
+        opt.apply_gradients([(g, ws[2 * k]), (2 * g, ws[2 * k + 1])])
+
+changes = [None,
+           lambda sgd, adam, adamw: setattr(sgd, "momentum", 0.0),
+           lambda sgd, adam, adamw: (setattr(adam, "beta_1", 0.5),
+                                     setattr(adamw, "weight_decay", 0.0)),
+           lambda sgd, adam, adamw: (setattr(sgd, "momentum", 0.9),
+                                     setattr(adam, "epsilon", 1e-2),
+                                     setattr(adamw, "weight_decay", 0.5))]
+for i, change in enumerate(changes):
+    if change is not None:
+        change(*opts)
+        change(*local_opts)
+    g = np.full(4, i + 1.0, np.float32)
+    if i % 2:
+        step(opts, ws, g)  # on the coordinator
+    else:
+        coord.schedule(step, args=(opts, ws, g)).fetch()  # on a worker
+    step(local_opts, local_ws, g)
+    for w, lw in zip(ws, local_ws):
+        assert np.allclose(w.numpy(), lw.numpy(), rtol=1e-6), (i, w.name, w.numpy(),
+                                                                lw.numpy())
+# Settings changed inside a scheduled function apply to that function's steps.
+def inside(opts, ws, g):
+    opts[0].momentum = 0.0
+    step(opts, ws, g)
+coord.schedule(inside, args=(opts, ws, np.ones(4, np.float32))).fetch()
+local_opts[0].momentum = 0.0
+step(local_opts, local_ws, np.ones(4, np.float32))
+for w, lw in zip(ws, local_ws):
+    assert np.allclose(w.numpy(), lw.numpy(), rtol=1e-6), (w.name, w.numpy(), lw.numpy())
+print("OK", flush=True)
+"""
+
+
+def test_hyperparameters_changed_between_steps_apply_on_the_servers():
+    out = assert_mpi_ok(4, HYPERPARAMETERS, timeout=120)
+    assert out.rstrip().endswith("OK")
+
+
 # A training job that checkpoints on the coordinator (variables, an optimizer with
 # slots, a metric); in "first" mode a server is then killed, which ends the job; in
 # "resume" mode a new job (possibly with another number of servers) restores the

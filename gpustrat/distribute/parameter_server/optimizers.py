@@ -106,23 +106,29 @@ def _apply(optimizer, grads: list, variables: list):
         if callable(lr):
             lr = lr(step - 1)
     lr = float(to_host(lr)) if not isinstance(lr, (int, float)) else float(lr)
+    # The hyperparameters go with every step: a server holding the optimizer with
+    # other values asks for it again, so a change between steps takes effect at once.
+    settings = optimizer._settings()
     blob = [None]
     if step is None:
-        step = _apply_on(optimizer, home, key, lr, None, per_server.pop(home), blob)
+        step = _apply_on(optimizer, home, key, lr, None, per_server.pop(home), settings,
+                         blob)
     for server, work in per_server.items():
-        _apply_on(optimizer, server, key, lr, step, work, blob)
+        _apply_on(optimizer, server, key, lr, step, work, settings, blob)
     return iterations
 
 
-def _apply_on(optimizer, server: int, key: int, lr: float, step, work, blob: list) -> int:
-    """Server ``server``'s part of a step (sending it the optimizer first if it has not
-    got it); returns the step number."""
+def _apply_on(optimizer, server: int, key: int, lr: float, step, work, settings: tuple,
+              blob: list) -> int:
+    """Server ``server``'s part of a step; when the server does not hold the optimizer
+    with these ``settings``, the step is sent again with the optimizer. Returns the
+    step number."""
     vids, arrays = work
-    reply, _ = request(server, "apply", (key, lr, step, vids), arrays)
+    reply, _ = request(server, "apply", (key, lr, step, vids, settings), arrays)
     if reply == "need optimizer":
         blob[0] = blob[0] or _server_copy(optimizer)
-        request(server, "optimizer", (key, blob[0]))
-        reply, _ = request(server, "apply", (key, lr, step, vids), arrays)
+        reply, _ = request(server, "apply", (key, lr, step, vids, settings, blob[0]),
+                           arrays)
     return reply
 
 

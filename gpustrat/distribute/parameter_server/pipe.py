@@ -200,12 +200,12 @@ class Pipe:
             view = memoryview(self._in)
             for a, at in zip(arrays, _layout_offsets(ms)):
                 if a.nbytes:
-                    memoryview(a).cast("B")[:] = view[at:at + a.nbytes]
+                    raw(a)[:] = view[at:at + a.nbytes]
             view.release()
         else:
             for a in arrays:
                 if a.nbytes:
-                    self._into(memoryview(a).cast("B"))
+                    self._into(raw(a))
         return header, arrays
 
     def _first(self, n: int) -> bytearray:

@@ -45,6 +45,7 @@ class Server:
         self.memory_limit = memory_limit
         self.vars: dict = {}
         self.nbytes = 0
+        #: optimizer key -> (the optimizer, the settings it came with: see op_apply)
         self.optimizers: dict = {}
         #: (optimizer key, variable id) -> {slot name: the slot's variable id}
         self.slots: dict = {}
@@ -230,6 +231,14 @@ class Server:
         self.nbytes += held.nbytes
         return None, []
 
+    def op_delete(self, vid: int, arrays):
+        """Forget variable ``vid`` (a shard of a variable whose other shards could not
+        be made), freeing its bytes for later variables."""
+        var = self.vars.pop(vid, None)
+        if var is not None:
+            self.nbytes -= var.array.nbytes
+        return None, []
+
     def op_read(self, vid: int, *described, arrays):
         return None, [self._var(vid).array]
 
@@ -249,18 +258,20 @@ class Server:
         getattr(self, "op_" + update)(vid, arrays=arrays)
         return None, [self._var(vid).array]
 
-    def op_optimizer(self, key, blob: bytes, arrays):
-        if key not in self.optimizers:
-            self.optimizers[key] = pickle.loads(blob)
-        return None, []
-
-    def op_apply(self, key, lr: float, step, vids: list, arrays):
+    def op_apply(self, key, lr: float, step, vids: list, settings: tuple,
+                 blob: bytes | None = None, *, arrays):
         """One optimizer step on variables ``vids``; ``step`` None: this server holds
         the optimizer's ``iterations`` (variable ``key``) and counts the step first.
-        Returns the step."""
-        opt = self.optimizers.get(key)
-        if opt is None:
+        Returns the step, or ``"need optimizer"`` (nothing done) when this server does
+        not hold the optimizer with the caller's ``settings`` (its hyperparameters):
+        the caller sends the step again with the optimizer (``blob``), which replaces
+        the one held."""
+        if blob is not None:
+            self.optimizers[key] = (pickle.loads(blob), settings)
+        held = self.optimizers.get(key)
+        if held is None or held[1] != settings:
             return "need optimizer", []
+        opt = held[0]
         if step is None:
             count = self._var(key).array
             count += 1

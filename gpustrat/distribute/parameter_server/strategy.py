@@ -127,18 +127,19 @@ class ParameterServerStrategy(Strategy):
                                "variables in strategy.scope() on the coordinator, not "
                                "inside strategy.run")
         arr = wire.contiguous(initial_array(initial_value, dtype))
+        _check_variable_dtype(name, arr.dtype)
         if sync is VariableSynchronization.AUTO:
             sync = VariableSynchronization.ON_WRITE
         shards = self._num_shards(name, arr)
         if shards <= 1:
-            made = self._remote(arr, name, trainable, sync, agg)
+            (made,) = self._remote([arr], [name], trainable, sync, agg)
         else:
             rows = remote.shard_rows(arr.shape[0], shards)
             bounds = np.cumsum(rows)[:-1]
-            parts = [self._remote(wire.contiguous(p), f"{name}/part_{i}", trainable, sync,
-                                  agg)
-                     for i, p in enumerate(np.split(arr, bounds, axis=0))]
-            made = remote.ShardedVariable._from_shards(parts, name)
+            parts = [wire.contiguous(p) for p in np.split(arr, bounds, axis=0)]
+            made = remote.ShardedVariable._from_shards(
+                self._remote(parts, [f"{name}/part_{i}" for i in range(shards)],
+                             trainable, sync, agg), name)
         self._variables.append(made)
         return made
 
@@ -153,16 +154,34 @@ class ParameterServerStrategy(Strategy):
                              f"so it must return [num_shards] + [1] * {arr.ndim - 1}")
         return min(parts[0], arr.shape[0])
 
-    def _remote(self, arr, name, trainable, sync, agg) -> remote.RemoteVariable:
-        server = self._next_server % self._num_ps
-        self._next_server += 1
-        vid = self._next_vid
-        self._next_vid += 1
-        self._channel.request(server, "create", (vid, name, arr.dtype.str, arr.shape))
-        if arr.any():
-            self._channel.request(server, "assign", (vid,), [arr])
-        return remote.RemoteVariable._handle(vid, server, arr.shape, arr.dtype, name,
-                                             bool(trainable), sync, agg)
+    def _remote(self, arrays: list, names: list, trainable, sync, agg) -> list:
+        """Remote variables of ``arrays`` (a variable's shards), on the next servers in
+        turn: all or none. Every one is made (zeros, where a server's memory limit may
+        refuse it) before any value travels; when one is refused, those already made
+        are deleted and the next variable goes where this one would have."""
+        first = self._next_server
+        placed = []
+        try:
+            for arr, name in zip(arrays, names):
+                server = self._next_server % self._num_ps
+                self._next_server += 1
+                vid = self._next_vid
+                self._next_vid += 1
+                described = wire.describe_dtype(arr.dtype)
+                self._channel.request(server, "create", (vid, name, described, arr.shape))
+                placed.append((vid, server))
+            for arr, (vid, server) in zip(arrays, placed):
+                if arr.any():
+                    self._channel.request(server, "assign", (vid,), [arr])
+        except Exception as e:
+            self._next_server = first
+            if not isinstance(e, ServerLostError):  # a lost server answers nothing
+                for vid, server in placed:
+                    self._channel.request(server, "delete", (vid,))
+            raise
+        return [remote.RemoteVariable._handle(vid, server, arr.shape, arr.dtype, name,
+                                              bool(trainable), sync, agg)
+                for arr, name, (vid, server) in zip(arrays, names, placed)]
 
     # --- running --------------------------------------------------------------------
     def run(self, fn, args=(), kwargs=None, options=None):
@@ -235,6 +254,18 @@ class ParameterServerStrategy(Strategy):
                   "checkpoint", file=sys.stderr, flush=True)
             from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
             mpi().COMM_WORLD.Abort(1)
+
+
+def _check_variable_dtype(name: str, dtype: np.dtype) -> None:
+    """Variables on the servers hold numbers, booleans or strings, as TensorFlow's do:
+    the servers add updates into them, which dates and records do not allow."""
+    if dtype.kind in "Mm" or (dtype.kind == "V" and dtype.isbuiltin != 2):
+        raise TypeError(
+            f"variable {name!r}: variables on parameter servers hold numbers, booleans "
+            f"or strings (as TensorFlow's do), not {dtype}: keep datetime64 and "
+            "timedelta64 values as int64 (value.view(np.int64)) and a structured array "
+            "as one variable per field, or pass such values to scheduled functions "
+            "as arguments")
 
 
 def _serve(ch, role, index, num_workers, devices, memory_limit, MPI, watch) -> None:

@@ -100,6 +100,7 @@ class RemoteVariable(_HeldElsewhere, _FetchedReads, Variable):
         v._server = server
         v._shape = tuple(int(n) for n in shape)
         v._dtype = np.dtype(dtype)
+        v._described = wire.describe_dtype(v._dtype)
         v._name = name
         v._trainable = trainable
         v._sync = sync
@@ -108,7 +109,7 @@ class RemoteVariable(_HeldElsewhere, _FetchedReads, Variable):
         return v
 
     def __reduce__(self):
-        return (_remote_variable, (self._vid, self._server, self._shape, self._dtype.str,
+        return (_remote_variable, (self._vid, self._server, self._shape, self._described,
                                    self._name, self._trainable, self._sync.value,
                                    self._agg.value))
 
@@ -133,7 +134,7 @@ class RemoteVariable(_HeldElsewhere, _FetchedReads, Variable):
 
     # --- reading and updating (one request each) --------------------------------------
     def _fetch(self) -> np.ndarray:
-        _, (arr,) = request(self._server, "read", (self._vid, self._shape, self._dtype.str))
+        _, (arr,) = request(self._server, "read", (self._vid, self._shape, self._described))
         return arr
 
     def _update(self, op: str, value) -> "RemoteVariable":

@@ -5,7 +5,12 @@ Words:
   stands in its place); the arrays travel separately as raw buffers: through mpi4py's
   upper-case ``Isend``/``Irecv`` between ranks, and through shared memory (or the
   socket) to a worker's function process (:mod:`.pipe`). So control messages stay
-  small and arrays are never pickled.
+  small and arrays are never pickled. An array's *layout* (:func:`metas`) is its shape
+  and its dtype, described exactly (:func:`describe_dtype`): ``dtype.str`` for
+  numbers, strings, ``datetime64`` and the like, the dtype itself (pickled) for a
+  structured one, whose field names and offsets ``dtype.str`` (``|V12``) would lose.
+  Arrays of Python objects (and structured arrays with object fields) are pickled
+  with the rest.
 - *functions*: a function importable by its module and qualified name (a module-level
   function of an importable module) travels by reference, as pickle does. Any other
   function (one defined in the script run by ``mpiexec``, a lambda, a nested function)
@@ -171,8 +176,17 @@ def unpack(blob: bytes, arrays: list):
     return _Unpacker(io.BytesIO(blob), arrays).load()
 
 
+def describe_dtype(dtype: np.dtype):
+    """What ``np.dtype()`` makes ``dtype`` again from, on any rank: ``dtype.str`` (a
+    short string) for NumPy's own dtypes, or the dtype itself where the string loses
+    something: a structured dtype's fields, the type of a dtype of another package
+    (ml_dtypes' ``bfloat16`` is ``<V2``), a dtype's metadata."""
+    return dtype.str if dtype.kind != "V" and dtype.metadata is None else dtype
+
+
 def metas(arrays: list) -> list:
-    return [(a.dtype.str, a.shape) for a in arrays]
+    """The arrays' layouts: ``(dtype description, shape)`` pairs."""
+    return [(describe_dtype(a.dtype), a.shape) for a in arrays]
 
 
 def empty_like_metas(ms: list) -> list:
@@ -190,7 +204,14 @@ def _buffer(a: np.ndarray):
     # 0-d and empty arrays: mpi4py takes any contiguous buffer; bytes view keeps dtype
     # out of MPI (the receiver knows it from the header). An empty one is writable, so
     # that a receive of nothing (an empty variable's value) takes it too.
-    return memoryview(a).cast("B") if a.nbytes else memoryview(bytearray())
+    if not a.nbytes:
+        return memoryview(bytearray())
+    try:
+        return memoryview(a).cast("B")
+    except ValueError:
+        # NumPy exports no buffer of datetime64 and timedelta64 arrays: their bytes
+        # as uint8 (reshape(-1) is a view of a C-contiguous array, 0-d included).
+        return memoryview(a.reshape(-1).view(np.uint8))
 
 
 def describe_function(fn) -> str:
