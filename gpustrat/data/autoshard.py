@@ -33,30 +33,19 @@ import logging
 import numpy as np
 
 from gpustrat.data.dataset import Dataset
+from gpustrat.data.iterator_state import drawn_seed_nodes, walk
 
 log = logging.getLogger("gpustrat")
 
 
-def _walk(dataset: Dataset):
-    seen: set[int] = set()
-    stack = [dataset]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        yield node
-        stack.extend(node._inputs())
-
-
 def file_sources(dataset: Dataset) -> list[Dataset]:
     """The file sources of the pipeline (each once), output end first."""
-    return [n for n in _walk(dataset) if n._files is not None]
+    return [n for n in walk(dataset) if n._files is not None]
 
 
 def reads_files(dataset: Dataset) -> bool:
     """Whether the pipeline has a file source, so that FILE sharding applies to it."""
-    return any(n._files is not None for n in _walk(dataset))
+    return any(n._files is not None for n in walk(dataset))
 
 
 def unshardable_sources(dataset: Dataset) -> list[Dataset]:
@@ -144,7 +133,7 @@ def unseeded_shuffles(dataset: Dataset) -> list[Dataset]:
     """The pipeline's nodes that need a seed agreed by every worker, in a fixed walk
     order: shuffles built without a seed, and every ``interleave``/``flat_map`` (the
     datasets its function returns may shuffle without one)."""
-    return [n for n in _walk(dataset) if hasattr(n, "_with_seed") and not n._seeded]
+    return drawn_seed_nodes(dataset)
 
 
 def _in_agreed_order(dataset: Dataset, seeds: list[int]) -> tuple[Dataset, int]:
@@ -171,7 +160,7 @@ def seeded_like_every_worker(dataset: Dataset, key: tuple) -> Dataset:
     interleave's agreed seed, its epoch and the element's index), so that every worker
     derives the same ones without a collective; parallel maps keep their order."""
     count = len(unseeded_shuffles(dataset))
-    if count == 0 and not any(n._in_order() is not None for n in _walk(dataset)
+    if count == 0 and not any(n._in_order() is not None for n in walk(dataset)
                               if hasattr(n, "_in_order")):
         return dataset
     seeds = np.random.default_rng(list(key)).integers(0, 2 ** 63, size=count).tolist()

@@ -395,19 +395,22 @@ class FunctionIterator(StateIterator):
                 it.restore(s)
 
 
-def unsupported_nodes(dataset) -> list[str]:
-    """Why each node of ``dataset``'s graph cannot save its position (empty: all can)."""
-    out, seen, todo = [], set(), [dataset]
+def walk(dataset):
+    """Every node of ``dataset``'s graph once, in a fixed order (depth first, output end
+    first)."""
+    seen, todo = set(), [dataset]
     while todo:
         node = todo.pop()
         if id(node) in seen:
             continue
         seen.add(id(node))
-        why = node._state_unsupported()
-        if why:
-            out.append(why)
+        yield node
         todo.extend(node._inputs())
-    return out
+
+
+def unsupported_nodes(dataset) -> list[str]:
+    """Why each node of ``dataset``'s graph cannot save its position (empty: all can)."""
+    return [why for why in (n._state_unsupported() for n in walk(dataset)) if why]
 
 
 def drawn_seed_nodes(dataset) -> list:
@@ -416,16 +419,7 @@ def drawn_seed_nodes(dataset) -> list:
     order. A saved position holds their seeds: a node's iterator made only after the
     save (a ``repeat``'s next pass, a sampled input not yet read) must draw the same
     order in the restored process."""
-    out, seen, todo = [], set(), [dataset]
-    while todo:
-        node = todo.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        if hasattr(node, "_with_seed") and not node._seeded:
-            out.append(node)
-        todo.extend(node._inputs())
-    return out
+    return [n for n in walk(dataset) if hasattr(n, "_with_seed") and not n._seeded]
 
 
 def fingerprint(dataset) -> list:
