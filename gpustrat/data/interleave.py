@@ -46,12 +46,20 @@ class InterleaveDataset(UnaryDataset):
             raise TypeError(f"interleave: map_func must be callable, got "
                             f"{type(map_func).__name__}")
         self._fn = map_func
+        fixed = cycle_length is not None and cycle_length != AUTOTUNE
         if cycle_length is None or cycle_length == AUTOTUNE:
             cycle_length = _default_cycle_length()
         self._cycle = _check_positive("cycle_length", cycle_length, "interleave")
         self._block = 1 if block_length is None else _check_positive(
             "block_length", block_length, "interleave")
         self._parallelism = _resolve_parallelism(num_parallel_calls, "interleave")
+        if fixed and num_parallel_calls != AUTOTUNE and self._parallelism is not None \
+                and self._parallelism > self._cycle:
+            # As tf.data: calls beyond the open slots would never run.
+            raise ValueError(
+                f"interleave: num_parallel_calls {num_parallel_calls} is more than the "
+                f"fixed cycle_length {cycle_length}; give at most {cycle_length}, or "
+                "AUTOTUNE")
         self._deterministic = deterministic
         # The datasets map_func returns may shuffle without a seed. Distributing under
         # the DATA policy gives this node a seed agreed by every worker (_with_seed),

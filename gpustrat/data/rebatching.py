@@ -113,7 +113,10 @@ class RebatchDataset(UnaryDataset):
                     pull()
                 if k == 0:
                     if state["template"] is None and not pull():
-                        return
+                        empty = self._empty_from_spec()
+                        if empty is None:
+                            return
+                        state["plan"], state["template"] = empty
                     yield state["plan"][1](list(state["template"]))
                     continue
                 if state["rows"] >= k:
@@ -125,6 +128,21 @@ class RebatchDataset(UnaryDataset):
                 return
         finally:
             _close(it)
+
+    def _empty_from_spec(self):
+        """``(plan, leaves)`` of an empty batch made from the element spec, for a batch
+        of size 0 before the input gave any element (as tf.data: unknown dimensions are
+        0); None where the spec is unknown."""
+        try:
+            spec = self._input.element_spec
+        except ValueError:
+            return None
+        specs = nest.flatten(spec)
+        if not all(isinstance(x, TensorSpec) and x.shape for x in specs):
+            return None
+        leaves = [np.zeros((0,) + tuple(d or 0 for d in x.shape[1:]), x.dtype)
+                  for x in specs]
+        return st.make_plan(spec), leaves
 
     def _state_iter(self, ctx):
         return _RebatchIterator(self, self._input._state_iter(ctx))
@@ -181,8 +199,11 @@ class _RebatchIterator(StateIterator):
             self._pull()
         if k == 0:
             if self._template is None and not self._pull():
-                self._finished = True
-                raise StopIteration
+                empty = self._node._empty_from_spec()
+                if empty is None:
+                    self._finished = True
+                    raise StopIteration
+                self._plan, self._template = empty
             return self._plan[1](list(self._template))
         if self._rows >= k:
             return self._plan[1](self._take(k))

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import gpustrat as gs
+from gpustrat import nest
 from gpustrat.data import Dataset, TensorSpec, TextLineDataset, autoshard
 from gpustrat.data.caching import CacheDataset
 
@@ -201,6 +202,36 @@ def test_padded_batch_of_fixed_rows_slices_the_source():
     assert [b["x"].shape for b in padded] == [(4, 5), (4, 5)]
     assert (padded[1]["x"][:, :3] == x[4:]).all() and (padded[1]["x"][:, 3:] == -1).all()
     assert padded[1]["i"].tolist() == [4, 5, 6, 7]
+
+
+def test_rebatch_of_an_empty_input_gives_its_leading_empty_batches():
+    # As tf.data: range(0).batch(4).rebatch([0, 3]) is one empty batch (it was none),
+    # made from the element spec (unknown dimensions 0).
+    def out(ds):
+        return [[np.asarray(c).shape for c in nest.flatten(x)] for x in ds]
+    empty = Dataset.range(0).batch(4)
+    assert out(empty.rebatch([0, 3])) == [[(0,)]]
+    assert out(empty.rebatch([0, 0, 3])) == [[(0,)], [(0,)]]
+    assert out(empty.rebatch([3, 0])) == []
+    pairs = Dataset.from_tensor_slices({"a": np.zeros((0, 2), np.float32),
+                                        "b": np.zeros(0, np.int32)}).batch(4)
+    got = list(iter(pairs.rebatch([0, 3])))
+    assert [(x["a"].shape, x["a"].dtype, x["b"].shape) for x in got] == \
+        [((0, 2), np.float32, (0,))]
+    # Not an empty input: as before, the rows in order with the empty batches between.
+    assert [np.asarray(x).tolist() for x in Dataset.range(3).batch(4).rebatch([0, 2])] == \
+        [[], [0, 1], [], [2]]
+
+
+def test_interleave_refuses_more_parallel_calls_than_a_fixed_cycle():
+    ds = Dataset.range(3)
+    with pytest.raises(ValueError, match=r"interleave: num_parallel_calls 2 is more than "
+                                         r"the fixed cycle_length 1; give at most 1"):
+        ds.interleave(lambda x: Dataset.range(x), cycle_length=1, num_parallel_calls=2)
+    for cycle, calls in ((2, 2), (None, 8), (1, gs.data.AUTOTUNE)):
+        got = ds.interleave(lambda x: Dataset.range(x), cycle_length=cycle,
+                            num_parallel_calls=calls)
+        assert sorted(int(v) for v in got) == [0, 0, 1]
 
 
 def test_rebatch_takes_views_within_an_input_batch():
