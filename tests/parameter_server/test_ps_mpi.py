@@ -459,3 +459,37 @@ def test_coordinator_ending_with_functions_in_flight_ends_every_rank(how):
     else:
         assert rc not in (0, -9) and "ValueError: coordinator bug" in err, \
             format_result(rc, out, err)
+
+
+# A server or worker rank whose script ends (an exception, sys.exit(0)) before it makes
+# its strategy: the coordinator raises naming it and every other rank exits, none is
+# left waiting for it.
+LEAVES_EARLY = r"""
+import sys
+import gpustrat as gs
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+if resolver.rank == int(sys.argv[1]):
+    if sys.argv[2] == "raise":
+        raise ValueError("no data here")
+    sys.exit(0)
+try:
+    gs.distribute.experimental.ParameterServerStrategy(resolver)
+except RuntimeError as e:
+    print("COORDINATOR RAISED", e, flush=True)
+    raise
+print("NOT REACHED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("rank,how", [(2, "raise"), (1, "raise"), (3, "exit0")])
+def test_a_rank_ending_before_the_strategy_releases_every_rank(rank, how):
+    rc, out, err = run_mpi(4, LEAVES_EARLY, timeout=40, args=(rank, how),
+                           env={"GPUSTRAT_TIMEOUT": "20"})
+    assert rc not in (0, -9), format_result(rc, out, err)  # -9: run_mpi's timeout
+    role = "parameter server 0" if rank == 1 else f"worker {rank - 2}"
+    assert f"COORDINATOR RAISED {role} (rank {rank}) ended before making its " \
+           "ParameterServerStrategy" in out, format_result(rc, out, err)
+    assert "NOT REACHED" not in out
+    told = re.findall(rf"gpustrat: {role} \(rank {rank}\) ended before making its "
+                      r"ParameterServerStrategy.*; \w+ \d \(rank (\d)\) exits too", err)
+    assert sorted(told) == sorted({"1", "2", "3"} - {str(rank)}), format_result(rc, out, err)
