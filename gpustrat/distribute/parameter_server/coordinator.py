@@ -209,7 +209,8 @@ class ClusterCoordinator:
             self._cv.notify_all()
         self._wake_dispatcher()
         for w, (blob, arrays) in enumerate(payloads):
-            self.strategy._send_to_worker(w, ("setup", kind, ident, blob), arrays)
+            self.strategy._send_to_worker(
+                w, ("setup", kind, ident, blob, what, self.max_retries), arrays)
         deadline = time.monotonic() + self._ch.timeout
         with self._cv:
             while len(self._setup_replies[ident]) < self._n:
@@ -335,17 +336,33 @@ class ClusterCoordinator:
                 c = self._answered(w, header[1])
                 self._record(c, _remote_error(header[2], header[3], c.name, w))
             elif kind == "lost":
-                _, running, queued, code = header
+                _, running, queued, code, setup = header
                 c = self._answered(w, running) if running is not None else None
                 # Those sent behind the running one had not started: queued again as
                 # they were, ahead of the rest.
                 behind = [self._answered(w, t) for t in queued]
                 for b in reversed(behind):
                     self._queue.appendleft(b)
-                what = f"while running {c.name}" if c is not None else "while idle"
+                if c is not None:
+                    doing = f"while running {c.name}"
+                elif setup is not None:
+                    doing = f"while making the per-worker {setup[0]} #{setup[1]}"
+                else:
+                    doing = "while idle"
                 log.warning("worker %d (rank %d) lost its function process (exit code %s) "
                             "%s; a replacement process was started", w,
-                            self._ch.worker_ranks[w], code, what)
+                            self._ch.worker_ranks[w], code, doing)
+                if setup is not None:
+                    what, ident, attempts, gave_up = setup
+                    if gave_up:
+                        log.warning(
+                            "worker %d does not make the per-worker %s #%d again: its "
+                            "function process died %d times making it (max_retries=%d); "
+                            "functions that use it on worker %d fail", w, what, ident,
+                            attempts, self.max_retries, w)
+                    else:
+                        log.warning("making the per-worker %s #%d again on worker %d "
+                                    "(attempt %d)", what, ident, w, attempts + 1)
                 if c is not None:
                     c.lost_on.append(w)
                     if len(c.lost_on) > self.max_retries:
