@@ -585,3 +585,51 @@ def test_a_setup_that_ends_its_process_fails_after_max_retries():
     assert len(re.findall(r"does not make the per-worker (dataset|resource) #\d+ "
                           "again", err)) == 4, err  # w0, w0 and w1, w0's resource
     assert err.count("lost its function process") == 9, err
+
+
+# A worker rank that stops answering (SIGSTOP) while it holds functions is given up for
+# lost after GPUSTRAT_TIMEOUT: its functions run on the other worker and join returns.
+# A function that runs for longer than the timeout is not mistaken for it.
+WORKER_STOPS = r"""
+import os, signal, time, numpy as np
+import gpustrat as gs
+
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+with open(f"rank{resolver.rank}", "w") as f:
+    f.write(str(os.getpid()))
+strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+with strategy.scope():
+    v = gs.Variable(np.zeros((), np.float32), name="v")
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
+
+def slow():
+    time.sleep(7)  # GPUSTRAT_TIMEOUT is 3
+    return 1
+assert coord.fetch([coord.schedule(slow) for _ in range(2)]) == [1, 1]
+
+def step(i):
+    time.sleep(0.05)
+    v.assign_add(np.float32(1))
+    return i
+rvs = [coord.schedule(step, args=(i,)) for i in range(60)]
+time.sleep(0.5)
+os.kill(int(open("rank2").read()), signal.SIGSTOP)
+start = time.monotonic()
+coord.join()
+print("JOINED after", round(time.monotonic() - start, 1), flush=True)
+assert [r.fetch() for r in rvs] == list(range(60))
+assert v.numpy() >= 60, v.numpy()
+assert coord.schedule(step, args=(60,)).fetch() == 60
+print("DONE", flush=True)
+"""
+
+
+def test_a_worker_rank_that_stops_answering_is_given_up():
+    rc, out, err = run_mpi(4, WORKER_STOPS, timeout=60, env={"GPUSTRAT_TIMEOUT": "3"})
+    assert "DONE" in out, format_result(rc, out, err)
+    assert float(re.search(r"JOINED after ([\d.]+)", out).group(1)) < 15, out
+    assert err.count("did not answer the coordinator within 3 s") == 1, err
+    assert "worker 0 (rank 2) did not answer" in err, err
+    # The stopped rank would make MPI's end wait forever: the job is ended.
+    assert rc not in (0, -9) and "ending every rank of the job" in err, \
+        format_result(rc, out, err)

@@ -211,9 +211,12 @@ class ParameterServerStrategy(Strategy):
         if self._coordinator is not None:
             self._coordinator._stop_dispatcher()
         ch = self._channel
-        for w in range(self._num_workers):
-            self._send_to_worker(w, ("stop",))
         for w, rank in enumerate(ch.worker_ranks):
+            if rank not in ch.lost:
+                self._send_to_worker(w, ("stop",))
+        for w, rank in enumerate(ch.worker_ranks):
+            if rank in ch.lost:
+                continue
             try:
                 while True:
                     (header, ms) = ch.wait_message(rank, TAG_RESULT,
@@ -234,10 +237,12 @@ class ParameterServerStrategy(Strategy):
         if ch.lost:
             # A rank that does not answer would make MPI_Finalize wait for it forever.
             lost = sorted(ch.lost)
-            print(f"gpustrat: ranks {lost} did not answer (parameter servers "
-                  f"{[i for i, r in enumerate(ch.server_ranks) if r in ch.lost]}); ending "
-                  "every rank of the job. Restart it and restore the variables from a "
-                  "checkpoint", file=sys.stderr, flush=True)
+            servers = [i for i, r in enumerate(ch.server_ranks) if r in ch.lost]
+            workers = [i for i, r in enumerate(ch.worker_ranks) if r in ch.lost]
+            print(f"gpustrat: ranks {lost} did not answer (parameter servers {servers}, "
+                  f"workers {workers}); ending every rank of the job, since MPI would wait "
+                  "for them at its end." + (" Restart it and restore the variables from a "
+                  "checkpoint" if servers else ""), file=sys.stderr, flush=True)
             from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
             mpi().COMM_WORLD.Abort(1)
 

@@ -212,7 +212,9 @@ class WorkerRank:
                     for requests, _ in self.sending:
                         self.ch.wait(requests, 0, "sending to the coordinator")
                     return
-                if kind == "run":
+                if kind == "ping":  # the coordinator asks whether this rank is there
+                    self._to_coordinator(("pong",))
+                elif kind == "run":
                     self.outbox.append((header, arrays, ("run", header[1])))
                 elif kind == "setup":
                     _, how, ident, payload, what, retries = header
