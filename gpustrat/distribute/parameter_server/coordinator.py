@@ -314,7 +314,8 @@ class ClusterCoordinator:
             if now >= next_check:
                 next_check = now + _CHECK_S
                 for w in self._check_workers(now):
-                    pending.append((*self.strategy._send_to_worker(w, ("ping",), wait=False),
+                    pending.append((*self.strategy._send_to_worker(w, ("ping",),
+                                                                   wait=False),
                                     self._ch.worker_ranks[w]))
             if pending:
                 pending = self._ch.done(pending)
