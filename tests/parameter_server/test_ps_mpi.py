@@ -493,3 +493,177 @@ def test_coordinator_ending_with_functions_in_flight_ends_every_rank(how):
     else:
         assert rc not in (0, -9) and "ValueError: coordinator bug" in err, \
             format_result(rc, out, err)
+
+
+# A server or worker rank whose script ends (an exception, sys.exit(0)) before it makes
+# its strategy: the coordinator raises naming it and every other rank exits, none is
+# left waiting for it.
+LEAVES_EARLY = r"""
+import sys
+import gpustrat as gs
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+if resolver.rank == int(sys.argv[1]):
+    if sys.argv[2] == "raise":
+        raise ValueError("no data here")
+    sys.exit(0)
+try:
+    gs.distribute.experimental.ParameterServerStrategy(resolver)
+except RuntimeError as e:
+    print("COORDINATOR RAISED", e, flush=True)
+    raise
+print("NOT REACHED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("rank,how", [(2, "raise"), (1, "raise"), (3, "exit0")])
+def test_a_rank_ending_before_the_strategy_releases_every_rank(rank, how):
+    rc, out, err = run_mpi(4, LEAVES_EARLY, timeout=40, args=(rank, how),
+                           env={"GPUSTRAT_TIMEOUT": "20"})
+    assert rc not in (0, -9), format_result(rc, out, err)  # -9: run_mpi's timeout
+    role = "parameter server 0" if rank == 1 else f"worker {rank - 2}"
+    assert f"COORDINATOR RAISED {role} (rank {rank}) ended before making its " \
+           "ParameterServerStrategy" in out, format_result(rc, out, err)
+    assert "NOT REACHED" not in out
+    told = re.findall(rf"gpustrat: {role} \(rank {rank}\) ended before making its "
+                      r"ParameterServerStrategy.*; \w+ \d \(rank (\d)\) exits too", err)
+    assert sorted(told) == sorted({"1", "2", "3"} - {str(rank)}), format_result(rc, out, err)
+
+
+# Making a per-worker dataset or resource that ends its function process counts as an
+# attempt, as a scheduled function does: after max_retries the coordinator raises
+# naming the worker, the worker stops making it, and other functions go on.
+SETUP_DIES = r"""
+import os, signal, time, numpy as np
+import gpustrat as gs
+
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy, max_retries=1)
+index = gs.distribute.coordinator.experimental_get_current_worker_index
+
+def dies_on_worker_0():
+    if index() == 0:
+        os._exit(4)
+    return gs.data.Dataset.range(4)
+
+def dies():
+    os._exit(3)
+
+for fn, bad in ((dies_on_worker_0, ["worker 0"]), (dies, ["worker 0", "worker 1"])):
+    start = time.monotonic()
+    try:
+        coord.create_per_worker_dataset(fn)
+        raise SystemExit("create_per_worker_dataset did not raise")
+    except RuntimeError as e:
+        text = str(e)
+    assert time.monotonic() - start < 15, time.monotonic() - start  # GPUSTRAT_TIMEOUT 30
+    assert "its function process died 2 times while making it" in text, text
+    assert all(w in text for w in bad) and text.count("died 2 times") == len(bad), text
+    assert coord.schedule(lambda: 5).fetch() == 5
+    assert [r.fetch() for r in [coord.schedule(lambda: 6) for _ in range(10)]] == [6] * 10
+
+# A resource made again in a replacement process (this one ends it once "armed"
+# exists): worker 0 gives it up, functions using it there fail naming it, the others
+# still run.
+def counter():
+    if os.path.exists("armed") and index() == 0:
+        os._exit(4)
+    return [0]
+
+res = coord.create_per_worker_resources(counter)
+def pid():
+    time.sleep(0.3)  # so that both workers take one
+    return index(), os.getpid()
+
+pids = {}
+while len(pids) < 2:
+    pids.update(coord.fetch([coord.schedule(pid) for _ in range(2)]))
+open("armed", "w").close()
+os.kill(pids[0], signal.SIGKILL)
+
+def use(c):
+    time.sleep(0.1)
+    c[0] += 1
+    return index()
+
+rvs = [coord.schedule(use, args=(res,)) for _ in range(30)]
+try:
+    coord.join()
+    raise SystemExit("join did not raise")
+except RuntimeError as e:
+    text = str(e)
+assert "worker 0 has no per-worker resource" in text and "died 2 times" in text, text
+ran = []
+for r in rvs:
+    try:
+        ran.append(r.fetch())
+    except RuntimeError as e:
+        assert "worker 0 has no per-worker resource" in str(e), e
+assert ran and set(ran) == {1}, ran
+assert len(ran) < 30, ran
+assert coord.schedule(lambda: 7).fetch() == 7
+print("OK", flush=True)
+"""
+
+
+def test_a_setup_that_ends_its_process_fails_after_max_retries():
+    rc, out, err = run_mpi(4, SETUP_DIES, timeout=100, env={"GPUSTRAT_TIMEOUT": "30"})
+    assert rc == 0 and "OK" in out, format_result(rc, out, err)
+    # The kill: found while idle, or once the next function was sent to the process.
+    assert re.search(r"worker 0 \(rank 2\) lost its function process \(exit code -9\) "
+                     r"while (idle|running function 'use')", err), err
+    assert re.search(r"worker 0 \(rank 2\) lost its function process \(exit code 4\) "
+                     r"while making the per-worker dataset #\d+", err), err
+    assert re.search(r"lost its function process \(exit code 4\) while making the "
+                     r"per-worker resource #\d+", err), err
+    assert len(re.findall(r"does not make the per-worker (dataset|resource) #\d+ "
+                          "again", err)) == 4, err  # w0, w0 and w1, w0's resource
+    assert err.count("lost its function process") == 9, err
+
+
+# A worker rank that stops answering (SIGSTOP) while it holds functions is given up for
+# lost after GPUSTRAT_TIMEOUT: its functions run on the other worker and join returns.
+# A function that runs for longer than the timeout is not mistaken for it.
+WORKER_STOPS = r"""
+import os, signal, time, numpy as np
+import gpustrat as gs
+
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+with open(f"rank{resolver.rank}", "w") as f:
+    f.write(str(os.getpid()))
+strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+with strategy.scope():
+    v = gs.Variable(np.zeros((), np.float32), name="v")
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
+
+def slow():
+    time.sleep(7)  # GPUSTRAT_TIMEOUT is 3
+    return 1
+assert coord.fetch([coord.schedule(slow) for _ in range(2)]) == [1, 1]
+
+def step(i):
+    time.sleep(0.05)
+    v.assign_add(np.float32(1))
+    return i
+rvs = [coord.schedule(step, args=(i,)) for i in range(60)]
+time.sleep(0.5)
+os.kill(int(open("rank2").read()), signal.SIGSTOP)
+start = time.monotonic()
+coord.join()
+print("JOINED after", round(time.monotonic() - start, 1), flush=True)
+assert [r.fetch() for r in rvs] == list(range(60))
+assert v.numpy() >= 60, v.numpy()
+assert coord.schedule(step, args=(60,)).fetch() == 60
+print("DONE", flush=True)
+"""
+
+
+def test_a_worker_rank_that_stops_answering_is_given_up():
+    rc, out, err = run_mpi(4, WORKER_STOPS, timeout=60, env={"GPUSTRAT_TIMEOUT": "3"})
+    assert "DONE" in out, format_result(rc, out, err)
+    assert float(re.search(r"JOINED after ([\d.]+)", out).group(1)) < 15, out
+    assert err.count("did not answer the coordinator within 3 s") == 1, err
+    assert "worker 0 (rank 2) did not answer" in err, err
+    # The stopped rank would make MPI's end wait forever: the job is ended.
+    assert rc not in (0, -9) and "ending every rank of the job" in err, \
+        format_result(rc, out, err)

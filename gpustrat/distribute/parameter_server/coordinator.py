@@ -5,7 +5,10 @@ function (one at a time per worker) and receives results. Delivery is
 *at-least-once*: when a worker's function process dies (a crash, a kill,
 ``os._exit``) the function it was running is queued again, for another worker when
 there is one, so a function may run more than once (its variable updates too). A
-function whose process dies ``max_retries`` times is reported as failed. An exception
+function whose process dies ``max_retries`` times is reported as failed. A worker rank
+that holds functions and does not answer the dispatcher's liveness check within
+``GPUSTRAT_TIMEOUT`` is lost: it gets nothing more, and its functions are queued again
+for the other workers (the running one counts as an attempt). An exception
 raised by a function is raised by ``join()``/``done()``/``fetch()`` (and the next
 ``schedule``), naming the worker.
 """
@@ -31,6 +34,12 @@ log = logging.getLogger("gpustrat.distribute.coordinator")
 
 #: Functions a worker may have at once: the one running and the next.
 _DEPTH = 2
+#: A worker holding functions that has sent nothing for this long (at most, a quarter
+#: of GPUSTRAT_TIMEOUT) is asked whether it is there; it is lost when it has not
+#: answered GPUSTRAT_TIMEOUT after that.
+_PING_AFTER_S = 5.0
+#: How often the dispatcher looks at the workers' silences.
+_CHECK_S = 0.1
 
 
 class _Closure:
@@ -82,6 +91,16 @@ class ClusterCoordinator:
         self._setup_replies: dict = {}
         self._stop = False
         self._broken = None
+        #: Workers that stopped answering (see _check_workers): they get nothing more.
+        self._lost: set = set()
+        now = time.monotonic()
+        #: Per worker, when it was last heard from (or given work while idle), and when
+        #: it was asked whether it is there (None: not asked).
+        self._heard = [now] * self._n
+        self._pinged: list = [None] * self._n
+        self._ping_after = min(_PING_AFTER_S, self._ch.timeout / 4)
+        #: Sends to lost workers left at the end (their buffers stay alive).
+        self._abandoned: list = []
         self._thread = threading.Thread(target=self._dispatch, name="gpustrat-coordinator",
                                         daemon=True)
         self._thread.start()
@@ -209,14 +228,24 @@ class ClusterCoordinator:
             self._cv.notify_all()
         self._wake_dispatcher()
         for w, (blob, arrays) in enumerate(payloads):
-            self.strategy._send_to_worker(w, ("setup", kind, ident, blob), arrays)
+            if w in self._lost:  # it runs nothing more: it needs no values
+                with self._cv:
+                    self._setup_replies[ident][w] = None
+                continue
+            self.strategy._send_to_worker(
+                w, ("setup", kind, ident, blob, what, self.max_retries), arrays)
         deadline = time.monotonic() + self._ch.timeout
         with self._cv:
             while len(self._setup_replies[ident]) < self._n:
                 if time.monotonic() > deadline:
-                    self._setup_replies.pop(ident, None)
-                    raise TimeoutError(f"workers did not make the per-worker {what} within "
-                                       f"{self._ch.timeout:g} s (GPUSTRAT_TIMEOUT)")
+                    got = self._setup_replies.pop(ident, {})
+                    late = ", ".join(f"worker {w} (rank {self._ch.worker_ranks[w]})"
+                                     for w in range(self._n) if w not in got)
+                    raise TimeoutError(f"{late} did not make the per-worker {what} within "
+                                       f"{self._ch.timeout:g} s (GPUSTRAT_TIMEOUT): the "
+                                       "function that makes it may hang there, or the "
+                                       "worker is stopped; raise GPUSTRAT_TIMEOUT if it "
+                                       "legitimately takes longer")
                 self._cv.wait(0.1)
             replies = self._setup_replies.pop(ident)
         bad = sorted((w, e) for w, e in replies.items() if e is not None)
@@ -256,15 +285,19 @@ class ClusterCoordinator:
         backoff = self._ch.backoff()
         sleep = self._ch.sleeper(doorbell.RESULTS)  # workers ring it with each result
         pending: list = []  # sends to workers not yet complete
+        next_check = 0.0
         any_source, status = _any_source(), _status()
         while True:
             with self._cv:
                 stop = self._stop
             if stop:
-                # MPI reads a send's buffers until the worker has them: keep them.
+                # MPI reads a send's buffers until the worker has them: keep them. A lost
+                # worker may never take them (the job is ended at exit, see _shutdown).
                 for requests, _, rank in pending:
-                    self._ch.wait(requests, rank, "sending a task to a worker",
-                                  doorbell.RESULTS)
+                    if rank not in self._ch.lost:
+                        self._ch.wait(requests, rank, "sending a task to a worker",
+                                      doorbell.RESULTS)
+                self._abandoned = pending
                 return
             with self._cv:
                 sends = self._assign()
@@ -277,6 +310,13 @@ class ClusterCoordinator:
                 pending.append((*self.strategy._send_to_worker(
                     w, ("run", c.id, c.blob), c.arrays, wait=False),
                     self._ch.worker_ranks[w]))
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + _CHECK_S
+                for w in self._check_workers(now):
+                    pending.append((*self.strategy._send_to_worker(w, ("ping",),
+                                                                   wait=False),
+                                    self._ch.worker_ranks[w]))
             if pending:
                 pending = self._ch.done(pending)
             msg = comm.improbe(source=any_source, tag=TAG_RESULT, status=status)
@@ -291,19 +331,83 @@ class ClusterCoordinator:
             header, ms = msg.recv()
             arrays = self._ch.recv_arrays(source, TAG_RESULT_DATA, ms, doorbell.RESULTS) \
                 if ms else []
-            self._handle(source - first_worker, header, arrays)
+            w = source - first_worker
+            with self._cv:
+                self._heard[w] = time.monotonic()
+                self._pinged[w] = None
+            if w not in self._lost:  # one given up for lost may come back: not heard
+                self._handle(w, header, arrays)
+
+    def _check_workers(self, now: float) -> list:
+        """The workers to ask whether they are there (those holding functions that have
+        been silent for a while); gives up for lost those that did not answer within
+        GPUSTRAT_TIMEOUT. A worker rank answers from its own loop, whatever its function
+        process does, so a function may run for longer than that."""
+        ask = []
+        with self._cv:
+            for w in range(self._n):
+                if w in self._lost or not self._busy[w]:
+                    self._pinged[w] = None
+                elif self._pinged[w] is None:
+                    if now - self._heard[w] > self._ping_after:
+                        self._pinged[w] = now
+                        ask.append(w)
+                elif now - self._pinged[w] > self._ch.timeout:
+                    self._worker_lost(w)
+                    self._cv.notify_all()
+        return ask
+
+    def _worker_lost(self, w: int) -> None:
+        """Give worker ``w`` up for lost and queue its functions again (under the lock).
+        At-least-once: the one it was running counts as an attempt, and it may run
+        twice should the worker come back (its messages are then ignored)."""
+        rank = self._ch.worker_ranks[w]
+        self._lost.add(w)
+        self._ch.lost.add(rank)
+        held = list(self._busy[w])
+        self._busy[w].clear()
+        log.warning("worker %d (rank %d) did not answer the coordinator within %g s "
+                    "(GPUSTRAT_TIMEOUT) while holding %d function(s): it is given up for "
+                    "lost (stopped, or its machine is unreachable) and gets no more "
+                    "functions; its functions are scheduled again on the other workers",
+                    w, rank, self._ch.timeout, len(held))
+        for ident in list(self._setup_replies):
+            self._setup_replies[ident].setdefault(w, None)
+        if held:
+            first = held[0]
+            first.lost_on.append(w)
+            if len(first.lost_on) > self.max_retries:
+                self._record(first, RuntimeError(
+                    f"{first.name} was on a lost worker {len(first.lost_on)} times (on "
+                    f"workers {first.lost_on}): it is not run again"))
+                held = held[1:]
+            for c in reversed(held):
+                self._queue.appendleft(c)
+        if len(self._lost) == self._n:
+            err = RuntimeError(
+                f"every worker ({self._n}) stopped answering the coordinator within "
+                f"{self._ch.timeout:g} s (GPUSTRAT_TIMEOUT): no function can run. See the "
+                "workers' output, restart the job and restore the variables from a "
+                "checkpoint")
+            while self._queue:
+                self._queue.popleft().value._fail(err)
+            self._errors.insert(0, err)
+            self._broken = err
 
     def _assign(self) -> list:
         """Pair idle workers with queued functions (under the lock)."""
         sends = []
         for level in range(_DEPTH):  # idle workers first
             for w in range(self._n):
-                if len(self._busy[w]) != level or not self._queue:
+                if len(self._busy[w]) != level or not self._queue or w in self._lost:
                     continue
+                if level == 0:  # its silence counts from here (see _check_workers)
+                    self._heard[w] = time.monotonic()
                 pick = None
                 for c in self._queue:
                     # A function whose process died here goes elsewhere when it can.
-                    if w not in c.lost_on or all(x in c.lost_on for x in range(self._n)):
+                    if w not in c.lost_on or all(x in c.lost_on for x in range(self._n)
+                                                 if x not in self._lost):
                         pick = c
                         break
                 if pick is None:
@@ -335,17 +439,33 @@ class ClusterCoordinator:
                 c = self._answered(w, header[1])
                 self._record(c, _remote_error(header[2], header[3], c.name, w))
             elif kind == "lost":
-                _, running, queued, code = header
+                _, running, queued, code, setup = header
                 c = self._answered(w, running) if running is not None else None
                 # Those sent behind the running one had not started: queued again as
                 # they were, ahead of the rest.
                 behind = [self._answered(w, t) for t in queued]
                 for b in reversed(behind):
                     self._queue.appendleft(b)
-                what = f"while running {c.name}" if c is not None else "while idle"
+                if c is not None:
+                    doing = f"while running {c.name}"
+                elif setup is not None:
+                    doing = f"while making the per-worker {setup[0]} #{setup[1]}"
+                else:
+                    doing = "while idle"
                 log.warning("worker %d (rank %d) lost its function process (exit code %s) "
                             "%s; a replacement process was started", w,
-                            self._ch.worker_ranks[w], code, what)
+                            self._ch.worker_ranks[w], code, doing)
+                if setup is not None:
+                    what, ident, attempts, gave_up = setup
+                    if gave_up:
+                        log.warning(
+                            "worker %d does not make the per-worker %s #%d again: its "
+                            "function process died %d times making it (max_retries=%d); "
+                            "functions that use it on worker %d fail", w, what, ident,
+                            attempts, self.max_retries, w)
+                    else:
+                        log.warning("making the per-worker %s #%d again on worker %d "
+                                    "(attempt %d)", what, ident, w, attempts + 1)
                 if c is not None:
                     c.lost_on.append(w)
                     if len(c.lost_on) > self.max_retries:
@@ -370,6 +490,7 @@ class ClusterCoordinator:
                 _, ident, err = header
                 if ident in self._setup_replies:
                     self._setup_replies[ident][w] = err
+            # "pong" (the answer to _check_workers' question) says only that it is there
             self._cv.notify_all()
 
     def _record(self, c: _Closure, err: BaseException) -> None:

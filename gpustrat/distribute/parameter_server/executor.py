@@ -23,9 +23,10 @@ from gpustrat.distribute.parameter_server.channel import ServerLostError
 from gpustrat.distribute.parameter_server.pipe import Pipe
 
 #: This process's state: the connection, the worker's index and count, its devices,
-#: and this worker's per-worker values (number -> object).
+#: this worker's per-worker values (number -> object) and why those that could not be
+#: made here are missing (number -> text).
 state = {"conn": None, "worker": None, "num_workers": None, "devices": None,
-         "resources": {}}
+         "resources": {}, "missing": {}}
 
 #: The replicas of ``strategy.run`` are threads: one request at a time on the socket.
 _request_lock = threading.Lock()
@@ -139,6 +140,7 @@ def main(fd: int, parent: int | None = None) -> None:
             info = header[1]
             state.update(worker=info["worker"], num_workers=info["num_workers"],
                          devices=info["devices"])
+            state["missing"].update(info.get("broken", {}))
             continue
         if kind == "setup":
             _, what, ident, payload, notify = header
@@ -147,6 +149,9 @@ def main(fd: int, parent: int | None = None) -> None:
                 err = None
             except BaseException as e:  # noqa: BLE001
                 err = (type(e).__name__, f"{type(e).__name__}: {e}")
+                state["missing"][ident] = (f"worker {state['worker']} has no per-worker "
+                                           f"value #{ident}: making it failed there with "
+                                           f"{err[1]}")
             conn.send(("setup_done", ident, notify, err))
             continue
         if kind == "run":

@@ -16,6 +16,7 @@ import json
 import os
 import socket
 import sys
+import time
 
 #: The COMM_WORLD tag of the start (or exit) message from the coordinator.
 TAG_START = 7700
@@ -129,14 +130,18 @@ class MpiClusterResolver:
         addresses.setdefault("chief", ["mpi-rank-0"])
         self._spec = ClusterSpec({k: addresses[k] for k in ("chief", "ps", "worker")})
         self.task_type, self.task_id = role_of(self._rank, num_ps)
-        if self._rank == 0:
-            atexit.register(self._release_at_exit)
+        atexit.register(self._release_at_exit)
 
-    def _start(self, chief: bool) -> None:
-        """Meet the other ranks before the strategy starts (no collective: a coordinator
-        that fails before making its strategy must not leave the others in one)."""
+    def _start(self, chief: bool, timeout: float) -> None:
+        """Meet the other ranks before the strategy starts, with point-to-point messages
+        only, so that no rank is left inside a collective when another one is missing:
+        the coordinator sends ``start`` to every rank, each answers ``ready`` (or, when
+        its script ends first, ``exit`` at its exit), and once every rank is ready the
+        coordinator sends ``go``. A rank that ends before making its strategy, or does
+        not answer within ``timeout`` seconds (``GPUSTRAT_TIMEOUT``), makes the
+        coordinator raise a RuntimeError naming it and tell the others, which exit with
+        status 1 saying so."""
         from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
-        from gpustrat.distribute.parameter_server.channel import Backoff  # noqa: PLC0415
         world = mpi().COMM_WORLD
         if chief:
             self._started = True
@@ -144,21 +149,65 @@ class MpiClusterResolver:
             start = ("start",) + self._coordinator_process
             for r in range(1, self._size):
                 world.send(start, dest=r, tag=TAG_START)
+            self._meet(world, timeout)
+            for r in range(1, self._size):
+                world.send(("go",), dest=r, tag=TAG_START)
             return
-        backoff = Backoff()
-        while True:
-            msg = world.improbe(source=0, tag=TAG_START)
-            if msg is not None:
-                break
-            backoff()
-        got = msg.recv()
+        self._phase = "waiting"
+        got = _receive(world, 0, float("inf"))
         if got[0] == "start":
             self._coordinator_process = got[1:]
-        else:
-            print(f"gpustrat: the coordinator (rank 0) ended before making its "
-                  f"ParameterServerStrategy; {self.task_type} {self.task_id} (rank "
-                  f"{self._rank}) exits too", file=sys.stderr, flush=True)
-            sys.exit(1)
+            world.send(("ready", self._rank), dest=0, tag=TAG_START)
+            self._phase = "ready"
+            got = _receive(world, 0, float("inf"))  # the coordinator has a deadline
+        self._phase = "done"
+        if got[0] == "go":
+            return
+        if got[0] == "exit":
+            why = "the coordinator (rank 0) ended before making its ParameterServerStrategy"
+        else:  # ("abandon", text): another rank is missing
+            why = got[1]
+        print(f"gpustrat: {why}; {self.task_type} {self.task_id} (rank {self._rank}) exits "
+              "too", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+    def _meet(self, world, timeout: float) -> None:
+        """On the coordinator: wait until every other rank is ready (see _start)."""
+        from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
+        MPI = mpi()
+        waiting = set(range(1, self._size))
+        gone = set()
+        deadline = time.monotonic() + timeout
+        problem = None
+        while waiting and problem is None:
+            got = _receive(world, MPI.ANY_SOURCE, deadline - time.monotonic())
+            if got is None:
+                names = ", ".join(self._describe(r) for r in sorted(waiting))
+                problem = (f"{names} did not reach ParameterServerStrategy within "
+                           f"{timeout:g} s (GPUSTRAT_TIMEOUT) of the coordinator: every "
+                           "rank runs the same script and makes the strategy; see those "
+                           "ranks' output, or raise GPUSTRAT_TIMEOUT if they legitimately "
+                           "take longer to get there")
+            elif got[0] == "ready":
+                waiting.discard(got[1])
+            elif got[0] == "exit":
+                waiting.discard(got[1])
+                gone.add(got[1])
+                problem = (f"{self._describe(got[1])} ended before making its "
+                           "ParameterServerStrategy (its script raised an exception, "
+                           "returned or called sys.exit there): every rank runs the same "
+                           "script and makes the strategy; see that rank's output")
+        if problem is None:
+            return
+        # Those waiting for "go" take this instead (one that did not answer may still
+        # come: the message waits for it).
+        for r in sorted(set(range(1, self._size)) - gone):
+            world.send(("abandon", problem), dest=r, tag=TAG_START)
+        raise RuntimeError(problem)
+
+    def _describe(self, rank: int) -> str:
+        kind, index = role_of(rank, self.num_ps)
+        return f"{'parameter server' if kind == 'ps' else kind} {index} (rank {rank})"
 
     def coordinator_gone(self) -> bool:
         """Whether the coordinator's process has ended (known when it runs on this
@@ -181,15 +230,22 @@ class MpiClusterResolver:
             return False
 
     def _release_at_exit(self) -> None:
-        # The coordinator's script ended (or failed) without making the strategy: the
-        # other ranks are waiting for it in theirs.
-        if getattr(self, "_started", False):
+        """At this process's exit: a rank whose script ends (or fails) before it makes
+        its strategy tells the ranks that wait for it there (see _start)."""
+        from gpustrat.collectives.mpi import waits  # noqa: PLC0415
+        MPI = waits._MPI
+        if MPI is None or MPI.Is_finalized():
             return
-        self._started = True
-        from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
-        world = mpi().COMM_WORLD
-        for r in range(1, self._size):
-            world.send(("exit",), dest=r, tag=TAG_START)
+        world = MPI.COMM_WORLD
+        if self._rank == 0:
+            if getattr(self, "_started", False):
+                return
+            self._started = True
+            for r in range(1, self._size):
+                world.send(("exit",), dest=r, tag=TAG_START)
+        elif getattr(self, "_phase", None) in (None, "waiting"):
+            self._phase = "done"
+            world.send(("exit", self._rank), dest=0, tag=TAG_START)
 
     @property
     def rank(self) -> int:
@@ -220,6 +276,21 @@ class MpiClusterResolver:
         return (f"MpiClusterResolver(rank={self._rank}, task_type={self.task_type!r}, "
                 f"task_id={self.task_id}, num_ps={self.num_ps}, "
                 f"num_workers={self.num_workers})")
+
+
+def _receive(world, source: int, timeout: float):
+    """The next message on TAG_START from ``source`` (MPI.ANY_SOURCE for any), or None
+    after ``timeout`` seconds; polls with a backoff (MPI's blocking receive spins)."""
+    from gpustrat.distribute.parameter_server.channel import Backoff  # noqa: PLC0415
+    backoff = Backoff()
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = world.improbe(source=source, tag=TAG_START)
+        if msg is not None:
+            return msg.recv()
+        if time.monotonic() > deadline:
+            return None
+        backoff()
 
 
 def role_of(rank: int, num_ps: int) -> tuple[str, int]:

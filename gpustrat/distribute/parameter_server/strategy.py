@@ -58,7 +58,8 @@ class ParameterServerStrategy(Strategy):
         if variable_partitioner is not None and not callable(variable_partitioner):
             raise TypeError(f"variable_partitioner must be callable (shape, dtype) -> "
                             f"partitions, got {variable_partitioner!r}")
-        from gpustrat.collectives.mpi import mpi, mpi_world, timeout_from_env  # noqa
+        from gpustrat.collectives.mpi import (mpi, mpi_world,  # noqa: PLC0415
+                                              timeout_from_env, wait)
         from gpustrat.devices import resolve_devices  # noqa: PLC0415
         devices = [str(d) for d in (worker_devices or ["cpu:0"])]
         resolve_devices(devices)  # bad names fail on every rank, before any serving
@@ -69,9 +70,13 @@ class ParameterServerStrategy(Strategy):
         self._partitioner = variable_partitioner
         self._memory_limit = server_memory_limit
         role, index = cluster_resolver.task_type, cluster_resolver.task_id
-        cluster_resolver._start(role == "chief")
-        ch = Channel(mpi_world().Dup(), timeout_from_env(),
-                     job_id(*cluster_resolver._coordinator_process))
+        timeout = timeout_from_env()
+        cluster_resolver._start(role == "chief", timeout)
+        # Every rank is here (see _start): the job's communicator.
+        comm, request = mpi_world().Idup()
+        wait(request, "duplicating the job's communicator (MPI Idup)",
+             cluster_resolver.rank, timeout)
+        ch = Channel(comm, timeout, job_id(*cluster_resolver._coordinator_process))
         ch.server_ranks = [cluster_resolver.rank_of("ps", i) for i in range(self._num_ps)]
         ch.worker_ranks = [cluster_resolver.rank_of("worker", i)
                            for i in range(self._num_workers)]
@@ -225,9 +230,12 @@ class ParameterServerStrategy(Strategy):
         if self._coordinator is not None:
             self._coordinator._stop_dispatcher()
         ch = self._channel
-        for w in range(self._num_workers):
-            self._send_to_worker(w, ("stop",))
         for w, rank in enumerate(ch.worker_ranks):
+            if rank not in ch.lost:
+                self._send_to_worker(w, ("stop",))
+        for w, rank in enumerate(ch.worker_ranks):
+            if rank in ch.lost:
+                continue
             try:
                 while True:
                     (header, ms) = ch.wait_message(rank, TAG_RESULT,
@@ -248,10 +256,12 @@ class ParameterServerStrategy(Strategy):
         if ch.lost:
             # A rank that does not answer would make MPI_Finalize wait for it forever.
             lost = sorted(ch.lost)
-            print(f"gpustrat: ranks {lost} did not answer (parameter servers "
-                  f"{[i for i, r in enumerate(ch.server_ranks) if r in ch.lost]}); ending "
-                  "every rank of the job. Restart it and restore the variables from a "
-                  "checkpoint", file=sys.stderr, flush=True)
+            servers = [i for i, r in enumerate(ch.server_ranks) if r in ch.lost]
+            workers = [i for i, r in enumerate(ch.worker_ranks) if r in ch.lost]
+            print(f"gpustrat: ranks {lost} did not answer (parameter servers {servers}, "
+                  f"workers {workers}); ending every rank of the job, since MPI would wait "
+                  "for them at its end." + (" Restart it and restore the variables from a "
+                  "checkpoint" if servers else ""), file=sys.stderr, flush=True)
             from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
             mpi().COMM_WORLD.Abort(1)
 

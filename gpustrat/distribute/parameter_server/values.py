@@ -160,9 +160,10 @@ def _local_value(ident: int):
         if executor.state["worker"] is None:
             raise RuntimeError("per-worker values are read inside scheduled functions (on "
                                "a worker), not on the coordinator") from None
-        raise RuntimeError(f"worker {executor.state['worker']} has no per-worker value "
-                           f"#{ident}: making it failed here (see the error raised when "
-                           "it was made)") from None
+        missing = executor.state["missing"].get(ident)
+        raise RuntimeError(missing or f"worker {executor.state['worker']} has no "
+                           f"per-worker value #{ident}: making it failed here (see the "
+                           "error raised when it was made)") from None
 
 
 #: The ClusterCoordinator of this process (there is one per strategy, one strategy per

@@ -4,8 +4,11 @@ coordinator and the servers.
 MPI launchers end the whole job when a rank dies of a signal, so user code never runs
 in the rank itself: it runs in a child process (:mod:`.executor`), started once and
 reused. When that process dies (a crash, a kill, ``os._exit``), the rank tells the
-coordinator which function it was running (the coordinator runs it again elsewhere),
-starts a replacement and makes this worker's datasets and iterators in it again.
+coordinator what it was doing (the coordinator runs a function again elsewhere),
+starts a replacement and makes this worker's datasets, iterators and other per-worker
+values in it again. A value whose making ends the process more than ``max_retries``
+times is not made again: the coordinator gets its error if it waits for it, and the
+functions that use it on this worker fail with it.
 """
 
 from __future__ import annotations
@@ -95,8 +98,13 @@ class WorkerRank:
         self.ch = ch
         self.index = index
         self.info = {"worker": index, "num_workers": num_workers, "devices": devices}
-        #: (kind, id, payload, arrays) of every dataset and iterator made here, in order.
+        #: (kind, id, payload, arrays, what, max_retries) of every per-worker value made
+        #: here (datasets, iterators, resources, sent values), in order.
         self.setups: list = []
+        #: Exit codes of the processes that died making each value (by id).
+        self.deaths: dict = {}
+        #: Why each value no longer made here is missing (by id).
+        self.broken: dict = {}
         self.unanswered: set = set()  # setups the coordinator waits for
         #: Messages for the process, sent one at a time: while it runs a function it
         #: reads only the answers to its variable requests from the pipe.
@@ -108,10 +116,12 @@ class WorkerRank:
         self.fp = None
 
     def _start(self) -> None:
-        self.fp = FunctionProcess(self.info)
+        self.fp = FunctionProcess(dict(self.info, broken=dict(self.broken)))
         self.fp.start()
         self.inflight = None
-        for kind, ident, payload, arrays in self.setups:
+        for kind, ident, payload, arrays, _, _ in self.setups:
+            if ident in self.broken:
+                continue
             # The coordinator still waits for those the lost process had not answered.
             notify = ident in self.unanswered
             self.outbox.append((("setup", kind, ident, payload, notify), arrays,
@@ -140,11 +150,38 @@ class WorkerRank:
             self.fp.conn.close()
         except OSError:
             pass
-        running = self.inflight[1] if self.inflight and self.inflight[0] == "run" else None
+        doing = self.inflight or (None, None)
+        running = doing[1] if doing[0] == "run" else None
         queued = [what[1] for _, _, what in self.outbox if what[0] == "run"]
         self.outbox.clear()  # setups are made again by _start
-        self._to_coordinator(("lost", running, queued, code))
+        setup, failed = self._setup_lost(doing[1], code) if doing[0] == "setup" else \
+            (None, None)
+        self._to_coordinator(("lost", running, queued, code, setup))
+        if failed is not None:
+            self._to_coordinator(failed)
         self._start()
+
+    def _setup_lost(self, ident: int, code):
+        """Count a process that died making value ``ident``: a scheduled function's
+        rule (it fails after more than ``max_retries`` lost processes). Returns what the
+        coordinator is told: ``(what, ident, attempts, gave_up)``, and the failed
+        ``setup_done`` when it waits for that value and it is given up."""
+        what, retries = next((w, r) for _, i, _, _, w, r in self.setups if i == ident)
+        codes = self.deaths.setdefault(ident, [])
+        codes.append(code)
+        gave_up = len(codes) > retries
+        failed = None
+        if gave_up:
+            died = (f"its function process died {len(codes)} times while making it (exit "
+                    f"codes {', '.join(map(str, codes))}; max_retries={retries}): the "
+                    "function that makes it probably ends the process itself (os._exit, "
+                    "a signal, memory exhaustion)")
+            self.broken[ident] = (f"worker {self.index} has no per-worker {what} #{ident}: "
+                                  f"{died}. Functions that use it there fail")
+            if ident in self.unanswered:
+                self.unanswered.discard(ident)
+                failed = ("setup_done", ident, ("RuntimeError", died))
+        return (what, ident, len(codes), gave_up), failed
 
     def serve(self, watch=None) -> None:
         try:
@@ -175,13 +212,15 @@ class WorkerRank:
                     for requests, _ in self.sending:
                         self.ch.wait(requests, 0, "sending to the coordinator")
                     return
-                if kind == "run":
+                if kind == "ping":  # the coordinator asks whether this rank is there
+                    self._to_coordinator(("pong",))
+                elif kind == "run":
                     self.outbox.append((header, arrays, ("run", header[1])))
                 elif kind == "setup":
-                    _, what, ident, payload = header
-                    self.setups.append((what, ident, payload, arrays))
+                    _, how, ident, payload, what, retries = header
+                    self.setups.append((how, ident, payload, arrays, what, retries))
                     self.unanswered.add(ident)
-                    self.outbox.append((("setup", what, ident, payload, True), arrays,
+                    self.outbox.append((("setup", how, ident, payload, True), arrays,
                                         ("setup", ident)))
                 self._pump()
             conn = self.fp.conn
