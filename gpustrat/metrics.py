@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpustrat.devices import array_module
+from gpustrat.devices import array_module, on_device_of
 from gpustrat.distribute import context
 from gpustrat.distribute.distributed_variables import (SAME_READS_HINT, DistributedVariable,
                                                       zeros)
@@ -81,8 +81,12 @@ class Metric:
 
     def result(self):
         """The metric's value: over every replica in sync in cross-replica context,
-        this replica's inside ``run``. A 0-d array of the metric's dtype."""
-        return self._compute(*self._read())
+        this replica's inside ``run``. A 0-d array of the metric's dtype, on the device
+        of the metric's state (computed there, on that device's current stream, after
+        the reduction that made it)."""
+        values = self._read()
+        with on_device_of(values[0]):
+            return self._compute(*values)
 
     def reset_state(self) -> None:
         """Back to zero on every component (no communication). Under several workers

@@ -187,6 +187,35 @@ def test_metrics_accumulate_on_each_device_and_sum_over_replicas(seed):
                                / weights[:, 1].sum(), rtol=1e-5)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_metric_result_is_computed_on_its_states_device(seed):
+    # With gpu:0 current and the replicas on gpu:1 and gpu:2, result() used to do its
+    # arithmetic on gpu:0, reading the reduced state across devices, unordered after the
+    # reduction that wrote it.
+    with testing.sanitize(seed=seed) as san:
+        cp = devices.cupy()
+        s = gs.MirroredStrategy(["gpu:1", "gpu:2"])
+        try:
+            with s.scope():
+                metrics = [gs.metrics.Mean(), gs.metrics.Sum(dtype=np.float64),
+                           gs.metrics.SparseCategoricalAccuracy()]
+            x = s.experimental_distribute_values_from_function(
+                lambda ctx: np.full(4, ctx.replica_id_in_sync_group + 1.0, np.float32))
+
+            def step(v):
+                metrics[0].update_state(v)
+                metrics[1].update_state(v)
+                metrics[2].update_state(cp.zeros(4, cp.int64), cp.ones((4, 2), cp.float32))
+            s.run(step, args=(x,))
+            results = [m.result() for m in metrics]
+            assert [r.device.id for r in results] == [1, 1, 1]
+            got = [float(devices.to_host(r)) for r in results]
+        finally:
+            s.close()
+    assert not san.reports, san.reports
+    assert got == [1.5, 12.0, 1.0]
+
+
 # --- optimizers -------------------------------------------------------------------------
 
 def _sgd_reference(w, g, slots, lr, t, momentum=0.9):
