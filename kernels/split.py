@@ -182,9 +182,14 @@ def _plan(batch, num_replicas, index, pad_to):
         raise ValueError(f"a batch to split needs a leading batch axis, got a scalar "
                          f"(shape {tuple(batch.shape)})")
     if index is not None:
-        if index.ndim != 1 or np.dtype(index.dtype).kind not in "iu":
+        kind = np.dtype(index.dtype)
+        if index.ndim != 1 or kind.kind not in "iu":
             raise TypeError(f"index must be a 1-D integer array, got shape "
-                            f"{tuple(index.shape)} dtype {np.dtype(index.dtype)}")
+                            f"{tuple(index.shape)} dtype {kind}")
+        if kind == np.uint64:  # no signed type holds every uint64 and the kernel's -1
+            raise TypeError("index must be a signed or 32-bit-at-most unsigned integer "
+                            "array (int32 or int64 are best), got uint64: cast it with "
+                            "index.astype('int64')")
         n = int(index.shape[0])
     else:
         n = int(batch.shape[0])

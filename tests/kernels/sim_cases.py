@@ -128,6 +128,13 @@ def test_split_launcher_errors():
         split(batch, 2, index=np.arange(11))
     with pytest.raises(TypeError, match="1-D integer"):
         split(batch, 2, index=np.zeros(3, np.float32))
+    # A uint64 index used to pass this check and then fail to compile on a GPU (uint64
+    # and the kernel's -1 unify to float64).
+    with pytest.raises(TypeError, match=r"got uint64: cast it with index.astype\('int64'\)"):
+        split(batch, 2, index=np.arange(4, dtype=np.uint64))
+    for kind in (np.int32, np.int64, np.uint32, np.int16):
+        got = split(batch, 2, index=np.arange(4, dtype=kind)[::-1].copy(), threads=THREADS)
+        assert [p.tolist() for p in got.pieces] == [[3, 2], [1, 0]], kind
 
 
 # --- pack / unpack ----------------------------------------------------------------------
