@@ -524,19 +524,23 @@ def to_kernel_array(host: np.ndarray, like, stream=None):
     key = (device.index, None if stream is None else stream_handle(stream),
            host.dtype.str, host.shape, host.tobytes())
     with _tables_lock:
-        table = _tables.get(key)
-        if table is not None:
+        view = _tables.get(key)
+        if view is not None:
             _tables.move_to_end(key)
-    if table is None:
+    if view is None:
         with device.activate(), cupy_stream(cp, stream):
             table = cp.asarray(host)
+        # Uploaded on the launch stream: ordered before the kernel, no host wait needed.
+        # The view owns the table: a launch holding it keeps the memory even when the
+        # cache drops the table meanwhile (another thread's launches on a shared stream
+        # could otherwise be given that memory before this kernel is queued).
+        view = _cuda().from_cuda_array_interface(table.__cuda_array_interface__,
+                                                 owner=table, sync=False)
         with _tables_lock:
-            _tables[key] = table
+            _tables[key] = view
             while len(_tables) > TABLE_CACHE_SIZE:
                 _tables.popitem(last=False)
-    # Uploaded on the launch stream: ordered before the kernel, no host wait needed.
-    # The cache holds the table as long as its view may be used.
-    return _numba_view(device.index, table.__cuda_array_interface__, owner=table)
+    return view
 
 
 def cupy_stream(cp, nstream):

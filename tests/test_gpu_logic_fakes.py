@@ -230,6 +230,15 @@ def test_a_collective_is_combined_on_every_replicas_stream_without_a_host_wait(f
 
 # --- kernel launches: argument import and the table cache (kernels/_launch.py) -------------
 
+class _Imports(list):
+    """The recorded imports ``(address, stream, sync)``; ``owners``: the owner each
+    view was given."""
+
+    def __init__(self):
+        super().__init__()
+        self.owners = []
+
+
 @pytest.fixture
 def imports(monkeypatch):
     """Record numba.cuda.from_cuda_array_interface calls (no GPU needed).
@@ -240,10 +249,11 @@ def imports(monkeypatch):
     """
     from numba import cuda
     from gpustrat.kernels import _launch
-    calls = []
+    calls = _Imports()
 
     def fake_import(desc, owner=None, sync=True):
         calls.append((desc["data"][0], desc["stream"], sync))
+        calls.owners.append(owner)
         return ("numba view of", desc["data"][0])
     monkeypatch.setattr(_launch, "simulating", lambda: False)
     monkeypatch.setattr(_launch, "_views", type(_launch._views)())
@@ -298,6 +308,9 @@ def test_tables_upload_once_per_device_stream_and_content(fake_cupy, imports, mo
     assert uploads == [("asarray", 1, "s", t_a.tolist())]
     assert first == again and first[0] == "numba view of"
     assert [sync for _, _, sync in imports] == [False]     # one view of one table
+    # The view owns its table: a launch holding the view keeps the table's memory even
+    # when the cache drops it (another thread sharing the stream could be given it).
+    assert type(imports.owners[0]) is cp.ndarray and imports.owners[0].shape == (2, 2)
     # A launch on a stream other than CuPy's current one uploads on that stream.
     with cp.cuda.Device(1):
         _launch.to_kernel_array(t_a, like1, 77)
