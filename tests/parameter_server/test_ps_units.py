@@ -317,3 +317,35 @@ def test_a_worker_bound_to_one_cpu_is_told_how_to_give_it_two():
     assert "srun -c 2" in text and "-bind-to none" in text
     assert one_cpu_warning(1, 3, cpus={4, 5}, cpu_count=16) is None
     assert one_cpu_warning(1, 3, cpus={0}, cpu_count=1) is None  # a one-CPU machine
+
+
+def test_reads_inside_run_on_gpu_replicas_are_on_the_replicas_devices():
+    # A server's variable read inside strategy.run on a GPU worker came back as a NumPy
+    # array, which CuPy refuses to mix with the replica's CuPy arrays.
+    from gpustrat import devices, testing
+    from gpustrat.distribute.parameter_server.variables import _FetchedReads
+
+    class Held(_FetchedReads):
+        def _fetch(self):
+            return np.arange(3, dtype=np.float32)
+
+    v = Held()
+    with testing.sanitize(seed=0) as san:
+        cp = devices.cupy()
+        s = gs.MirroredStrategy(["gpu:0", "gpu:1"])
+        try:
+            for read in (v.value, v.read_value):
+                got = s.experimental_local_results(s.run(lambda: read() * 2))
+                assert [type(g) for g in got] == [cp.ndarray] * 2
+                assert [g.device.id for g in got] == [0, 1]
+                assert [devices.to_host(g).tolist() for g in got] == [[0, 2, 4]] * 2
+            assert type(v.numpy()) is np.ndarray          # on the host, always
+        finally:
+            s.close()
+    assert not san.reports, san.reports
+    cpu = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    try:
+        got = cpu.experimental_local_results(cpu.run(v.value))
+        assert all(type(g) is np.ndarray and not g.flags.writeable for g in got)
+    finally:
+        cpu.close()

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpustrat.devices import to_host
+from gpustrat.devices import to_device, to_host
+from gpustrat.distribute import context
 from gpustrat.distribute.parameter_server import wire
 from gpustrat.distribute.variables import (Variable, VariableAggregation,
                                            VariableSynchronization)
@@ -42,21 +43,34 @@ def request(server: int, op: str, args: tuple = (), arrays=()):
 
 class _FetchedReads:
     """Reads of a variable held elsewhere: each one is a fresh copy from ``_fetch``
-    (``value()`` read-only, as a variable's value is)."""
+    (``value()`` read-only, as a variable's value is). Inside ``strategy.run`` on a GPU
+    replica, ``value()`` and ``read_value()`` give it on the replica's device, as
+    TensorFlow copies a parameter server's variable to the worker's device that reads
+    it; ``numpy()`` is always on the host."""
 
     def value(self):
         a = self._fetch()
         a.flags.writeable = False
-        return a
+        return _on_replica_device(a)
 
     def read_value(self):
-        return self._fetch()
+        return _on_replica_device(self._fetch())
 
     def numpy(self) -> np.ndarray:
         return self._fetch()
 
     def _read_for_array(self):
         return self._fetch()
+
+
+def _on_replica_device(a: np.ndarray):
+    """``a``, copied to the device of the replica whose ``strategy.run`` reads it when
+    that is a GPU."""
+    strategy, ctx = context.current()
+    if ctx is None or strategy is None:
+        return a
+    device = strategy.local_devices[ctx.local_index]
+    return to_device(a, device) if device.is_gpu else a
 
 
 class _HeldElsewhere:
