@@ -118,6 +118,13 @@ class Communicator(abc.ABC):
         self.agree_layout(x.shape if shown is None else shown, x.dtype, name, hint)
         return self.reduce([x], op)
 
+    def share_error(self, error: Exception) -> None:
+        """This worker found ``error`` in the arguments of a collective before issuing
+        it, where the other workers may already wait in it: make them raise too instead
+        of waiting (over MPI: a header of its own, which no data collective's can match,
+        so that every worker raises a CollectiveMismatch naming it). The caller then
+        raises ``error`` itself. Nothing in one process."""
+
     def agree(self, key: tuple, what, hint: str = "") -> None:
         """Check, between workers, that every worker passes the same ``key`` (a tuple of
         ints and strings: a layout, a state, a checksum); raise ValueError on every

@@ -65,6 +65,9 @@ class StagedCommunicator(Communicator):
     def agree(self, key, what, hint=""):
         self.host.agree(key, what, hint)
 
+    def share_error(self, error):
+        self.host.share_error(error)
+
     def agreeing(self, key, what, hint="", also=None):
         # The host collective of the staged call made inside carries it.
         return self.host.agreeing(key, what, hint, also)

@@ -111,6 +111,15 @@ def check_axis(axis: Any, call: str, none_ok: bool) -> int | None:
                     f"({type(axis).__name__})")
 
 
+def _shared(comm: Communicator, error: Exception) -> Exception:
+    """``error``, found in this worker's replicas' values before a collective that the
+    other workers may already wait in: told to them first (``share_error``), so that
+    every worker raises."""
+    if comm.num_workers > 1:
+        comm.share_error(error)
+    return error
+
+
 def _normalize_axis(axis: int, ndim: int) -> int:
     if not -ndim <= axis < ndim:
         raise ValueError(f"axis {axis} is out of range for per-replica values of rank {ndim}")
@@ -171,10 +180,10 @@ def _reduce_arrays(comm: Communicator, op: ReduceOp, arrays: list, axis: int | N
     if axis is None:
         first = arrays[0]
         if len(arrays) > 1 and any(a.shape != first.shape for a in arrays[1:]):
-            raise ValueError(
+            raise _shared(comm, ValueError(
                 f"cannot reduce per-replica values of different shapes with axis=None "
                 f"({_shapes(arrays)}); partial batches give such shapes: pass axis=0 to "
-                "reduce over the batch dimension as well")
+                "reduce over the batch dimension as well"))
         # Between workers too: a reduction of mismatched buffers would combine unrelated
         # bytes (or break the MPI library) instead of failing. Over MPI this check
         # rides in the header of the reduce itself.
@@ -203,8 +212,8 @@ def _reduce_arrays(comm: Communicator, op: ReduceOp, arrays: list, axis: int | N
     ax = _normalize_axis(axis, ndim)
     rest = [a.shape[:ax] + a.shape[ax + 1:] for a in arrays]
     if any(r != rest[0] or a.ndim != ndim for r, a in zip(rest, arrays)):
-        raise ValueError(f"per-replica values differ in shape outside axis {axis}: "
-                         f"{_shapes(arrays)}")
+        raise _shared(comm, ValueError(f"per-replica values differ in shape outside axis "
+                                       f"{axis}: {_shapes(arrays)}"))
     # Sizes along the axis may differ between workers; the other axes and dtype may not.
     shown = tuple("*" if i == ax else n for i, n in enumerate(arrays[0].shape))
     name = _NAMES_AXIS.get((id(op), axis))
@@ -286,6 +295,6 @@ def gather_components(comm: Communicator, comps: Sequence[Any], axis: int) -> An
         return comm.gather(arrays, ax)
     rest = [a.shape[:ax] + a.shape[ax + 1:] for a in arrays]
     if any(r != rest[0] or a.ndim != arrays[0].ndim for r, a in zip(rest, arrays)):
-        raise ValueError(f"gather along axis {axis} needs shapes that differ only along "
-                         f"that axis: {_shapes(arrays)}")
+        raise _shared(comm, ValueError(f"gather along axis {axis} needs shapes that differ "
+                                       f"only along that axis: {_shapes(arrays)}"))
     return comm.gather(arrays, ax)

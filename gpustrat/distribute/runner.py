@@ -89,6 +89,11 @@ class Rendezvous:
         #: On GPUs: a context manager making every replica's stream the current stream
         #: of its device, entered by the thread that combines a collective.
         self.streams: Callable[[], Any] | None = None
+        #: Under several workers, the communicator's ``share_error``: replicas of this
+        #: worker that issued different collectives fail the step here, while the other
+        #: workers may already wait in the collective; they are told (see
+        #: ``Communicator.share_error``).
+        self.share_error: Callable[[Exception], None] | None = None
 
     def exchange(self, index: int, signature: Any, value: Any,
                  combine: Callable[[list], list]) -> Any:
@@ -124,7 +129,7 @@ class Rendezvous:
                 values, sigs = self._slots, self._sigs
                 self._slots, self._sigs, self._count = [None] * self.n, [None] * self.n, 0
                 try:
-                    _check_signatures(sigs)
+                    _check_signatures(sigs, self.share_error)
                     if self.streams is None:
                         self._outcome = (combine(values), None)
                     else:
@@ -198,13 +203,16 @@ class Rendezvous:
             self.clear_outcome()
 
 
-def _check_signatures(sigs: list) -> None:
+def _check_signatures(sigs: list, share_error=None) -> None:
     for i, s in enumerate(sigs[1:], 1):
         if s != sigs[0]:
-            raise ValueError(
+            error = ValueError(
                 f"replicas issued different collectives at the same point: replica 0 called "
                 f"{sigs[0]} but replica {i} called {s}; every replica must issue the same "
                 "collectives in the same order")
+            if share_error is not None:
+                share_error(error)
+            raise error
 
 
 class _ReplicaThread(threading.Thread):

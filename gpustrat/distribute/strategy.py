@@ -39,6 +39,8 @@ class Strategy:
         self._inline = inline and len(self._devices) == 1
         self._runner = None if self._inline else ReplicaRunner(self._devices)
         self._rendezvous = self._runner.rendezvous if self._runner else Rendezvous(1)
+        if communicator.num_workers > 1:
+            self._rendezvous.share_error = communicator.share_error
         first = self._workers.rank * len(self._devices)
         self._replica_contexts = [ReplicaContext(self, i, first + i)
                                   for i in range(len(self._devices))]

@@ -523,3 +523,55 @@ def test_one_array_collectives_in_run_match_the_structure_path(n):
     op spelling, and the same errors on every rank."""
     out = assert_mpi_ok(n, ONE_ARRAY_IN_RUN, timeout=150)
     assert out.count("OK rank") == n
+
+
+# One worker's own replicas disagree (the partial last step of range(9).batch(4) on 2x2:
+# worker 0 holds pieces [8] and [], worker 1 two empty ones) while the other workers'
+# agree: they used to enter the collective alone and wait for GPUSTRAT_TIMEOUT.
+LOCAL_DISAGREEMENT = r"""
+import time
+import numpy as np
+import gpustrat as gs
+from gpustrat.data import Dataset
+s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"])
+r = s.worker_index
+ctx = gs.get_replica_context
+last = list(s.experimental_distribute_dataset(Dataset.range(9).batch(4)))[-1]
+x = s.run(lambda v: np.asarray(v, np.float64), args=(last,))
+# Only global replica 1 (worker 0's second) has 2 columns.
+pieces = s.run(lambda v: np.ones((len(v), 3 - (ctx().replica_id_in_sync_group == 1))),
+               args=(last,))
+cases = [
+    ("reduce", lambda: s.reduce("sum", x, axis=None), "pass axis=0"),
+    ("all_reduce", lambda: s.run(lambda v: ctx().all_reduce("sum", v), args=(x,)),
+     "replicas issued different collectives"),
+    ("gather", lambda: s.gather(pieces, axis=0), "differ only along that axis"),
+]
+for name, call, words in cases:
+    t0 = time.monotonic()
+    try:
+        call()
+    except ValueError as e:
+        took = time.monotonic() - t0
+        assert words in str(e), (r, name, str(e))
+        assert took < 10, (r, name, took)   # not the 30 s deadline
+        print(f"ERROR rank {r} {name} {type(e).__name__}: {e}", flush=True)
+    else:
+        raise AssertionError(f"rank {r}: {name} raised nothing")
+# The job goes on: the same step reduced along the batch axis.
+assert float(s.reduce("sum", x, axis=0)) == 8.0
+print(f"OK rank {r}", flush=True)
+"""
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("n", [2, 3])
+def test_replicas_disagreeing_on_one_worker_raise_on_every_worker_at_once(n):
+    out = assert_mpi_ok(n, LOCAL_DISAGREEMENT, timeout=120, expect_lines=n,
+                        env={"GPUSTRAT_TIMEOUT": "30"})
+    errors = [line for line in out.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 3 * n, out
+    # The workers whose replicas agreed name the worker that found the error.
+    others = [line for line in errors if not line.startswith("ERROR rank 0")]
+    assert all("LayoutMismatch: worker 0 found an error in its arguments: ValueError:"
+               in line for line in others), others

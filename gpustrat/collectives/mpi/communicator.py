@@ -13,11 +13,12 @@ from gpustrat.collectives.host import HostCommunicator, divide
 from gpustrat.collectives.mpi import waits as _waits
 from gpustrat.collectives.mpi.group import MpiWorkerGroup
 from gpustrat.collectives.mpi.header import (_BLOCKING_BYTES, _INLINE, _PACK_PAYLOAD,
-                                             _STEP_MASK, AgreedKey, _Channel, fold_code,
-                                             kind_code)
+                                             _STEP_MASK, ERROR_KIND, AgreedKey, _Channel,
+                                             fold_code, kind_code)
 from gpustrat.collectives.mpi.waits import (_BOOL_NP_OPS, _MEAN, _NP_OPS, _describe,
                                             input_steps_from_env, reduce_args)
 from gpustrat.devices import Device, to_host
+from gpustrat.errors import CollectiveMismatch
 from gpustrat.reduce_util import ReduceOp
 
 class _Results:
@@ -125,6 +126,17 @@ class MpiCommunicator(HostCommunicator):
         # Rides with the next collective: its header carries the layout, and this only
         # says how to explain a disagreement (no communication here).
         self._ch.pending = (what() if callable(what) else what, hint, shape)
+
+    def share_error(self, error):
+        # Its own kind of collective: it matches another worker's only when that worker
+        # found the same error (then each raises its own).
+        ch = self._ch
+        ch.pending = ch.fold = None
+        try:
+            ch.header(f"{ERROR_KIND}{self.workers.rank} found an error in its arguments: "
+                      f"{type(error).__name__}: {error}", 0, 0, None, None, None)
+        except CollectiveMismatch:
+            pass  # every worker raises; this one its own error
 
     def agree(self, key, what, hint=""):
         # A header of its own: the layout checksum is the key's. A layout named for the

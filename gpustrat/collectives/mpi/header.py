@@ -46,6 +46,11 @@ _STEP_MASK = 0x7FFFFFFF  # the input step travels modulo 2**31 in slot 2's high 
 _QUICK = range(64)  # Tests before a header's wait is handed to waits.wait
 
 
+#: How the header of :meth:`MpiCommunicator.share_error` names itself: a worker that
+#: found an error in a collective's arguments tells the workers waiting in it.
+ERROR_KIND = "no collective: worker "
+
+
 class AgreedKey(tuple):
     """The key of an agreement (``Communicator.agree``) where a header's layout would
     be: a disagreement names each worker's key, not a shape and dtype."""
@@ -267,6 +272,14 @@ class _Channel:
                 "must make the same collective calls in the same order on every step; a "
                 "program that takes steps in one thread while another makes collectives "
                 f"can turn this check off with {ENV_INPUT_STEPS}=0")
+        failed = [k[len(ERROR_KIND):] for k, *_ in infos if k.startswith(ERROR_KIND)]
+        if failed:
+            # A worker found an error before joining (a partial batch reduced with
+            # axis=None, its replicas' collectives differing): every worker raises it.
+            raise LayoutMismatch(
+                "; ".join(f"worker {f}" for f in failed) + f" (collective #{n} of this "
+                "communicator, which the other workers had joined); every worker raises "
+                "this error")
         if kinds or not layouts:
             parts = []
             for r, (k, w, s, d, pub, at) in enumerate(infos):
