@@ -138,8 +138,31 @@ with strategy.scope():
             assert "variable 'v'" in str(e) and "int64" in str(e), e
     # Strings are variables as in TensorFlow.
     s = gs.Variable(np.array(["ab", "c"]), name="s")
+    flags = gs.Variable(np.array([True, False]), name="flags")
 assert s.numpy().tolist() == ["ab", "c"]
 assert coord.schedule(lambda: s.numpy()).fetch().tolist() == ["ab", "c"]
+# Arithmetic NumPy has not for a dtype is a TypeError for the caller, the variable
+# unchanged (it used to end the job from the server, after the update was taken).
+def refused(call, words):
+    try:
+        call()
+    except TypeError as e:
+        assert words in str(e), e
+    else:
+        raise SystemExit(f"no error: {words}")
+for var, update, value in ((s, "assign_add", s.numpy()), (s, "assign_sub", s.numpy()),
+                           (flags, "assign_sub", flags.numpy())):
+    refused(lambda: getattr(var, update)(value),
+            f"{update} of variable {var.name!r} of dtype {var.dtype}")
+# From a function: its fetch raises, and so does the next join (then it is cleared).
+words = "assign_sub of variable 'flags' of dtype bool"
+remote = coord.schedule(lambda: flags.assign_sub(np.array([True, True])))
+refused(remote.fetch, words)
+refused(coord.join, words)
+flags.assign_add(np.array([False, True]))    # a logical or, as NumPy adds booleans
+assert flags.numpy().tolist() == [True, True] and s.numpy().tolist() == ["ab", "c"]
+s.assign(np.array(["x", "yz"]))
+assert s.numpy().tolist() == ["x", "yz"]
 assert coord.schedule(lambda: 1).fetch() == 1
 print("OK", flush=True)
 """

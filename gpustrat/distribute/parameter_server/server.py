@@ -173,9 +173,15 @@ class Server:
 
     @staticmethod
     def _check_size(var: _Var, code: int, nbytes: int) -> None:
+        """An update the server can apply, checked before it is acknowledged (after
+        that, an error could reach no caller)."""
         if nbytes != var.array.nbytes:
             raise ValueError(f"{FAST_OPS[code]} of variable {var.name!r} got "
                              f"{nbytes} bytes for its {var.array.nbytes}")
+        if var.array.dtype.kind not in _UPDATABLE[code]:
+            raise TypeError(f"{FAST_OPS[code]} of variable {var.name!r} of dtype "
+                            f"{var.array.dtype}: NumPy has no such arithmetic for it "
+                            "(assign a new value instead)")
 
     def _fast_error(self, source: int, tag: int, e: Exception) -> None:
         self.ch.send(source, tag + ERR_OFFSET, ("error", (
@@ -321,6 +327,9 @@ class Server:
 
 
 _ACK = np.zeros(1, np.int64)
+#: Fast request code -> dtype kinds it applies to (booleans add as a logical or, as
+#: NumPy does; nothing subtracts them).
+_UPDATABLE = {1: "biufcSUVMmO", 2: "biufc", 3: "iufc"}
 
 
 def _add(array, delta, subtract: bool) -> None:
