@@ -529,6 +529,30 @@ def test_a_rank_ending_before_the_strategy_releases_every_rank(rank, how):
     assert sorted(told) == sorted({"1", "2", "3"} - {str(rank)}), format_result(rc, out, err)
 
 
+# A script with a second resolver, not given to the strategy (made before it, or on the
+# coordinator after it): its exit hook used to send stray start messages, and the
+# launcher killed the job.
+TWO_RESOLVERS = r"""
+import sys
+import gpustrat as gs
+R = gs.distribute.cluster_resolver.MpiClusterResolver
+spare = R(num_ps=1) if sys.argv[1] == "before" else None
+strategy = gs.distribute.experimental.ParameterServerStrategy(R(num_ps=1))
+if spare is None:
+    spare = R(num_ps=1)
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
+print("RESULT", coord.schedule(lambda: 42).fetch(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_second_resolver_does_not_end_the_job(when):
+    for _ in range(2):  # the kill came in most runs, not all
+        rc, out, err = run_mpi(4, TWO_RESOLVERS, timeout=60, args=(when,),
+                               env={"GPUSTRAT_TIMEOUT": "20"})
+        assert rc == 0 and "RESULT 42" in out, format_result(rc, out, err)
+
+
 # Making a per-worker dataset or resource that ends its function process counts as an
 # attempt, as a scheduled function does: after max_retries the coordinator raises
 # naming the worker, the worker stops making it, and other functions go on.

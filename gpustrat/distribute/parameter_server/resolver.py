@@ -143,6 +143,7 @@ class MpiClusterResolver:
         status 1 saying so."""
         from gpustrat.collectives.mpi import mpi  # noqa: PLC0415
         world = mpi().COMM_WORLD
+        _process["met"] = True
         if chief:
             self._started = True
             self._coordinator_process = (socket.gethostname(), os.getpid())
@@ -236,6 +237,11 @@ class MpiClusterResolver:
         MPI = waits._MPI
         if MPI is None or MPI.Is_finalized():
             return
+        # Once per process, and only where no resolver met the others: another resolver
+        # of the script (one not given to the strategy) has nobody waiting for it.
+        if _process["met"] or _process["released"]:
+            return
+        _process["released"] = True
         world = MPI.COMM_WORLD
         if self._rank == 0:
             if getattr(self, "_started", False):
@@ -276,6 +282,11 @@ class MpiClusterResolver:
         return (f"MpiClusterResolver(rank={self._rank}, task_type={self.task_type!r}, "
                 f"task_id={self.task_id}, num_ps={self.num_ps}, "
                 f"num_workers={self.num_workers})")
+
+
+#: This process's start: whether a resolver met the other ranks (made its strategy), or
+#: told them at exit that it never will.
+_process = {"met": False, "released": False}
 
 
 def _receive(world, source: int, timeout: float):
