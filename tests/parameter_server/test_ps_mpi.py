@@ -646,7 +646,7 @@ def test_a_setup_that_ends_its_process_fails_after_max_retries():
 
 
 # A worker rank that stops answering (SIGSTOP) while it holds functions is given up for
-# lost after GPUSTRAT_TIMEOUT: its functions run on the other worker and join returns.
+# lost after twice GPUSTRAT_TIMEOUT: its functions run on the other worker and join returns.
 # A function that runs for longer than the timeout is not mistaken for it.
 WORKER_STOPS = r"""
 import os, signal, time, numpy as np
@@ -686,8 +686,47 @@ def test_a_worker_rank_that_stops_answering_is_given_up():
     rc, out, err = run_mpi(4, WORKER_STOPS, timeout=60, env={"GPUSTRAT_TIMEOUT": "3"})
     assert "DONE" in out, format_result(rc, out, err)
     assert float(re.search(r"JOINED after ([\d.]+)", out).group(1)) < 15, out
-    assert err.count("did not answer the coordinator within 3 s") == 1, err
+    assert err.count("did not answer the coordinator within 6 s") == 1, err
     assert "worker 0 (rank 2) did not answer" in err, err
     # The stopped rank would make MPI's end wait forever: the job is ended.
     assert rc not in (0, -9) and "ending every rank of the job" in err, \
         format_result(rc, out, err)
+
+
+# A server stopped while the workers' functions read from it: the workers' requests
+# time out and join raises ServerLostError naming the server. The workers, busy in those
+# requests, used to be given up for lost first ("every worker stopped answering").
+SERVER_STOPS_UNDER_READS = r"""
+import os, signal, time, numpy as np
+import gpustrat as gs
+
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+with open(f"rank{resolver.rank}", "w") as f:
+    f.write(str(os.getpid()))
+strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+with strategy.scope():
+    count = gs.Variable(np.zeros((), np.int64), name="count")
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
+
+def read(i):
+    time.sleep(1.0)
+    return int(count.numpy()) + i
+for i in range(12):
+    coord.schedule(read, args=(i,))
+time.sleep(0.5)
+os.kill(int(open("rank1").read()), signal.SIGSTOP)
+try:
+    coord.join()
+except gs.distribute.coordinator.ServerLostError as e:
+    print("JOIN RAISED", e, flush=True)
+os.kill(int(open("rank1").read()), signal.SIGCONT)
+"""
+
+
+def test_a_stopped_server_is_reported_as_lost_not_its_workers():
+    rc, out, err = run_mpi(4, SERVER_STOPS_UNDER_READS, timeout=90,
+                           env={"GPUSTRAT_TIMEOUT": "4"})
+    assert "JOIN RAISED read on parameter server 0 (rank 1): it did not answer" in out, \
+        format_result(rc, out, err)
+    assert "did not answer the coordinator" not in err, err
+    assert "parameter servers [0], workers [])" in err, err

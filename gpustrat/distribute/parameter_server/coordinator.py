@@ -6,7 +6,7 @@ function (one at a time per worker) and receives results. Delivery is
 ``os._exit``) the function it was running is queued again, for another worker when
 there is one, so a function may run more than once (its variable updates too). A
 function whose process dies ``max_retries`` times is reported as failed. A worker rank
-that holds functions and does not answer the dispatcher's liveness check within
+that holds functions and does not answer the dispatcher's liveness check within twice
 ``GPUSTRAT_TIMEOUT`` is lost: it gets nothing more, and its functions are queued again
 for the other workers (the running one counts as an attempt). An exception
 raised by a function is raised by ``join()``/``done()``/``fetch()`` (and the next
@@ -36,8 +36,11 @@ log = logging.getLogger("gpustrat.distribute.coordinator")
 _DEPTH = 2
 #: A worker holding functions that has sent nothing for this long (at most, a quarter
 #: of GPUSTRAT_TIMEOUT) is asked whether it is there; it is lost when it has not
-#: answered GPUSTRAT_TIMEOUT after that.
+#: answered _LOST_AFTER times GPUSTRAT_TIMEOUT after that: longer than a request of it
+#: to a server may wait (GPUSTRAT_TIMEOUT), so that a lost server is reported as such,
+#: by the worker, and not as the worker's loss.
 _PING_AFTER_S = 5.0
+_LOST_AFTER = 2.0
 #: How often the dispatcher looks at the workers' silences.
 _CHECK_S = 0.1
 
@@ -341,7 +344,7 @@ class ClusterCoordinator:
     def _check_workers(self, now: float) -> list:
         """The workers to ask whether they are there (those holding functions that have
         been silent for a while); gives up for lost those that did not answer within
-        GPUSTRAT_TIMEOUT. A worker rank answers from its own loop, whatever its function
+        twice GPUSTRAT_TIMEOUT. A worker rank answers from its own loop, whatever its function
         process does, so a function may run for longer than that."""
         ask = []
         with self._cv:
@@ -352,7 +355,7 @@ class ClusterCoordinator:
                     if now - self._heard[w] > self._ping_after:
                         self._pinged[w] = now
                         ask.append(w)
-                elif now - self._pinged[w] > self._ch.timeout:
+                elif now - self._pinged[w] > _LOST_AFTER * self._ch.timeout:
                     self._worker_lost(w)
                     self._cv.notify_all()
         return ask
@@ -367,10 +370,10 @@ class ClusterCoordinator:
         held = list(self._busy[w])
         self._busy[w].clear()
         log.warning("worker %d (rank %d) did not answer the coordinator within %g s "
-                    "(GPUSTRAT_TIMEOUT) while holding %d function(s): it is given up for "
+                    "(twice GPUSTRAT_TIMEOUT) while holding %d function(s): it is given up for "
                     "lost (stopped, or its machine is unreachable) and gets no more "
                     "functions; its functions are scheduled again on the other workers",
-                    w, rank, self._ch.timeout, len(held))
+                    w, rank, _LOST_AFTER * self._ch.timeout, len(held))
         for ident in list(self._setup_replies):
             self._setup_replies[ident].setdefault(w, None)
         if held:
