@@ -730,3 +730,32 @@ def test_a_stopped_server_is_reported_as_lost_not_its_workers():
         format_result(rc, out, err)
     assert "did not answer the coordinator" not in err, err
     assert "parameter servers [0], workers [])" in err, err
+
+
+# A per-worker dataset made while the workers run functions longer than
+# GPUSTRAT_TIMEOUT: made after them, no TimeoutError (the deadline used to count from
+# the send, blaming healthy workers).
+SETUP_BEHIND_SLOW = r"""
+import time
+import gpustrat as gs
+
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
+
+def slow():
+    time.sleep(7)  # GPUSTRAT_TIMEOUT is 3
+    return 1
+rvs = [coord.schedule(slow) for _ in range(2)]
+time.sleep(0.5)
+ds = coord.create_per_worker_dataset(lambda: gs.data.Dataset.range(5))
+it = iter(ds)
+first = coord.schedule(lambda i: int(next(i)), args=(it,)).fetch()
+assert first == 0 and coord.fetch(rvs) == [1, 1], (first, rvs)
+print("MADE", flush=True)
+"""
+
+
+def test_a_per_worker_dataset_is_made_after_long_functions():
+    rc, out, err = run_mpi(4, SETUP_BEHIND_SLOW, timeout=60, env={"GPUSTRAT_TIMEOUT": "3"})
+    assert rc == 0 and "MADE" in out, format_result(rc, out, err)

@@ -230,17 +230,42 @@ class ClusterCoordinator:
             self._setup_replies[ident] = {}
             self._cv.notify_all()
         self._wake_dispatcher()
+        sends = []
         for w, (blob, arrays) in enumerate(payloads):
             if w in self._lost:  # it runs nothing more: it needs no values
                 with self._cv:
                     self._setup_replies[ident][w] = None
                 continue
-            self.strategy._send_to_worker(
-                w, ("setup", kind, ident, blob, what, self.max_retries), arrays)
+            # Not waited for here: a stopped worker never takes a large value, and the
+            # others must still get theirs (a send's buffers live until it completes).
+            sends.append(self.strategy._send_to_worker(
+                w, ("setup", kind, ident, blob, what, self.max_retries), arrays,
+                wait=False))
+        try:
+            replies = self._setup_wait(ident, what)
+        finally:
+            # Sends not complete (a lost worker's): their buffers stay alive.
+            self._abandoned.extend(self.strategy._channel.done(sends))
+        bad = sorted((w, e) for w, e in replies.items() if e is not None)
+        if bad:
+            kinds = {e[0] for _, e in bad}
+            cls = TypeError if kinds == {"TypeError"} else RuntimeError
+            raise cls(f"making the per-worker {what} failed on " +
+                      "; ".join(f"worker {w}: {e[1]}" for w, e in bad))
+
+    def _setup_wait(self, ident: int, what: str) -> dict:
+        """Every worker's reply to setup ``ident`` (see _setup). The deadline counts
+        while a worker that has not answered holds no functions: it makes the value after
+        the functions it holds, however long they run (one that stops answering meanwhile
+        is given up for lost, see _check_workers)."""
         deadline = time.monotonic() + self._ch.timeout
         with self._cv:
             while len(self._setup_replies[ident]) < self._n:
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                got = self._setup_replies[ident]
+                if any(self._busy[w] for w in range(self._n) if w not in got):
+                    deadline = max(deadline, now + self._ch.timeout)
+                if now > deadline:
                     got = self._setup_replies.pop(ident, {})
                     late = ", ".join(f"worker {w} (rank {self._ch.worker_ranks[w]})"
                                      for w in range(self._n) if w not in got)
@@ -250,13 +275,7 @@ class ClusterCoordinator:
                                        "worker is stopped; raise GPUSTRAT_TIMEOUT if it "
                                        "legitimately takes longer")
                 self._cv.wait(0.1)
-            replies = self._setup_replies.pop(ident)
-        bad = sorted((w, e) for w, e in replies.items() if e is not None)
-        if bad:
-            kinds = {e[0] for _, e in bad}
-            cls = TypeError if kinds == {"TypeError"} else RuntimeError
-            raise cls(f"making the per-worker {what} failed on " +
-                      "; ".join(f"worker {w}: {e[1]}" for w, e in bad))
+            return self._setup_replies.pop(ident)
 
     # --- the dispatcher thread ----------------------------------------------------------
     def _stop_dispatcher(self) -> None:
@@ -300,7 +319,7 @@ class ClusterCoordinator:
                     if rank not in self._ch.lost:
                         self._ch.wait(requests, rank, "sending a task to a worker",
                                       doorbell.RESULTS)
-                self._abandoned = pending
+                self._abandoned.extend(pending)
                 return
             with self._cv:
                 sends = self._assign()
