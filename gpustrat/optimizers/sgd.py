@@ -20,13 +20,30 @@ class SGD(Optimizer):
 
     def __init__(self, learning_rate=0.01, momentum: float = 0.0, nesterov: bool = False,
                  name: str = "SGD", compression=None):
-        momentum = float(momentum)
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        self._momentum = None
         self.momentum = momentum
         self.nesterov = bool(nesterov)
-        self.slot_names = ("momentum",) if momentum else ()
         super().__init__(learning_rate, name, compression)
+
+    @property
+    def momentum(self) -> float:
+        return self._momentum
+
+    @momentum.setter
+    def momentum(self, value) -> None:
+        value = float(value)
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {value}")
+        stepped = bool(getattr(self, "_slots", None))
+        if value and stepped and not self.slot_names:
+            raise ValueError(
+                f"momentum {self._momentum:g} -> {value:g}: this SGD has taken steps "
+                "without a momentum slot (momentum 0 keeps none), so it cannot start one "
+                "now; make the SGD with a nonzero momentum (it may be set to 0 and back "
+                "later), or make a new SGD")
+        self._momentum = value
+        if not stepped:  # the slots are fixed by the first step
+            self.slot_names = ("momentum",) if value else ()
 
     def update_step(self, param, grad, slots, lr, step, name):
         self._descend(param, slots, lr * grad)

@@ -343,3 +343,34 @@ def test_a_subclass_update_step_is_used_for_replicas_sharing_a_gradient():
         strategy.close()
     for c in strategy.experimental_local_results(v):
         np.testing.assert_array_equal(c.numpy(), [-1.0, -1.0, -1.0])   # 0.25 * 2 * (1 + 1)
+
+
+def test_sgd_momentum_changes_keep_its_slot_or_are_refused():
+    # Momentum 0 keeps no slot: turning it on after steps used to fail with KeyError
+    # 'momentum' in the middle of a step (on a server, after other servers' updates).
+    s = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    try:
+        with s.scope():
+            w = gs.Variable(np.ones(2, np.float32), name="w")
+            plain, heavy = gs.optimizers.SGD(0.1), gs.optimizers.SGD(0.1, momentum=0.5)
+        fresh = gs.optimizers.SGD(0.1)
+        fresh.momentum = 0.9              # before any step: it keeps a slot from now on
+        assert fresh.slot_names == ("momentum",)
+        for opt in (plain, heavy):
+            s.run(lambda opt=opt: opt.apply_gradients([(np.ones(2, np.float32), w)]))
+        with pytest.raises(ValueError, match=r"momentum 0 -> 0.9: this SGD has taken steps "
+                                             r"without a momentum slot"):
+            plain.momentum = 0.9
+        with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\), got 1.5"):
+            heavy.momentum = 1.5
+        assert plain.momentum == 0.0 and heavy.momentum == 0.5
+        heavy.momentum = 0.0              # its slot is kept, unused, for a later momentum
+        assert heavy.slot_names == ("momentum",)
+        heavy.momentum = 0.8              # used from the next step
+        before = w.numpy().copy()
+        m = heavy.get_slot(w, "momentum").numpy().copy()
+        s.run(lambda: heavy.apply_gradients([(np.ones(2, np.float32), w)]))
+        g = 2.0                           # the gradients summed over the 2 replicas
+        np.testing.assert_allclose(w.numpy(), before + (0.8 * m - 0.1 * g), rtol=1e-6)
+    finally:
+        s.close()
