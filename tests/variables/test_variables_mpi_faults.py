@@ -101,7 +101,9 @@ CASES = [
     (lambda: s.run(step, args=(ONES3, None if r == last else ONES2)),
      "every worker must reduce the same values"),
     (lambda: s.run(step, args=(np.ones(4 if r == last else 3, np.float32), ONES2)),
-     r"bad gradients: the gradient of variable 'w' has shape \(4,\)"),
+     # Named as the agreement it is, not as a shape and dtype.
+     rf"rank {last} called \w+.apply_gradients \(bad gradients: the gradient of variable "
+     r"'w' has shape \(4,\) but the variable has \(3,\),\)"),
 ]
 for fn, pattern in CASES:
     expect(fn, pattern)

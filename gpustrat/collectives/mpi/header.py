@@ -51,6 +51,16 @@ _QUICK = range(64)  # Tests before a header's wait is handed to waits.wait
 ERROR_KIND = "no collective: worker "
 
 
+def _call(kind: str, shown, dtype) -> str:
+    """A collective as a disagreement names it: its kind and layout, or its kind and the
+    key it agrees on."""
+    return f"{kind} {shown}" if dtype == _KEY else _describe(kind, shown, dtype)
+
+
+#: What a disagreement's description holds for the dtype of an agreement on a key.
+_KEY = "key"
+
+
 class AgreedKey(tuple):
     """The key of an agreement (``Communicator.agree``) where a header's layout would
     be: a disagreement names each worker's key, not a shape and dtype."""
@@ -248,7 +258,8 @@ class _Channel:
             hint = pending[1]
         public, site = _caller()
         mine = (kind, what, None if shape is None else _shown(shape),
-                None if dtype is None else str(dtype), public, site,
+                None if dtype is None else _KEY if isinstance(shape, AgreedKey) else
+                str(dtype), public, site,
                 None if fold is None else
                 (fold[1], fold[2]() if callable(fold[2]) else fold[2], fold[3],
                  fold[4]() if len(fold) > 4 else None))
@@ -263,7 +274,7 @@ class _Channel:
             at = ", ".join(f"rank {r} at input step {s}" for r, s in enumerate(steps))
             parts = []
             for r, (k, w, s, d, pub, site) in enumerate(infos):
-                text = f"{pub} [{_describe(k, s, d)}]" if pub else _describe(k, s, d)
+                text = f"{pub} [{_call(k, s, d)}]" if pub else _call(k, s, d)
                 parts.append(f"rank {r} called {text}" + (f" at {site}" if site else ""))
             raise CollectiveMismatch(
                 f"{at}: a rank skipped or added a collective (collective #{n} of this "
@@ -285,7 +296,7 @@ class _Channel:
             for r, (k, w, s, d, pub, at) in enumerate(infos):
                 # A collective carrying a folded agreement is named by its caller.
                 pub = folds[r][1] if folds[r] is not None else pub
-                text = f"{pub} [{_describe(k, s, d)}]" if pub else _describe(k, s, d)
+                text = f"{pub} [{_call(k, s, d)}]" if pub else _call(k, s, d)
                 parts.append(f"rank {r} called {text}" + (f" at {at}" if at else ""))
             why = ("" if kinds else " (the same collective from different lines of "
                    f"code, which {ENV_DEBUG}=1 reports)")
