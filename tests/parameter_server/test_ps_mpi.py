@@ -216,6 +216,13 @@ with strategy.scope():
 assert np.array_equal(sharded.numpy(), big)
 sharded.assign_add(np.ones_like(big))
 assert np.array_equal(sharded.read_value(), big + 1)
+# A byte order other than the machine's is kept (reads used to come back native).
+swapped = np.arange(8, dtype=">f8").reshape(4, 2)
+with strategy.scope():
+    other = gs.Variable(swapped, name="other_order")
+assert isinstance(other, gs.distribute.ShardedVariable), other
+for read in (other.numpy(), other.read_value(), np.array(other.value())):
+    assert read.dtype == np.dtype(">f8") and np.array_equal(read, swapped), read.dtype
 try:
     with strategy.scope():
         gs.Variable(np.zeros((1, 2 ** 19), np.float32), name="huge")

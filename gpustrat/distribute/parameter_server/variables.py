@@ -221,7 +221,9 @@ class ShardedVariable(_HeldElsewhere, _FetchedReads, Variable):
         return self._shards[0].device
 
     def _fetch(self) -> np.ndarray:
-        return np.concatenate([s._fetch() for s in self._shards], axis=0)
+        parts = [s._fetch() for s in self._shards]
+        # In the shards' own dtype (concatenate would give a big-endian one native order).
+        return np.concatenate(parts, axis=0, dtype=parts[0].dtype)
 
     def _split(self, arr) -> list:
         bounds = np.cumsum([s.shape[0] for s in self._shards])[:-1]
