@@ -24,9 +24,25 @@ class AdamW(Adam):
         if float(weight_decay) < 0:
             raise ValueError(f"weight_decay must be non-negative, got {weight_decay}")
         self.weight_decay = float(weight_decay)
-        self.exclude_from_weight_decay = tuple(exclude_from_weight_decay or ())
-        super().__init__(learning_rate, beta_1, beta_2, epsilon, amsgrad, name, compression)
         self._decayed: dict = {}
+        self.exclude_from_weight_decay = exclude_from_weight_decay
+        super().__init__(learning_rate, beta_1, beta_2, epsilon, amsgrad, name, compression)
+
+    @property
+    def exclude_from_weight_decay(self) -> tuple:
+        return self._exclude
+
+    @exclude_from_weight_decay.setter
+    def exclude_from_weight_decay(self, names) -> None:
+        names = tuple(names or ())
+        if self._decayed and names != self._exclude:
+            # Which variables decay is settled by the first step (a fused step decays
+            # every variable of its arena).
+            raise ValueError(
+                f"exclude_from_weight_decay {list(self._exclude)} -> {list(names)}: this "
+                "AdamW has taken steps, and which variables decay is fixed by the first "
+                "one; make the AdamW with the exclusions it should keep")
+        self._exclude = names
 
     def _decays(self, name: str) -> bool:
         hit = self._decayed.get(name)

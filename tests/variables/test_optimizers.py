@@ -374,3 +374,27 @@ def test_sgd_momentum_changes_keep_its_slot_or_are_refused():
         np.testing.assert_allclose(w.numpy(), before + (0.8 * m - 0.1 * g), rtol=1e-6)
     finally:
         s.close()
+
+
+def test_adamw_exclusions_are_fixed_by_the_first_step():
+    # A change after the first step used to be ignored without a word (the decayed
+    # variables were remembered, and a fused step decays its whole arena).
+    s = gs.MirroredStrategy(["cpu:0"])
+    try:
+        with s.scope():
+            w = gs.Variable(np.ones(2, np.float32), name="w")
+            b = gs.Variable(np.ones(2, np.float32), name="bias")
+            opt = gs.optimizers.AdamW(0.1, weight_decay=0.5, exclude_from_weight_decay=["x"])
+        opt.exclude_from_weight_decay = ["bias"]      # before any step: taken
+        assert opt.exclude_from_weight_decay == ("bias",)
+        s.run(lambda: opt.apply_gradients([(np.zeros(2, np.float32), w),
+                                           (np.zeros(2, np.float32), b)]))
+        np.testing.assert_allclose(w.numpy(), [0.95, 0.95], rtol=1e-6)   # 1 - 0.5 * 0.1
+        assert b.numpy().tolist() == [1.0, 1.0]
+        with pytest.raises(ValueError, match=r"exclude_from_weight_decay \['bias'\] -> \[\]: "
+                                             r"this AdamW has taken steps"):
+            opt.exclude_from_weight_decay = []
+        opt.exclude_from_weight_decay = ("bias",)       # the same: nothing changes
+        assert opt.get_config()["exclude_from_weight_decay"] == ["bias"]
+    finally:
+        s.close()
