@@ -360,14 +360,19 @@ def test_function_process_killed_is_survived():
 # A server killed: the launcher ends the job (no rank is left waiting). A server that
 # stops answering: the coordinator raises ServerLostError naming it and every rank
 # ends.
-SERVER_LOST = r"""
-import os, signal, numpy as np
+# Each rank writes its process id to rank<N> (for a test to stop or kill it), then
+# makes the strategy (1 server).
+WITH_PIDS = r"""
+import os, signal, time, numpy as np
 import gpustrat as gs
 
 resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
 with open(f"rank{resolver.rank}", "w") as f:
     f.write(str(os.getpid()))
 strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+"""
+
+SERVER_LOST = WITH_PIDS + r"""
 with strategy.scope():
     v = gs.Variable(np.zeros(4, np.float32), name="v")
 coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
@@ -653,16 +658,9 @@ def test_a_setup_that_ends_its_process_fails_after_max_retries():
 
 
 # A worker rank that stops answering (SIGSTOP) while it holds functions is given up for
-# lost after twice GPUSTRAT_TIMEOUT: its functions run on the other worker and join returns.
-# A function that runs for longer than the timeout is not mistaken for it.
-WORKER_STOPS = r"""
-import os, signal, time, numpy as np
-import gpustrat as gs
-
-resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
-with open(f"rank{resolver.rank}", "w") as f:
-    f.write(str(os.getpid()))
-strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+# lost after twice GPUSTRAT_TIMEOUT: its functions run on the other worker and join
+# returns. A function that runs for longer than the timeout is not mistaken for it.
+WORKER_STOPS = WITH_PIDS + r"""
 with strategy.scope():
     v = gs.Variable(np.zeros((), np.float32), name="v")
 coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
@@ -703,14 +701,7 @@ def test_a_worker_rank_that_stops_answering_is_given_up():
 # A server stopped while the workers' functions read from it: the workers' requests
 # time out and join raises ServerLostError naming the server. The workers, busy in those
 # requests, used to be given up for lost first ("every worker stopped answering").
-SERVER_STOPS_UNDER_READS = r"""
-import os, signal, time, numpy as np
-import gpustrat as gs
-
-resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
-with open(f"rank{resolver.rank}", "w") as f:
-    f.write(str(os.getpid()))
-strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+SERVER_STOPS_UNDER_READS = WITH_PIDS + r"""
 with strategy.scope():
     count = gs.Variable(np.zeros((), np.int64), name="count")
 coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
