@@ -171,11 +171,13 @@ class Rendezvous:
                 f"replica {index} called a collective ({signature[0]}, {signature[1]}) "
                 "outside strategy.run: a replica context (get_replica_context()) can "
                 "only issue collectives from the function run is running")
-        return ValueError(
+        error = ValueError(
             f"replica {index} called a collective ({signature[0]}, {signature[1]}) that "
             f"replica {self.returned} never called: replica {self.returned} returned from "
             "its function first; every replica must issue the same collectives in the "
             "same order")
+        error._gpustrat_unmatched = True  # told to the other workers (see call)
+        return error
 
     def clear_outcome(self) -> None:
         """Drop the last collective's results once every replica has read them."""
@@ -212,6 +214,7 @@ def _check_signatures(sigs: list, share_error=None) -> None:
                 "collectives in the same order")
             if share_error is not None:
                 share_error(error)
+                error._gpustrat_shared = True
             raise error
 
 
@@ -438,7 +441,9 @@ class ReplicaRunner:
             join_streams_into_current(self.devices, self._streams)
             if errors:
                 rv.reset()
-                raise _primary_error(errors, self.devices)
+                error = _primary_error(errors, self.devices)
+                _tell_other_workers(rv.share_error, error)
+                raise error
             return results
 
     def close(self) -> None:
@@ -446,6 +451,23 @@ class ReplicaRunner:
         while another thread is inside :meth:`call` on this runner."""
         self._unclean = "closed"
         self._finalizer()
+
+
+def _tell_other_workers(share_error, error: BaseException) -> None:
+    """A step that failed on this worker because a replica returned before a collective
+    its other replicas made: under several workers, the others wait in that collective,
+    or would pair their next one with this worker's next one: they are told
+    (``Communicator.share_error``), once, so that every worker raises. An exception of
+    the replica function itself is not told: a script that catches it and takes the
+    step again meets the others' pending collective, as a retry."""
+    if share_error is None or getattr(error, "_gpustrat_shared", False) or \
+            not getattr(error, "_gpustrat_unmatched", False):
+        return
+    try:
+        share_error(error)
+    except Exception:  # noqa: BLE001 - the step's own error is the one to raise
+        pass
+    error._gpustrat_shared = True
 
 
 def _primary_error(errors: dict, devices) -> BaseException:

@@ -541,8 +541,18 @@ x = s.run(lambda v: np.asarray(v, np.float64), args=(last,))
 # Only global replica 1 (worker 0's second) has 2 columns.
 pieces = s.run(lambda v: np.ones((len(v), 3 - (ctx().replica_id_in_sync_group == 1))),
                args=(last,))
+# Only global replica 1 gives float32.
+mixed = s.run(lambda: np.ones(2, np.float32 if ctx().replica_id_in_sync_group == 1
+                              else np.float64))
+
+def returns_early():
+    if ctx().replica_id_in_sync_group == 1:  # its worker's other replica reduces
+        return 0.0
+    return ctx().all_reduce("sum", 1.0)
 cases = [
     ("reduce", lambda: s.reduce("sum", x, axis=None), "pass axis=0"),
+    ("dtypes", lambda: s.reduce("sum", mixed, axis=None), "different dtypes"),
+    ("returned", lambda: s.run(returns_early), "returned from its function first"),
     ("all_reduce", lambda: s.run(lambda v: ctx().all_reduce("sum", v), args=(x,)),
      "replicas issued different collectives"),
     ("gather", lambda: s.gather(pieces, axis=0), "differ only along that axis"),
@@ -570,8 +580,8 @@ def test_replicas_disagreeing_on_one_worker_raise_on_every_worker_at_once(n):
     out = assert_mpi_ok(n, LOCAL_DISAGREEMENT, timeout=120, expect_lines=n,
                         env={"GPUSTRAT_TIMEOUT": "30"})
     errors = [line for line in out.splitlines() if line.startswith("ERROR")]
-    assert len(errors) == 3 * n, out
+    assert len(errors) == 5 * n, out
     # The workers whose replicas agreed name the worker that found the error.
     others = [line for line in errors if not line.startswith("ERROR rank 0")]
-    assert all("LayoutMismatch: worker 0 found an error in its arguments: ValueError:"
+    assert all("LayoutMismatch: worker 0 failed before this collective: ValueError:"
                in line for line in others), others

@@ -133,7 +133,7 @@ class MpiCommunicator(HostCommunicator):
         ch = self._ch
         ch.pending = ch.fold = None
         try:
-            ch.header(f"{ERROR_KIND}{self.workers.rank} found an error in its arguments: "
+            ch.header(f"{ERROR_KIND}{self.workers.rank} failed before this collective: "
                       f"{type(error).__name__}: {error}", 0, 0, None, None, None)
         except CollectiveMismatch:
             pass  # every worker raises; this one its own error
