@@ -26,13 +26,27 @@ __all__ = ["Checkpoint", "CheckpointLoadStatus", "CheckpointOptions"]
 
 
 def _workers_of(entries: list):
-    """The worker group the objects live in: their strategy's, else the current one's."""
+    """The worker group the objects live in: their strategy's (a variable's, or that of
+    the variables of a metric or an optimizer), else the current one's."""
     from gpustrat.distribute import context  # noqa: PLC0415
     for e in entries:
-        strategy = getattr(e.obj, "distribute_strategy", None)
-        if strategy is not None and hasattr(strategy, "workers"):
-            return strategy.workers
+        for holder in (e.obj, *_variables_of(e.obj)):
+            strategy = getattr(holder, "distribute_strategy", None)
+            if strategy is not None and hasattr(strategy, "workers"):
+                return strategy.workers
     return context.get_strategy().workers
+
+
+def _variables_of(obj) -> list:
+    """The variables a metric or an optimizer keeps (none for other objects)."""
+    if getattr(obj, "distribute_strategy", None) is not None:
+        return []
+    try:
+        found = getattr(obj, "variables", None)
+        found = found() if callable(found) else found
+        return list(found or ())
+    except Exception:  # noqa: BLE001 - an object whose variables cannot be listed
+        return []
 
 
 class CheckpointLoadStatus:

@@ -64,6 +64,19 @@ expect(RuntimeError, lambda: ck.restore(os.path.join(directory, "nothing")),
 ck.restore(a)
 assert int(opt.iterations) == 1
 step()
+# A Checkpoint of metrics alone (made in the scope, saved outside it) is the workers'
+# too: it used to act as a one-worker job on each rank, ignoring the others.
+with s.scope():
+    loss = gs.metrics.Mean()
+s.run(lambda: loss.update_state(np.float32(2.0)))
+only = gs.train.Checkpoint(loss=loss)
+m1 = only.write(os.path.join(directory, "m1"))
+loss.update_state(np.float32(8.0))   # every worker alike, outside run
+m2 = only.write(os.path.join(directory, "m2"))
+expect(ValueError, lambda: only.read(m2 if r == W - 1 else m1),
+       r"Checkpoint.read: the workers gave different paths")
+only.read(m1)
+assert float(loss.result()) == 2.0, float(loss.result())
 print(f"OK rank {r}", flush=True)
 s.close()
 """
