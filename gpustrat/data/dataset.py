@@ -30,7 +30,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from gpustrat.data.iterator_state import drawn_seed_nodes, fingerprint, unsupported_nodes
+from gpustrat.data.iterator_state import (drawn_seed_nodes, epoch_counts, fingerprint,
+                                          set_epoch_counts, unsupported_nodes)
 from gpustrat.data.options import Options
 from gpustrat.data.spec import spec_of, unknown_dims
 
@@ -106,6 +107,9 @@ class DatasetIterator:
         drawn = drawn_seed_nodes(self._dataset)
         if drawn:
             state["seeds"] = np.array([n._seed for n in drawn], np.uint64)
+        epochs = epoch_counts(self._dataset)
+        if epochs:
+            state["epochs"] = np.array(epochs, np.int64)
         return state
 
     def set_state(self, state: dict) -> None:
@@ -128,6 +132,8 @@ class DatasetIterator:
                 node._seed = int(seed)
         fresh = self._dataset._state_iter(_IterContext())
         fresh.restore(state["position"])
+        if "epochs" in state:  # the counters as at the save (making fresh moved them)
+            set_epoch_counts(self._dataset, state["epochs"])
         self._close()
         self._state, self._gen, self._failed = fresh, fresh.fast_iter(), None
 

@@ -422,6 +422,31 @@ def drawn_seed_nodes(dataset) -> list:
     return [n for n in walk(dataset) if hasattr(n, "_with_seed") and not n._seeded]
 
 
+def epoch_counts(dataset) -> list:
+    """The next epoch number of every node of ``dataset``'s graph that counts its
+    iterations (``_epochs``: a reshuffling ``shuffle``, ``sample_from_datasets``,
+    ``interleave``), in walk order, read without moving them. A saved position holds
+    them: a node's iterator made only after the save (an input a ``repeat`` or a
+    sampling opens again after it was exhausted) must take the same epoch in the
+    restored process."""
+    out = []
+    for node in walk(dataset):
+        if isinstance(getattr(node, "_epochs", None), itertools.count):
+            nxt = next(node._epochs)
+            node._epochs = itertools.count(nxt)
+            out.append(nxt)
+    return out
+
+
+def set_epoch_counts(dataset, counts) -> None:
+    """Set the counters :func:`epoch_counts` read (after the iterators are restored:
+    making them moves the counters)."""
+    nodes = [n for n in walk(dataset)
+             if isinstance(getattr(n, "_epochs", None), itertools.count)]
+    for node, nxt in zip(nodes, counts):
+        node._epochs = itertools.count(int(nxt))
+
+
 def fingerprint(dataset) -> list:
     """What a saved position must be restored into: each node's type and cardinality,
     depth first (another transformation or another size gives another fingerprint)."""
