@@ -430,21 +430,23 @@ def epoch_counts(dataset) -> list:
     sampling opens again after it was exhausted) must take the same epoch in the
     restored process."""
     out = []
-    for node in walk(dataset):
-        if isinstance(getattr(node, "_epochs", None), itertools.count):
-            nxt = next(node._epochs)
-            node._epochs = itertools.count(nxt)
-            out.append(nxt)
+    for node in _counting_nodes(dataset):
+        nxt = next(node._epochs)
+        node._epochs = itertools.count(nxt)
+        out.append(nxt)
     return out
 
 
 def set_epoch_counts(dataset, counts) -> None:
     """Set the counters :func:`epoch_counts` read (after the iterators are restored:
     making them moves the counters)."""
-    nodes = [n for n in walk(dataset)
-             if isinstance(getattr(n, "_epochs", None), itertools.count)]
-    for node, nxt in zip(nodes, counts):
+    for node, nxt in zip(_counting_nodes(dataset), counts):
         node._epochs = itertools.count(int(nxt))
+
+
+def _counting_nodes(dataset) -> list:
+    return [n for n in walk(dataset)
+            if isinstance(getattr(n, "_epochs", None), itertools.count)]
 
 
 def fingerprint(dataset) -> list:

@@ -151,15 +151,13 @@ class StrategyExtended:
                 tensors.append([as_array(c, d) for c, d in zip(comps, devices)])
         if not tensors:
             return []
-        what = f"batch_reduce_to({op.name})" if words is None else words[0]
+        what, hint = (f"batch_reduce_to({op.name})", AGREE_HINT) if words is None else words
         comm = strategy.communicator
         # Variables are named in the agreement: workers that reduce different variables
         # of the same layouts (reads in different orders) raise instead of mixing them.
         names = _variable_keys(originals) if strategy.num_workers > 1 else None
         if len(tensors) == 1:
-            agree = agreement(strategy, describe_layouts(tensors, names), what)
-            if agree and words is not None:
-                agree = agree[:2] + (words[1],)
+            agree = agreement(strategy, describe_layouts(tensors, names), what, hint)
             with comm.agreeing(*agree, also) if agree else _NOTHING:
                 out = [comm.all_reduce(tensors[0], op)]
         else:
@@ -168,9 +166,7 @@ class StrategyExtended:
             if layout.described is None:
                 layout.described = _describe(tensors)
             agree = agreement(strategy, layout.described if names is None else
-                              describe_layouts(tensors, names), what)
-            if agree and words is not None:
-                agree = agree[:2] + (words[1],)
+                              describe_layouts(tensors, names), what, hint)
             with comm.agreeing(*agree, also) if agree else _NOTHING:
                 if single:
                     return fused_all_reduce_single(comm, tensors, op, layout=layout)
@@ -246,7 +242,8 @@ AGREE_HINT = ("every worker must reduce the same values, in the same order, with
               "shapes and dtypes")
 
 
-def agreement(strategy, layouts: tuple, what: str) -> tuple | None:
+def agreement(strategy, layouts: tuple, what: str, hint: str = AGREE_HINT
+              ) -> tuple | None:
     """``(key, what, hint)`` for ``comm.agreeing`` around a fused reduction of tensors
     described by ``layouts`` (what :func:`describe_layouts` gives): every worker must
     reduce the same list of shapes and dtypes (and names, when described), else every
@@ -254,4 +251,4 @@ def agreement(strategy, layouts: tuple, what: str) -> tuple | None:
     (nothing to agree on)."""
     if strategy.num_workers == 1:
         return None
-    return (layouts, what, AGREE_HINT)
+    return (layouts, what, hint)

@@ -117,8 +117,18 @@ def _shared(comm: Communicator, error: Exception) -> Exception:
     every worker raises."""
     if comm.num_workers > 1:
         comm.share_error(error)
-        error._gpustrat_shared = True
     return error
+
+
+def _check_dtypes(comm: Communicator, arrays: list) -> None:
+    """The local replicas' arrays of a reduction have one dtype (else told, and
+    raised)."""
+    first = arrays[0].dtype
+    if any(a.dtype != first for a in arrays[1:]):
+        raise _shared(comm, ValueError(
+            f"cannot reduce per-replica values of different dtypes "
+            f"({', '.join(f'replica {i}: {a.dtype}' for i, a in enumerate(arrays))}): "
+            "cast them to one dtype first"))
 
 
 def _normalize_axis(axis: int, ndim: int) -> int:
@@ -180,11 +190,7 @@ _ONE_ROW: dict = {}
 def _reduce_arrays(comm: Communicator, op: ReduceOp, arrays: list, axis: int | None) -> Any:
     if axis is None:
         first = arrays[0]
-        if len(arrays) > 1 and any(a.dtype != first.dtype for a in arrays[1:]):
-            raise _shared(comm, ValueError(
-                f"cannot reduce per-replica values of different dtypes "
-                f"({', '.join(f'replica {i}: {a.dtype}' for i, a in enumerate(arrays))}): "
-                "cast them to one dtype first"))
+        _check_dtypes(comm, arrays)
         if len(arrays) > 1 and any(a.shape != first.shape for a in arrays[1:]):
             raise _shared(comm, ValueError(
                 f"cannot reduce per-replica values of different shapes with axis=None "
@@ -220,11 +226,7 @@ def _reduce_arrays(comm: Communicator, op: ReduceOp, arrays: list, axis: int | N
     if any(r != rest[0] or a.ndim != ndim for r, a in zip(rest, arrays)):
         raise _shared(comm, ValueError(f"per-replica values differ in shape outside axis "
                                        f"{axis}: {_shapes(arrays)}"))
-    if any(a.dtype != arrays[0].dtype for a in arrays[1:]):
-        raise _shared(comm, ValueError(
-            f"cannot reduce per-replica values of different dtypes "
-            f"({', '.join(f'replica {i}: {a.dtype}' for i, a in enumerate(arrays))}): "
-            "cast them to one dtype first"))
+    _check_dtypes(comm, arrays)
     # Sizes along the axis may differ between workers; the other axes and dtype may not.
     shown = tuple("*" if i == ax else n for i, n in enumerate(arrays[0].shape))
     name = _NAMES_AXIS.get((id(op), axis))

@@ -214,7 +214,6 @@ def _check_signatures(sigs: list, share_error=None) -> None:
                 "collectives in the same order")
             if share_error is not None:
                 share_error(error)
-                error._gpustrat_shared = True
             raise error
 
 
@@ -460,14 +459,12 @@ def _tell_other_workers(share_error, error: BaseException) -> None:
     (``Communicator.share_error``), once, so that every worker raises. An exception of
     the replica function itself is not told: a script that catches it and takes the
     step again meets the others' pending collective, as a retry."""
-    if share_error is None or getattr(error, "_gpustrat_shared", False) or \
-            not getattr(error, "_gpustrat_unmatched", False):
+    if share_error is None or not getattr(error, "_gpustrat_unmatched", False):
         return
     try:
         share_error(error)
     except Exception:  # noqa: BLE001 - the step's own error is the one to raise
         pass
-    error._gpustrat_shared = True
 
 
 def _primary_error(errors: dict, devices) -> BaseException:

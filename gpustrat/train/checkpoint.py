@@ -39,14 +39,8 @@ def _workers_of(entries: list):
 
 def _variables_of(obj) -> list:
     """The variables a metric or an optimizer keeps (none for other objects)."""
-    if getattr(obj, "distribute_strategy", None) is not None:
-        return []
-    try:
-        found = getattr(obj, "variables", None)
-        found = found() if callable(found) else found
-        return list(found or ())
-    except Exception:  # noqa: BLE001 - an object whose variables cannot be listed
-        return []
+    found = getattr(obj, "variables", None)
+    return list(found) if isinstance(found, (list, tuple)) else []
 
 
 class CheckpointLoadStatus:

@@ -51,14 +51,14 @@ _QUICK = range(64)  # Tests before a header's wait is handed to waits.wait
 ERROR_KIND = "no collective: worker "
 
 
+#: What a disagreement's description holds for the dtype of an agreement on a key.
+_KEY = "key"
+
+
 def _call(kind: str, shown, dtype) -> str:
     """A collective as a disagreement names it: its kind and layout, or its kind and the
     key it agrees on."""
     return f"{kind} {shown}" if dtype == _KEY else _describe(kind, shown, dtype)
-
-
-#: What a disagreement's description holds for the dtype of an agreement on a key.
-_KEY = "key"
 
 
 class AgreedKey(tuple):

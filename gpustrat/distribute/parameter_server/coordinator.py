@@ -363,8 +363,8 @@ class ClusterCoordinator:
     def _check_workers(self, now: float) -> list:
         """The workers to ask whether they are there (those holding functions that have
         been silent for a while); gives up for lost those that did not answer within
-        twice GPUSTRAT_TIMEOUT. A worker rank answers from its own loop, whatever its function
-        process does, so a function may run for longer than that."""
+        twice GPUSTRAT_TIMEOUT. A worker rank answers from its own loop, whatever its
+        function process does, so a function may run for longer than that."""
         ask = []
         with self._cv:
             for w in range(self._n):
@@ -389,9 +389,10 @@ class ClusterCoordinator:
         held = list(self._busy[w])
         self._busy[w].clear()
         log.warning("worker %d (rank %d) did not answer the coordinator within %g s "
-                    "(twice GPUSTRAT_TIMEOUT) while holding %d function(s): it is given up for "
-                    "lost (stopped, or its machine is unreachable) and gets no more "
-                    "functions; its functions are scheduled again on the other workers",
+                    "(twice GPUSTRAT_TIMEOUT) while holding %d function(s): it is given "
+                    "up for lost (stopped, or its machine is unreachable) and gets no "
+                    "more functions; its functions are scheduled again on the other "
+                    "workers",
                     w, rank, _LOST_AFTER * self._ch.timeout, len(held))
         for ident in list(self._setup_replies):
             self._setup_replies[ident].setdefault(w, None)
@@ -408,9 +409,9 @@ class ClusterCoordinator:
         if len(self._lost) == self._n:
             err = RuntimeError(
                 f"every worker ({self._n}) stopped answering the coordinator within "
-                f"{self._ch.timeout:g} s (GPUSTRAT_TIMEOUT): no function can run. See the "
-                "workers' output, restart the job and restore the variables from a "
-                "checkpoint")
+                f"{_LOST_AFTER * self._ch.timeout:g} s (twice GPUSTRAT_TIMEOUT): no "
+                "function can run. See the workers' output, restart the job and restore "
+                "the variables from a checkpoint")
             while self._queue:
                 self._queue.popleft().value._fail(err)
             self._errors.insert(0, err)
