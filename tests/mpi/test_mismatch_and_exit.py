@@ -182,6 +182,55 @@ def test_a_rank_that_finalizes_or_vanishes_is_named_within_seconds(n, how):
         assert "rank 1 (process" in err and "os._exit" in err, report
 
 
+
+# A rank that closes its strategy: the others' next collective on it raises within
+# seconds naming that rank, and the job ends whether the others close their strategy
+# too or just exit (with or without an error).
+CLOSES = r"""
+import sys, time
+import numpy as np
+import gpustrat as gs
+from gpustrat.errors import CollectiveTimeout
+L, after = int(sys.argv[1]), sys.argv[2]
+s = gs.MultiWorkerMirroredStrategy(devices=[f"cpu:{i}" for i in range(L)])
+r, W = s.worker_index, s.num_workers
+total = s.reduce("SUM", s.run(lambda: np.ones(2)), axis=None)
+assert total.tolist() == [W * L] * 2, total
+if r == W - 1:
+    s.close()
+    print("CLOSED", r, flush=True)
+    sys.exit(0)
+t0 = time.monotonic()
+try:
+    s.reduce("SUM", s.run(lambda: np.ones(2)), axis=None)
+    print("RETURNED", r, flush=True)
+except CollectiveTimeout as e:
+    assert f"rank {W - 1} has closed its strategy" in str(e), e
+    assert time.monotonic() - t0 < 10, time.monotonic() - t0
+    print("NAMED", r, flush=True)
+if after == "close":
+    s.close()
+elif after == "raise":
+    raise SystemExit(3)
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("n,local,after", [(2, 1, "exit"), (2, 2, "close"),
+                                           (3, 1, "raise"), (3, 2, "exit")])
+def test_a_rank_that_closes_its_strategy_is_named_and_the_job_ends(n, local, after):
+    t0 = time.monotonic()
+    rc, out, err = run_mpi(n, CLOSES, timeout=60, args=[str(local), after],
+                           env={"GPUSTRAT_TIMEOUT": "120"})
+    elapsed = time.monotonic() - t0
+    report = format_result(rc, out, err)
+    assert "[run_mpi] timed out" not in err, report
+    assert elapsed < 40, f"job took {elapsed:.0f} s\n{report}"
+    assert (rc != 0) == (after == "raise"), report
+    assert "RETURNED" not in out, report
+    assert out.count("NAMED") == n - 1 and out.count("CLOSED") == 1, report
+
+
 # Random layouts around the 32 bytes that ride in the header, through the public calls:
 # every replica's values are known to every rank (seeded by replica id), so each rank
 # checks exact results. Held results must not change when later calls reuse buffers.

@@ -381,6 +381,11 @@ class _Channel:
         return self._gatherv(np.frombuffer(data, np.uint8), sizes, kind)
 
     def close(self) -> None:
+        if self._req is not None and not self._req.Test():
+            # A header allgather left waiting (another rank failed or left): MPI
+            # forbids freeing it or its communicator, so both are left as they are.
+            self._req = self.comm = None
+            return
         if self._req is not None:
             self._req.Free()
             self._req = None
