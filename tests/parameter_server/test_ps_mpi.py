@@ -511,9 +511,12 @@ def test_coordinator_ending_with_functions_in_flight_ends_every_rank(how):
 # its strategy: the coordinator raises naming it and every other rank exits, none is
 # left waiting for it.
 LEAVES_EARLY = r"""
-import sys
+import os, sys
 import gpustrat as gs
-resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+here = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", -1))) \
+    == int(sys.argv[1])
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(
+    num_ps=7 if here and sys.argv[2] == "resolver" else 1)
 if resolver.rank == int(sys.argv[1]):
     if sys.argv[2] == "raise":
         raise ValueError("no data here")
@@ -527,7 +530,8 @@ print("NOT REACHED", flush=True)
 """
 
 
-@pytest.mark.parametrize("rank,how", [(2, "raise"), (1, "raise"), (3, "exit0")])
+@pytest.mark.parametrize("rank,how", [(2, "raise"), (1, "raise"), (3, "exit0"),
+                                      (3, "resolver")])
 def test_a_rank_ending_before_the_strategy_releases_every_rank(rank, how):
     rc, out, err = run_mpi(4, LEAVES_EARLY, timeout=40, args=(rank, how),
                            env={"GPUSTRAT_TIMEOUT": "20"})

@@ -95,6 +95,9 @@ class MpiClusterResolver:
         world = mpi_world()
         self._rank = world.Get_rank()
         self._size = world.Get_size()
+        # Before any check: a rank whose arguments are refused here tells the ranks that
+        # wait for it, like one that fails later in its script.
+        atexit.register(self._release_at_exit)
         self.rpc_layer = rpc_layer
         if tf_config is None and num_ps is None and os.environ.get("TF_CONFIG"):
             tf_config = os.environ["TF_CONFIG"]
@@ -130,7 +133,6 @@ class MpiClusterResolver:
         addresses.setdefault("chief", ["mpi-rank-0"])
         self._spec = ClusterSpec({k: addresses[k] for k in ("chief", "ps", "worker")})
         self.task_type, self.task_id = role_of(self._rank, num_ps)
-        atexit.register(self._release_at_exit)
 
     def _start(self, chief: bool, timeout: float) -> None:
         """Meet the other ranks before the strategy starts, with point-to-point messages
