@@ -33,7 +33,7 @@ import logging
 import numpy as np
 
 from gpustrat.data.dataset import Dataset
-from gpustrat.data.iterator_state import drawn_seed_nodes, walk
+from gpustrat.data.iterator_state import walk
 
 log = logging.getLogger("gpustrat")
 
@@ -133,7 +133,7 @@ def unseeded_shuffles(dataset: Dataset) -> list[Dataset]:
     """The pipeline's nodes that need a seed agreed by every worker, in a fixed walk
     order: shuffles built without a seed, and every ``interleave``/``flat_map`` (the
     datasets its function returns may shuffle without one)."""
-    return drawn_seed_nodes(dataset)
+    return [n for n in walk(dataset) if hasattr(n, "_with_seed") and not n._seeded]
 
 
 def _in_agreed_order(dataset: Dataset, seeds: list[int]) -> tuple[Dataset, int]:

@@ -31,7 +31,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from gpustrat.data.iterator_state import (drawn_seed_nodes, epoch_counts, fingerprint,
-                                          set_epoch_counts, unsupported_nodes)
+                                          set_drawn_seed, set_epoch_counts,
+                                          unsupported_nodes)
 from gpustrat.data.options import Options
 from gpustrat.data.spec import spec_of, unknown_dims
 
@@ -129,7 +130,7 @@ class DatasetIterator:
                              "was saved")
         if "seeds" in state:  # before any node's iterator reads its seed
             for node, seed in zip(drawn_seed_nodes(self._dataset), state["seeds"]):
-                node._seed = int(seed)
+                set_drawn_seed(node, seed)
         fresh = self._dataset._state_iter(_IterContext())
         fresh.restore(state["position"])
         if "epochs" in state:  # the counters as at the save (making fresh moved them)

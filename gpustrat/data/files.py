@@ -241,6 +241,7 @@ class ListFilesDataset(Dataset):
         """The same file list with another shuffle seed, counting its epochs from 0."""
         new = copy.copy(self)
         new._seed, new._seeded, new._epoch = int(seed), True, 0
+        new._agreed = True
         return new
 
     def _iter(self, ctx):

@@ -75,6 +75,7 @@ class InterleaveDataset(UnaryDataset):
         ``seed``, its epoch and the element's index, counting its epochs from 0."""
         new = copy.copy(self)
         new._seed, new._seeded, new._agreed_seed = int(seed), True, int(seed)
+        new._agreed = True
         new._epochs = itertools.count()
         return new
 

@@ -414,12 +414,22 @@ def unsupported_nodes(dataset) -> list[str]:
 
 
 def drawn_seed_nodes(dataset) -> list:
-    """The nodes of ``dataset``'s graph that drew their own random seed (an unseeded
-    ``shuffle``, ``list_files`` or ``sample_from_datasets``), each once, in a fixed walk
-    order. A saved position holds their seeds: a node's iterator made only after the
-    save (a ``repeat``'s next pass, a sampled input not yet read) must draw the same
-    order in the restored process."""
-    return [n for n in walk(dataset) if hasattr(n, "_with_seed") and not n._seeded]
+    """The nodes of ``dataset``'s graph whose random seed the user did not give (an
+    unseeded ``shuffle``, ``list_files``, ``sample_from_datasets`` or ``interleave``:
+    drawn by the node, or agreed by the workers when the dataset was distributed), each
+    once, in a fixed walk order. A saved position holds their seeds: a node's iterator
+    made only after the save (a ``repeat``'s next pass, a sampled input not yet read)
+    must draw the same order in the restored process, where a new seed would be drawn
+    or agreed."""
+    return [n for n in walk(dataset) if hasattr(n, "_with_seed")
+            and (not n._seeded or getattr(n, "_agreed", False))]
+
+
+def set_drawn_seed(node, seed: int) -> None:
+    """Give ``node`` (one of :func:`drawn_seed_nodes`) the seed a saved position holds."""
+    node._seed = int(seed)
+    if getattr(node, "_agreed_seed", None) is not None:  # an agreed interleave
+        node._agreed_seed = int(seed)
 
 
 def epoch_counts(dataset) -> list:

@@ -264,12 +264,13 @@ class SampleDataset(_DirectedDataset):
             weights, datasets = self._weights, list(inputs)
         new = SampleDataset(datasets, weights, self._seed, self._stop, self._rerandomize)
         new._seeded, new._rerandomize = self._seeded, self._rerandomize
+        new._agreed = getattr(self, "_agreed", False)
         return new
 
     def _with_seed(self, seed: int) -> "SampleDataset":
         """The same sampling with another seed (one every worker agreed on)."""
         new = self._with_inputs(self._inputs())
-        new._seed, new._seeded = int(seed), True
+        new._seed, new._seeded, new._agreed = int(seed), True, True
         return new
 
     def _picks(self, ctx, active):

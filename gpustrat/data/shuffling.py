@@ -48,7 +48,7 @@ class ShuffleDataset(UnaryDataset):
     def _with_seed(self, seed: int) -> "ShuffleDataset":
         """The same shuffle with another seed, counting its epochs from 0."""
         new = copy.copy(self)
-        new._seed, new._seeded = int(seed), True
+        new._seed, new._seeded, new._agreed = int(seed), True, True
         new._epochs = itertools.count()
         return new
 

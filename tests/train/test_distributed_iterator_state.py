@@ -299,10 +299,13 @@ import gpustrat as gs
 from gpustrat.data import Dataset, Options, AutoShardPolicy as P
 
 R, policy, directory, phase = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+epochs = int(sys.argv[5]) if len(sys.argv) > 5 else 1
 s = gs.MultiWorkerMirroredStrategy(devices=[f"cpu:{i}" for i in range(R)])
 
 def build():
-    ds = Dataset.range(96).shuffle(30).batch(12)     # unseeded: the seed is saved
+    # Unseeded: the seed the workers agreed on is saved (a repeat's next pass must
+    # shuffle as the saving job would have).
+    ds = Dataset.range(96).shuffle(30).repeat(epochs).batch(12)
     o = Options()
     o.experimental_distribute.auto_shard_policy = getattr(P, policy)
     return ds.with_options(o)
@@ -332,7 +335,7 @@ else:
         sys.exit(0)
     rest = elements(it)
     head = json.load(open(os.path.join(directory, "head.json")))
-    assert sorted(head + rest) == list(range(96)), (head, rest)
+    assert sorted(head + rest) == sorted(list(range(96)) * epochs), (head, rest)
     assert len(head) == 36
     print(f"OK resumed {s.worker_index}", flush=True)
 """
@@ -347,6 +350,19 @@ def test_mpi_data_position_moves_to_other_worker_counts(tmp_path):
     out = assert_mpi_ok(1, MPI_MOVE, timeout=90, args=(2, "DATA", tmp_path, "load"),
                         expect_lines=1)
     assert "OK resumed" in out, out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("saved,restored", [((2, 1), (2, 1)), ((2, 2), (3, 1))])
+def test_mpi_data_unseeded_shuffle_resumes_its_next_pass(tmp_path, saved, restored):
+    # Distributing agrees one seed for the workers; the restored job agrees another,
+    # and used to shuffle the repeat's passes with it.
+    (n, r), (n2, r2) = saved, restored
+    assert_mpi_ok(n, MPI_MOVE, timeout=90, args=(r, "DATA", tmp_path, "save", 3),
+                  expect_lines=n)
+    out = assert_mpi_ok(n2, MPI_MOVE, timeout=90, args=(r2, "DATA", tmp_path, "load", 3),
+                        expect_lines=n2)
+    assert out.count("OK resumed") == n2, out
 
 
 MPI_ONE_RANK_FAILS = r"""
