@@ -176,7 +176,7 @@ class Rendezvous:
             f"replica {self.returned} never called: replica {self.returned} returned from "
             "its function first; every replica must issue the same collectives in the "
             "same order")
-        error._gpustrat_unmatched = True  # told to the other workers (see call)
+        error._gpustrat_tell = True  # told to the other workers (see call)
         return error
 
     def clear_outcome(self) -> None:
@@ -441,6 +441,11 @@ class ReplicaRunner:
             if errors:
                 rv.reset()
                 error = _primary_error(errors, self.devices)
+                if not isinstance(error, ReplicaAborted) and any(
+                        isinstance(e, ReplicaAborted) for e in errors.values()):
+                    # Another replica of this worker was in a collective, or went into
+                    # one, after this error: the other workers make it too.
+                    error._gpustrat_tell = True
                 _tell_other_workers(rv.share_error, error)
                 raise error
             return results
@@ -453,13 +458,16 @@ class ReplicaRunner:
 
 
 def _tell_other_workers(share_error, error: BaseException) -> None:
-    """A step that failed on this worker because a replica returned before a collective
-    its other replicas made: under several workers, the others wait in that collective,
-    or would pair their next one with this worker's next one: they are told
-    (``Communicator.share_error``), once, so that every worker raises. An exception of
-    the replica function itself is not told: a script that catches it and takes the
-    step again meets the others' pending collective, as a retry."""
-    if share_error is None or not getattr(error, "_gpustrat_unmatched", False):
+    """A step that failed on this worker at a collective: a replica returned before a
+    collective its other replicas made, a replica raised while another replica of this
+    worker was in a collective, or a ``merge_call`` function raised. Under several
+    workers the others wait in that collective, or would pair their next one with this
+    worker's next one: they are told (``Communicator.share_error``), once, so that
+    every worker raises. An exception of the replica function raised where no replica
+    of this worker reached a collective is not told: a script that catches it and takes
+    the step again meets the others' pending collective, as a retry."""
+    if share_error is None or not getattr(error, "_gpustrat_tell", False) or \
+            getattr(error, "_gpustrat_told", False):
         return
     try:
         share_error(error)

@@ -231,6 +231,70 @@ def test_a_rank_that_closes_its_strategy_is_named_and_the_job_ends(n, local, aft
     assert out.count("NAMED") == n - 1 and out.count("CLOSED") == 1, report
 
 
+
+# A step that fails on one worker at a collective, caught on every rank, which then
+# skip the step: a replica raising while another replica of its worker is in a
+# collective, or a merge_call function (an optimizer's check) raising on one worker.
+# Every worker raises at that step and every later step's values are exact (the
+# failing worker's next collective used to meet the others' pending one).
+SKIPS = r"""
+import sys
+import numpy as np
+import gpustrat as gs
+L, how = int(sys.argv[1]), sys.argv[2]
+s = gs.MultiWorkerMirroredStrategy(devices=[f"cpu:{i}" for i in range(L)])
+r, W, N = s.worker_index, s.num_workers, s.num_replicas_in_sync
+last = N - 1
+with s.scope():
+    w = gs.Variable(np.zeros(2, np.float32), name="w")
+    b = gs.Variable(np.zeros(2, np.float32), name="b")
+    opt = gs.optimizers.SGD(1.0)
+
+def step(k):
+    ctx = gs.get_replica_context()
+    failing = ctx.replica_id_in_sync_group == last and k == 2
+    g = np.full(2, -float(k), np.float32)
+    if how == "replica":
+        if failing:
+            raise FloatingPointError("loss is NaN")
+    elif how == "apply":
+        opt.apply_gradients([(g, w)] if failing else [(g, w), (g, b)])
+    else:
+        ctx.merge_call(check, args=(k,))
+    return ctx.all_reduce("SUM", np.float32(k))
+
+def check(strategy, k):
+    if r == W - 1 and k == 2:
+        raise ValueError("this worker's check failed")
+    return strategy.reduce("MEAN", np.float32(k), axis=None)
+
+failed = []
+for k in range(5):
+    try:
+        got = s.reduce("SUM", s.run(step, args=(k,)), axis=None)
+        assert float(got) == N * N * k, (k, float(got))
+    except (FloatingPointError, ValueError) as e:
+        assert k == 2, (k, e)
+        failed.append(k)
+        if r != W - 1:
+            assert f"worker {W - 1} failed before this collective" in str(e), e
+assert failed == [2], failed
+if how == "apply":
+    assert w.numpy().tolist() == [8.0 * N] * 2 and b.numpy().tolist() == w.numpy().tolist()
+print(f"OK {r}", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n,local,how", [(2, 2, "replica"), (3, 2, "replica"),
+                                         (2, 2, "apply"), (2, 1, "merge"),
+                                         (3, 2, "merge")])
+def test_a_step_failing_at_a_collective_on_one_worker_raises_on_every_worker(n, local,
+                                                                            how):
+    assert_mpi_ok(n, SKIPS, timeout=90, args=(local, how), expect_lines=n,
+                  env={"GPUSTRAT_TIMEOUT": "60"})
+
+
 # Random layouts around the 32 bytes that ride in the header, through the public calls:
 # every replica's values are known to every rank (seeded by replica id), so each rank
 # checks exact results. Held results must not change when later calls reuse buffers.

@@ -130,6 +130,7 @@ class MpiCommunicator(HostCommunicator):
     def share_error(self, error):
         # Its own kind of collective: it matches another worker's only when that worker
         # found the same error (then each raises its own).
+        error._gpustrat_told = True
         ch = self._ch
         ch.pending = ch.fold = None
         try:
