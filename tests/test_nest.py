@@ -45,3 +45,15 @@ def test_packed_leaves_are_freed_when_the_structure_is_dropped_without_a_collect
         assert [r() for r in refs] == [None, None, None]
     finally:
         gc.enable()
+
+
+def test_describe_tells_apart_what_pairs_leaves_differently():
+    assert nest.describe({"b": [1, 2], "a": (3,)}) == "{'a': (.,), 'b': [., .]}"
+    assert nest.describe(Point(1, {"k": 2})) == "Point(., {'k': .})"
+    assert nest.describe(3.5) == "."
+    # Insertion order does not matter (leaves pair in sorted key order); keys, lengths
+    # and nesting do.
+    assert nest.describe({"a": 1, "b": 2}) == nest.describe({"b": 1, "a": 2})
+    assert nest.describe({"a": 1, "b": 2}) != nest.describe({"a": 1, "c": 2})
+    assert nest.describe([1, 2]) != nest.describe([1, 2, 3])
+    assert nest.describe([1, [2]]) != nest.describe([1, 2])

@@ -8,6 +8,8 @@ once per fusion bucket), and give each replica its structure back.
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Sequence
 
 import numpy as np
@@ -85,6 +87,19 @@ def _numeric_host_array(x: Any, comm: Communicator) -> bool:
     return type(x) is np.ndarray and x.dtype.kind in "biufc" and not comm.devices[0].is_gpu
 
 
+def same_structure_everywhere(comm: Communicator, kind: str, value: Any):
+    """A context for the collectives of a nested ``value``'s leaves: under several
+    workers the first one's header also carries the structure (:func:`nest.describe`),
+    so that workers whose leaves would pair up differently (other dict keys, another
+    leaf count) raise on every worker instead of combining the wrong leaves."""
+    if comm.num_workers == 1 or not nest.is_nested(value):
+        return contextlib.nullcontext()
+    return comm.agreeing(
+        (f"structure {nest.describe(value)}",), f"{kind} of a nested structure",
+        "every worker must pass the same structure (the same dict keys, sequence lengths "
+        "and nesting): the leaves pair up by position")
+
+
 def all_reduce_structures(comm: Communicator, values: Sequence[Any], op: ReduceOp) -> list:
     """One reduced structure per local replica (``values[i]`` is replica i's)."""
     if len(values) == 1 and _numeric_host_array(values[0], comm):
@@ -94,8 +109,9 @@ def all_reduce_structures(comm: Communicator, values: Sequence[Any], op: ReduceO
     tensors = [[as_array(flats[i][j], comm.devices[i]) for i in range(len(values))]
                for j in range(len(flats[0]))]
     # Many leaves (a model's gradients) go in fusion buckets: one collective per bucket.
-    reduced = fused_all_reduce(comm, tensors, op) if len(tensors) > 1 else \
-        [comm.all_reduce(tensors[0], op)]
+    with same_structure_everywhere(comm, f"all_reduce({op.name})", values[0]):
+        reduced = fused_all_reduce(comm, tensors, op) if len(tensors) > 1 else \
+            [comm.all_reduce(tensors[0], op)]
     return [nest.pack_sequence_as(values[i], [_restore_scalar(flats[i][j], reduced[j][i])
                                               for j in range(len(tensors))])
             for i in range(len(values))]
@@ -108,11 +124,12 @@ def all_gather_structures(comm: Communicator, values: Sequence[Any], axis: int) 
     check_same_structures("all_gather", values)
     flats = [nest.flatten(v) for v in values]
     out_leaves = []
-    for j in range(len(flats[0])):
-        bufs = [as_array(flats[i][j], comm.devices[i]) for i in range(len(values))]
-        if bufs[0].ndim == 0:
-            raise ValueError("all_gather needs arrays with at least one dimension to "
-                             f"concatenate along axis {axis}; got a scalar (0-d) value")
-        out_leaves.append(comm.all_gather(bufs, axis))
+    with same_structure_everywhere(comm, "all_gather", values[0]):
+        for j in range(len(flats[0])):
+            bufs = [as_array(flats[i][j], comm.devices[i]) for i in range(len(values))]
+            if bufs[0].ndim == 0:
+                raise ValueError("all_gather needs arrays with at least one dimension to "
+                                 f"concatenate along axis {axis}; got a scalar (0-d) value")
+            out_leaves.append(comm.all_gather(bufs, axis))
     return [nest.pack_sequence_as(values[i], [leaf[i] for leaf in out_leaves])
             for i in range(len(values))]

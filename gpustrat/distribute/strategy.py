@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 from gpustrat import nest
 from gpustrat.collectives.base import Communicator, LocalWorkerGroup, WorkerGroup
 from gpustrat.devices import Device, to_device
-from gpustrat.distribute import context, reduction
+from gpustrat.distribute import collective_ops, context, reduction
 from gpustrat.distribute.distributed_variables import DistributedVariable, as_components
 from gpustrat.distribute.replica_context import ReplicaContext, ValueContext, in_merge_call
 from gpustrat.distribute.runner import Rendezvous, ReplicaRunner
@@ -184,7 +184,11 @@ class Strategy:
                 # replica, run returns plain values), so it is reduced over the workers.
             return reduction.reduce_components(self._communicator, op,
                                                self._components(v, "strategy.reduce"), axis)
-        return nest.map_structure(leaf, value)
+        if not nest.is_nested(value):
+            return leaf(value)
+        with collective_ops.same_structure_everywhere(
+                self._communicator, f"strategy.reduce({op.name})", value):
+            return nest.map_structure(leaf, value)
 
     def _check_plain(self, op: ReduceOp, value: Any) -> None:
         # As tf.distribute: a plain value counts as the same on every local replica; its
@@ -210,7 +214,11 @@ class Strategy:
                 return v
             return reduction.gather_components(
                 self._communicator, self._components(v, "strategy.gather"), axis)
-        return nest.map_structure(leaf, value)
+        if not nest.is_nested(value):
+            return leaf(value)
+        with collective_ops.same_structure_everywhere(self._communicator,
+                                                      "strategy.gather", value):
+            return nest.map_structure(leaf, value)
 
     def experimental_local_results(self, value: Any) -> tuple:
         """This worker's components in replica order; a plain value gives ``(value,)``;

@@ -295,6 +295,52 @@ def test_a_step_failing_at_a_collective_on_one_worker_raises_on_every_worker(n, 
                   env={"GPUSTRAT_TIMEOUT": "60"})
 
 
+
+# Nested values whose structures differ between workers (other dict keys, one more
+# leaf): their leaves would pair up by position, so every rank raises, and the job goes
+# on with exact values (they used to combine rank 0's "acc" with rank 1's "loss").
+STRUCTURES = r"""
+import sys
+import numpy as np
+import gpustrat as gs
+from gpustrat.errors import LayoutMismatch
+L = int(sys.argv[1])
+s = gs.MultiWorkerMirroredStrategy(devices=[f"cpu:{i}" for i in range(L)])
+r, W, N = s.worker_index, s.num_workers, s.num_replicas_in_sync
+odd = r == W - 1
+cases = {
+    "reduce keys": lambda: s.reduce("SUM", s.run(lambda: {"loss": np.float32(1),
+                                                          ("top5" if odd else "acc"):
+                                                          np.float32(2)}), axis=None),
+    "reduce count": lambda: s.reduce("SUM", s.run(
+        lambda: [np.float32(1)] * (3 if odd else 2)), axis=None),
+    "gather keys": lambda: s.gather(s.run(lambda: {("b" if odd else "a"): np.ones(2),
+                                                   "c": np.ones(2)}), axis=0),
+    "all_reduce keys": lambda: s.run(lambda: gs.get_replica_context().all_reduce(
+        "SUM", {"a": np.float32(1), ("c" if odd else "b"): np.float32(2)})),
+    "all_gather count": lambda: s.run(lambda: gs.get_replica_context().all_gather(
+        (np.ones(2),) * (2 if odd else 1), axis=0)),
+}
+for name, call in cases.items():
+    try:
+        call()
+        raise AssertionError(f"{name}: no error on rank {r}")
+    except LayoutMismatch as e:
+        assert "of a nested structure: the workers disagree" in str(e), (name, e)
+    got = s.reduce("SUM", s.run(lambda: {"x": np.float32(1), "y": np.float32(2)}),
+                   axis=None)
+    assert got == {"x": N, "y": 2 * N}, (name, got)
+print(f"OK {r}", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n,local", [(2, 1), (3, 2)])
+def test_nested_values_of_other_structures_raise_on_every_rank(n, local):
+    assert_mpi_ok(n, STRUCTURES, timeout=90, args=(local,), expect_lines=n,
+                  env={"GPUSTRAT_TIMEOUT": "60"})
+
+
 # Random layouts around the 32 bytes that ride in the header, through the public calls:
 # every replica's values are known to every rank (seeded by replica id), so each rank
 # checks exact results. Held results must not change when later calls reuse buffers.
