@@ -341,6 +341,52 @@ def test_nested_values_of_other_structures_raise_on_every_rank(n, local):
                   env={"GPUSTRAT_TIMEOUT": "60"})
 
 
+
+# After a collective was left waiting (a timeout), the strategy's collectives say they
+# cannot run any more (they raised a raw MPI error about an active request); after
+# close(), that it was closed (an AttributeError).
+AFTER = r"""
+import sys, time
+import numpy as np
+import gpustrat as gs
+from gpustrat.errors import CollectiveTimeout
+s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+r = s.worker_index
+if sys.argv[1] == "timeout":
+    if r == 1:
+        time.sleep(4)   # past rank 0's deadline
+        sys.exit(0)
+    for attempt in range(2):
+        try:
+            s.reduce("SUM", np.float32(1), axis=None)
+            raise AssertionError("no timeout")
+        except CollectiveTimeout as e:
+            if attempt == 0:
+                assert "did not complete within 2 s" in str(e), e
+            else:
+                assert "an earlier collective of this strategy did not complete" in \
+                    str(e) and "restart" in str(e), e
+else:
+    s.close()
+    try:
+        s.reduce("SUM", np.float32(1), axis=None)
+        raise AssertionError("no error")
+    except RuntimeError as e:
+        assert "this strategy (or worker group) was closed" in str(e), e
+print(f"OK {r}", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case", ["timeout", "closed"])
+def test_collectives_after_a_timeout_or_close_say_why_they_cannot_run(case):
+    rc, out, err = run_mpi(2, AFTER, timeout=60, args=[case],
+                           env={"GPUSTRAT_TIMEOUT": "2", "GPUSTRAT_ABORT_ON_ERROR": "0"})
+    report = format_result(rc, out, err)
+    assert "[run_mpi] timed out" not in err and rc == 0, report
+    assert out.count("OK") == (1 if case == "timeout" else 2), report
+
+
 # Random layouts around the 32 bytes that ride in the header, through the public calls:
 # every replica's values are known to every rank (seeded by replica id), so each rank
 # checks exact results. Held results must not change when later calls reuse buffers.

@@ -13,9 +13,11 @@ from typing import Any
 import numpy as np
 
 from gpustrat.collectives.mpi import waits as _waits
-from gpustrat.collectives.mpi.waits import (ENV_DEBUG, ENV_INPUT_STEPS, _describe, _shown,
-                                            debug_from_env, mpi, timeout_from_env, wait)
-from gpustrat.errors import CollectiveMismatch, LayoutMismatch, StateMismatch
+from gpustrat.collectives.mpi.waits import (ENV_DEBUG, ENV_INPUT_STEPS, _describe, _name,
+                                            _shown, debug_from_env, mpi, timeout_from_env,
+                                            wait)
+from gpustrat.errors import (CollectiveMismatch, CollectiveTimeout, LayoutMismatch,
+                             StateMismatch)
 
 # --- the header every collective starts with ----------------------------------------
 
@@ -149,8 +151,8 @@ class _Channel:
     """One MPI communicator with deadline waits and the header agreement."""
 
     __slots__ = ("comm", "rank", "size", "timeout", "debug", "calls", "exits", "pending",
-                 "fold", "steps", "_send", "_recv", "_sendb", "_offsets", "_req", "_views",
-                 "_counts")
+                 "fold", "steps", "broken", "_send", "_recv", "_sendb", "_offsets", "_req",
+                 "_views", "_counts")
 
     def __init__(self, comm, exits: "_ExitWatch | None" = None):
         self.comm = comm
@@ -170,6 +172,8 @@ class _Channel:
         # The worker group whose input_steps every header carries (data channels), or
         # None (control channels: the end-of-data agreement runs inside next()).
         self.steps = None
+        #: Why the channel cannot be used any more (a collective left waiting), or None.
+        self.broken: str | None = None
         self._send = np.zeros(_SLOTS, np.int64)
         self._recv = np.zeros((self.size, _SLOTS), np.int64)
         self._sendb = memoryview(self._send).cast("B")
@@ -181,7 +185,29 @@ class _Channel:
         self._counts = struct.Struct("=" + "24xq32x" * self.size).unpack_from
 
     def wait(self, request, what) -> None:
-        wait(request, what, self.rank, self.timeout, self.exits)
+        try:
+            wait(request, what, self.rank, self.timeout, self.exits)
+        except CollectiveTimeout as e:
+            self._abandon(e)
+            raise
+
+    def _abandon(self, error: CollectiveTimeout) -> None:
+        """A collective was left waiting: MPI cannot take it back, so none of this
+        channel's collectives can run again (they would pair with it)."""
+        if self.broken is None:
+            self.broken = str(error).split(". ", 1)[0]
+
+    def _check_usable(self, what) -> None:
+        if self.comm is None:
+            raise RuntimeError(f"{_name(what)}: this strategy (or worker group) was closed; "
+                               "make a new one to run collectives again")
+        if self.broken is not None:
+            raise CollectiveTimeout(
+                f"{_name(what)} cannot run on rank {self.rank}: an earlier collective of "
+                f"this strategy did not complete ({self.broken}), and MPI cannot take it "
+                "back, so no later one can run on it. End the job on every rank and "
+                "restart it (restoring from a checkpoint); a retry inside the job cannot "
+                "work")
 
     def header(self, kind: str, layout: int, count: int, payload, shape, dtype,
                hint: str = "") -> np.ndarray:
@@ -222,7 +248,8 @@ class _Channel:
         out (see :func:`waits.wait`)."""
         self.calls += 1
         req = self._req
-        if req is None:
+        if req is None or self.broken is not None:
+            self._check_usable(what)
             req = self._req = self.comm.Allgather_init([self._send, _waits._MPI.INT64_T],
                                                        [self._recv, _waits._MPI.INT64_T])
         req.Start()
@@ -231,7 +258,11 @@ class _Channel:
             if test():
                 break
         else:
-            wait(req, what, self.rank, self.timeout, self.exits)
+            try:
+                wait(req, what, self.rank, self.timeout, self.exits)
+            except CollectiveTimeout as e:
+                self._abandon(e)
+                raise
         raw = self._recv.tobytes()
         ref = raw[:_AGREE]
         if self.size == 2:
