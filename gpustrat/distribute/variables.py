@@ -92,7 +92,10 @@ def initial_array(value, dtype=None):
         raise ValueError("a Variable needs an initial_value (an array, a number, or a "
                          "callable returning one)")
     if is_gpu_array(value):
-        return value.astype(dtype) if dtype is not None else value.copy()
+        # On the value's device (CuPy copies onto the current one), so the copy is
+        # queued on that device's current stream, after the work that wrote the value.
+        with on_device_of(value):
+            return value.astype(dtype) if dtype is not None else value.copy()
     arr = np.array(value, dtype=dtype, copy=True) if dtype is not None else np.array(value)
     if dtype is None and _is_python_value(value):
         if arr.dtype == np.float64:

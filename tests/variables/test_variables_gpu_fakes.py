@@ -243,6 +243,37 @@ def test_a_cross_replica_assign_of_a_value_on_another_gpu_is_computed_there(seed
     assert not san.reports, [str(x) for x in san.reports[:3]]
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_variable_made_from_a_device_value_copies_it_on_that_device(seed):
+    # Inside run, the replica combining the creation (the last to arrive) copied replica
+    # 0's value onto its own device, unordered after replica 0's stream; likewise a
+    # value on gpu:1 in the scope with gpu:0 current.
+    with testing.sanitize(seed=seed, check=False) as san:
+        cp = devices.cupy()
+        s = _strategy()
+        out = {}
+        try:
+            def step():
+                out["v"] = gs.Variable(cp.full((4,), 7.0, np.float32) * 2)
+            s.run(step)
+            with cp.cuda.Device(1):
+                init = cp.full((4,), 3.0, np.float32) * 1      # on gpu:1's stream
+            with s.scope():
+                w = gs.Variable(init)
+                w64 = gs.Variable(init, dtype=np.float64)
+                u = gs.Variable(w)                              # from a variable
+            plain = gs.Variable(init)
+            assert [c.numpy().tolist() for c in out["v"].values] == [[14.0] * 4] * 2
+            for var in (w, w64, u):
+                assert [c.device for c in var.values] == ["gpu:0", "gpu:1"]
+                assert [c.numpy().tolist() for c in var.values] == [[3.0] * 4] * 2
+            assert plain.device == "gpu:1" and plain.numpy().tolist() == [3.0] * 4
+        finally:
+            s.close()
+        san.drain()
+    assert not san.reports, [str(x) for x in san.reports[:3]]
+
+
 # --- metrics ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("seed", SEEDS)
