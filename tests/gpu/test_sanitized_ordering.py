@@ -218,6 +218,26 @@ def test_scatter_of_a_contiguous_batch_is_views_and_one_copy_per_piece(seed):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+def test_a_copy_on_another_stream_of_the_arrays_device_is_not_reused_under(seed):
+    # to_device(x, x's device, stream=s, copy=True) read x on s while x's block is the
+    # current stream's, which never waited for s: dropping x let the current stream's
+    # next allocation overwrite it while s still copied from it.
+    with testing.sanitize(seed=seed, run_probability=0, check=False) as san:
+        cp = devices.cupy()
+        with cp.cuda.Device(0):
+            s = cp.cuda.Stream(non_blocking=True)
+            x = cp.asarray(np.arange(64, dtype=np.float32)) * 1     # the current stream
+            y = devices.to_device(x, Device("gpu", 0), stream=s, copy=True)
+            del x
+            gc.collect()
+            cp.zeros(64, np.float32)                 # the current stream reuses x's block
+            got = y.get(stream=s)
+        san.drain()
+    assert not san.reports, [str(r) for r in san.reports[:2]]
+    assert got.tolist() == list(range(64))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 def test_pack_unpack_and_sum_kernels_match_their_references(seed):
     from gpustrat.kernels.pack import pack, pack_reference, unpack
     from gpustrat.kernels.sum_buffers import sum_buffers, sum_buffers_reference
