@@ -209,12 +209,53 @@ def test_scatter_of_a_contiguous_batch_is_views_and_one_copy_per_piece(seed):
                 with cp.cuda.Device(d):
                     streams.append(cp.cuda.Stream(non_blocking=True))
             with san.measure() as c:
+                res = scatter(batch, ["gpu:0", "gpu:1", "gpu:2"])
+            assert c["launches"] == 0 and c["copies"] == 2 and c["host_syncs"] == 0
+            assert res.pieces[1].data.ptr == batch[3:].data.ptr    # a view on its device
+            got = [p.get() for p in res.pieces]
+            # On a stream of its own, gpu:1's piece is one copy too: a view would stay in
+            # the current stream's pool, which never waits for that stream's reads.
+            with san.measure() as c:
                 res = scatter(batch, ["gpu:0", "gpu:1", "gpu:2"], streams=streams)
-        assert c["launches"] == 0 and c["copies"] == 2 and c["host_syncs"] == 0
-        assert res.pieces[1].data.ptr == batch[3:].data.ptr        # a view on its device
-        got = [p.get(stream=s) for p, s in zip(res.pieces, streams)]
+            assert c["launches"] == 0 and c["copies"] == 3 and c["host_syncs"] == 0
+            assert res.pieces[1].data.ptr != batch[3:].data.ptr
+            got_on_streams = [p.get(stream=s) for p, s in zip(res.pieces, streams)]
     want = split_reference(host, 3).pieces
     assert [g.tolist() for g in got] == [w.tolist() for w in want]
+    assert [g.tolist() for g in got_on_streams] == [w.tolist() for w in want]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("pad_to", [None, 4], ids=["views", "kernel"])
+def test_scatter_pieces_used_on_their_streams_are_not_reused_under_them(seed, pad_to):
+    # The piece for the batch's own device was memory of the current stream's pool,
+    # handed to streams[0]: dropped after work queued on streams[0] read it, it went
+    # to the current stream's next allocation while that work might still read it.
+    from gpustrat.kernels.split import scatter
+    with testing.sanitize(seed=seed, run_probability=0, check=False) as san:
+        cp = devices.cupy()
+        with cp.cuda.Device(0):
+            batch = cp.asarray(np.arange(32, dtype=np.float32).reshape(8, 4)) * 1
+            streams = []
+            for d in (0, 1):
+                with cp.cuda.Device(d):
+                    streams.append(cp.cuda.Stream(non_blocking=True))
+            res = scatter(batch, ["gpu:0", "gpu:1"], pad_to=pad_to, streams=streams)
+            with streams[0]:
+                y = res.pieces[0] * 2                  # the consumer, on its stream
+            with cp.cuda.Device(1), streams[1]:
+                y1 = res.pieces[1] * 2
+                got1 = y1.get(stream=streams[1])
+            del res, batch
+            gc.collect()
+            # The current stream allocates: the pool may hand out a freed block at once.
+            reused = [cp.zeros((8, 4), np.float32), cp.zeros((2, 4, 4), np.float32)]
+            got = (y.get(stream=streams[0]), got1)
+        san.drain()
+    assert not san.reports, [str(r) for r in san.reports[:2]]
+    want = np.arange(32, dtype=np.float32).reshape(8, 4) * 2
+    assert got[0].tolist() == want[:4].tolist() and got[1].tolist() == want[4:].tolist()
+    del reused
 
 
 @pytest.mark.parametrize("seed", SEEDS)
