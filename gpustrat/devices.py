@@ -226,6 +226,13 @@ def resolve_devices(devices) -> list[Device]:
 
 # --- arrays ---------------------------------------------------------------------------
 
+def gpu_array_type():
+    """``cupy.ndarray``, or None while CuPy was never imported (then no value is a GPU
+    array, and nothing needs checking)."""
+    cp = _loaded_cupy()
+    return None if cp is None else cp.ndarray
+
+
 def is_gpu_array(x) -> bool:
     cp = _loaded_cupy()
     return cp is not None and isinstance(x, cp.ndarray)

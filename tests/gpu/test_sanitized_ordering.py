@@ -436,6 +436,39 @@ def test_a_launch_on_another_stream_is_ordered_by_an_event_not_a_host_wait(seed)
     assert [p.ravel().tolist() for p in got[2]] == [[0, 1, 0], [2, 3, 0]]
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_plain_gpu_array_argument_goes_to_each_replicas_device(seed):
+    # Every replica once got the array itself: replica 1 read gpu:0's memory on its
+    # stream of gpu:1, ordered only after gpu:1's current stream, not gpu:0's.
+    with testing.sanitize(seed=seed, check=False) as san:
+        cp = devices.cupy()
+        s = gs.MirroredStrategy(["gpu:0", "gpu:1"])
+        mixed = gs.MirroredStrategy(["gpu:2", "cpu:0"])
+        try:
+            x = cp.full((4,), 3.0, np.float32) * 1          # on gpu:0's current stream
+
+            def fn(x, scale=None):
+                return x, x * 2 + (0 if scale is None else scale["k"])
+            same, out = s.run(fn, args=(x,))
+            assert [v.device.id for v in out.values] == [0, 1]
+            assert [v.device.id for v in same.values] == [0, 1]
+            assert same.values[0] is x                      # used as is on its device
+            got = [devices.to_host(v).tolist() for v in out.values]
+            _, nested = s.run(fn, args=(x,), kwargs={"scale": {"k": x}})
+            got_nested = [devices.to_host(v).tolist() for v in nested.values]
+            _, elsewhere = mixed.run(fn, args=(x,))
+            assert elsewhere.values[0].device.id == 2
+            assert isinstance(elsewhere.values[1], np.ndarray)
+            got_mixed = [devices.to_host(v).tolist() for v in elsewhere.values]
+        finally:
+            s.close()
+            mixed.close()
+        san.drain()
+    assert not san.reports, [str(r) for r in san.reports[:2]]
+    assert got == [[6.0] * 4] * 2 and got_mixed == [[6.0] * 4] * 2
+    assert got_nested == [[9.0] * 4] * 2
+
+
 def test_host_values_go_to_a_gpu_without_a_host_wait():
     with testing.sanitize(seed=0) as san:
         with san.measure() as c:
