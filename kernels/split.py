@@ -329,7 +329,9 @@ def split(batch, num_replicas: int, index=None, pad_to: int | None = None,
         elif index is None and cp is not None and not _launch.simulating():
             _copy_pieces(cp, batch, out, sizes, chunk, nstream)
         else:
-            src = batch.reshape(int(batch.shape[0]), row_elems).view(word)
+            # Through bytes: a dtype whose size is not a power of two (a 3-byte void
+            # or record) does not view as a word directly.
+            src = batch.reshape(int(batch.shape[0]), row_elems).view(np.uint8).view(word)
             grid, block = launch_config(num_replicas, rows_out, words, threads)
             src = _launch.kernel_arg(src, nstream)
             dst = _launch.kernel_arg(out.reshape(num_replicas * rows_out, words), nstream)
@@ -342,7 +344,7 @@ def split(batch, num_replicas: int, index=None, pad_to: int | None = None,
                     word.type(0))
     # One view of the whole buffer, then a piece per replica: indexing a device array
     # costs microseconds of Python per call.
-    full = out.view(dtype).reshape((num_replicas, rows_out) + trailing)
+    full = out.view(np.uint8).view(dtype).reshape((num_replicas, rows_out) + trailing)
     pieces = [full[p] if pad_to is not None or count == rows_out else full[p][:count]
               for p, count in enumerate(sizes)]
     return Split(pieces, list(sizes))
