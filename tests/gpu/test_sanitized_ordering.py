@@ -469,6 +469,52 @@ def test_a_plain_gpu_array_argument_goes_to_each_replicas_device(seed):
     assert got_nested == [[9.0] * 4] * 2
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("nccl", [True, False], ids=["nccl", "staged"])
+def test_mean_along_an_axis_on_gpus_matches_the_cpu_path_without_a_host_wait(seed, nccl):
+    # MEAN along an axis divides the summed rows by the summed count, on the device:
+    # a partial batch (4 + 2 rows) weighs every row the same, dtypes follow the CPU
+    # path's rules (float stays, integers give float64), and nothing waits on the host.
+    rng = np.random.default_rng(seed)
+    cases = [(rng.standard_normal((4, 3)).astype(np.float32), 0, 2),
+             (rng.standard_normal((5, 2)).astype(np.float16), 0, 5),
+             (rng.integers(-9, 9, (3, 4)).astype(np.int32), 1, 1),
+             ((rng.standard_normal((4, 2)) + 1j).astype(np.complex64), 0, 4),
+             (rng.standard_normal((2, 3, 2)), 1, 0)]
+
+    def run_all(s, cp):
+        out = []
+        for x, axis, rows in cases:
+            def values(ctx, x=x, axis=axis, rows=rows):
+                # replica 1 holds a partial batch of `rows` along the axis
+                return x if ctx.replica_id_in_sync_group == 0 else \
+                    np.take(x, range(rows), axis=axis)
+            per = s.experimental_distribute_values_from_function(values)
+            out.append(s.reduce("mean", per, axis=axis))
+        return out
+    cpu = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    try:
+        want = run_all(cpu, np)
+    finally:
+        cpu.close()
+    with testing.sanitize(seed=seed, nccl=nccl) as san:
+        cp = devices.cupy()
+        s = gs.MirroredStrategy(["gpu:1", "gpu:0"])
+        try:
+            run_all(s, cp)
+            with san.measure() as c:
+                got = run_all(s, cp)
+            if nccl:   # the host-staged path reads every value to the host by design
+                assert c["host_syncs"] == 0, c["sync_sites"]
+            assert all(isinstance(g, cp.ndarray) and g.device.id == 1 for g in got)
+            got = [devices.to_host(g) for g in got]
+        finally:
+            s.close()
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(g, w)
+
+
 def test_host_values_go_to_a_gpu_without_a_host_wait():
     with testing.sanitize(seed=0) as san:
         with san.measure() as c:
