@@ -116,10 +116,11 @@ class Strategy:
         Per-replica values among ``args``/``kwargs`` (at any depth of nesting) are
         unpacked to each replica's component; a plain GPU (CuPy) array goes to each
         replica's device (a copy on another device, the array itself on its own);
-        everything else goes to every replica as is. Returns the results regrouped: the structure of ``fn``'s result with a
-        per-replica value at every leaf (whatever it is, a Python int or string too),
-        except a leaf that is None on every replica (None) or one distributed value
-        on every replica (that value); a single replica's result as is.
+        everything else goes to every replica as is. Returns the results regrouped:
+        the structure of ``fn``'s result with a per-replica value at every leaf
+        (whatever it is, a Python int or string too), except a leaf that is None on
+        every replica (None) or one distributed value on every replica (that value); a
+        single replica's result as is.
 
         Raises:
             ValueError: a distributed argument made on other devices, or with another

@@ -108,7 +108,8 @@ def test_dtypes_without_an_nccl_type_reduce_as_on_the_host(comm, dtype, op):
     # int32/uint32 and floats of twice the length, to the host communicator's results
     # exactly (wraparound of 16-bit sums included).
     from gpustrat.collectives.host import HostCommunicator
-    vals = wire_values(comm.num_local, (2 * comm.num_local, 3), dtype, seed=list(ReduceOp).index(op))
+    vals = wire_values(comm.num_local, (2 * comm.num_local, 3), dtype,
+                       seed=list(ReduceOp).index(op))
     host = HostCommunicator([Device("cpu", i) for i in range(comm.num_local)])
     if np.dtype(dtype).kind == "c" and op in (ReduceOp.MAX, ReduceOp.MIN):
         with pytest.raises(TypeError, match=f"dtype {np.dtype(dtype)} with {op.name}"):
