@@ -459,8 +459,9 @@ def _scatter(batch, devices, index, pad_to, streams, check_index, copy_own) -> S
 def _own_copy(piece):
     """A contiguous CuPy ``piece`` copied, device to device, on its device's current
     stream, into memory of that stream's pool arena."""
+    from gpustrat.devices import device_of  # noqa: PLC0415
     cp = _launch._cupy_of(piece)
-    with piece.device:
+    with device_of(piece).activate():
         stream = cp.cuda.get_current_stream()
         out = cp.empty(piece.shape, piece.dtype)
         if piece.nbytes:
