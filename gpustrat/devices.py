@@ -226,6 +226,13 @@ def resolve_devices(devices) -> list[Device]:
 
 # --- arrays ---------------------------------------------------------------------------
 
+def gpu_array_type():
+    """``cupy.ndarray``, or None while CuPy was never imported (then no value is a GPU
+    array, and nothing needs checking)."""
+    cp = _loaded_cupy()
+    return None if cp is None else cp.ndarray
+
+
 def is_gpu_array(x) -> bool:
     cp = _loaded_cupy()
     return cp is not None and isinstance(x, cp.ndarray)
@@ -304,7 +311,10 @@ def to_device(x, device: Device, stream=None, copy: bool = False):
     """Place ``x`` on ``device``: no copy when it is already there (unless ``copy``).
 
     Host to GPU and GPU to GPU copies are issued on ``stream`` (the current stream if
-    None); the result is ordered after them on that stream.
+    None); the result is ordered after them on that stream. A GPU array read on another
+    stream than the one whose pool holds it (its device's current stream) is read after
+    that stream's work so far, and that stream waits for the read (an event), so that
+    the array's memory is not handed out again while the copy may still read it.
     """
     if not device.is_gpu:
         out = to_host(x)
@@ -318,9 +328,15 @@ def to_device(x, device: Device, stream=None, copy: bool = False):
             # next (the copy, or the caller's own use of x) must come after it.
             wait_for_current(device, stream)
         ctx = stream if stream is not None else contextlib.nullcontext()
+        if is_gpu_array(x):
+            if not copy:
+                return x
+            with ctx:
+                out = x.copy()
+            if stream is not None:
+                _current_waits_for(stream)
+            return out
         with ctx:
-            if is_gpu_array(x):
-                return x.copy() if copy else x
             if hasattr(x, "__cuda_array_interface__") or (
                     hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray)
                     and _dlpack_on_gpu(x)):
@@ -351,6 +367,15 @@ def _peer_copy(cp, x, device: Device, stream):
     with cp.cuda.Device(src_dev):
         src_stream.wait_event(copied)
     return out
+
+
+def _current_waits_for(stream) -> None:
+    """Make the current stream of the current device wait for the work queued so far on
+    ``stream`` (a stream of that device): memory of the current stream's pool that
+    ``stream`` reads is then reused only after the read."""
+    current = cupy().cuda.get_current_stream()
+    if current.ptr != stream.ptr:
+        current.wait_event(stream.record())
 
 
 def _dlpack_on_gpu(x) -> bool:

@@ -329,7 +329,9 @@ def split(batch, num_replicas: int, index=None, pad_to: int | None = None,
         elif index is None and cp is not None and not _launch.simulating():
             _copy_pieces(cp, batch, out, sizes, chunk, nstream)
         else:
-            src = batch.reshape(int(batch.shape[0]), row_elems).view(word)
+            # Through bytes: a dtype whose size is not a power of two (a 3-byte void
+            # or record) does not view as a word directly.
+            src = batch.reshape(int(batch.shape[0]), row_elems).view(np.uint8).view(word)
             grid, block = launch_config(num_replicas, rows_out, words, threads)
             src = _launch.kernel_arg(src, nstream)
             dst = _launch.kernel_arg(out.reshape(num_replicas * rows_out, words), nstream)
@@ -342,7 +344,7 @@ def split(batch, num_replicas: int, index=None, pad_to: int | None = None,
                     word.type(0))
     # One view of the whole buffer, then a piece per replica: indexing a device array
     # costs microseconds of Python per call.
-    full = out.view(dtype).reshape((num_replicas, rows_out) + trailing)
+    full = out.view(np.uint8).view(dtype).reshape((num_replicas, rows_out) + trailing)
     pieces = [full[p] if pad_to is not None or count == rows_out else full[p][:count]
               for p, count in enumerate(sizes)]
     return Split(pieces, list(sizes))
@@ -379,19 +381,60 @@ def scatter(batch, devices, index=None, pad_to: int | None = None, streams=None,
 
     A C-contiguous GPU batch with neither ``index`` nor ``pad_to`` is cut into views,
     and each piece moves with one device-to-device (peer) copy; a piece for the batch's
-    own device stays a view. Otherwise a batch on a GPU is split by the kernel on its own device, on that device's current
-    CuPy stream (where the batch was produced), then each piece is copied to its
-    replica's device, on ``streams[i]`` when given (else that device's current stream);
-    every copy waits for the split first (``devices.to_device`` orders it after the
-    source device's current stream). Host batches are split with the NumPy reference.
+    own device stays a view. Otherwise a batch on a GPU is split by the kernel on its
+    own device, on that device's current CuPy stream (where the batch was produced),
+    then each piece is copied to its replica's device, on ``streams[i]`` when given
+    (else that device's current stream); every copy waits for the split first
+    (``devices.to_device`` orders it after the source device's current stream). Host
+    batches are split with the NumPy reference.
+
+    With ``streams``, the batch's own device ``k`` uses its piece on ``streams[k]``:
+    the split and the copies' reads then run on ``streams[k]`` (after the batch's
+    producer, on the current stream), so that the buffer the pieces come from belongs
+    to that stream's pool arena, and its piece of a contiguous cut is a copy made
+    there instead of a view of the batch; the current stream waits for those reads (an
+    event). Every piece is then reused by CuPy's pool only after the work queued on its
+    stream, and the batch only after the reads of it.
     """
-    from gpustrat.devices import (device_of, is_gpu_array, parse_device,  # noqa: PLC0415
-                                  to_device)
+    from gpustrat.devices import (current_stream, device_of,  # noqa: PLC0415
+                                  parse_device, wait_for_current)
     devices = [parse_device(d) for d in devices]
     if streams is not None and len(streams) != len(devices):
         raise ValueError(f"scatter got {len(streams)} streams for {len(devices)} devices: "
                          "pass one stream per device, or None")
-    if is_gpu_array(batch) and index is None and pad_to is None and batch.flags.c_contiguous:
+    home = device_of(batch)
+    own = _own_stream(batch, home, devices, streams)
+    if own is None:
+        return _scatter(batch, devices, index, pad_to, streams, check_index, False)
+    cp = _launch._cupy_of(batch)
+    wait_for_current(home, own)               # after the batch's producer
+    with current_stream(home, own):
+        res = _scatter(batch, devices, index, pad_to, streams, check_index, True)
+    with home.activate():                     # the batch is reused after its reads
+        cp.cuda.get_current_stream().wait_event(own.record())
+    return res
+
+
+def _own_stream(batch, home, devices, streams):
+    """``streams[k]`` for the batch's own device ``devices[k]`` when it is another
+    stream than that device's current one; else None."""
+    if streams is None or home is None or home not in devices:
+        return None
+    own = streams[devices.index(home)]
+    if own is None:
+        return None
+    cp = _launch._cupy_of(batch)
+    with home.activate():
+        return None if cp.cuda.get_current_stream().ptr == own.ptr else own
+
+
+def _scatter(batch, devices, index, pad_to, streams, check_index, copy_own) -> Split:
+    # copy_own: the batch's device's own stream is current, and its piece of a
+    # contiguous cut is copied there (not left a view of the caller's batch).
+    from gpustrat.devices import device_of, is_gpu_array, to_device  # noqa: PLC0415
+    contiguous_cut = (is_gpu_array(batch) and index is None and pad_to is None
+                      and batch.flags.c_contiguous)
+    if contiguous_cut:
         # A contiguous cut needs no kernel: the pieces are views, each moved with one
         # copy (device to device, or peer) ordered after the batch's producer.
         sizes = split_sizes(int(batch.shape[0]), len(devices))
@@ -406,6 +449,21 @@ def scatter(batch, devices, index=None, pad_to: int | None = None, streams=None,
         res = split(batch, len(devices), index, pad_to, check_index=check_index)
     else:
         res = split_reference(batch, len(devices), index, pad_to, check_index=check_index)
-    placed = [to_device(p, d, None if streams is None else streams[i])
+    home = device_of(batch)
+    placed = [_own_copy(p) if copy_own and contiguous_cut and d == home else
+              to_device(p, d, None if streams is None else streams[i])
               for i, (p, d) in enumerate(zip(res.pieces, devices))]
     return Split(placed, res.counts)
+
+
+def _own_copy(piece):
+    """A contiguous CuPy ``piece`` copied, device to device, on its device's current
+    stream, into memory of that stream's pool arena."""
+    from gpustrat.devices import device_of  # noqa: PLC0415
+    cp = _launch._cupy_of(piece)
+    with device_of(piece).activate():
+        stream = cp.cuda.get_current_stream()
+        out = cp.empty(piece.shape, piece.dtype)
+        if piece.nbytes:
+            out.data.copy_from_device_async(piece.data, piece.nbytes, stream)
+    return out

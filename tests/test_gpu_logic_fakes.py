@@ -400,9 +400,13 @@ def test_a_piece_already_on_its_device_is_ordered_on_the_given_stream(fake_cupy,
     with cp.cuda.Device(0), cp.Stream("producer", 0):
         res = split_mod.scatter(batch, ["gpu:0", "gpu:1"], pad_to=2, streams=streams)
     assert res.pieces[0].device.id == 0
-    k = cp.log.index(("split", 0, "producer"))
-    # Piece 0 is not copied, but its consumer stream r0 still waits for the split.
-    assert ("wait", "r0", "ev:producer", 0) in cp.log[k:]
+    k = cp.log.index(("split", 0, "r0"))
+    # The split runs on piece 0's consumer stream r0 (its buffer then belongs to r0's
+    # pool), after the batch's producer; the producer waits for r0 in turn (the batch
+    # is reused after the split read it). Piece 0 is not copied.
+    assert ("wait", "r0", "ev:producer", 0) in cp.log[:k]
+    assert ("wait", "producer", "ev:r0", 0) in cp.log[k:]
+    assert [e for e in cp.log if e[0] == "copy"] == [("copy", 0, 1, 24, "r1", 1)]
     # No wait at all when the stream given is the current one.
     n = len(cp.log)
     with cp.cuda.Device(0), cp.Stream("same", 0) as same:

@@ -29,8 +29,13 @@ Words:
 
 Reductions use the dtype and op table below. MEAN is ``ncclAvg`` on floating dtypes
 when the NCCL library has it (2.10 and later), else SUM followed by a division on the
-device; integer MEAN is SUM then a true division (float64), as on the host. Gathers
-and broadcasts move bytes, so they accept any dtype.
+device; integer MEAN is SUM then a true division (float64), as on the host. Dtypes
+NCCL has no type for are reduced through one it has, with the host's results: bool
+as uint8 (MAX is any, MIN all, SUM any as NumPy adds booleans), int16 and uint16 cast
+to int32 and uint32 and back (the low 16 bits of the wider sum are the 16-bit sum,
+wraparound included), complex as floats of twice the length (SUM and MEAN; MAX and MIN
+of complex values are refused). Gathers and broadcasts move bytes, so they accept any
+dtype.
 
 Importing this module imports nothing from CuPy; :func:`is_available` does, and never
 raises.
@@ -68,6 +73,13 @@ NCCL_DTYPES = {
 # dtype is floating; otherwise MEAN is SUM plus a division (see _reduce_args).
 NCCL_OPS = {ReduceOp.SUM: "NCCL_SUM", ReduceOp.MEAN: "NCCL_AVG",
             ReduceOp.MAX: "NCCL_MAX", ReduceOp.MIN: "NCCL_MIN"}
+# Dtypes without an NCCL type -> the dtype NCCL reduces them as ("view": the same
+# bytes read as that dtype; "cast": a copy in that dtype, cast back after).
+NCCL_WIRE = {
+    "bool": ("view", "uint8"), "complex64": ("view", "float32"),
+    "complex128": ("view", "float64"), "int16": ("cast", "int32"),
+    "uint16": ("cast", "uint32"),
+}
 #: ncclAvg appeared in NCCL 2.10.0 (version code 21000).
 AVG_MIN_VERSION = 21000
 # Gathers and broadcasts move raw bytes.
@@ -75,15 +87,22 @@ _BYTES = "NCCL_INT8"
 
 
 def nccl_dtype_name(dtype) -> str:
-    """The NCCL datatype name for reducing ``dtype``; TypeError if NCCL cannot."""
+    """The NCCL datatype name of ``dtype``; TypeError if NCCL has none (the
+    communicator reduces the dtypes of ``NCCL_WIRE`` through another one)."""
     dtype = np.dtype(dtype)
     name = NCCL_DTYPES.get(dtype.name)
     if name is None:
         supported = ", ".join(k for k in NCCL_DTYPES)
+        also = ", ".join(k for k in NCCL_WIRE)
         raise TypeError(f"NCCL cannot reduce dtype {dtype}: supported dtypes are "
-                        f"{supported}; cast first (for example bool to uint8 or int32, "
-                        "complex to a float view of twice the length)")
+                        f"{supported} (and {also} through them); cast first (for example "
+                        "to float32 or float64)")
     return name
+
+
+def _wire_itemsize(wire, dtype) -> int:
+    """The size of one element as NCCL counts it (the wire dtype's)."""
+    return np.dtype(dtype).itemsize if wire is None else np.dtype(wire[1]).itemsize
 
 
 def nccl_module():
@@ -228,16 +247,58 @@ class NcclCommunicator(Communicator):
         return int(getattr(self._nccl, name))
 
     def _reduce_args(self, dtype, op: ReduceOp):
-        """``(nccl datatype, nccl op, post)``; post is None, "divide" (in place, float)
-        or "true_divide" (integer MEAN to float64)."""
-        dt = self._const(nccl_dtype_name(dtype))
+        """``(wire, nccl datatype, nccl op, post)`` for reducing ``dtype`` with ``op``.
+
+        ``wire`` is None where NCCL has ``dtype``, else ``(how, dtype)`` from
+        ``NCCL_WIRE``. post is None, "divide" (in place, inexact) or "true_divide"
+        (integer or bool MEAN to float64)."""
+        dtype = np.dtype(dtype)
+        wire = NCCL_WIRE.get(dtype.name)
+        if wire is not None:
+            if dtype.kind == "c" and op in (ReduceOp.MAX, ReduceOp.MIN):
+                raise TypeError(f"NCCL cannot reduce dtype {dtype} with {op.name}: NCCL has "
+                                "no order of complex numbers; reduce the real and "
+                                "imaginary parts (or abs(x)) separately")
+            if dtype.kind == "b" and op in (ReduceOp.SUM, ReduceOp.MEAN):
+                # NumPy adds booleans as a logical or: the MAX of their bytes.
+                dt = self._const(nccl_dtype_name(wire[1]))
+                post = "true_divide" if op is ReduceOp.MEAN else None
+                return wire, dt, self._const(NCCL_OPS[ReduceOp.MAX]), post
+            dt = self._const(nccl_dtype_name(wire[1]))
+            kind = np.dtype(wire[1]).kind
+        else:
+            dt = self._const(nccl_dtype_name(dtype))
+            kind = "f" if dtype.name == "bfloat16" else dtype.kind
         if op is not ReduceOp.MEAN:
-            return dt, self._const(NCCL_OPS[op]), None
-        if np.dtype(dtype).kind != "f" and np.dtype(dtype).name != "bfloat16":
-            return dt, self._const(NCCL_OPS[ReduceOp.SUM]), "true_divide"
+            return wire, dt, self._const(NCCL_OPS[op]), None
+        if kind != "f" or (wire is not None and wire[0] == "cast"):
+            return wire, dt, self._const(NCCL_OPS[ReduceOp.SUM]), "true_divide"
         if self._avg:
-            return dt, self._const(NCCL_OPS[ReduceOp.MEAN]), None
-        return dt, self._const(NCCL_OPS[ReduceOp.SUM]), "divide"
+            return wire, dt, self._const(NCCL_OPS[ReduceOp.MEAN]), None
+        return wire, dt, self._const(NCCL_OPS[ReduceOp.SUM]), "divide"
+
+    def _to_wire(self, bufs: list, wire) -> list:
+        """The buffers NCCL reduces: ``bufs`` themselves, or (a "cast" wire) copies in
+        the wider dtype, made on each buffer's device and current stream."""
+        if wire is None or wire[0] == "view":
+            return bufs
+        cp = cupy()
+        out = []
+        for b, d in zip(bufs, self.devices):
+            with cp.cuda.Device(d.index):
+                out.append(b.astype(wire[1]))
+        return out
+
+    def _from_wire(self, outs: list, dtype) -> list:
+        """The reduced buffers back in ``dtype`` (a "cast" wire), on their devices."""
+        if outs[0].dtype == dtype:
+            return outs
+        cp = cupy()
+        res = []
+        for o, d in zip(outs, self.devices):
+            with cp.cuda.Device(d.index):
+                res.append(o.astype(dtype))
+        return res
 
     def _prepare(self, buffers, what: str) -> list:
         failure = self._watchdog.failure if self._watchdog is not None else None
@@ -317,14 +378,23 @@ class NcclCommunicator(Communicator):
         op = ReduceOp.from_value(op)
         bufs = self._prepare(buffers, f"all_reduce({op.name})")
         check_same_layout(bufs, f"all_reduce({op.name})")
-        dt, nop, post = self._reduce_args(bufs[0].dtype, op)
-        outs = bufs if inplace else [self._empty(i, b.shape, b.dtype)
-                                     for i, b in enumerate(bufs)]
-        count = int(bufs[0].size)
+        dtype = bufs[0].dtype
+        wire, dt, nop, post = self._reduce_args(dtype, op)
+        sends = self._to_wire(bufs, wire)
+        outs = sends if inplace or sends is not bufs else [
+            self._empty(i, b.shape, b.dtype) for i, b in enumerate(bufs)]
+        count = int(sends[0].nbytes) // _wire_itemsize(wire, dtype)
         if count:
-            self._run(lambda: f"NCCL all_reduce({op.name}) of {bufs[0].shape} {bufs[0].dtype}",
-                      lambda i, c, s: c.allReduce(bufs[i].data.ptr, outs[i].data.ptr,
-                                                  count, dt, nop, s), (bufs, outs))
+            self._run(lambda: f"NCCL all_reduce({op.name}) of {bufs[0].shape} {dtype}",
+                      lambda i, c, s: c.allReduce(sends[i].data.ptr, outs[i].data.ptr,
+                                                  count, dt, nop, s), (sends, outs))
+        outs = self._from_wire(outs, dtype)
+        if inplace and outs[0] is not bufs[0]:
+            cp = cupy()
+            for b, o, d in zip(bufs, outs, self.devices):
+                with cp.cuda.Device(d.index):
+                    b[...] = o
+            outs = bufs
         return self._post(outs, post)
 
     def reduce_scatter(self, buffers, op):
@@ -336,15 +406,17 @@ class NcclCommunicator(Communicator):
         if len(shape) == 0 or shape[0] % n:
             raise ValueError(f"reduce_scatter needs axis 0 divisible by {n} replicas, "
                              f"got shape {shape}")
-        dt, nop, post = self._reduce_args(bufs[0].dtype, op)
+        dtype = bufs[0].dtype
+        wire, dt, nop, post = self._reduce_args(dtype, op)
+        sends = self._to_wire(bufs, wire)
         out_shape = (shape[0] // n,) + tuple(shape[1:])
-        outs = [self._empty(i, out_shape, b.dtype) for i, b in enumerate(bufs)]
-        recvcount = int(bufs[0].size) // n
+        outs = [self._empty(i, out_shape, b.dtype) for i, b in enumerate(sends)]
+        recvcount = int(sends[0].nbytes) // n // _wire_itemsize(wire, dtype)
         if recvcount:
-            self._run(lambda: f"NCCL reduce_scatter({op.name}) of {shape} {bufs[0].dtype}",
-                      lambda i, c, s: c.reduceScatter(bufs[i].data.ptr, outs[i].data.ptr,
-                                                      recvcount, dt, nop, s), (bufs, outs))
-        return self._post(outs, post)
+            self._run(lambda: f"NCCL reduce_scatter({op.name}) of {shape} {dtype}",
+                      lambda i, c, s: c.reduceScatter(sends[i].data.ptr, outs[i].data.ptr,
+                                                      recvcount, dt, nop, s), (sends, outs))
+        return self._post(self._from_wire(outs, dtype), post)
 
     def broadcast(self, buffers, root=0):
         if not 0 <= root < self.num_replicas:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from gpustrat.devices import to_device
+from gpustrat.devices import device_of, on_device_of, to_device
 from gpustrat.distribute import context
 from gpustrat.distribute.variables import (_AGG_OPS, Variable, VariableAggregation,
                                            VariableSynchronization, checksum,
@@ -168,7 +168,9 @@ class DistributedVariable(Variable):
         ctx = self._context("read")
         if ctx is not None:
             return self._values[ctx.local_index].read_value()
-        return self._cross_replica_value().copy()
+        value = self._cross_replica_value()
+        device = device_of(value)
+        return value.copy() if device is None else to_device(value, device, copy=True)
 
     def _cross_replica_value(self):
         return self._values[0].value()
@@ -254,7 +256,7 @@ class MirroredVariable(DistributedVariable):
         else:
             reduced = comm.all_reduce(arrays, _AGG_OPS[self._agg])
         if reduced[0].dtype != self.dtype:  # never for floats; kept for safety
-            reduced = [r.astype(self.dtype) for r in reduced]
+            reduced = [_cast(r, self.dtype) for r in reduced]
         self._write_all(op, reduced)
         return [None] * len(items)
 
@@ -317,12 +319,19 @@ class SyncOnReadVariable(DistributedVariable):
             # Each replica holds total / n, so that the aggregated read gives the total
             # back (integers truncate toward zero, as TensorFlow's cast does).
             n = self._strategy.num_replicas_in_sync
-            share = arr / n
-            arr = share.astype(self.dtype) if self.dtype.kind in "iub" else \
-                share.astype(self.dtype, copy=False)
+            with on_device_of(arr):   # a GPU value: on its device, after its producer
+                share = arr / n
+                arr = share.astype(self.dtype) if self.dtype.kind in "iub" else \
+                    share.astype(self.dtype, copy=False)
         self._agree_value(op, arr)
         for c in self._values:
             c._write(op, arr)
+
+
+def _cast(x, dtype):
+    """``x.astype(dtype)`` on ``x``'s device (a combine runs with any device current)."""
+    with on_device_of(x):
+        return x.astype(dtype)
 
 
 def local_arrays(v: DistributedVariable) -> tuple:

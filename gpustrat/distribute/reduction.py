@@ -21,7 +21,7 @@ import numpy as np
 
 from gpustrat import nest
 from gpustrat.collectives.base import Communicator
-from gpustrat.devices import array_module as _xp, on_device_of, to_host
+from gpustrat.devices import array_module as _xp, on_device_of
 from gpustrat.distribute.collective_ops import as_array
 from gpustrat.reduce_util import ReduceOp
 
@@ -276,10 +276,10 @@ def _mean_along_axis(comm: Communicator, arrays, ax: int):
             parts.append(buf)
     total = comm.reduce(parts, ReduceOp.SUM)
     out_shape = arrays[0].shape[:ax] + arrays[0].shape[ax + 1:]
-    count = float(to_host(total[-1:])[0])
     out_dtype = arrays[0].dtype if np.issubdtype(arrays[0].dtype, np.inexact) else np.float64
     with np.errstate(invalid="ignore", divide="ignore"), on_device_of(total):
-        mean = total[:-1] / count
+        # Divided by the count where it is, in the sums' dtype: no host read of it.
+        mean = total[:-1] / total[-1]
         return mean.reshape(out_shape).astype(out_dtype, copy=False)
 
 

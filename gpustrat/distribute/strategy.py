@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 from gpustrat import nest
 from gpustrat.collectives.base import Communicator, LocalWorkerGroup, WorkerGroup
-from gpustrat.devices import Device, to_device
+from gpustrat.devices import Device, gpu_array_type, is_gpu_array, to_device
 from gpustrat.distribute import collective_ops, context, reduction
 from gpustrat.distribute.distributed_variables import DistributedVariable, as_components
 from gpustrat.distribute.replica_context import ReplicaContext, ValueContext, in_merge_call
@@ -114,11 +114,13 @@ class Strategy:
         """Call ``fn`` once per local replica, in replica context.
 
         Per-replica values among ``args``/``kwargs`` (at any depth of nesting) are
-        unpacked to each replica's component; everything else goes to every replica as
-        is. Returns the results regrouped: the structure of ``fn``'s result with a
-        per-replica value at every leaf (whatever it is, a Python int or string too),
-        except a leaf that is None on every replica (None) or one distributed value
-        on every replica (that value); a single replica's result as is.
+        unpacked to each replica's component; a plain GPU (CuPy) array goes to each
+        replica's device (a copy on another device, the array itself on its own);
+        everything else goes to every replica as is. Returns the results regrouped:
+        the structure of ``fn``'s result with a per-replica value at every leaf
+        (whatever it is, a Python int or string too), except a leaf that is None on
+        every replica (None) or one distributed value on every replica (that value); a
+        single replica's result as is.
 
         Raises:
             ValueError: a distributed argument made on other devices, or with another
@@ -281,16 +283,25 @@ def _is_arraylike(v) -> bool:
 
 def _split_arguments(args: Sequence, kwargs: dict, devices: tuple):
     """One (args, kwargs) per replica of ``devices``; shared as is when no argument is
-    distributed."""
+    distributed or on a GPU.
+
+    A plain GPU array (one CuPy array, not a per-replica value) goes to each replica's
+    device, as TensorFlow copies a tensor argument: a replica on another device gets a
+    copy, ordered after the work queued on the array's device's current stream; a
+    replica on the array's own device gets the array itself, which its stream reads
+    after that same work (``ReplicaRunner.call`` orders it).
+    """
     n = len(devices)
+    gpu = gpu_array_type()
+    placed = DistributedValues if gpu is None else (DistributedValues, gpu)
     if not kwargs and not any(nest.is_nested(a) for a in args):
         # The common step `run(fn, args=(x,))`: no structure to walk.
-        if not any(isinstance(a, DistributedValues) for a in args):
+        if not any(isinstance(a, placed) for a in args):
             args = tuple(args)
             return [args] * n, [kwargs] * n
         return list(zip(*[_argument_components(a, devices) for a in args])), [kwargs] * n
     flat = nest.flatten((tuple(args), kwargs))
-    if not any(isinstance(v, DistributedValues) for v in flat):
+    if not any(isinstance(v, placed) for v in flat):
         args = tuple(args)
         return [args] * n, [kwargs] * n
     per_args, per_kwargs = [], []
@@ -304,4 +315,6 @@ def _split_arguments(args: Sequence, kwargs: dict, devices: tuple):
 def _argument_components(v: Any, devices: tuple) -> tuple:
     if isinstance(v, DistributedValues):
         return local_components(v, devices, "strategy.run")
+    if is_gpu_array(v):
+        return tuple(to_device(v, d) for d in devices)
     return (v,) * len(devices)

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from gpustrat.devices import Device, device_of, is_gpu_array, to_device, to_host
+from gpustrat.devices import Device, device_of, is_gpu_array, on_device_of, to_device, to_host
 from gpustrat.distribute import context
 from gpustrat.reduce_util import ReduceOp
 
@@ -92,7 +92,10 @@ def initial_array(value, dtype=None):
         raise ValueError("a Variable needs an initial_value (an array, a number, or a "
                          "callable returning one)")
     if is_gpu_array(value):
-        return value.astype(dtype) if dtype is not None else value.copy()
+        # On the value's device (CuPy copies onto the current one), so the copy is
+        # queued on that device's current stream, after the work that wrote the value.
+        with on_device_of(value):
+            return value.astype(dtype) if dtype is not None else value.copy()
     arr = np.array(value, dtype=dtype, copy=True) if dtype is not None else np.array(value)
     if dtype is None and _is_python_value(value):
         if arr.dtype == np.float64:
@@ -103,6 +106,12 @@ def initial_array(value, dtype=None):
         raise TypeError(f"cannot make a Variable of {type(value).__name__} values: give "
                         "numbers or arrays")
     return arr
+
+
+def _host_copy(a) -> np.ndarray:
+    """A host copy of array ``a`` that later updates do not change (a GPU array is read
+    on its own device's current stream)."""
+    return to_host(a) if is_gpu_array(a) else np.array(a, copy=True)
 
 
 def _ensure_writable(arr):
@@ -227,12 +236,16 @@ class Variable:
         return a
 
     def read_value(self):
-        """A copy of the current value, usable in arithmetic and safe to keep."""
-        return self._array.copy()
+        """A copy of the current value, usable in arithmetic and safe to keep: on the
+        variable's device, made there on the current stream after the last update."""
+        a = self._array
+        if type(a) is np.ndarray:
+            return a.copy()
+        return to_device(a, self._device, copy=True)
 
     def numpy(self) -> np.ndarray:
         """The value as a host NumPy array (a copy)."""
-        return np.array(to_host(self.read_value()), copy=True)
+        return _host_copy(self._read_for_array())
 
     # --- updating -------------------------------------------------------------------
     def assign(self, value, use_locking=None, name=None, read_value=True) -> "Variable":
@@ -291,7 +304,8 @@ class Variable:
                     f"{op} of {self._label()} (dtype {self.dtype}) got a value of dtype "
                     f"{arr.dtype}: values are not cast implicitly across kinds; cast it "
                     f"yourself (e.g. value.astype({str(self.dtype)!r})) if that is meant")
-            arr = arr.astype(self.dtype)
+            with on_device_of(arr):
+                arr = arr.astype(self.dtype)
         if tuple(arr.shape) != self.shape:
             raise ValueError(
                 f"{op} of {self._label()} of shape {self.shape} got a value of shape "
@@ -301,7 +315,7 @@ class Variable:
 
     # --- behaving like an array -------------------------------------------------------
     def __array__(self, dtype=None, copy=None):
-        out = np.array(to_host(self._read_for_array()), copy=True)
+        out = _host_copy(self._read_for_array())
         return out if dtype is None else out.astype(dtype, copy=False)
 
     def _read_for_array(self):

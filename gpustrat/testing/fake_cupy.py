@@ -434,15 +434,26 @@ def _make_ndarray(fake: FakeCupy):
                         writes=[target])
 
         # --- arithmetic and reductions
-        def _reduce(self, name, axis=None, dtype=None, keepdims=False):
+        def _reduce(self, name, axis=None, dtype=None, keepdims=False, out=None):
             fn = getattr(np, name)
             kw = {"axis": axis, "keepdims": keepdims}
             if dtype is not None:
                 kw["dtype"] = dtype
-            return _compute(fake, name, lambda a: fn(a, **kw), [self])
+            if out is None:
+                return _compute(fake, name, lambda a: fn(a, **kw), [self])
+            # As CuPy: the result goes into ``out`` (same device, the result's shape),
+            # cast to its dtype; ``out`` is returned.
+            if not isinstance(out, ndarray):
+                raise TypeError(f"{name}: out must be a cupy.ndarray, got "
+                                f"{type(out).__name__}")
+            fake._check_device([self, out], name)
+            shape = np.asarray(fn(np.zeros(self.shape, self.dtype), **kw)).shape
+            if out.shape != shape:
+                raise ValueError(f"{name}: out has shape {out.shape}, the result {shape}")
+            return _compute(fake, name, lambda a: fn(a, **kw), [self], out=out)
 
-        def sum(self, axis=None, dtype=None, keepdims=False):
-            return self._reduce("sum", axis, dtype, keepdims)
+        def sum(self, axis=None, dtype=None, out=None, keepdims=False):
+            return self._reduce("sum", axis, dtype, keepdims, out)
 
         def mean(self, axis=None, dtype=None, keepdims=False):
             return self._reduce("mean", axis, dtype, keepdims)

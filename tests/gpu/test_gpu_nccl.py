@@ -75,9 +75,56 @@ def test_gather_broadcast_reduce_scatter(comm):
 
 
 def test_unsupported_dtype_is_a_clear_error(comm):
-    vals = [np.ones(3, bool)] * comm.num_local
-    with pytest.raises(TypeError, match="NCCL cannot reduce dtype bool"):
+    vals = [np.ones(3, np.complex64)] * comm.num_local
+    with pytest.raises(TypeError, match="NCCL cannot reduce dtype complex64 with MAX"):
+        comm.all_reduce(on_devices(vals), "max")
+    vals = [np.ones(3, np.longdouble)] * comm.num_local
+    with pytest.raises(TypeError, match="NCCL cannot reduce dtype float128"):
         comm.all_reduce(on_devices(vals), "sum")
+
+
+WIRE_DTYPES = [np.bool_, np.int16, np.uint16, np.complex64, np.complex128]
+
+
+def wire_values(n, shape, dtype, seed=0):
+    # Booleans of both values; 16-bit integers near their limits, so that sums wrap;
+    # complex numbers with distinct real and imaginary parts.
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+    if dtype.kind == "b":
+        return [rng.integers(0, 2, shape).astype(bool) for _ in range(n)]
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return [rng.integers(info.min, info.max, shape, endpoint=True).astype(dtype)
+                for _ in range(n)]
+    return [(rng.integers(-20, 20, shape) + 1j * rng.integers(-20, 20, shape)).astype(dtype)
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("dtype", WIRE_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", list(ReduceOp))
+def test_dtypes_without_an_nccl_type_reduce_as_on_the_host(comm, dtype, op):
+    # NCCL has no bool, int16, uint16 or complex type: they reduce through uint8,
+    # int32/uint32 and floats of twice the length, to the host communicator's results
+    # exactly (wraparound of 16-bit sums included).
+    from gpustrat.collectives.host import HostCommunicator
+    vals = wire_values(comm.num_local, (2 * comm.num_local, 3), dtype,
+                       seed=list(ReduceOp).index(op))
+    host = HostCommunicator([Device("cpu", i) for i in range(comm.num_local)])
+    if np.dtype(dtype).kind == "c" and op in (ReduceOp.MAX, ReduceOp.MIN):
+        with pytest.raises(TypeError, match=f"dtype {np.dtype(dtype)} with {op.name}"):
+            comm.all_reduce(on_devices(vals), op)
+        return
+    want = host.all_reduce(vals, op)[0]
+    for how in ("all_reduce", "all_reduce_inplace"):
+        got = getattr(comm, how)(on_devices(vals), op)
+        for i, g in enumerate(got):
+            assert g.device.id == i and g.dtype == want.dtype and g.shape == want.shape
+            np.testing.assert_array_equal(to_host(g), want, err_msg=how)
+    parts = host.reduce_scatter(vals, op)
+    for i, g in enumerate(comm.reduce_scatter(on_devices(vals), op)):
+        assert g.device.id == i and g.dtype == parts[i].dtype
+        np.testing.assert_array_equal(to_host(g), parts[i])
 
 
 def test_fusion_through_nccl(comm):

@@ -209,12 +209,73 @@ def test_scatter_of_a_contiguous_batch_is_views_and_one_copy_per_piece(seed):
                 with cp.cuda.Device(d):
                     streams.append(cp.cuda.Stream(non_blocking=True))
             with san.measure() as c:
+                res = scatter(batch, ["gpu:0", "gpu:1", "gpu:2"])
+            assert c["launches"] == 0 and c["copies"] == 2 and c["host_syncs"] == 0
+            assert res.pieces[1].data.ptr == batch[3:].data.ptr    # a view on its device
+            got = [p.get() for p in res.pieces]
+            # On a stream of its own, gpu:1's piece is one copy too: a view would stay in
+            # the current stream's pool, which never waits for that stream's reads.
+            with san.measure() as c:
                 res = scatter(batch, ["gpu:0", "gpu:1", "gpu:2"], streams=streams)
-        assert c["launches"] == 0 and c["copies"] == 2 and c["host_syncs"] == 0
-        assert res.pieces[1].data.ptr == batch[3:].data.ptr        # a view on its device
-        got = [p.get(stream=s) for p, s in zip(res.pieces, streams)]
+            assert c["launches"] == 0 and c["copies"] == 3 and c["host_syncs"] == 0
+            assert res.pieces[1].data.ptr != batch[3:].data.ptr
+            got_on_streams = [p.get(stream=s) for p, s in zip(res.pieces, streams)]
     want = split_reference(host, 3).pieces
     assert [g.tolist() for g in got] == [w.tolist() for w in want]
+    assert [g.tolist() for g in got_on_streams] == [w.tolist() for w in want]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("pad_to", [None, 4], ids=["views", "kernel"])
+def test_scatter_pieces_used_on_their_streams_are_not_reused_under_them(seed, pad_to):
+    # The piece for the batch's own device was memory of the current stream's pool,
+    # handed to streams[0]: dropped after work queued on streams[0] read it, it went
+    # to the current stream's next allocation while that work might still read it.
+    from gpustrat.kernels.split import scatter
+    with testing.sanitize(seed=seed, run_probability=0, check=False) as san:
+        cp = devices.cupy()
+        with cp.cuda.Device(0):
+            batch = cp.asarray(np.arange(32, dtype=np.float32).reshape(8, 4)) * 1
+            streams = []
+            for d in (0, 1):
+                with cp.cuda.Device(d):
+                    streams.append(cp.cuda.Stream(non_blocking=True))
+            res = scatter(batch, ["gpu:0", "gpu:1"], pad_to=pad_to, streams=streams)
+            with streams[0]:
+                y = res.pieces[0] * 2                  # the consumer, on its stream
+            with cp.cuda.Device(1), streams[1]:
+                y1 = res.pieces[1] * 2
+                got1 = y1.get(stream=streams[1])
+            del res, batch
+            gc.collect()
+            # The current stream allocates: the pool may hand out a freed block at once.
+            reused = [cp.zeros((8, 4), np.float32), cp.zeros((2, 4, 4), np.float32)]
+            got = (y.get(stream=streams[0]), got1)
+        san.drain()
+    assert not san.reports, [str(r) for r in san.reports[:2]]
+    want = np.arange(32, dtype=np.float32).reshape(8, 4) * 2
+    assert got[0].tolist() == want[:4].tolist() and got[1].tolist() == want[4:].tolist()
+    del reused
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_copy_on_another_stream_of_the_arrays_device_is_not_reused_under(seed):
+    # to_device(x, x's device, stream=s, copy=True) read x on s while x's block is the
+    # current stream's, which never waited for s: dropping x let the current stream's
+    # next allocation overwrite it while s still copied from it.
+    with testing.sanitize(seed=seed, run_probability=0, check=False) as san:
+        cp = devices.cupy()
+        with cp.cuda.Device(0):
+            s = cp.cuda.Stream(non_blocking=True)
+            x = cp.asarray(np.arange(64, dtype=np.float32)) * 1     # the current stream
+            y = devices.to_device(x, Device("gpu", 0), stream=s, copy=True)
+            del x
+            gc.collect()
+            cp.zeros(64, np.float32)                 # the current stream reuses x's block
+            got = y.get(stream=s)
+        san.drain()
+    assert not san.reports, [str(r) for r in san.reports[:2]]
+    assert got.tolist() == list(range(64))
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -373,6 +434,85 @@ def test_a_launch_on_another_stream_is_ordered_by_an_event_not_a_host_wait(seed)
     assert [g.tolist() for g in got[0]] == [h.tolist() for h in hosts]
     assert got[1].tolist() == (hosts[0] * 2).tolist()
     assert [p.ravel().tolist() for p in got[2]] == [[0, 1, 0], [2, 3, 0]]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_plain_gpu_array_argument_goes_to_each_replicas_device(seed):
+    # Every replica once got the array itself: replica 1 read gpu:0's memory on its
+    # stream of gpu:1, ordered only after gpu:1's current stream, not gpu:0's.
+    with testing.sanitize(seed=seed, check=False) as san:
+        cp = devices.cupy()
+        s = gs.MirroredStrategy(["gpu:0", "gpu:1"])
+        mixed = gs.MirroredStrategy(["gpu:2", "cpu:0"])
+        try:
+            x = cp.full((4,), 3.0, np.float32) * 1          # on gpu:0's current stream
+
+            def fn(x, scale=None):
+                return x, x * 2 + (0 if scale is None else scale["k"])
+            same, out = s.run(fn, args=(x,))
+            assert [v.device.id for v in out.values] == [0, 1]
+            assert [v.device.id for v in same.values] == [0, 1]
+            assert same.values[0] is x                      # used as is on its device
+            got = [devices.to_host(v).tolist() for v in out.values]
+            _, nested = s.run(fn, args=(x,), kwargs={"scale": {"k": x}})
+            got_nested = [devices.to_host(v).tolist() for v in nested.values]
+            _, elsewhere = mixed.run(fn, args=(x,))
+            assert elsewhere.values[0].device.id == 2
+            assert isinstance(elsewhere.values[1], np.ndarray)
+            got_mixed = [devices.to_host(v).tolist() for v in elsewhere.values]
+        finally:
+            s.close()
+            mixed.close()
+        san.drain()
+    assert not san.reports, [str(r) for r in san.reports[:2]]
+    assert got == [[6.0] * 4] * 2 and got_mixed == [[6.0] * 4] * 2
+    assert got_nested == [[9.0] * 4] * 2
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("nccl", [True, False], ids=["nccl", "staged"])
+def test_mean_along_an_axis_on_gpus_matches_the_cpu_path_without_a_host_wait(seed, nccl):
+    # MEAN along an axis divides the summed rows by the summed count, on the device:
+    # a partial batch (4 + 2 rows) weighs every row the same, dtypes follow the CPU
+    # path's rules (float stays, integers give float64), and nothing waits on the host.
+    rng = np.random.default_rng(seed)
+    cases = [(rng.standard_normal((4, 3)).astype(np.float32), 0, 2),
+             (rng.standard_normal((5, 2)).astype(np.float16), 0, 5),
+             (rng.integers(-9, 9, (3, 4)).astype(np.int32), 1, 1),
+             ((rng.standard_normal((4, 2)) + 1j).astype(np.complex64), 0, 4),
+             (rng.standard_normal((2, 3, 2)), 1, 0)]
+
+    def run_all(s, cp):
+        out = []
+        for x, axis, rows in cases:
+            def values(ctx, x=x, axis=axis, rows=rows):
+                # replica 1 holds a partial batch of `rows` along the axis
+                return x if ctx.replica_id_in_sync_group == 0 else \
+                    np.take(x, range(rows), axis=axis)
+            per = s.experimental_distribute_values_from_function(values)
+            out.append(s.reduce("mean", per, axis=axis))
+        return out
+    cpu = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    try:
+        want = run_all(cpu, np)
+    finally:
+        cpu.close()
+    with testing.sanitize(seed=seed, nccl=nccl) as san:
+        cp = devices.cupy()
+        s = gs.MirroredStrategy(["gpu:1", "gpu:0"])
+        try:
+            run_all(s, cp)
+            with san.measure() as c:
+                got = run_all(s, cp)
+            if nccl:   # the host-staged path reads every value to the host by design
+                assert c["host_syncs"] == 0, c["sync_sites"]
+            assert all(isinstance(g, cp.ndarray) and g.device.id == 1 for g in got)
+            got = [devices.to_host(g) for g in got]
+        finally:
+            s.close()
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(g, w)
 
 
 def test_host_values_go_to_a_gpu_without_a_host_wait():

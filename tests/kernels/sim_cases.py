@@ -108,6 +108,26 @@ def test_split_any_trailing_shape(shape, dtype, word):
         assert_same(g, w)
 
 
+@pytest.mark.parametrize("dtype", [np.dtype("V3"), np.dtype([("a", "u1"), ("b", "<i2")]),
+                                   np.dtype("V5")], ids=["V3", "record3", "V5"])
+@pytest.mark.parametrize("trailing", [(), (2,), (0,)])
+def test_split_of_an_itemsize_that_is_not_a_power_of_two(dtype, trailing):
+    # The rows move as words through a byte view: viewing a 3-byte item as 2-byte
+    # words directly is refused by NumPy (and CuPy).
+    n = 7
+    raw = np.random.default_rng(5).integers(0, 256, n * int(np.prod(trailing, dtype=int))
+                                            * dtype.itemsize, dtype=np.uint8)
+    batch = raw.view(dtype).reshape((n,) + trailing)
+    index = np.array([6, 0, 3, 3, 1], np.int64)
+    for kwargs in ({}, {"pad_to": 3}, {"index": index, "pad_to": 2}):
+        got = split(batch, 3, threads=THREADS, **kwargs)
+        want = split_reference(batch, 3, **kwargs)
+        assert got.counts == want.counts
+        for g, w in zip(got.pieces, want.pieces):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            assert g.tobytes() == w.tobytes()
+
+
 def test_split_past_the_end_and_empty_batches():
     # SPEC: range(8).batch(4) on 3 replicas -> [0,1] [2,3] []
     got = split(np.arange(4, dtype=np.int64), 3, threads=THREADS)
