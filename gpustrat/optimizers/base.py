@@ -38,7 +38,7 @@ from gpustrat.distribute.variables import Variable, VariableAggregation
 from gpustrat.reduce_util import ReduceOp
 from gpustrat.values import PerReplica
 from gpustrat.optimizers import bfloat16
-from gpustrat.optimizers.plan import StepPlan, fresh_arrays, replica_devices
+from gpustrat.optimizers.plan import StepPlan, check_trainable, fresh_arrays, replica_devices
 
 _NO_CONTEXT = contextlib.nullcontext()
 #: What each step adds to ``iterations`` (read-only: shared by every step).
@@ -413,6 +413,7 @@ class Optimizer:
         # Training loops pass the same variables every step: the bookkeeping is done once.
         plan = self._known_plan(variables)
         if plan is None:
+            check_trainable(self, variables)   # before slots are made
             self._build(variables)
             plan = self._last_plan = StepPlan(self, variables)
             if len(self._plans) >= 64:

@@ -398,3 +398,26 @@ def test_adamw_exclusions_are_fixed_by_the_first_step():
         assert opt.get_config()["exclude_from_weight_decay"] == ["bias"]
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("bad_first", [False, True])
+def test_an_integer_variable_is_refused_before_anything_is_written(two, bad_first):
+    # It used to raise NumPy's UFuncTypeError in the middle of the step: 'w' updated,
+    # 'iterations' not counted.
+    with two.scope():
+        iv = gs.Variable(np.zeros(2, np.int32), name="iv")
+        w = gs.Variable(np.ones(2, np.float32), name="w")
+        opt = gs.optimizers.SGD(0.1, momentum=0.9)
+    pairs = [(np.ones(2, np.float32), w), (np.ones(2, np.float32), iv)]
+    if bad_first:
+        pairs.reverse()
+    with pytest.raises(TypeError, match=r"SGD.apply_gradients: variable 'iv' has dtype "
+                                        r"int32, .* floating-point variables only; "
+                                        r"nothing was updated"):
+        two.run(lambda: opt.apply_gradients(pairs))
+    assert w.numpy().tolist() == [1.0, 1.0] and iv.numpy().tolist() == [0, 0]
+    assert int(opt.iterations) == 0 and opt.variables == [opt.iterations]   # no slot made
+    # Without it the step goes on as usual.
+    two.run(lambda: opt.apply_gradients([(np.ones(2, np.float32), w)]))
+    np.testing.assert_allclose(w.numpy(), [0.8, 0.8], rtol=1e-6)
+    assert int(opt.iterations) == 1

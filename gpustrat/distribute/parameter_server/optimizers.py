@@ -25,6 +25,7 @@ from gpustrat.devices import to_host
 from gpustrat.distribute.parameter_server import wire
 from gpustrat.distribute.parameter_server.variables import (RemoteVariable,
                                                             ShardedVariable, request)
+from gpustrat.optimizers.plan import check_trainable
 
 
 def _key(optimizer) -> int:
@@ -81,12 +82,15 @@ def _apply(optimizer, grads: list, variables: list):
     key = _key(optimizer)
     iterations = optimizer._iterations
     per_server: dict = {}
-    for g, v in zip(grads, variables):
+    # Everything is checked before the first request: a refused step changes nothing.
+    for v in variables:
         if not isinstance(v, (RemoteVariable, ShardedVariable)):
             raise ValueError(
                 f"{type(optimizer).__name__}.apply_gradients: variable {v.name!r} is not "
                 "on the parameter servers (it was made outside the ParameterServerStrategy's "
                 "scope); train the strategy's variables together, or separately")
+    check_trainable(optimizer, variables)
+    for g, v in zip(grads, variables):
         g = _gradient(g, v)
         pieces = v._split(g) if isinstance(v, ShardedVariable) else [g]
         for part, piece in zip(_parts(v), pieces):
