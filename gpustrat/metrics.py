@@ -181,13 +181,29 @@ class Metric:
 
     def _restore_checkpoint_state(self, state: list) -> None:
         """Set the state variables so that :meth:`result` gives the saved totals."""
+        self._prepare_checkpoint_restore(state)()
+
+    def _prepare_checkpoint_restore(self, state: list):
+        """Check ``state`` (:meth:`_checkpoint_state`'s output) against this metric and
+        return the function that restores it; raises (ValueError) before anything is
+        written. The saved totals must have the metric's dtype: they are never cast."""
         if len(state) != len(self._variables):
             raise ValueError(f"metric {self.name!r} has {len(self._variables)} state "
                              f"variables, the checkpoint has {len(state)}: restore into "
                              "the same metric class")
-        for v, value in zip(self._variables, state):
-            v.assign(np.asarray(value, self.dtype))
-        self._restarted()
+        values = [np.asarray(value) for value in state]
+        for v, value in zip(self._variables, values):
+            if value.dtype != self.dtype or value.shape != ():
+                raise ValueError(
+                    f"metric {self.name!r}: the checkpoint's {v.name!r} is {value.dtype} "
+                    f"of shape {value.shape}, this metric keeps {self.dtype} of shape (): "
+                    f"restore into a metric made with dtype={str(value.dtype)!r}")
+
+        def write() -> None:
+            for v, value in zip(self._variables, values):
+                v.assign(value)
+            self._restarted()
+        return write
 
     def __repr__(self) -> str:
         return f"<gs.metrics.{type(self).__name__} {self.name!r}>"

@@ -37,7 +37,7 @@ from gpustrat.distribute.extended import agreement, fused_reduce
 from gpustrat.distribute.variables import Variable, VariableAggregation
 from gpustrat.reduce_util import ReduceOp
 from gpustrat.values import PerReplica
-from gpustrat.optimizers import bfloat16
+from gpustrat.optimizers import bfloat16, checkpointing
 from gpustrat.optimizers.plan import StepPlan, check_trainable, fresh_arrays, replica_devices
 
 _NO_CONTEXT = contextlib.nullcontext()
@@ -167,26 +167,32 @@ class Optimizer:
 
     def _build(self, variables) -> None:
         pending = self.__dict__.get("_restored_slots") or {}
-        for v in variables:
-            if v in self._slots:
-                continue
+        new = [v for v in variables if v not in self._slots]
+        # Slots restored before they were made are checked against their variables
+        # before any slot is made: a mismatch makes and writes nothing.
+        for v in new:
+            if v.name in pending:
+                what = f"variable {v.name!r}"
+                checkpointing.check_slot_names(self, {}, what, pending[v.name])
+                checkpointing.check_slot_values(self, what, v, pending[v.name])
+        for v in new:
             made = {}
             for s in self.slot_names:
                 made[s] = zeros(strategy_of(v), v.shape, v.dtype, f"{v.name}/{s}")
                 self._slot_list.append(made[s])
             self._slots[v] = made
             for s, value in pending.pop(v.name, {}).items():
-                if s in made:
-                    made[s].assign(value)
+                made[s].assign(value)
 
     # --- checkpointing ----------------------------------------------------------------
     #: The optimizer's state is the same on every worker: a checkpoint writes it once.
     _checkpoint_per_worker = False
 
     def _checkpoint_state(self) -> dict:
-        """``iterations`` and every slot (keyed by its variable's name), as the
-        variables themselves: the checkpoint reads them when it writes (without a copy
-        where it can, or into its own copy for an asynchronous save).
+        """``iterations``, the settings (see :mod:`~gpustrat.optimizers.checkpointing`)
+        and every slot (keyed by its variable's name), as the variables themselves: the
+        checkpoint reads them when it writes (without a copy where it can, or into its
+        own copy for an asynchronous save).
 
         Slots restored before the optimizer made them (a checkpoint read before the
         first step) and not yet claimed are saved again as they were read.
@@ -197,34 +203,47 @@ class Optimizer:
         slots = {v.name: dict(made) for v, made in self._slots.items()}
         for name, made in (self.__dict__.get("_restored_slots") or {}).items():
             slots.setdefault(name, made)
-        return {"iterations": self._iterations, "slots": slots}
+        return {"iterations": self._iterations, "config": checkpointing.config_of(self),
+                "slots": slots}
 
     def _restore_checkpoint_state(self, state: dict) -> None:
-        """Set ``iterations`` and the slots from :meth:`_checkpoint_state`'s output.
+        """Set ``iterations`` and the slots from :meth:`_checkpoint_state`'s output
+        (everything checked first: see :meth:`_prepare_checkpoint_restore`)."""
+        self._prepare_checkpoint_restore(state)()
+
+    def _prepare_checkpoint_restore(self, state: dict):
+        """Check :meth:`_checkpoint_state`'s output against this optimizer and its
+        variables, and return the function that writes it; raises (ValueError) before
+        anything is written.
 
         Slots of variables this optimizer has not trained yet are kept and assigned when
         the first step makes them, as TensorFlow defers a restore to the slot's creation.
+        A slot this optimizer keeps that the checkpoint lacks starts at zero.
         """
-        held = getattr(self._iterations, "_restore_optimizer_checkpoint_state", None)
+        held = getattr(self._iterations, "_prepare_optimizer_restore", None)
         if held is not None:  # written to the parameter servers
-            held(self, state)
-            return
-        self._iterations.assign(np.asarray(state["iterations"], np.int64))
-        pending = {}
-        by_name = {v.name: made for v, made in self._slots.items()}
+            return held(self, state)
+        iterations = checkpointing.saved_iterations(self, state)
+        pending, writes = {}, []
+        by_name = {v.name: v for v in self._slots}
         for name, saved in state["slots"].items():
-            made = by_name.get(name)
-            if made is None:
+            what = f"variable {name!r}"
+            checkpointing.check_slot_names(self, state, what, saved)
+            var = by_name.get(name)
+            if var is None:
                 pending[name] = dict(saved)
                 continue
-            for s, value in saved.items():
-                if s not in made:
-                    raise ValueError(
-                        f"{type(self).__name__} {self.name!r}: the checkpoint has slot "
-                        f"{s!r} for variable {name!r}, but this optimizer's slots are "
-                        f"{list(self.slot_names)}: restore into the same optimizer class")
-                made[s].assign(value)
-        self._restored_slots = pending
+            checkpointing.check_slot_values(self, what, var, saved)
+            made = self._slots[var]
+            full = checkpointing.zeros_for(saved, made, var)
+            writes.extend((made[s], full[s]) for s in made)
+
+        def write() -> None:
+            self._iterations.assign(iterations)
+            for slot, value in writes:
+                slot.assign(value)
+            self._restored_slots = pending
+        return write
 
     # --- the step -------------------------------------------------------------------
     def apply_gradients(self, grads_and_vars: Iterable, name=None,

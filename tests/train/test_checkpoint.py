@@ -168,3 +168,126 @@ def test_clear_errors(tmp_path):
         other.restore(path)
     with pytest.raises(AssertionError, match="not in the checkpoint"):
         gs.train.Checkpoint(w=w, v=gs.Variable(1.0)).restore(path).assert_consumed()
+
+
+def _values(*variables):
+    return [v.numpy().tolist() for v in variables]
+
+
+def test_a_restore_that_fails_a_check_restores_nothing(tmp_path):
+    # 'b' (saved float32) into an int32 variable: the error used to come after 'a', the
+    # optimizer and the numbers were restored, and named the variable, not the key.
+    s = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    try:
+        with s.scope():
+            a = gs.Variable(np.float32([1.0, 2.0]), name="a")
+            b = gs.Variable(np.float32([1.5]), name="b")
+            opt = gs.optimizers.SGD(0.1, momentum=0.9)
+            mean = gs.metrics.Mean()
+        s.run(lambda: opt.apply_gradients([(np.float32([1.0, 1.0]), a)]))
+        mean.update_state(np.float32(3.0))
+        path = gs.train.Checkpoint(a=a, opt=opt, m=mean, b=b, step=7).save(
+            str(tmp_path / "c"))
+        with s.scope():
+            a2 = gs.Variable(np.zeros(2, np.float32), name="a")
+            b2 = gs.Variable(np.zeros(1, np.int32), name="bias")
+            opt2 = gs.optimizers.SGD(0.1, momentum=0.9)
+            mean2 = gs.metrics.Mean()
+        ck = gs.train.Checkpoint(a=a2, opt=opt2, m=mean2, b=b2, step=0)
+        with pytest.raises(ValueError, match=r"variable 'b' has dtype int32, the checkpoint "
+                                             r"holds dtype float32; nothing was restored"):
+            ck.restore(path)
+        assert _values(a2, b2) == [[0.0, 0.0], [0]]
+        assert int(opt2.iterations) == 0 and float(mean2.result()) == 0.0
+        assert ck.step == 0 and ck.save_counter == 0
+        # The deferred slots were not taken either: a first step starts them at zero.
+        s.run(lambda: opt2.apply_gradients([(np.float32([1.0, 1.0]), a2)]))
+        np.testing.assert_allclose(opt2.get_slot(a2, "momentum").numpy(), [-0.2, -0.2],
+                                   rtol=1e-6)   # -lr * (1 + 1): no saved momentum in it
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("saved, restored", [
+    (np.float64, np.float32), (np.float32, np.float64), (np.float32, np.float16),
+    (np.float32, np.int32), (np.int64, np.int32)])
+def test_a_restore_never_casts(tmp_path, saved, restored):
+    # As TensorFlow ("expected dtype half does not equal original dtype float"): it used
+    # to cast, and a float32 70000 became inf in a float16 variable.
+    path = gs.train.Checkpoint(c=gs.Variable(np.array([70000], saved))).write(
+        str(tmp_path / "c"))
+    c = gs.Variable(np.zeros(1, restored))
+    with pytest.raises(ValueError, match=rf"variable 'c' has dtype {np.dtype(restored)}, "
+                                         rf"the checkpoint holds dtype {np.dtype(saved)}"):
+        gs.train.Checkpoint(c=c).restore(path)
+    assert c.numpy().tolist() == [0]
+
+
+def test_an_optimizer_saved_with_other_slots_is_refused_before_anything_is_written(tmp_path):
+    # Adam(amsgrad=True) into an Adam() that has stepped used to restore the variable,
+    # iterations and 'm' first; into a fresh one, 'vhat' was dropped without a word; the
+    # hint said to use "the same optimizer class", which it was.
+    w = gs.Variable(np.ones(2, np.float32), name="w")
+    opt = gs.optimizers.Adam(0.1, amsgrad=True)
+    for _ in range(3):
+        opt.apply_gradients([(np.float32([1.0, -2.0]), w)])
+    path = gs.train.Checkpoint(w=w, opt=opt, epoch=4).save(str(tmp_path / "c"))
+    message = (r"checkpoint key 'opt': Adam 'Adam' keeps slots \['m', 'v'\], but the "
+               r"checkpoint holds slot 'vhat' for variable 'w' \(it was saved with "
+               r"amsgrad=True; this optimizer has amsgrad=False\): make the optimizer "
+               r"with the saved settings; nothing was restored")
+    w2 = gs.Variable(np.ones(2, np.float32), name="w")
+    stepped = gs.optimizers.Adam(0.1)
+    stepped.apply_gradients([(np.float32([0.5, 0.5]), w2)])
+    before = _values(w2, stepped.get_slot(w2, "m"), stepped.get_slot(w2, "v"))
+    ck = gs.train.Checkpoint(w=w2, opt=stepped, epoch=0)
+    with pytest.raises(ValueError, match=message):
+        ck.restore(path)
+    assert _values(w2, stepped.get_slot(w2, "m"), stepped.get_slot(w2, "v")) == before
+    assert int(stepped.iterations) == 1 and ck.epoch == 0
+    w3 = gs.Variable(np.ones(2, np.float32), name="w")
+    with pytest.raises(ValueError, match=message):
+        gs.train.Checkpoint(w=w3, opt=gs.optimizers.Adam(0.1), epoch=0).restore(path)
+    assert w3.numpy().tolist() == [1.0, 1.0]
+
+
+def test_a_slot_the_checkpoint_lacks_starts_at_zero(tmp_path):
+    # Adam() restored into an Adam(amsgrad=True) that has stepped: 'vhat' restarts, as a
+    # fresh optimizer's would, instead of keeping this run's running maximum.
+    w = gs.Variable(np.ones(2, np.float32), name="w")
+    opt = gs.optimizers.Adam(0.1)
+    opt.apply_gradients([(np.float32([1.0, -2.0]), w)])
+    path = gs.train.Checkpoint(w=w, opt=opt).write(str(tmp_path / "c"))
+    w2 = gs.Variable(np.ones(2, np.float32), name="w")
+    ams = gs.optimizers.Adam(0.1, amsgrad=True)
+    ams.apply_gradients([(np.float32([9.0, 9.0]), w2)])
+    gs.train.Checkpoint(w=w2, opt=ams).restore(path).assert_consumed()
+    assert ams.get_slot(w2, "vhat").numpy().tolist() == [0.0, 0.0]
+    np.testing.assert_array_equal(ams.get_slot(w2, "v").numpy(), opt.get_slot(w, "v").numpy())
+
+
+def test_a_metric_of_another_dtype_is_refused(tmp_path):
+    m = gs.metrics.Mean()
+    m.update_state(np.float32(2.0))
+    path = gs.train.Checkpoint(m=m).write(str(tmp_path / "c"))
+    m64 = gs.metrics.Mean(dtype=np.float64)
+    m64.update_state(5.0)
+    with pytest.raises(ValueError, match=r"checkpoint key 'm': metric 'mean': the "
+                                         r"checkpoint's 'mean/total' is float32 .* "
+                                         r"dtype='float32'"):
+        gs.train.Checkpoint(m=m64).restore(path)
+    assert float(m64.result()) == 5.0
+
+
+def test_a_failed_position_restore_restores_no_variable(tmp_path):
+    # The per-worker positions are restored before the shared objects are written.
+    w = gs.Variable(np.float32([1.0]), name="w")
+    it = iter(gs.data.Dataset.range(10).batch(2))
+    next(it)
+    path = gs.train.Checkpoint(w=w, it=it, step=3).write(str(tmp_path / "c"))
+    w2 = gs.Variable(np.float32([0.0]), name="w")
+    other = iter(gs.data.Dataset.range(10).map(lambda x: x).batch(3))
+    ck = gs.train.Checkpoint(w=w2, it=other, step=0)
+    with pytest.raises(RuntimeError, match=r"per-worker state .* were not restored"):
+        ck.restore(path)
+    assert w2.numpy().tolist() == [0.0] and ck.step == 0

@@ -25,6 +25,7 @@ from gpustrat.devices import to_host
 from gpustrat.distribute.parameter_server import wire
 from gpustrat.distribute.parameter_server.variables import (RemoteVariable,
                                                             ShardedVariable, request)
+from gpustrat.optimizers import checkpointing
 from gpustrat.optimizers.plan import check_trainable
 
 
@@ -209,49 +210,46 @@ def slot_variables(optimizer) -> list:
 
 
 def checkpoint_state(optimizer) -> dict:
-    """``iterations`` and every slot (keyed by its variable's name), read from the
-    servers; the same tree as a local optimizer's."""
+    """``iterations``, the settings and every slot (keyed by its variable's name), read
+    from the servers; the same tree as a local optimizer's."""
     slots = {var.name: {s: h.numpy() for s, h in made.items()}
              for var, made in _made_slots(optimizer)}
     for name, made in (optimizer.__dict__.get("_restored_slots") or {}).items():
         slots.setdefault(name, made)
-    return {"iterations": optimizer._iterations.numpy(), "slots": slots}
+    return {"iterations": optimizer._iterations.numpy(),
+            "config": checkpointing.config_of(optimizer), "slots": slots}
 
 
-def restore_checkpoint_state(optimizer, state: dict) -> None:
-    """Write ``iterations`` and the slots of :func:`checkpoint_state`'s tree to the
-    servers (making the slots there). Slots of variables this job does not have are
-    kept and saved again."""
+def prepare_restore(optimizer, state: dict):
+    """Check :func:`checkpoint_state`'s tree against the optimizer and the strategy's
+    variables; return the function that writes ``iterations`` and the slots to the
+    servers (making the slots there). Raises before anything is written. Slots of
+    variables this job does not have are kept and saved again."""
     from gpustrat.distribute.parameter_server.strategy import coordinator_strategy  # noqa
     strategy = coordinator_strategy("the optimizer's slots")
     key = _key(optimizer)
     by_name = {v.name: v for v in strategy._variables}
+    iterations = checkpointing.saved_iterations(optimizer, state)
     pending, writes = {}, []
-    # Everything is checked before anything is written.
     for name, saved in state["slots"].items():
+        what = f"variable {name!r}"
+        checkpointing.check_slot_names(optimizer, state, what, saved)
         var = by_name.get(name)
         if var is None:
             pending[name] = dict(saved)
             continue
-        for s, value in saved.items():
-            if s not in optimizer.slot_names:
-                raise ValueError(
-                    f"{type(optimizer).__name__} {optimizer.name!r}: the checkpoint has "
-                    f"slot {s!r} for variable {name!r}, but this optimizer's slots are "
-                    f"{list(optimizer.slot_names)}: restore into the same optimizer class")
-            value = np.asarray(value)
-            if tuple(value.shape) != tuple(var.shape):
-                raise ValueError(f"{type(optimizer).__name__} {optimizer.name!r}: the "
-                                 f"checkpoint's slot {s!r} of variable {name!r} has shape "
-                                 f"{tuple(value.shape)}, the variable {tuple(var.shape)}")
-            writes.append((var, s, value))
-    names = tuple(optimizer.slot_names)
-    made: dict = {}
-    for var, s, value in writes:
-        if var not in made:
-            made[var] = [request(p._server, "make_slots", (key, p._vid, names))[0]
-                         for p in _parts(var)]
-        _handles(var, s, [m[s] for m in made[var]]).assign(value.astype(var.dtype,
-                                                                        copy=False))
-    optimizer._iterations.assign(np.asarray(state["iterations"], np.int64))
-    optimizer._restored_slots = pending
+        checkpointing.check_slot_values(optimizer, what, var, saved)
+        full = checkpointing.zeros_for(saved, optimizer.slot_names, var)
+        writes.extend((var, s, np.asarray(full[s])) for s in optimizer.slot_names)
+
+    def write() -> None:
+        names = tuple(optimizer.slot_names)
+        made: dict = {}
+        for var, s, value in writes:
+            if var not in made:
+                made[var] = [request(p._server, "make_slots", (key, p._vid, names))[0]
+                             for p in _parts(var)]
+            _handles(var, s, [m[s] for m in made[var]]).assign(value)
+        optimizer._iterations.assign(iterations)
+        optimizer._restored_slots = pending
+    return write

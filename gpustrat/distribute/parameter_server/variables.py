@@ -96,9 +96,9 @@ class _HeldElsewhere:
         from gpustrat.distribute.parameter_server import optimizers  # noqa: PLC0415
         return optimizers.checkpoint_state(optimizer)
 
-    def _restore_optimizer_checkpoint_state(self, optimizer, state: dict) -> None:
+    def _prepare_optimizer_restore(self, optimizer, state: dict):
         from gpustrat.distribute.parameter_server import optimizers  # noqa: PLC0415
-        optimizers.restore_checkpoint_state(optimizer, state)
+        return optimizers.prepare_restore(optimizer, state)
 
 
 class RemoteVariable(_HeldElsewhere, _FetchedReads, Variable):
