@@ -166,82 +166,77 @@ class Optimizer:
         return count
 
     def _build(self, variables) -> None:
-        pending = self.__dict__.get("_restored_slots") or {}
         new = [v for v in variables if v not in self._slots]
-        # Slots restored before they were made are checked against their variables
-        # before any slot is made: a mismatch makes and writes nothing.
-        for v in new:
-            if v.name in pending:
-                what = f"variable {v.name!r}"
-                checkpointing.check_slot_names(self, {}, what, pending[v.name])
-                checkpointing.check_slot_values(self, what, v, pending[v.name])
+        pending = self.__dict__.get("_restored_slots")
+        # Restored slots waiting for these variables are checked (and taken) before any
+        # slot is made: a mismatch makes and writes nothing.
+        restored = pending.take(self, new) if pending else {}
         for v in new:
             made = {}
             for s in self.slot_names:
                 made[s] = zeros(strategy_of(v), v.shape, v.dtype, f"{v.name}/{s}")
                 self._slot_list.append(made[s])
             self._slots[v] = made
-            for s, value in pending.pop(v.name, {}).items():
+            for s, value in restored.get(v, {}).items():
                 made[s].assign(value)
 
     # --- checkpointing ----------------------------------------------------------------
     #: The optimizer's state is the same on every worker: a checkpoint writes it once.
     _checkpoint_per_worker = False
+    #: Slots are saved by their variables' checkpoint keys.
+    _checkpoint_by_variable_keys = True
 
-    def _checkpoint_state(self) -> dict:
-        """``iterations``, the settings (see :mod:`~gpustrat.optimizers.checkpointing`)
-        and every slot (keyed by its variable's name), as the variables themselves: the
-        checkpoint reads them when it writes (without a copy where it can, or into its
-        own copy for an asynchronous save).
+    def _checkpoint_state(self, keys=None) -> dict:
+        """``iterations``, the settings and every slot, keyed by its variable's key in
+        the saving Checkpoint (``keys``, a :class:`~gpustrat.train.graph.VariableKeys`)
+        or, for a variable the Checkpoint does not hold, by its name (see
+        :mod:`~gpustrat.optimizers.checkpointing`); slots as the variables themselves:
+        the checkpoint reads them when it writes (without a copy where it can, or into
+        its own copy for an asynchronous save).
 
         Slots restored before the optimizer made them (a checkpoint read before the
         first step) and not yet claimed are saved again as they were read.
+
+        Raises:
+            ValueError: slots of two variables of one name that the Checkpoint does not
+                hold (a restore could not tell them apart).
         """
         held = getattr(self._iterations, "_optimizer_checkpoint_state", None)
         if held is not None:  # read from the parameter servers
-            return held(self)
-        slots = {v.name: dict(made) for v, made in self._slots.items()}
-        for name, made in (self.__dict__.get("_restored_slots") or {}).items():
-            slots.setdefault(name, made)
+            return held(self, keys)
+        slots = checkpointing.saved_slots(self, list(self._slots.items()), keys,
+                                          self.__dict__.get("_restored_slots"))
         return {"iterations": self._iterations, "config": checkpointing.config_of(self),
-                "slots": slots}
+                **slots}
 
-    def _restore_checkpoint_state(self, state: dict) -> None:
+    def _restore_checkpoint_state(self, state: dict, keys=None) -> None:
         """Set ``iterations`` and the slots from :meth:`_checkpoint_state`'s output
         (everything checked first: see :meth:`_prepare_checkpoint_restore`)."""
-        self._prepare_checkpoint_restore(state)()
+        self._prepare_checkpoint_restore(state, keys)()
 
-    def _prepare_checkpoint_restore(self, state: dict):
-        """Check :meth:`_checkpoint_state`'s output against this optimizer and its
-        variables, and return the function that writes it; raises (ValueError) before
-        anything is written.
+    def _prepare_checkpoint_restore(self, state: dict, keys=None):
+        """Check :meth:`_checkpoint_state`'s output against this optimizer and the
+        restoring Checkpoint's variables (``keys``), and return the function that writes
+        it; raises (ValueError) before anything is written.
 
-        Slots of variables this optimizer has not trained yet are kept and assigned when
-        the first step makes them, as TensorFlow defers a restore to the slot's creation.
-        A slot this optimizer keeps that the checkpoint lacks starts at zero.
+        Each saved slot set goes to the variable at the same key in the restoring
+        Checkpoint (slots saved by name: to the one variable of that name). Slots of
+        variables this optimizer has not trained yet are assigned when the first step
+        makes them, as TensorFlow defers a restore to the slot's creation. A slot this
+        optimizer keeps that the checkpoint lacks starts at zero.
         """
         held = getattr(self._iterations, "_prepare_optimizer_restore", None)
         if held is not None:  # written to the parameter servers
-            return held(self, state)
+            return held(self, state, keys)
         iterations = checkpointing.saved_iterations(self, state)
-        pending, writes = {}, []
-        by_name = {v.name: v for v in self._slots}
-        for name, saved in state["slots"].items():
-            what = f"variable {name!r}"
-            checkpointing.check_slot_names(self, state, what, saved)
-            var = by_name.get(name)
-            if var is None:
-                pending[name] = dict(saved)
-                continue
-            checkpointing.check_slot_values(self, what, var, saved)
-            made = self._slots[var]
-            full = checkpointing.zeros_for(saved, made, var)
-            writes.extend((made[s], full[s]) for s in made)
+        writes, pending = checkpointing.match(self, state, keys, list(self._slots))
 
         def write() -> None:
             self._iterations.assign(iterations)
-            for slot, value in writes:
-                slot.assign(value)
+            for var, saved in writes:
+                made = self._slots[var]
+                for s, slot in made.items():
+                    slot.assign(saved[s])
             self._restored_slots = pending
         return write
 

@@ -326,6 +326,7 @@ def _prepare_shared(entries: list, shared: dict) -> list:
     was checked (an optimizer or a metric checks its own state first): a mismatch
     raises, naming the key, before anything is written."""
     writes = []
+    keys = graph.VariableKeys(entries)
     for e in entries:
         if e.key not in shared:
             continue
@@ -345,7 +346,8 @@ def _prepare_shared(entries: list, shared: dict) -> list:
                               obj._restore_checkpoint_state(value))
                 continue
             try:
-                writes.append(prepare(value))
+                writes.append(prepare(value, keys) if getattr(
+                    type(e.obj), "_checkpoint_by_variable_keys", False) else prepare(value))
             except (ValueError, TypeError) as err:
                 raise type(err)(f"checkpoint key {e.key!r}: {err}") from None
     return writes

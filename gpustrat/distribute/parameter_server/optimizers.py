@@ -10,8 +10,8 @@ server (made on the first step that trains the variable, or by a restore), so
 assigns are one request each, from the coordinator or from a scheduled function.
 
 Checkpoints are written on the coordinator: the optimizer's state (``iterations`` and
-every slot, keyed by its variable's name, a sharded variable's slots whole) is read
-from the servers, and a restore writes it back to them, making the slots it needs.
+every slot, keyed by its variable's checkpoint key, a sharded variable's slots whole)
+is read from the servers, and a restore writes it back to them, making the slots it needs.
 """
 
 from __future__ import annotations
@@ -209,47 +209,36 @@ def slot_variables(optimizer) -> list:
     return [slot for _, made in _made_slots(optimizer) for slot in made.values()]
 
 
-def checkpoint_state(optimizer) -> dict:
-    """``iterations``, the settings and every slot (keyed by its variable's name), read
-    from the servers; the same tree as a local optimizer's."""
-    slots = {var.name: {s: h.numpy() for s, h in made.items()}
-             for var, made in _made_slots(optimizer)}
-    for name, made in (optimizer.__dict__.get("_restored_slots") or {}).items():
-        slots.setdefault(name, made)
+def checkpoint_state(optimizer, keys=None) -> dict:
+    """``iterations``, the settings and every slot (keyed by its variable's checkpoint
+    key, or name; see :mod:`gpustrat.optimizers.checkpointing`), read from the servers;
+    the same tree as a local optimizer's."""
+    trained = [(var, {s: h.numpy() for s, h in made.items()})
+               for var, made in _made_slots(optimizer)]
+    slots = checkpointing.saved_slots(optimizer, trained, keys,
+                                      optimizer.__dict__.get("_restored_slots"))
     return {"iterations": optimizer._iterations.numpy(),
-            "config": checkpointing.config_of(optimizer), "slots": slots}
+            "config": checkpointing.config_of(optimizer), **slots}
 
 
-def prepare_restore(optimizer, state: dict):
-    """Check :func:`checkpoint_state`'s tree against the optimizer and the strategy's
-    variables; return the function that writes ``iterations`` and the slots to the
-    servers (making the slots there). Raises before anything is written. Slots of
-    variables this job does not have are kept and saved again."""
+def prepare_restore(optimizer, state: dict, keys=None):
+    """Check :func:`checkpoint_state`'s tree against the optimizer and the restoring
+    Checkpoint's variables; return the function that writes ``iterations`` and the
+    slots to the servers (making the slots there). Raises before anything is written.
+    Slots of variables this job does not have are kept and saved again."""
     from gpustrat.distribute.parameter_server.strategy import coordinator_strategy  # noqa
     strategy = coordinator_strategy("the optimizer's slots")
     key = _key(optimizer)
-    by_name = {v.name: v for v in strategy._variables}
     iterations = checkpointing.saved_iterations(optimizer, state)
-    pending, writes = {}, []
-    for name, saved in state["slots"].items():
-        what = f"variable {name!r}"
-        checkpointing.check_slot_names(optimizer, state, what, saved)
-        var = by_name.get(name)
-        if var is None:
-            pending[name] = dict(saved)
-            continue
-        checkpointing.check_slot_values(optimizer, what, var, saved)
-        full = checkpointing.zeros_for(saved, optimizer.slot_names, var)
-        writes.extend((var, s, np.asarray(full[s])) for s in optimizer.slot_names)
+    writes, pending = checkpointing.match(optimizer, state, keys, list(strategy._variables))
 
     def write() -> None:
         names = tuple(optimizer.slot_names)
-        made: dict = {}
-        for var, s, value in writes:
-            if var not in made:
-                made[var] = [request(p._server, "make_slots", (key, p._vid, names))[0]
-                             for p in _parts(var)]
-            _handles(var, s, [m[s] for m in made[var]]).assign(value)
+        for var, saved in writes:
+            made = [request(p._server, "make_slots", (key, p._vid, names))[0]
+                    for p in _parts(var)]
+            for s in names:
+                _handles(var, s, [m[s] for m in made]).assign(np.asarray(saved[s]))
         optimizer._iterations.assign(iterations)
         optimizer._restored_slots = pending
     return write
