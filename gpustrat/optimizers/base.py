@@ -187,7 +187,8 @@ class Optimizer:
     _checkpoint_by_variable_keys = True
 
     def _checkpoint_state(self, keys=None) -> dict:
-        """``iterations``, the settings and every slot, keyed by its variable's key in
+        """``iterations``, the learning rate (a number, not a schedule), the settings and
+        every slot, keyed by its variable's key in
         the saving Checkpoint (``keys``, a :class:`~gpustrat.train.graph.VariableKeys`)
         or, for a variable the Checkpoint does not hold, by its name (see
         :mod:`~gpustrat.optimizers.checkpointing`); slots as the variables themselves:
@@ -206,8 +207,8 @@ class Optimizer:
             return held(self, keys)
         slots = checkpointing.saved_slots(self, list(self._slots.items()), keys,
                                           self.__dict__.get("_restored_slots"))
-        return {"iterations": self._iterations, "config": checkpointing.config_of(self),
-                **slots}
+        return {"iterations": self._iterations, **checkpointing.learning_rate_of(self),
+                "config": checkpointing.config_of(self), **slots}
 
     def _restore_checkpoint_state(self, state: dict, keys=None) -> None:
         """Set ``iterations`` and the slots from :meth:`_checkpoint_state`'s output
@@ -223,16 +224,20 @@ class Optimizer:
         Checkpoint (slots saved by name: to the one variable of that name). Slots of
         variables this optimizer has not trained yet are assigned when the first step
         makes them, as TensorFlow defers a restore to the slot's creation. A slot this
-        optimizer keeps that the checkpoint lacks starts at zero.
+        optimizer keeps that the checkpoint lacks starts at zero. A saved learning rate
+        replaces this optimizer's unless this one has a schedule.
         """
         held = getattr(self._iterations, "_prepare_optimizer_restore", None)
         if held is not None:  # written to the parameter servers
             return held(self, state, keys)
         iterations = checkpointing.saved_iterations(self, state)
+        lr = checkpointing.saved_learning_rate(self, state)
         writes, pending = checkpointing.match(self, state, keys, list(self._slots))
 
         def write() -> None:
             self._iterations.assign(iterations)
+            if lr is not None:
+                self._learning_rate = lr
             for var, saved in writes:
                 made = self._slots[var]
                 for s, slot in made.items():

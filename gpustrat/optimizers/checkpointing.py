@@ -1,12 +1,16 @@
 """An optimizer's checkpoint state, and the checks a restore makes before it writes.
 
 Words:
-    state tree: what an optimizer saves: ``iterations``; ``config``, its settings
-        (:meth:`Optimizer.get_config` without the name and learning rate), so that a
-        restore that cannot take the slots can say which setting differs; and each
-        trained variable's slots (by slot name), under ``variable_slots`` keyed by the
-        variable's checkpoint key (its path in the Checkpoint, ``"model/layers/0/kernel"``)
-        or, for a variable the Checkpoint does not hold, under ``named_slots`` keyed by
+    state tree: what an optimizer saves: ``iterations``; ``learning_rate``, the
+        current rate when it is a number (set between steps, it is not the
+        constructor's; a schedule is not saved: it is code, and gives its rate from
+        ``iterations``), as Keras 3 saves its learning-rate variable; ``config``, its
+        settings (:meth:`Optimizer.get_config` without the name and learning rate), so
+        that a restore that cannot take the slots can say which setting differs; and
+        each trained variable's slots (by slot name), under ``variable_slots`` keyed by
+        the variable's checkpoint key (its path in the Checkpoint,
+        ``"model/layers/0/kernel"``) or, for a variable the Checkpoint does not hold,
+        under ``named_slots`` keyed by
         the variable's name. Names are not unique (every unnamed ``gs.Variable`` is
         "Variable", a model has several "kernel"), keys are: a slot belongs to the
         variable the restoring Checkpoint reaches by the same path, as in TensorFlow's
@@ -43,6 +47,25 @@ def config_of(optimizer) -> dict:
                                             for x in v)):
             out[k] = v
     return out
+
+
+def learning_rate_of(optimizer) -> dict:
+    """``{"learning_rate": rate}`` for the state tree when the rate is a number; an
+    empty dict for a schedule."""
+    lr = optimizer._learning_rate
+    return {} if callable(lr) else {"learning_rate": float(lr)}
+
+
+def saved_learning_rate(optimizer, state: dict):
+    """The saved rate to set, or None: none saved (a schedule, an older checkpoint), or
+    this optimizer has a schedule (which keeps its own rates, as in Keras 3)."""
+    lr = state.get("learning_rate")
+    if lr is None or callable(optimizer._learning_rate):
+        return None
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
+        raise ValueError(f"{_who(optimizer)}: the checkpoint's learning_rate {lr!r} is not "
+                         "a positive finite number")
+    return float(lr)
 
 
 def saved_iterations(optimizer, state: dict) -> np.ndarray:

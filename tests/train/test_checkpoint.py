@@ -352,7 +352,8 @@ def test_a_model_of_layers_with_the_same_names_resumes_exactly(tmp_path):
         str(tmp_path / "c"))
     index = json.load(open(path + ".index"))
     keys = [k for k, _ in index["objects"]["optimizer"]["tree"]["__dict__"]]
-    assert keys == ["iterations", "config", "variable_slots", "named_slots"]
+    assert keys == ["iterations", "learning_rate", "config", "variable_slots",
+                    "named_slots"]
     layers2, opt2 = make()
     gs.train.Checkpoint(model={"layers": layers2}, optimizer=opt2).restore(path)
     for ls, o in ((layers, opt), (layers2, opt2)):
@@ -440,3 +441,46 @@ def test_slots_waiting_for_their_variable_are_checked_before_the_step_writes(tmp
                                          r"shape \(3,\)"):
         opt2.apply_gradients([(np.ones(3, np.float32), wide)])
     assert wide.numpy().tolist() == [1.0] * 3 and int(opt2.iterations) == 1
+
+
+def test_the_learning_rate_set_between_steps_is_saved(tmp_path):
+    # As Keras 3, which saves its learning-rate variable: the restored optimizer used to
+    # keep its constructor's rate.
+    v = gs.Variable(np.ones(2, np.float32), name="v")
+    opt = gs.optimizers.SGD(0.1, momentum=0.9)
+    opt.apply_gradients([(np.ones(2, np.float32), v)])
+    opt.learning_rate = 0.5
+    path = gs.train.Checkpoint(v=v, opt=opt).write(str(tmp_path / "c"))
+    v2 = gs.Variable(np.ones(2, np.float32), name="v")
+    opt2 = gs.optimizers.SGD(0.1, momentum=0.9)
+    gs.train.Checkpoint(v=v2, opt=opt2).restore(path).assert_consumed()
+    assert opt2.learning_rate == 0.5
+    for o, w in ((opt, v), (opt2, v2)):
+        o.apply_gradients([(np.ones(2, np.float32), w)])
+    np.testing.assert_array_equal(v2.numpy(), v.numpy())
+    # A schedule keeps giving its own rates; a checkpoint of a schedule saves none.
+    scheduled = gs.optimizers.SGD(lambda step: 0.01 * (step + 1), momentum=0.9)
+    gs.train.Checkpoint(v=v2, opt=scheduled).restore(path)
+    assert scheduled.learning_rate == pytest.approx(0.02)       # step 1 of the schedule
+    path = gs.train.Checkpoint(v=v2, opt=scheduled).write(str(tmp_path / "s"))
+    plain = gs.optimizers.SGD(0.3, momentum=0.9)
+    gs.train.Checkpoint(v=v2, opt=plain).restore(path)
+    assert plain.learning_rate == 0.3
+
+
+def test_a_checkpoint_without_a_learning_rate_keeps_the_optimizers(tmp_path, monkeypatch):
+    v = gs.Variable(np.ones(2, np.float32), name="v")
+    opt = gs.optimizers.SGD(0.1)
+    opt.learning_rate = 0.5
+    real = gs.optimizers.Optimizer._checkpoint_state
+
+    def older(self, keys=None):      # as written before the rate was saved
+        state = real(self, keys)
+        del state["learning_rate"]
+        return state
+    with monkeypatch.context() as m:
+        m.setattr(gs.optimizers.Optimizer, "_checkpoint_state", older)
+        path = gs.train.Checkpoint(v=v, opt=opt).write(str(tmp_path / "c"))
+    opt2 = gs.optimizers.SGD(0.2)
+    gs.train.Checkpoint(v=v, opt=opt2).restore(path).assert_consumed()
+    assert opt2.learning_rate == 0.2

@@ -218,6 +218,7 @@ def checkpoint_state(optimizer, keys=None) -> dict:
     slots = checkpointing.saved_slots(optimizer, trained, keys,
                                       optimizer.__dict__.get("_restored_slots"))
     return {"iterations": optimizer._iterations.numpy(),
+            **checkpointing.learning_rate_of(optimizer),
             "config": checkpointing.config_of(optimizer), **slots}
 
 
@@ -230,6 +231,7 @@ def prepare_restore(optimizer, state: dict, keys=None):
     strategy = coordinator_strategy("the optimizer's slots")
     key = _key(optimizer)
     iterations = checkpointing.saved_iterations(optimizer, state)
+    lr = checkpointing.saved_learning_rate(optimizer, state)
     writes, pending = checkpointing.match(optimizer, state, keys, list(strategy._variables))
 
     def write() -> None:
@@ -240,5 +242,7 @@ def prepare_restore(optimizer, state: dict, keys=None):
             for s in names:
                 _handles(var, s, [m[s] for m in made]).assign(np.asarray(saved[s]))
         optimizer._iterations.assign(iterations)
+        if lr is not None:
+            optimizer._learning_rate = lr
         optimizer._restored_slots = pending
     return write
