@@ -6,10 +6,11 @@ variable with SUM aggregation: inside ``strategy.run`` each replica adds to its 
 component, with no communication; :meth:`Metric.result` in cross-replica context sums
 the components over every replica of every worker in one fused reduction (a collective:
 every worker must call it) and returns the metric's value. Inside ``run``, ``result()``
-is the replica's own. In cross-replica context ``update_state`` adds to the first local
-replica's component, divided by the number of workers: every worker runs that code, and
-the total grows by the value once (by the mean of the workers' values where they
-differ, as with Keras). Made outside any scope, a metric is plain.
+is the replica's own. In cross-replica context ``update_state`` adds the value divided
+by the number of replicas in sync to every local replica's component: every worker runs
+that code, and the total grows by the value once (by the mean of the workers' values
+where they differ, as with Keras), spread evenly over the replicas as Keras 3 spreads
+it. Made outside any scope, a metric is plain.
 
 Under ``ParameterServerStrategy`` a metric made in the scope keeps its state on the
 parameter servers: every update (from any scheduled function, on any worker) is added
@@ -123,14 +124,15 @@ class Metric:
     # --- state access ---------------------------------------------------------------
     def _add(self, *amounts) -> None:
         """Add ``amounts[k]`` to state variable k: the replica's own component inside
-        ``run``; in cross-replica context, ``amounts[k] / num_workers`` to the first
-        local component (every worker adds, the total grows by the amount once)."""
+        ``run``; in cross-replica context, ``amounts[k] / num_replicas_in_sync`` to
+        every local component (every worker adds, the total grows by the amount once,
+        spread evenly over the replicas as a cross-replica assign spreads its value)."""
         strategy, replica_ctx = context.current()
         if replica_ctx is None:
             self._cross_updates += 1
         for v, a in zip(self._variables, amounts):
             comps = _components(v)
-            target = comps[0]
+            targets = comps[:1]
             if getattr(v, "_atomic_updates", False):
                 pass  # held on a parameter server, which applies one update at a time
             elif not isinstance(v, DistributedVariable):
@@ -143,11 +145,16 @@ class Metric:
                 if strategy is not None and strategy is not v.distribute_strategy:
                     v.value()  # raises the error that names both strategies
                 if replica_ctx is not None:
-                    target = comps[replica_ctx.local_index]
-                elif v.distribute_strategy.num_workers > 1:
-                    a = a / v.distribute_strategy.num_workers
-            target._write("assign_add", np.asarray(a, target.dtype) if np.isscalar(a)
-                          else a.astype(target.dtype))
+                    targets = (comps[replica_ctx.local_index],)
+                else:
+                    # As Keras 3's metrics under tf.distribute (whose assign_add is an
+                    # assign of the new total, divided over the replicas in sync).
+                    a = a / v.distribute_strategy.num_replicas_in_sync
+                    targets = comps
+            share = np.asarray(a, comps[0].dtype) if np.isscalar(a) else \
+                a.astype(comps[0].dtype)
+            for target in targets:
+                target._write("assign_add", share)
 
     def _read(self) -> list:
         first = self._variables[0]
@@ -181,13 +188,29 @@ class Metric:
 
     def _restore_checkpoint_state(self, state: list) -> None:
         """Set the state variables so that :meth:`result` gives the saved totals."""
+        self._prepare_checkpoint_restore(state)()
+
+    def _prepare_checkpoint_restore(self, state: list):
+        """Check ``state`` (:meth:`_checkpoint_state`'s output) against this metric and
+        return the function that restores it; raises (ValueError) before anything is
+        written. The saved totals must have the metric's dtype: they are never cast."""
         if len(state) != len(self._variables):
             raise ValueError(f"metric {self.name!r} has {len(self._variables)} state "
                              f"variables, the checkpoint has {len(state)}: restore into "
                              "the same metric class")
-        for v, value in zip(self._variables, state):
-            v.assign(np.asarray(value, self.dtype))
-        self._restarted()
+        values = [np.asarray(value) for value in state]
+        for v, value in zip(self._variables, values):
+            if value.dtype != self.dtype or value.shape != ():
+                raise ValueError(
+                    f"metric {self.name!r}: the checkpoint's {v.name!r} is {value.dtype} "
+                    f"of shape {value.shape}, this metric keeps {self.dtype} of shape (): "
+                    f"restore into a metric made with dtype={str(value.dtype)!r}")
+
+        def write() -> None:
+            for v, value in zip(self._variables, values):
+                v.assign(value)
+            self._restarted()
+        return write
 
     def __repr__(self) -> str:
         return f"<gs.metrics.{type(self).__name__} {self.name!r}>"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from gpustrat.optimizers.adam import Adam
 
 
@@ -11,8 +13,10 @@ class AdamW(Adam):
 
     Args:
         weight_decay: the decay rate (default 0.004, as Keras).
-        exclude_from_weight_decay: variable names (or substrings of them) not decayed,
-            e.g. ``["bias"]``.
+        exclude_from_weight_decay: regular expressions (``re`` syntax); a variable
+            whose name any of them matches somewhere (``re.search``, as Keras) is not
+            decayed: ``["bias"]`` excludes every name containing "bias", ``["bias$"]``
+            only names ending in it.
         Other arguments as :class:`Adam`.
     """
 
@@ -34,7 +38,20 @@ class AdamW(Adam):
 
     @exclude_from_weight_decay.setter
     def exclude_from_weight_decay(self, names) -> None:
+        if isinstance(names, str):
+            names = (names,)
         names = tuple(names or ())
+        bad = [n for n in names if not isinstance(n, str)]
+        if bad:
+            raise TypeError(f"exclude_from_weight_decay takes regular expressions (strings) "
+                            f"matched against variable names, got {bad!r}")
+        try:
+            # Keras joins the patterns into one alternation and searches each name.
+            pattern = re.compile("|".join(names)) if names else None
+        except re.error as e:
+            raise ValueError(f"exclude_from_weight_decay {list(names)}: not a regular "
+                             f"expression ({e}); escape special characters with "
+                             "re.escape to match them literally") from None
         if self._decayed and names != self._exclude:
             # Which variables decay is settled by the first step (a fused step decays
             # every variable of its arena).
@@ -43,12 +60,13 @@ class AdamW(Adam):
                 "AdamW has taken steps, and which variables decay is fixed by the first "
                 "one; make the AdamW with the exclusions it should keep")
         self._exclude = names
+        self._exclude_pattern = pattern
 
     def _decays(self, name: str) -> bool:
         hit = self._decayed.get(name)
         if hit is None:
-            hit = self._decayed[name] = not any(p in name
-                                                for p in self.exclude_from_weight_decay)
+            pattern = self._exclude_pattern
+            hit = self._decayed[name] = pattern is None or pattern.search(name) is None
         return hit
 
     def flat_ok(self, names) -> bool:

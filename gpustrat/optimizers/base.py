@@ -37,8 +37,8 @@ from gpustrat.distribute.extended import agreement, fused_reduce
 from gpustrat.distribute.variables import Variable, VariableAggregation
 from gpustrat.reduce_util import ReduceOp
 from gpustrat.values import PerReplica
-from gpustrat.optimizers import bfloat16
-from gpustrat.optimizers.plan import StepPlan, fresh_arrays, replica_devices
+from gpustrat.optimizers import bfloat16, checkpointing
+from gpustrat.optimizers.plan import StepPlan, check_trainable, fresh_arrays, replica_devices
 
 _NO_CONTEXT = contextlib.nullcontext()
 #: What each step adds to ``iterations`` (read-only: shared by every step).
@@ -166,65 +166,84 @@ class Optimizer:
         return count
 
     def _build(self, variables) -> None:
-        pending = self.__dict__.get("_restored_slots") or {}
-        for v in variables:
-            if v in self._slots:
-                continue
+        new = [v for v in variables if v not in self._slots]
+        pending = self.__dict__.get("_restored_slots")
+        # Restored slots waiting for these variables are checked (and taken) before any
+        # slot is made: a mismatch makes and writes nothing.
+        restored = pending.take(self, new) if pending else {}
+        for v in new:
             made = {}
             for s in self.slot_names:
                 made[s] = zeros(strategy_of(v), v.shape, v.dtype, f"{v.name}/{s}")
                 self._slot_list.append(made[s])
             self._slots[v] = made
-            for s, value in pending.pop(v.name, {}).items():
-                if s in made:
-                    made[s].assign(value)
+            for s, value in restored.get(v, {}).items():
+                made[s].assign(value)
 
     # --- checkpointing ----------------------------------------------------------------
     #: The optimizer's state is the same on every worker: a checkpoint writes it once.
     _checkpoint_per_worker = False
+    #: Slots are saved by their variables' checkpoint keys.
+    _checkpoint_by_variable_keys = True
 
-    def _checkpoint_state(self) -> dict:
-        """``iterations`` and every slot (keyed by its variable's name), as the
-        variables themselves: the checkpoint reads them when it writes (without a copy
-        where it can, or into its own copy for an asynchronous save).
+    def _checkpoint_state(self, keys=None) -> dict:
+        """``iterations``, the learning rate (a number, not a schedule), the settings and
+        every slot, keyed by its variable's key in
+        the saving Checkpoint (``keys``, a :class:`~gpustrat.train.graph.VariableKeys`)
+        or, for a variable the Checkpoint does not hold, by its name (see
+        :mod:`~gpustrat.optimizers.checkpointing`); slots as the variables themselves:
+        the checkpoint reads them when it writes (without a copy where it can, or into
+        its own copy for an asynchronous save).
 
         Slots restored before the optimizer made them (a checkpoint read before the
         first step) and not yet claimed are saved again as they were read.
+
+        Raises:
+            ValueError: slots of two variables of one name that the Checkpoint does not
+                hold (a restore could not tell them apart).
         """
         held = getattr(self._iterations, "_optimizer_checkpoint_state", None)
         if held is not None:  # read from the parameter servers
-            return held(self)
-        slots = {v.name: dict(made) for v, made in self._slots.items()}
-        for name, made in (self.__dict__.get("_restored_slots") or {}).items():
-            slots.setdefault(name, made)
-        return {"iterations": self._iterations, "slots": slots}
+            return held(self, keys)
+        slots = checkpointing.saved_slots(self, list(self._slots.items()), keys,
+                                          self.__dict__.get("_restored_slots"))
+        return {"iterations": self._iterations, **checkpointing.learning_rate_of(self),
+                "config": checkpointing.config_of(self), **slots}
 
-    def _restore_checkpoint_state(self, state: dict) -> None:
-        """Set ``iterations`` and the slots from :meth:`_checkpoint_state`'s output.
+    def _restore_checkpoint_state(self, state: dict, keys=None) -> None:
+        """Set ``iterations`` and the slots from :meth:`_checkpoint_state`'s output
+        (everything checked first: see :meth:`_prepare_checkpoint_restore`)."""
+        self._prepare_checkpoint_restore(state, keys)()
 
-        Slots of variables this optimizer has not trained yet are kept and assigned when
-        the first step makes them, as TensorFlow defers a restore to the slot's creation.
+    def _prepare_checkpoint_restore(self, state: dict, keys=None):
+        """Check :meth:`_checkpoint_state`'s output against this optimizer and the
+        restoring Checkpoint's variables (``keys``), and return the function that writes
+        it; raises (ValueError) before anything is written.
+
+        Each saved slot set goes to the variable at the same key in the restoring
+        Checkpoint (slots saved by name: to the one variable of that name). Slots of
+        variables this optimizer has not trained yet are assigned when the first step
+        makes them, as TensorFlow defers a restore to the slot's creation. A slot this
+        optimizer keeps that the checkpoint lacks starts at zero. A saved learning rate
+        replaces this optimizer's unless this one has a schedule.
         """
-        held = getattr(self._iterations, "_restore_optimizer_checkpoint_state", None)
+        held = getattr(self._iterations, "_prepare_optimizer_restore", None)
         if held is not None:  # written to the parameter servers
-            held(self, state)
-            return
-        self._iterations.assign(np.asarray(state["iterations"], np.int64))
-        pending = {}
-        by_name = {v.name: made for v, made in self._slots.items()}
-        for name, saved in state["slots"].items():
-            made = by_name.get(name)
-            if made is None:
-                pending[name] = dict(saved)
-                continue
-            for s, value in saved.items():
-                if s not in made:
-                    raise ValueError(
-                        f"{type(self).__name__} {self.name!r}: the checkpoint has slot "
-                        f"{s!r} for variable {name!r}, but this optimizer's slots are "
-                        f"{list(self.slot_names)}: restore into the same optimizer class")
-                made[s].assign(value)
-        self._restored_slots = pending
+            return held(self, state, keys)
+        iterations = checkpointing.saved_iterations(self, state)
+        lr = checkpointing.saved_learning_rate(self, state)
+        writes, pending = checkpointing.match(self, state, keys, list(self._slots))
+
+        def write() -> None:
+            self._iterations.assign(iterations)
+            if lr is not None:
+                self._learning_rate = lr
+            for var, saved in writes:
+                made = self._slots[var]
+                for s, slot in made.items():
+                    slot.assign(saved[s])
+            self._restored_slots = pending
+        return write
 
     # --- the step -------------------------------------------------------------------
     def apply_gradients(self, grads_and_vars: Iterable, name=None,
@@ -413,6 +432,7 @@ class Optimizer:
         # Training loops pass the same variables every step: the bookkeeping is done once.
         plan = self._known_plan(variables)
         if plan is None:
+            check_trainable(self, variables)   # before slots are made
             self._build(variables)
             plan = self._last_plan = StepPlan(self, variables)
             if len(self._plans) >= 64:

@@ -54,14 +54,7 @@ class StepPlan:
     (a plain variable); ``slot_comps[i][j]``: its slots' components by name."""
 
     def __init__(self, optimizer, variables: list):
-        owner = strategy_of(variables[0])
-        bad = next((v for v in variables if strategy_of(v) is not owner), None)
-        if bad is not None:
-            raise ValueError(
-                f"{type(optimizer).__name__}.apply_gradients: variable {bad.name!r} belongs "
-                f"to {strategy_of(bad)!r} but {variables[0].name!r} to {owner!r}: train "
-                "the variables of one strategy, under that strategy")
-        self.owner = owner
+        self.owner = strategy_of(variables[0])   # check_trainable checked the rest
         self.variables = list(variables)
         comps = [_components(v) for v in variables]
         self.n_local = len(comps[0])
@@ -201,6 +194,27 @@ class StepPlan:
                 with dev.activate() if dev.is_gpu else _NO_CONTEXT:
                     update(comp._array, tensors[j][i], {s: c._array for s, c in slots.items()},
                            lr, step, names[j])
+
+
+def check_trainable(optimizer, variables: list) -> None:
+    """Raise unless an optimizer can train every one of ``variables`` together: all of
+    one strategy, all floating point. Called before the step makes or writes anything,
+    so that a refused step changes no variable, slot or ``iterations``."""
+    where = f"{type(optimizer).__name__}.apply_gradients"
+    owner = strategy_of(variables[0])
+    bad = next((v for v in variables if strategy_of(v) is not owner), None)
+    if bad is not None:
+        raise ValueError(
+            f"{where}: variable {bad.name!r} belongs to {strategy_of(bad)!r} but "
+            f"{variables[0].name!r} to {owner!r}: train the variables of one strategy, "
+            "under that strategy")
+    bad = next((v for v in variables if v.dtype.kind not in "fc"), None)
+    if bad is not None:
+        raise TypeError(
+            f"{where}: variable {bad.name!r} has dtype {bad.dtype}, and an optimizer "
+            "trains floating-point variables only; nothing was updated. Leave it out of "
+            "the (gradient, variable) pairs (or pass None as its gradient), or make it a "
+            "float variable")
 
 
 def fresh_arrays(shapes: list, dtypes: list, devices: list) -> list:

@@ -168,11 +168,19 @@ class Checkpoint:
         objects this Checkpoint lacks are not used (as TensorFlow): the returned status
         tells, by key (``assert_consumed``, ``assert_existing_objects_matched``).
 
+        All or nothing: everything is checked before anything is written, and the
+        shared objects (variables, optimizers, metrics, numbers) are written only once
+        every worker restored its per-worker state (iterator positions).
+
         Raises:
             ValueError: a key holds another kind of object than saved (a variable where
                 an optimizer was saved), an optimizer or metric of another class than
-                the saved one or its subclasses, or a variable of another shape;
-                nothing is restored then.
+                the saved one or its subclasses, a variable of another shape or dtype
+                (a restore never casts, as TensorFlow), or an optimizer whose slots or
+                a metric whose state differ from the saved ones; the message names the
+                checkpoint key, and nothing is restored.
+            RuntimeError: a per-worker restore failed on some worker (on every worker);
+                the shared objects are not restored then.
         """
         check_options(options, "Checkpoint.restore")
         return self._load(save_path, with_counter=True)
@@ -223,23 +231,22 @@ class Checkpoint:
         saving.agree_on_path(workers, path, error, "Checkpoint.restore" if with_counter
                              else "Checkpoint.read", "restore",
                              f"reading checkpoint {path!r}")
-        shared = _decode_shared(entries, index, shared_arrays)
+        # Everything is checked before anything is written: every object's kind, class,
+        # shapes and dtypes (and an optimizer's or metric's own checks), then every
+        # worker's per-worker state is restored (those restores are checked as they
+        # go), and only when all of it succeeded on every worker are the shared objects
+        # written. A mismatch restores nothing.
+        mismatch = None
+        writes: list = []
+        try:
+            writes = _prepare_shared(entries, _decode_shared(entries, index, shared_arrays))
+        except Exception as e:  # noqa: BLE001 - raised on every worker below
+            mismatch = e
+        _agree_on_checks(workers, mismatch, path)
         saved = set(index["objects"]) | set(index["per_worker_objects"])
         mine = {e.key for e in entries}
         missing = [e.key for e in entries if e.key not in saved]
         unused = sorted(k for k in saved if k not in mine)
-        # Shared objects first: their restores may be collectives (the same everywhere).
-        for e in entries:
-            if e.key not in shared:
-                continue
-            value = shared[e.key]
-            if e.kind == "variable":
-                e.obj.assign(value)
-            elif e.kind == "number":
-                e.owner._objects[e.name] = value.item() if isinstance(value, np.generic) \
-                    else value
-            else:
-                e.obj._restore_checkpoint_state(value)
         error = None
         try:
             for e in entries:
@@ -253,7 +260,11 @@ class Checkpoint:
                         [fmt.decode(tree[e.key]["tree"], arrays) for arrays, tree in every])
         except Exception as e:  # noqa: BLE001
             error = saving.describe(e)
-        saving.agree(workers, error, f"restoring the per-worker state of {path!r}")
+        saving.agree(workers, error, f"restoring the per-worker state of {path!r} (the "
+                     "variables, optimizers, metrics and numbers were not restored)")
+        # The shared objects' writes may be collectives (the same on every worker).
+        for write in writes:
+            write()
         if with_counter:
             self.save_counter = int(index["save_counter"])
         return CheckpointLoadStatus(missing, unused)
@@ -310,6 +321,52 @@ def _decode_shared(entries: list, index: dict, arrays: dict) -> dict:
     return out
 
 
+def _prepare_shared(entries: list, shared: dict) -> list:
+    """One function per shared entry that writes its saved value, made once every entry
+    was checked (an optimizer or a metric checks its own state first): a mismatch
+    raises, naming the key, before anything is written."""
+    writes = []
+    keys = graph.VariableKeys(entries)
+    for e in entries:
+        if e.key not in shared:
+            continue
+        value = shared[e.key]
+        if e.kind == "variable":
+            _check_dtype(e.key, e.obj, value)
+            _check_writable(e.key, e.obj)
+            writes.append(lambda var=e.obj, value=value: var.assign(value))
+        elif e.kind == "number":
+            number = value.item() if isinstance(value, np.generic) else value
+            writes.append(lambda e=e, number=number: e.owner._objects.__setitem__(e.name,
+                                                                                  number))
+        else:
+            prepare = getattr(e.obj, "_prepare_checkpoint_restore", None)
+            if prepare is None:
+                writes.append(lambda obj=e.obj, value=value:
+                              obj._restore_checkpoint_state(value))
+                continue
+            try:
+                writes.append(prepare(value, keys) if getattr(
+                    type(e.obj), "_checkpoint_by_variable_keys", False) else prepare(value))
+            except (ValueError, TypeError) as err:
+                raise type(err)(f"checkpoint key {e.key!r}: {err}") from None
+    return writes
+
+
+def _agree_on_checks(workers, mismatch: Exception | None, path: str) -> None:
+    """Raise ``mismatch`` (as it is) on the worker that had it, and a ValueError naming
+    it on the others (one collective under several workers), before any restore."""
+    errors = [mismatch]
+    if workers.size > 1:
+        errors = workers.allgather(None if mismatch is None else saving.describe(mismatch))
+    if mismatch is not None:
+        raise mismatch
+    bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if bad:
+        raise ValueError(f"restoring checkpoint {path!r}: nothing was restored, because "
+                         + "; ".join(f"worker {r}: {e}" for r, e in bad))
+
+
 def _check_class(key: str, obj, saved: str) -> None:
     """``obj`` takes state saved from an object of class ``saved``: that class or a
     subclass of it (a class named ``saved`` among its bases)."""
@@ -326,5 +383,28 @@ def _check_class(key: str, obj, saved: str) -> None:
 def _check_shape(key: str, var: Variable, value: np.ndarray) -> None:
     if tuple(value.shape) != tuple(var.shape):
         raise ValueError(f"Checkpoint: variable {key!r} has shape {tuple(var.shape)}, the "
-                         f"checkpoint holds shape {tuple(value.shape)}: restore into a "
-                         "variable of the saved shape")
+                         f"checkpoint holds shape {tuple(value.shape)}; nothing was "
+                         "restored: restore into a variable of the saved shape")
+
+
+def _check_dtype(key: str, var: Variable, value: np.ndarray) -> None:
+    """A saved value is never cast, as in TensorFlow (float32 into float16 would turn
+    70000 into inf; float into int would truncate)."""
+    if np.dtype(value.dtype) != np.dtype(var.dtype):
+        raise ValueError(f"Checkpoint: variable {key!r} has dtype {var.dtype}, the "
+                         f"checkpoint holds dtype {value.dtype}; nothing was restored "
+                         "(a restore never casts): restore into a variable of the saved "
+                         f"dtype, e.g. gs.Variable(..., dtype={str(value.dtype)!r}), and "
+                         "cast afterwards if another one is meant")
+
+
+def _check_writable(key: str, var: Variable) -> None:
+    """A sync-on-read variable with aggregation NONE cannot be assigned outside run."""
+    from gpustrat.distribute.distributed_variables import SyncOnReadVariable  # noqa
+    from gpustrat.distribute.variables import VariableAggregation  # noqa: PLC0415
+    if isinstance(var, SyncOnReadVariable) and \
+            var.aggregation is VariableAggregation.NONE:
+        raise ValueError(f"Checkpoint: variable {key!r} is sync-on-read with aggregation "
+                         "NONE, which cannot be assigned one value for all replicas; "
+                         "nothing was restored: make it with aggregation SUM, MEAN or "
+                         "ONLY_FIRST_REPLICA, or leave it out of the Checkpoint")

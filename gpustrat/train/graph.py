@@ -5,7 +5,11 @@ Words:
         (``_checkpoint_state()`` returns a state tree, ``_restore_checkpoint_state(tree)``
         takes it back; ``_checkpoint_per_worker`` says whether each worker has its own,
         as an input position, or all share one, as an optimizer); or a plain number, but
-        only as a :class:`~gpustrat.train.checkpoint.Checkpoint`'s own entry.
+        only as a :class:`~gpustrat.train.checkpoint.Checkpoint`'s own entry. A shared
+        one may check a restore before anything is written:
+        ``_prepare_checkpoint_restore(tree)`` raises on a mismatch, else returns the
+        function that writes; and may refer to variables by their keys (see
+        :class:`VariableKeys`).
     node: what leads to savables without being one: a nested ``Checkpoint``, a dict,
         list or tuple, or a plain user object (one with a ``__dict__``, such as a model
         class, of a class from neither gpustrat nor the standard library), whose
@@ -54,6 +58,38 @@ class Entry:
     def category(self) -> str:
         """``"variable"``, ``"number"`` or ``"state"`` (anything saving its own state)."""
         return self.kind if self.kind in ("variable", "number") else "state"
+
+
+class VariableKeys:
+    """The variables of a graph by key, and each one's key (its first): what an object
+    whose state refers to variables (an optimizer's slots) saves them by, so that the
+    restoring program finds the same variables again by the same paths. Objects that
+    want it say so with a class attribute ``_checkpoint_by_variable_keys = True``; their
+    ``_checkpoint_state(keys)`` and ``_prepare_checkpoint_restore(state, keys)`` get it.
+    """
+
+    def __init__(self, entries: list):
+        self._at = {e.key: e.obj for e in entries if e.kind == "variable"}
+        self._key = {id(v): k for k, v in self._at.items()}
+
+    def key_of(self, var) -> str | None:
+        """``var``'s key, or None when the graph does not hold it."""
+        return self._key.get(id(var))
+
+    def variable_at(self, key: str):
+        """The variable saved under ``key``, or None."""
+        return self._at.get(key)
+
+    def named(self, name: str) -> list:
+        """The graph's variables called ``name``, with their keys: ``[(key, var)]``."""
+        return [(k, v) for k, v in self._at.items() if v.name == name]
+
+
+def state_of(obj, keys: VariableKeys):
+    """``obj._checkpoint_state()``, given the graph's variable keys if it wants them."""
+    if getattr(type(obj), "_checkpoint_by_variable_keys", False):
+        return obj._checkpoint_state(keys)
+    return obj._checkpoint_state()
 
 
 def savable_kind(obj) -> str | None:

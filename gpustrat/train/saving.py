@@ -38,6 +38,7 @@ import numpy as np
 from gpustrat.devices import to_host, to_host_async
 from gpustrat.distribute.variables import Variable
 from gpustrat.train import format as fmt
+from gpustrat.train import graph
 
 log = logging.getLogger("gpustrat")
 
@@ -129,6 +130,7 @@ def take(entries: list, workers, path: str, save_counter: int,
     """
     snap = Snapshot(path, workers.rank, workers.size, save_counter)
     error = None
+    keys = graph.VariableKeys(entries)
     # Shared objects first: reading them may be a collective, which every worker must
     # reach even where its own per-worker state fails afterwards.
     for per_worker in (False, True):
@@ -143,7 +145,7 @@ def take(entries: list, workers, path: str, save_counter: int,
                 elif e.kind == "number":
                     kind, state = "number", e.obj
                 else:
-                    kind, state = type(e.obj).__name__, e.obj._checkpoint_state()
+                    kind, state = type(e.obj).__name__, graph.state_of(e.obj, keys)
                 trees[e.key] = {"kind": kind, "tree": fmt.encode(
                     state, arrays, e.key, leaf=lambda x: isinstance(x, Variable))}
             # Only worker 0 writes the shared arrays; the others read them (a read may

@@ -41,7 +41,8 @@ context, NumPy integers into a float variable convert in every context), TensorF
 own quirks (it keeps the integer dtype of a MEAN that reduces nothing, refuses to batch
 int32 tensors with others, divides a Python list before converting it, writes a
 sync-on-read variable with aggregation NONE before raising), and a replica's own
-``result()`` of a metric updated in cross-replica context (the totals are compared).
+``result()`` of a metric updated in cross-replica context after replica-context updates
+(the totals are compared).
 Where the libraries differ on purpose the program resets the variable right after
 (``resync``), so that both go on from the same state.
 """
@@ -166,16 +167,20 @@ def expected_difference(op: dict, want: dict, got: dict, n: int, seed: int,
 
 def split_metric_results(program: list) -> set:
     """The replica-context ``result()`` calls of metrics updated in cross-replica context
-    since their last reset: the replicas' own states then depend on how the update was
-    spread (Keras spreads the new total evenly over the replicas, gpustrat adds the
-    value to each worker's first replica, divided by the number of workers; the totals
-    agree)."""
-    dirty, out = set(), set()
+    after a replica-context update, since their last reset: Keras then spreads the new
+    total evenly over the replicas, gpustrat spreads the value and keeps what each
+    replica had (the totals agree; before the replicas' states differ both give each
+    replica the same)."""
+    dirty, own, out = set(), set(), set()
     for i, op in enumerate(program):
         if op["kind"] == "metric_update" and op["where"] == "cross":
-            dirty.add(op["metric"])
+            if op["metric"] in own:
+                dirty.add(op["metric"])
+        elif op["kind"] == "metric_update":
+            own.add(op["metric"])
         elif op["kind"] == "metric_reset":
             dirty.discard(op["metric"])
+            own.discard(op["metric"])
         elif op["kind"] == "metric_result" and op["where"] == "replica" and \
                 op["metric"] in dirty:
             out.add(i)

@@ -79,6 +79,26 @@ def test_cross_replica_update_counts_once(two):
         assert float(s.result()) == 3.0
 
 
+def test_cross_replica_update_is_spread_evenly_over_the_replicas(two):
+    # TensorFlow 2.21 (Keras 3 metrics, 2 logical CPUs): a cross-replica update of [1, 3]
+    # then each replica adding 10 * (r + 1) gives replica results [6.0, 11.0]; the whole
+    # update used to go to replica 0 ([4.67, 20.0]). The total is the same either way.
+    with two.scope():
+        m, s = gs.metrics.Mean(), gs.metrics.Sum()
+    m.update_state(np.float32([1.0, 3.0]))
+    s.update_state(np.float32([1.0, 3.0]))
+    assert float(m.result()) == 2.0 and float(s.result()) == 4.0
+    assert [c.numpy().item() for c in s.total.values] == [2.0, 2.0]
+
+    def fn():
+        r = gs.get_replica_context().replica_id_in_sync_group
+        m.update_state([10.0 * (r + 1.0)])
+        return m.result()
+    got = two.experimental_local_results(two.run(fn))
+    assert [float(x) for x in got] == [6.0, 11.0]
+    assert float(m.result()) == 8.5
+
+
 def test_metric_of_one_strategy_under_another_is_an_error(two):
     with two.scope():
         m = gs.metrics.Mean()

@@ -398,3 +398,45 @@ def test_adamw_exclusions_are_fixed_by_the_first_step():
         assert opt.get_config()["exclude_from_weight_decay"] == ["bias"]
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("bad_first", [False, True])
+def test_an_integer_variable_is_refused_before_anything_is_written(two, bad_first):
+    # It used to raise NumPy's UFuncTypeError in the middle of the step: 'w' updated,
+    # 'iterations' not counted.
+    with two.scope():
+        iv = gs.Variable(np.zeros(2, np.int32), name="iv")
+        w = gs.Variable(np.ones(2, np.float32), name="w")
+        opt = gs.optimizers.SGD(0.1, momentum=0.9)
+    pairs = [(np.ones(2, np.float32), w), (np.ones(2, np.float32), iv)]
+    if bad_first:
+        pairs.reverse()
+    with pytest.raises(TypeError, match=r"SGD.apply_gradients: variable 'iv' has dtype "
+                                        r"int32, .* floating-point variables only; "
+                                        r"nothing was updated"):
+        two.run(lambda: opt.apply_gradients(pairs))
+    assert w.numpy().tolist() == [1.0, 1.0] and iv.numpy().tolist() == [0, 0]
+    assert int(opt.iterations) == 0 and opt.variables == [opt.iterations]   # no slot made
+    # Without it the step goes on as usual.
+    two.run(lambda: opt.apply_gradients([(np.ones(2, np.float32), w)]))
+    np.testing.assert_allclose(w.numpy(), [0.8, 0.8], rtol=1e-6)
+    assert int(opt.iterations) == 1
+
+
+def test_adamw_exclusions_are_regular_expressions_searched_in_the_name():
+    # As Keras 3 (re.search of the patterns joined by "|"): they used to be substrings,
+    # so "bias$" excluded nothing and "bias" could not be anchored.
+    names = ["dense/bias", "bias_scale", "kernel", "w"]
+    ws = [gs.Variable(np.ones(2, np.float32), name=n) for n in names]
+    opt = gs.optimizers.AdamW(0.1, weight_decay=0.5, exclude_from_weight_decay=["bias$", "^w$"])
+    opt.apply_gradients([(np.zeros(2, np.float32), w) for w in ws])
+    decayed = {n: w.numpy()[0] != 1.0 for n, w in zip(names, ws)}
+    assert decayed == {"dense/bias": False, "bias_scale": True, "kernel": True, "w": False}
+    np.testing.assert_allclose(ws[2].numpy(), [0.95, 0.95], rtol=1e-6)   # 1 - 0.5 * 0.1
+    one = gs.optimizers.AdamW(exclude_from_weight_decay="bias")    # one string: one pattern
+    assert one.exclude_from_weight_decay == ("bias",)
+    with pytest.raises(ValueError, match=r"exclude_from_weight_decay \['bias\('\]: not a "
+                                         r"regular expression .*re.escape"):
+        gs.optimizers.AdamW(exclude_from_weight_decay=["bias("])
+    with pytest.raises(TypeError, match=r"regular expressions \(strings\).*\[3\]"):
+        gs.optimizers.AdamW(exclude_from_weight_decay=["bias", 3])

@@ -10,8 +10,8 @@ server (made on the first step that trains the variable, or by a restore), so
 assigns are one request each, from the coordinator or from a scheduled function.
 
 Checkpoints are written on the coordinator: the optimizer's state (``iterations`` and
-every slot, keyed by its variable's name, a sharded variable's slots whole) is read
-from the servers, and a restore writes it back to them, making the slots it needs.
+every slot, keyed by its variable's checkpoint key, a sharded variable's slots whole)
+is read from the servers, and a restore writes it back to them, making the slots it needs.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from gpustrat.devices import to_host
 from gpustrat.distribute.parameter_server import wire
 from gpustrat.distribute.parameter_server.variables import (RemoteVariable,
                                                             ShardedVariable, request)
+from gpustrat.optimizers import checkpointing
+from gpustrat.optimizers.plan import check_trainable
 
 
 def _key(optimizer) -> int:
@@ -81,12 +83,15 @@ def _apply(optimizer, grads: list, variables: list):
     key = _key(optimizer)
     iterations = optimizer._iterations
     per_server: dict = {}
-    for g, v in zip(grads, variables):
+    # Everything is checked before the first request: a refused step changes nothing.
+    for v in variables:
         if not isinstance(v, (RemoteVariable, ShardedVariable)):
             raise ValueError(
                 f"{type(optimizer).__name__}.apply_gradients: variable {v.name!r} is not "
                 "on the parameter servers (it was made outside the ParameterServerStrategy's "
                 "scope); train the strategy's variables together, or separately")
+    check_trainable(optimizer, variables)
+    for g, v in zip(grads, variables):
         g = _gradient(g, v)
         pieces = v._split(g) if isinstance(v, ShardedVariable) else [g]
         for part, piece in zip(_parts(v), pieces):
@@ -204,50 +209,40 @@ def slot_variables(optimizer) -> list:
     return [slot for _, made in _made_slots(optimizer) for slot in made.values()]
 
 
-def checkpoint_state(optimizer) -> dict:
-    """``iterations`` and every slot (keyed by its variable's name), read from the
-    servers; the same tree as a local optimizer's."""
-    slots = {var.name: {s: h.numpy() for s, h in made.items()}
-             for var, made in _made_slots(optimizer)}
-    for name, made in (optimizer.__dict__.get("_restored_slots") or {}).items():
-        slots.setdefault(name, made)
-    return {"iterations": optimizer._iterations.numpy(), "slots": slots}
+def checkpoint_state(optimizer, keys=None) -> dict:
+    """``iterations``, the settings and every slot (keyed by its variable's checkpoint
+    key, or name; see :mod:`gpustrat.optimizers.checkpointing`), read from the servers;
+    the same tree as a local optimizer's."""
+    trained = [(var, {s: h.numpy() for s, h in made.items()})
+               for var, made in _made_slots(optimizer)]
+    slots = checkpointing.saved_slots(optimizer, trained, keys,
+                                      optimizer.__dict__.get("_restored_slots"))
+    return {"iterations": optimizer._iterations.numpy(),
+            **checkpointing.learning_rate_of(optimizer),
+            "config": checkpointing.config_of(optimizer), **slots}
 
 
-def restore_checkpoint_state(optimizer, state: dict) -> None:
-    """Write ``iterations`` and the slots of :func:`checkpoint_state`'s tree to the
-    servers (making the slots there). Slots of variables this job does not have are
-    kept and saved again."""
+def prepare_restore(optimizer, state: dict, keys=None):
+    """Check :func:`checkpoint_state`'s tree against the optimizer and the restoring
+    Checkpoint's variables; return the function that writes ``iterations`` and the
+    slots to the servers (making the slots there). Raises before anything is written.
+    Slots of variables this job does not have are kept and saved again."""
     from gpustrat.distribute.parameter_server.strategy import coordinator_strategy  # noqa
     strategy = coordinator_strategy("the optimizer's slots")
     key = _key(optimizer)
-    by_name = {v.name: v for v in strategy._variables}
-    pending, writes = {}, []
-    # Everything is checked before anything is written.
-    for name, saved in state["slots"].items():
-        var = by_name.get(name)
-        if var is None:
-            pending[name] = dict(saved)
-            continue
-        for s, value in saved.items():
-            if s not in optimizer.slot_names:
-                raise ValueError(
-                    f"{type(optimizer).__name__} {optimizer.name!r}: the checkpoint has "
-                    f"slot {s!r} for variable {name!r}, but this optimizer's slots are "
-                    f"{list(optimizer.slot_names)}: restore into the same optimizer class")
-            value = np.asarray(value)
-            if tuple(value.shape) != tuple(var.shape):
-                raise ValueError(f"{type(optimizer).__name__} {optimizer.name!r}: the "
-                                 f"checkpoint's slot {s!r} of variable {name!r} has shape "
-                                 f"{tuple(value.shape)}, the variable {tuple(var.shape)}")
-            writes.append((var, s, value))
-    names = tuple(optimizer.slot_names)
-    made: dict = {}
-    for var, s, value in writes:
-        if var not in made:
-            made[var] = [request(p._server, "make_slots", (key, p._vid, names))[0]
-                         for p in _parts(var)]
-        _handles(var, s, [m[s] for m in made[var]]).assign(value.astype(var.dtype,
-                                                                        copy=False))
-    optimizer._iterations.assign(np.asarray(state["iterations"], np.int64))
-    optimizer._restored_slots = pending
+    iterations = checkpointing.saved_iterations(optimizer, state)
+    lr = checkpointing.saved_learning_rate(optimizer, state)
+    writes, pending = checkpointing.match(optimizer, state, keys, list(strategy._variables))
+
+    def write() -> None:
+        names = tuple(optimizer.slot_names)
+        for var, saved in writes:
+            made = [request(p._server, "make_slots", (key, p._vid, names))[0]
+                    for p in _parts(var)]
+            for s in names:
+                _handles(var, s, [m[s] for m in made]).assign(np.asarray(saved[s]))
+        optimizer._iterations.assign(iterations)
+        if lr is not None:
+            optimizer._learning_rate = lr
+        optimizer._restored_slots = pending
+    return write

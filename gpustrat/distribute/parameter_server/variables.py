@@ -92,13 +92,13 @@ class _HeldElsewhere:
         from gpustrat.distribute.parameter_server import optimizers  # noqa: PLC0415
         return optimizers.slot_variables(optimizer)
 
-    def _optimizer_checkpoint_state(self, optimizer) -> dict:
+    def _optimizer_checkpoint_state(self, optimizer, keys) -> dict:
         from gpustrat.distribute.parameter_server import optimizers  # noqa: PLC0415
-        return optimizers.checkpoint_state(optimizer)
+        return optimizers.checkpoint_state(optimizer, keys)
 
-    def _restore_optimizer_checkpoint_state(self, optimizer, state: dict) -> None:
+    def _prepare_optimizer_restore(self, optimizer, state: dict, keys):
         from gpustrat.distribute.parameter_server import optimizers  # noqa: PLC0415
-        optimizers.restore_checkpoint_state(optimizer, state)
+        return optimizers.prepare_restore(optimizer, state, keys)
 
 
 class RemoteVariable(_HeldElsewhere, _FetchedReads, Variable):
