@@ -761,3 +761,61 @@ print("MADE", flush=True)
 def test_a_per_worker_dataset_is_made_after_long_functions():
     rc, out, err = run_mpi(4, SETUP_BEHIND_SLOW, timeout=60, env={"GPUSTRAT_TIMEOUT": "3"})
     assert rc == 0 and "MADE" in out, format_result(rc, out, err)
+
+
+# A scheduled function that calls sys.exit(0) (argparse's --help, a library refusing its
+# input) used to end the coordinator's script quietly with status 0 at join(); one
+# that raised KeyboardInterrupt interrupted it. Both are ordinary errors now, as is
+# sys.exit in a dataset function or a per-worker resource's function.
+FUNCTION_EXITS = r"""
+import sys
+import gpustrat as gs
+
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
+
+def interrupted():
+    raise KeyboardInterrupt
+rv = coord.schedule(interrupted)
+try:
+    coord.join()
+except RuntimeError as e:
+    print("INTERRUPTED", str(e).splitlines()[0], flush=True)
+
+def dataset_fn():
+    sys.exit(2)
+try:
+    coord.create_per_worker_dataset(dataset_fn)
+except RuntimeError as e:
+    print("DATASET", e, flush=True)
+try:
+    coord.create_per_worker_resources(lambda: sys.exit("bad input"))
+except RuntimeError as e:
+    print("RESOURCE", e, flush=True)
+
+def step(i):
+    if i == 3:
+        sys.exit(0)
+    return i
+for i in range(6):
+    coord.schedule(step, args=(i,))
+coord.join()
+print("NOT REACHED", flush=True)
+"""
+
+
+def test_a_function_that_calls_sys_exit_fails_the_job_naming_it():
+    rc, out, err = run_mpi(4, FUNCTION_EXITS, timeout=90, env={"GPUSTRAT_TIMEOUT": "10"})
+    result = format_result(rc, out, err)
+    assert rc not in (0, -9) and "NOT REACHED" not in out, result
+    assert re.search(r"INTERRUPTED function 'interrupted' raised KeyboardInterrupt on "
+                     r"worker \d \(rank \d\)", out), result
+    assert ("DATASET making the per-worker dataset failed on worker 0: the function "
+            "making it called sys.exit(2); worker 1: the function making it called "
+            "sys.exit(2)") in out, result
+    assert "RESOURCE making the per-worker resource failed on worker 0: the function " \
+        "making it called sys.exit('bad input')" in out, result
+    assert re.search(r"RuntimeError: function 'step' called sys.exit\(0\) on worker \d "
+                     r"\(rank \d\)", err), result
+

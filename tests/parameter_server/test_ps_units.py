@@ -155,6 +155,24 @@ def test_what_cannot_travel_is_a_type_error_naming_it():
         wire.pack(uses_main)
 
 
+@pytest.mark.parametrize("raised, said", [
+    (SystemExit(0), "called sys.exit(0)"), (SystemExit(), "called sys.exit()"),
+    (SystemExit("bad input"), "called sys.exit('bad input')"),
+    (KeyboardInterrupt(), "raised KeyboardInterrupt")])
+def test_a_function_that_exits_is_an_ordinary_error_on_the_coordinator(raised, said):
+    import pickle
+
+    from gpustrat.distribute.parameter_server.coordinator import _remote_error
+    err = _remote_error(pickle.dumps(raised), "Traceback ...\nSystemExit: 0\n",
+                        "function 'step'", 1, 3)
+    assert type(err) is RuntimeError, err
+    assert str(err).startswith(f"function 'step' {said} on worker 1 (rank 3)"), err
+    assert "Traceback ..." in "".join(err.__notes__)
+    # An exception keeps its type, with the function and worker named.
+    err = _remote_error(pickle.dumps(KeyError("k")), "tb", "function 'step'", 0, 2)
+    assert type(err) is KeyError and "function 'step' failed on worker 0" in str(err)
+
+
 def test_a_gone_coordinator_is_noticed_on_its_machine():
     import os
     import socket

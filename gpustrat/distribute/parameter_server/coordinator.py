@@ -10,7 +10,8 @@ that holds functions and does not answer the dispatcher's liveness check within 
 ``GPUSTRAT_TIMEOUT`` is lost: it gets nothing more, and its functions are queued again
 for the other workers (the running one counts as an attempt). An exception
 raised by a function is raised by ``join()``/``done()``/``fetch()`` (and the next
-``schedule``), naming the worker.
+``schedule``), naming the worker; a function's ``sys.exit`` or ``KeyboardInterrupt``
+as a RuntimeError saying so.
 """
 
 from __future__ import annotations
@@ -460,7 +461,8 @@ class ClusterCoordinator:
                                                  f"cannot be read here: {e}"))
             elif kind == "error":
                 c = self._answered(w, header[1])
-                self._record(c, _remote_error(header[2], header[3], c.name, w))
+                self._record(c, _remote_error(header[2], header[3], c.name, w,
+                                              self._ch.worker_ranks[w]))
             elif kind == "lost":
                 _, running, queued, code, setup = header
                 c = self._answered(w, running) if running is not None else None
@@ -525,7 +527,12 @@ class ClusterCoordinator:
                         "schedule from the coordinator")
 
 
-def _remote_error(blob, text: str, name: str, worker: int) -> BaseException:
+def _remote_error(blob, text: str, name: str, worker: int, rank: int) -> Exception:
+    """The error that ``join``/``fetch`` raise for a function that failed on a worker:
+    its own exception (``blob``, pickled) with the function and worker named, or a
+    RuntimeError. One that is not an Exception (``sys.exit``, ``KeyboardInterrupt``)
+    is a RuntimeError: re-raised here, it would end (or interrupt) the coordinator's
+    script as though it had done so itself, quietly for ``sys.exit(0)``."""
     where = f"{name} failed on worker {worker}"
     err = None
     if blob is not None:
@@ -533,7 +540,13 @@ def _remote_error(blob, text: str, name: str, worker: int) -> BaseException:
             err = pickle.loads(blob)
         except Exception:  # noqa: BLE001
             err = None
-    if isinstance(err, BaseException):
+    if isinstance(err, BaseException) and not isinstance(err, Exception):
+        from gpustrat.distribute.parameter_server.executor import how_it_ended  # noqa
+        out = RuntimeError(f"{name} {how_it_ended(err)} on worker {worker} (rank {rank}): "
+                           "a scheduled function that exits fails like one that raises")
+        out.add_note(f"its traceback there:\n{text}")
+        return out
+    if isinstance(err, Exception):
         first = str(err.args[0]) if err.args else ""
         try:
             err.args = (f"{first} ({where})",) + tuple(err.args[1:])
