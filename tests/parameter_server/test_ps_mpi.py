@@ -819,3 +819,61 @@ def test_a_function_that_calls_sys_exit_fails_the_job_naming_it():
     assert re.search(r"RuntimeError: function 'step' called sys.exit\(0\) on worker \d "
                      r"\(rank \d\)", err), result
 
+
+# Once a server is known to be lost, requests to it fail at once, from the coordinator
+# and from the workers (told by the coordinator), instead of each waiting
+# GPUSTRAT_TIMEOUT again. The other server goes on answering.
+LOST_SERVER_KNOWN = r"""
+import os, signal, time, numpy as np
+import gpustrat as gs
+
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=2)
+with open(f"rank{resolver.rank}", "w") as f:
+    f.write(str(os.getpid()))
+strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+with strategy.scope():
+    a = gs.Variable(np.zeros((), np.float32), name="a")  # server 0 (rank 1)
+    b = gs.Variable(np.zeros((), np.float32), name="b")  # server 1 (rank 2)
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
+
+def both():
+    a.assign_add(np.float32(1))
+    b.assign_add(np.float32(1))
+def only_a():
+    a.assign_add(np.float32(1))
+    return 1
+def timed(label, fn):
+    t = time.monotonic()
+    try:
+        fn()
+        print(label, "NOT RAISED", flush=True)
+    except gs.distribute.coordinator.ServerLostError as e:
+        print(label, f"{time.monotonic() - t:.2f}", str(e).replace("\n", " "), flush=True)
+
+coord.schedule(both).fetch()
+os.kill(int(open("rank2").read()), signal.SIGSTOP)
+timed("FIRST", b.numpy)
+timed("AGAIN", b.numpy)
+timed("ASSIGN", lambda: b.assign(np.float32(5)))
+print(f"a={float(a.numpy())} only_a={coord.schedule(only_a).fetch()}", flush=True)
+timed("WORKER", lambda: coord.schedule(both).fetch())
+timed("JOIN", coord.join)
+os.kill(int(open("rank2").read()), signal.SIGCONT)
+"""
+
+
+def test_requests_to_a_server_known_lost_fail_at_once():
+    rc, out, err = run_mpi(5, LOST_SERVER_KNOWN, timeout=90, env={"GPUSTRAT_TIMEOUT": "4"})
+    result = format_result(rc, out, err)
+    times = {m[0]: float(m[1]) for m in re.findall(r"^(\w+) (\d+\.\d+) ", out, re.M)}
+    assert set(times) == {"FIRST", "AGAIN", "ASSIGN", "WORKER", "JOIN"}, result
+    assert times["FIRST"] >= 3.5, result  # the first request waits GPUSTRAT_TIMEOUT
+    assert all(times[k] < 1.5 for k in ("AGAIN", "ASSIGN", "WORKER", "JOIN")), result
+    known = "on parameter server 1 (rank 2): the server was lost earlier"
+    assert f"read {known}" in out, result
+    assert f"assign {known}" in out, result
+    assert re.search(rf"WORKER \S+ assign_add {re.escape(known)}.*\(function 'both' "
+                     r"failed on worker \d\)", out), result
+    assert "a=1.0 only_a=1" in out, result
+    assert "parameter servers [1], workers [])" in err, result
+

@@ -173,6 +173,38 @@ def test_a_function_that_exits_is_an_ordinary_error_on_the_coordinator(raised, s
     assert type(err) is KeyError and "function 'step' failed on worker 0" in str(err)
 
 
+def test_a_server_known_lost_fails_requests_at_once():
+    from gpustrat.distribute.parameter_server.channel import Channel, ServerLostError
+
+    class Comm:
+        def Get_rank(self):
+            return 3
+
+        def Get_size(self):
+            return 4
+
+    class FullSlots:  # the server never took this rank's previous update
+        def put(self, dest, code, value, timeout):
+            raise TimeoutError
+
+    ch = Channel(Comm(), timeout=4.0)
+    ch.server_ranks = [1, 2]
+    ch.staging = FullSlots()
+    with pytest.raises(ServerLostError, match=r"^assign_add on parameter server 1 \(rank "
+                       r"2\): it did not take this rank's previous update within 4 s "
+                       r"\(GPUSTRAT_TIMEOUT\)"):
+        ch.request(1, "assign_add", (7,), [np.ones(2, np.float32)])
+    assert ch.lost == {2}
+    # Known lost: every later request to it fails at once (no MPI is touched).
+    for op, args, arrays in [("read", (7, (2,), "<f4"), []),
+                             ("assign", (7,), [np.ones(2, np.float32)]),
+                             ("create", (8, "w", "<f4", (2,)), [])]:
+        with pytest.raises(ServerLostError, match=rf"^{op} on parameter server 1 \(rank "
+                           r"2\): the server was lost earlier .*restore the variables "
+                           r"from a checkpoint"):
+            ch.request(1, op, args, arrays)
+
+
 def test_a_gone_coordinator_is_noticed_on_its_machine():
     import os
     import socket

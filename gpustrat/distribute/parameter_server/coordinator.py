@@ -11,7 +11,9 @@ that holds functions and does not answer the dispatcher's liveness check within 
 for the other workers (the running one counts as an attempt). An exception
 raised by a function is raised by ``join()``/``done()``/``fetch()`` (and the next
 ``schedule``), naming the worker; a function's ``sys.exit`` or ``KeyboardInterrupt``
-as a RuntimeError saying so.
+as a RuntimeError saying so. A parameter server found lost (by a worker's request or
+one of the coordinator's) is told to every worker, so that their requests to it fail
+at once, as the coordinator's do.
 """
 
 from __future__ import annotations
@@ -309,6 +311,7 @@ class ClusterCoordinator:
         sleep = self._ch.sleeper(doorbell.RESULTS)  # workers ring it with each result
         pending: list = []  # sends to workers not yet complete
         next_check = 0.0
+        told: set = set()  # lost servers the workers were told of
         any_source, status = _any_source(), _status()
         while True:
             with self._cv:
@@ -328,6 +331,10 @@ class ClusterCoordinator:
                 if not sends and not in_flight and not self._queue:
                     self._cv.wait(0.05)
                     continue
+            for rank in self._ch.server_ranks:  # told before the tasks sent below
+                if rank in self._ch.lost and rank not in told:
+                    told.add(rank)
+                    pending += self._tell_server_lost(rank)
             for w, c in sends:
                 # Not waited for here: the worker may be sending a result meanwhile.
                 pending.append((*self.strategy._send_to_worker(
@@ -360,6 +367,15 @@ class ClusterCoordinator:
                 self._pinged[w] = None
             if w not in self._lost:  # one given up for lost may come back: not heard
                 self._handle(w, header, arrays)
+
+    def _tell_server_lost(self, rank: int) -> list:
+        """Tell every worker that server rank ``rank`` was lost (found by a worker's
+        request or by one of this process), so that their requests to it fail at once;
+        returns the pending sends."""
+        with self._cv:
+            workers = [w for w in range(self._n) if w not in self._lost]
+        return [(*self.strategy._send_to_worker(w, ("server_lost", rank), wait=False),
+                 self._ch.worker_ranks[w]) for w in workers]
 
     def _check_workers(self, now: float) -> list:
         """The workers to ask whether they are there (those holding functions that have
