@@ -877,3 +877,61 @@ def test_requests_to_a_server_known_lost_fail_at_once():
     assert "a=1.0 only_a=1" in out, result
     assert "parameter servers [1], workers [])" in err, result
 
+
+# A variable or metric made outside strategy.scope() is refused at schedule, naming it
+# (it used to fail on the worker, reported at join as "a Variable needs an
+# initial_value"); so is a failed RemoteValue passed on, saying what it failed with.
+STATE_OUTSIDE_SCOPE = r"""
+import numpy as np
+import gpustrat as gs
+
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+with strategy.scope():
+    remote = gs.Variable(np.zeros((), np.float32), name="remote")
+    held = gs.metrics.Sum(name="held_metric")
+counter = gs.Variable(np.zeros((), np.float32), name="counter")
+metric = gs.metrics.Sum(name="outside_metric")
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
+
+def step():
+    counter.assign_add(np.float32(1))
+    remote.assign_add(np.float32(1))
+def measure():
+    remote.assign_add(np.float32(1))
+    metric.update_state(np.float32(1))
+for fn in (step, measure):
+    try:
+        coord.schedule(fn)
+    except TypeError as e:
+        print("REFUSED", e, flush=True)
+def fails():
+    raise ValueError("bad row 3")
+rv = coord.schedule(fails)
+try:
+    coord.join()
+except ValueError:
+    pass
+try:
+    coord.schedule(lambda x: x, args=(rv,))
+except TypeError as e:
+    print("REFUSED", e, flush=True)
+def fine():
+    remote.assign_add(np.float32(1))
+    held.update_state(np.float32(2))
+coord.schedule(fine)
+coord.join()
+print("REMOTE", float(remote.numpy()), "HELD", float(held.result()), flush=True)
+"""
+
+
+def test_state_made_outside_the_scope_is_refused_at_schedule():
+    rc, out, err = run_mpi(3, STATE_OUTSIDE_SCOPE, timeout=60, env={"GPUSTRAT_TIMEOUT": "10"})
+    result = format_result(rc, out, err)
+    assert rc == 0 and "REMOTE 1.0 HELD 2.0" in out, result
+    assert "REFUSED cannot send function 'step' to another process: gs.Variable " \
+        "'counter' was made outside strategy.scope()" in out, result
+    assert "REFUSED cannot send function 'measure' to another process: metric " \
+        "'outside_metric' (gs.metrics.Sum) was made outside strategy.scope()" in out, result
+    assert "the RemoteValue of function 'fails' has no result: the function failed " \
+        "with ValueError: bad row 3" in out, result
