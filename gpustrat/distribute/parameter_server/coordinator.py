@@ -522,11 +522,16 @@ class ClusterCoordinator:
             elif kind == "server_lost":
                 # The job cannot go on: every queued function fails with the error.
                 _, rank, text = header
-                self._ch.lost.add(rank)
                 err = ServerLostError(f"{text} (seen by worker {w})")
                 while self._queue:
                     self._queue.popleft().value._fail(err)
-                self._errors.insert(0, err)
+                # The first news of the loss goes first; later reports (requests failed at
+                # once, as the server was known lost) after it.
+                if rank in self._ch.lost:
+                    self._errors.append(err)
+                else:
+                    self._errors.insert(0, err)
+                self._ch.lost.add(rank)
             elif kind == "setup_done":
                 _, ident, err = header
                 if ident in self._setup_replies:
