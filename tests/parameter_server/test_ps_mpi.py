@@ -761,3 +761,177 @@ print("MADE", flush=True)
 def test_a_per_worker_dataset_is_made_after_long_functions():
     rc, out, err = run_mpi(4, SETUP_BEHIND_SLOW, timeout=60, env={"GPUSTRAT_TIMEOUT": "3"})
     assert rc == 0 and "MADE" in out, format_result(rc, out, err)
+
+
+# A scheduled function that calls sys.exit(0) (argparse's --help, a library refusing its
+# input) used to end the coordinator's script quietly with status 0 at join(); one
+# that raised KeyboardInterrupt interrupted it. Both are ordinary errors now, as is
+# sys.exit in a dataset function or a per-worker resource's function.
+FUNCTION_EXITS = r"""
+import sys
+import gpustrat as gs
+
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
+
+def interrupted():
+    raise KeyboardInterrupt
+rv = coord.schedule(interrupted)
+try:
+    coord.join()
+except RuntimeError as e:
+    print("INTERRUPTED", str(e).splitlines()[0], flush=True)
+
+def dataset_fn():
+    sys.exit(2)
+try:
+    coord.create_per_worker_dataset(dataset_fn)
+except RuntimeError as e:
+    print("DATASET", e, flush=True)
+try:
+    coord.create_per_worker_resources(lambda: sys.exit("bad input"))
+except RuntimeError as e:
+    print("RESOURCE", e, flush=True)
+
+def step(i):
+    if i == 3:
+        sys.exit(0)
+    return i
+for i in range(6):
+    coord.schedule(step, args=(i,))
+coord.join()
+print("NOT REACHED", flush=True)
+"""
+
+
+def test_a_function_that_calls_sys_exit_fails_the_job_naming_it():
+    rc, out, err = run_mpi(4, FUNCTION_EXITS, timeout=90, env={"GPUSTRAT_TIMEOUT": "10"})
+    result = format_result(rc, out, err)
+    assert rc not in (0, -9) and "NOT REACHED" not in out, result
+    assert re.search(r"INTERRUPTED function 'interrupted' raised KeyboardInterrupt on "
+                     r"worker \d \(rank \d\)", out), result
+    assert ("DATASET making the per-worker dataset failed on worker 0: the function "
+            "making it called sys.exit(2); worker 1: the function making it called "
+            "sys.exit(2)") in out, result
+    assert "RESOURCE making the per-worker resource failed on worker 0: the function " \
+        "making it called sys.exit('bad input')" in out, result
+    assert re.search(r"RuntimeError: function 'step' called sys.exit\(0\) on worker \d "
+                     r"\(rank \d\)", err), result
+
+
+# Once a server is known to be lost, requests to it fail at once, from the coordinator
+# and from the workers (told by the coordinator), instead of each waiting
+# GPUSTRAT_TIMEOUT again. The other server goes on answering.
+LOST_SERVER_KNOWN = r"""
+import os, signal, time, numpy as np
+import gpustrat as gs
+
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=2)
+with open(f"rank{resolver.rank}", "w") as f:
+    f.write(str(os.getpid()))
+strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+with strategy.scope():
+    a = gs.Variable(np.zeros((), np.float32), name="a")  # server 0 (rank 1)
+    b = gs.Variable(np.zeros((), np.float32), name="b")  # server 1 (rank 2)
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
+
+def both():
+    a.assign_add(np.float32(1))
+    b.assign_add(np.float32(1))
+def only_a():
+    a.assign_add(np.float32(1))
+    return 1
+def timed(label, fn):
+    t = time.monotonic()
+    try:
+        fn()
+        print(label, "NOT RAISED", flush=True)
+    except gs.distribute.coordinator.ServerLostError as e:
+        print(label, f"{time.monotonic() - t:.2f}", str(e).replace("\n", " "), flush=True)
+
+coord.schedule(both).fetch()
+os.kill(int(open("rank2").read()), signal.SIGSTOP)
+timed("FIRST", b.numpy)
+timed("AGAIN", b.numpy)
+timed("ASSIGN", lambda: b.assign(np.float32(5)))
+print(f"a={float(a.numpy())} only_a={coord.schedule(only_a).fetch()}", flush=True)
+timed("WORKER", lambda: coord.schedule(both).fetch())
+timed("JOIN", coord.join)
+os.kill(int(open("rank2").read()), signal.SIGCONT)
+"""
+
+
+def test_requests_to_a_server_known_lost_fail_at_once():
+    rc, out, err = run_mpi(5, LOST_SERVER_KNOWN, timeout=90, env={"GPUSTRAT_TIMEOUT": "4"})
+    result = format_result(rc, out, err)
+    times = {m[0]: float(m[1]) for m in re.findall(r"^(\w+) (\d+\.\d+) ", out, re.M)}
+    assert set(times) == {"FIRST", "AGAIN", "ASSIGN", "WORKER", "JOIN"}, result
+    assert times["FIRST"] >= 3.5, result  # the first request waits GPUSTRAT_TIMEOUT
+    assert all(times[k] < 1.5 for k in ("AGAIN", "ASSIGN", "WORKER", "JOIN")), result
+    known = "on parameter server 1 (rank 2): the server was lost earlier"
+    assert f"read {known}" in out, result
+    assert f"assign {known}" in out, result
+    assert re.search(rf"WORKER \S+ assign_add {re.escape(known)}.*\(function 'both' "
+                     r"failed on worker \d\)", out), result
+    assert "a=1.0 only_a=1" in out, result
+    assert "parameter servers [1], workers [])" in err, result
+
+
+# A variable or metric made outside strategy.scope() is refused at schedule, naming it
+# (it used to fail on the worker, reported at join as "a Variable needs an
+# initial_value"); so is a failed RemoteValue passed on, saying what it failed with.
+STATE_OUTSIDE_SCOPE = r"""
+import numpy as np
+import gpustrat as gs
+
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+with strategy.scope():
+    remote = gs.Variable(np.zeros((), np.float32), name="remote")
+    held = gs.metrics.Sum(name="held_metric")
+counter = gs.Variable(np.zeros((), np.float32), name="counter")
+metric = gs.metrics.Sum(name="outside_metric")
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
+
+def step():
+    counter.assign_add(np.float32(1))
+    remote.assign_add(np.float32(1))
+def measure():
+    remote.assign_add(np.float32(1))
+    metric.update_state(np.float32(1))
+for fn in (step, measure):
+    try:
+        coord.schedule(fn)
+    except TypeError as e:
+        print("REFUSED", e, flush=True)
+def fails():
+    raise ValueError("bad row 3")
+rv = coord.schedule(fails)
+try:
+    coord.join()
+except ValueError:
+    pass
+try:
+    coord.schedule(lambda x: x, args=(rv,))
+except TypeError as e:
+    print("REFUSED", e, flush=True)
+def fine():
+    remote.assign_add(np.float32(1))
+    held.update_state(np.float32(2))
+coord.schedule(fine)
+coord.join()
+print("REMOTE", float(remote.numpy()), "HELD", float(held.result()), flush=True)
+"""
+
+
+def test_state_made_outside_the_scope_is_refused_at_schedule():
+    rc, out, err = run_mpi(3, STATE_OUTSIDE_SCOPE, timeout=60, env={"GPUSTRAT_TIMEOUT": "10"})
+    result = format_result(rc, out, err)
+    assert rc == 0 and "REMOTE 1.0 HELD 2.0" in out, result
+    assert "REFUSED cannot send function 'step' to another process: gs.Variable " \
+        "'counter' was made outside strategy.scope()" in out, result
+    assert "REFUSED cannot send function 'measure' to another process: metric " \
+        "'outside_metric' (gs.metrics.Sum) was made outside strategy.scope()" in out, result
+    assert "the RemoteValue of function 'fails' has no result: the function failed " \
+        "with ValueError: bad row 3" in out, result

@@ -155,6 +155,104 @@ def test_what_cannot_travel_is_a_type_error_naming_it():
         wire.pack(uses_main)
 
 
+def test_variables_and_metrics_made_outside_the_scope_cannot_travel():
+    from gpustrat.distribute.parameter_server.variables import (RemoteVariable,
+                                                                ShardedVariable)
+    from gpustrat.distribute.variables import VariableAggregation, VariableSynchronization
+    counter = gs.Variable(np.zeros((), np.float32), name="counter")
+    metric = gs.metrics.Sum(name="outside_metric")
+
+    def step():
+        counter.assign_add(np.float32(1))
+
+    with pytest.raises(TypeError, match=r"cannot send function 'step' to another process: "
+                       r"gs.Variable 'counter' was made outside strategy.scope\(\).*"
+                       r"inside `with strategy.scope\(\):`") as info:
+        wire.pack((step, (), {}), "function 'step'")
+    assert "picklable" not in str(info.value)  # not the general advice
+    with pytest.raises(TypeError, match=r"metric 'outside_metric' \(gs.metrics.Sum\) was "
+                       r"made outside strategy.scope\(\)"):
+        wire.pack((lambda: metric.update_state(1.0), (), {}), "function 'f'")
+    with pytest.raises(TypeError, match="'counter' was made outside"):
+        wire.pack({"args": [counter]}, "an argument")
+    # Handles of variables on the servers travel, in a metric too.
+    handle = RemoteVariable._handle(3, 1, (2,), np.float32, "w", True,
+                                    VariableSynchronization.AUTO, VariableAggregation.NONE)
+    sharded = ShardedVariable._from_shards([handle, handle], "s")
+    held = gs.metrics.Sum(name="held")
+    held._variables = [handle]
+    held.total = handle
+    back, _, _ = _roundtrip((lambda: (handle, sharded), held))
+    w, s = back[0]()
+    assert (w._vid, w._server, s.shape) == (3, 1, (4,))
+    assert back[1].variables[0]._vid == 3
+
+
+def test_a_remote_value_passed_on_says_whether_it_is_pending_or_failed():
+    from gpustrat.distribute.parameter_server.values import RemoteValue
+    rv = RemoteValue("function 'first'")
+    with pytest.raises(TypeError, match=r"RemoteValue of function 'first' is not ready "
+                       r"yet: pass remote_value.fetch\(\)"):
+        wire.pack(rv)
+    rv._fail(ValueError("bad row 3 (function 'first' failed on worker 0)"))
+    with pytest.raises(TypeError, match=r"RemoteValue of function 'first' has no result: "
+                       r"the function failed with ValueError: bad row 3"):
+        wire.pack(rv)
+    done = RemoteValue("function 'second'")
+    done._set(np.arange(3))
+    assert _roundtrip([done])[0][0].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("raised, said", [
+    (SystemExit(0), "called sys.exit(0)"), (SystemExit(), "called sys.exit()"),
+    (SystemExit("bad input"), "called sys.exit('bad input')"),
+    (KeyboardInterrupt(), "raised KeyboardInterrupt")])
+def test_a_function_that_exits_is_an_ordinary_error_on_the_coordinator(raised, said):
+    import pickle
+
+    from gpustrat.distribute.parameter_server.coordinator import _remote_error
+    err = _remote_error(pickle.dumps(raised), "Traceback ...\nSystemExit: 0\n",
+                        "function 'step'", 1, 3)
+    assert type(err) is RuntimeError, err
+    assert str(err).startswith(f"function 'step' {said} on worker 1 (rank 3)"), err
+    assert "Traceback ..." in "".join(err.__notes__)
+    # An exception keeps its type, with the function and worker named.
+    err = _remote_error(pickle.dumps(KeyError("k")), "tb", "function 'step'", 0, 2)
+    assert type(err) is KeyError and "function 'step' failed on worker 0" in str(err)
+
+
+def test_a_server_known_lost_fails_requests_at_once():
+    from gpustrat.distribute.parameter_server.channel import Channel, ServerLostError
+
+    class Comm:
+        def Get_rank(self):
+            return 3
+
+        def Get_size(self):
+            return 4
+
+    class FullSlots:  # the server never took this rank's previous update
+        def put(self, dest, code, value, timeout):
+            raise TimeoutError
+
+    ch = Channel(Comm(), timeout=4.0)
+    ch.server_ranks = [1, 2]
+    ch.staging = FullSlots()
+    with pytest.raises(ServerLostError, match=r"^assign_add on parameter server 1 \(rank "
+                       r"2\): it did not take this rank's previous update within 4 s "
+                       r"\(GPUSTRAT_TIMEOUT\)"):
+        ch.request(1, "assign_add", (7,), [np.ones(2, np.float32)])
+    assert ch.lost == {2}
+    # Known lost: every later request to it fails at once (no MPI is touched).
+    for op, args, arrays in [("read", (7, (2,), "<f4"), []),
+                             ("assign", (7,), [np.ones(2, np.float32)]),
+                             ("create", (8, "w", "<f4", (2,)), [])]:
+        with pytest.raises(ServerLostError, match=rf"^{op} on parameter server 1 \(rank "
+                           r"2\): the server was lost earlier .*restore the variables "
+                           r"from a checkpoint"):
+            ch.request(1, op, args, arrays)
+
+
 def test_a_gone_coordinator_is_noticed_on_its_machine():
     import os
     import socket

@@ -17,7 +17,8 @@ Transfers are nonblocking. Waits poll (``improbe``, ``Test``) and spin only brie
 on the thread's doorbell, which the sender of what is waited for rings (see
 :mod:`.doorbell` and :class:`Backoff`), so an idle or waiting rank leaves its core to
 the ranks and function processes that compute. A request to a server that does not
-answer within ``GPUSTRAT_TIMEOUT`` seconds raises :class:`ServerLostError`.
+answer within ``GPUSTRAT_TIMEOUT`` seconds raises :class:`ServerLostError`; so does,
+at once, every later request to it (see :attr:`Channel.lost`).
 """
 
 from __future__ import annotations
@@ -163,7 +164,8 @@ class Channel:
         #: server index -> MPI rank, worker index -> MPI rank (set by the strategy)
         self.server_ranks: list = []
         self.worker_ranks: list = []
-        #: ranks that did not answer in time
+        #: ranks that did not answer in time (a request to a server among them fails at
+        #: once); the coordinator tells the workers of each lost server
         self.lost: set = set()
         #: this rank's update slots (see :meth:`open_staging`), None for none
         self.staging = None
@@ -309,6 +311,8 @@ class Channel:
     def request(self, server: int, op: str, args: tuple = (), arrays=(), into=None):
         """Ask server ``server`` (its index) to do ``op``; returns (payload, arrays).
         A read (``args``: variable id, shape, dtype) lands in ``into`` when given."""
+        if self.server_ranks[server] in self.lost:
+            raise self.known_lost(server, op)
         code = FAST_CODES.get(op)
         if code == 0 and len(args) == 3 and not arrays:
             vid, shape, dtype = args
@@ -330,6 +334,15 @@ class Channel:
         return payload, out
 
 
+    def known_lost(self, server: int, op: str) -> ServerLostError:
+        """The error of a request ``op`` to server ``server``, already known to be lost:
+        raised at once, not after another GPUSTRAT_TIMEOUT."""
+        return ServerLostError(
+            f"{op} on parameter server {server} (rank {self.server_ranks[server]}): the "
+            f"server was lost earlier (it did not answer within {self.timeout:g} s, "
+            "GPUSTRAT_TIMEOUT). The job cannot continue: restart it and restore the "
+            "variables from a checkpoint")
+
     def _fast(self, server: int, code: int, vid: int, value, answer, op: str) -> None:
         """One fast request; ``answer``: where a read lands (None: an update, whose
         8-byte acknowledgement lands in this thread's buffer). An update's value
@@ -344,8 +357,8 @@ class Channel:
                 self.lost.add(dest)
                 raise ServerLostError(
                     f"{op} on parameter server {server} (rank {dest}): it did not take "
-                    f"the update before within {self.timeout:g} s (GPUSTRAT_TIMEOUT): it "
-                    "has probably been lost. The job cannot continue: restart it and "
+                    f"this rank's previous update within {self.timeout:g} s "
+                    "(GPUSTRAT_TIMEOUT): it has probably been lost. The job cannot continue: restart it and "
                     "restore the variables from a checkpoint") from None
         if staged is None:
             self._request_fast(server, dest, code, vid, value, answer, op)

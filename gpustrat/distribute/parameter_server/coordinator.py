@@ -10,7 +10,10 @@ that holds functions and does not answer the dispatcher's liveness check within 
 ``GPUSTRAT_TIMEOUT`` is lost: it gets nothing more, and its functions are queued again
 for the other workers (the running one counts as an attempt). An exception
 raised by a function is raised by ``join()``/``done()``/``fetch()`` (and the next
-``schedule``), naming the worker.
+``schedule``), naming the worker; a function's ``sys.exit`` or ``KeyboardInterrupt``
+as a RuntimeError saying so. A parameter server found lost (by a worker's request or
+one of the coordinator's) is told to every worker, so that their requests to it fail
+at once, as the coordinator's do.
 """
 
 from __future__ import annotations
@@ -308,6 +311,7 @@ class ClusterCoordinator:
         sleep = self._ch.sleeper(doorbell.RESULTS)  # workers ring it with each result
         pending: list = []  # sends to workers not yet complete
         next_check = 0.0
+        told: set = set()  # lost servers the workers were told of
         any_source, status = _any_source(), _status()
         while True:
             with self._cv:
@@ -327,6 +331,10 @@ class ClusterCoordinator:
                 if not sends and not in_flight and not self._queue:
                     self._cv.wait(0.05)
                     continue
+            for rank in self._ch.server_ranks:  # told before the tasks sent below
+                if rank in self._ch.lost and rank not in told:
+                    told.add(rank)
+                    pending += self._tell_server_lost(rank)
             for w, c in sends:
                 # Not waited for here: the worker may be sending a result meanwhile.
                 pending.append((*self.strategy._send_to_worker(
@@ -359,6 +367,15 @@ class ClusterCoordinator:
                 self._pinged[w] = None
             if w not in self._lost:  # one given up for lost may come back: not heard
                 self._handle(w, header, arrays)
+
+    def _tell_server_lost(self, rank: int) -> list:
+        """Tell every worker that server rank ``rank`` was lost (found by a worker's
+        request or by one of this process), so that their requests to it fail at once;
+        returns the pending sends."""
+        with self._cv:
+            workers = [w for w in range(self._n) if w not in self._lost]
+        return [(*self.strategy._send_to_worker(w, ("server_lost", rank), wait=False),
+                 self._ch.worker_ranks[w]) for w in workers]
 
     def _check_workers(self, now: float) -> list:
         """The workers to ask whether they are there (those holding functions that have
@@ -460,7 +477,8 @@ class ClusterCoordinator:
                                                  f"cannot be read here: {e}"))
             elif kind == "error":
                 c = self._answered(w, header[1])
-                self._record(c, _remote_error(header[2], header[3], c.name, w))
+                self._record(c, _remote_error(header[2], header[3], c.name, w,
+                                              self._ch.worker_ranks[w]))
             elif kind == "lost":
                 _, running, queued, code, setup = header
                 c = self._answered(w, running) if running is not None else None
@@ -504,11 +522,16 @@ class ClusterCoordinator:
             elif kind == "server_lost":
                 # The job cannot go on: every queued function fails with the error.
                 _, rank, text = header
-                self._ch.lost.add(rank)
                 err = ServerLostError(f"{text} (seen by worker {w})")
                 while self._queue:
                     self._queue.popleft().value._fail(err)
-                self._errors.insert(0, err)
+                # The first news of the loss goes first; later reports (requests failed at
+                # once, as the server was known lost) after it.
+                if rank in self._ch.lost:
+                    self._errors.append(err)
+                else:
+                    self._errors.insert(0, err)
+                self._ch.lost.add(rank)
             elif kind == "setup_done":
                 _, ident, err = header
                 if ident in self._setup_replies:
@@ -525,7 +548,12 @@ class ClusterCoordinator:
                         "schedule from the coordinator")
 
 
-def _remote_error(blob, text: str, name: str, worker: int) -> BaseException:
+def _remote_error(blob, text: str, name: str, worker: int, rank: int) -> Exception:
+    """The error that ``join``/``fetch`` raise for a function that failed on a worker:
+    its own exception (``blob``, pickled) with the function and worker named, or a
+    RuntimeError. One that is not an Exception (``sys.exit``, ``KeyboardInterrupt``)
+    is a RuntimeError: re-raised here, it would end (or interrupt) the coordinator's
+    script as though it had done so itself, quietly for ``sys.exit(0)``."""
     where = f"{name} failed on worker {worker}"
     err = None
     if blob is not None:
@@ -533,7 +561,13 @@ def _remote_error(blob, text: str, name: str, worker: int) -> BaseException:
             err = pickle.loads(blob)
         except Exception:  # noqa: BLE001
             err = None
-    if isinstance(err, BaseException):
+    if isinstance(err, BaseException) and not isinstance(err, Exception):
+        from gpustrat.distribute.parameter_server.executor import how_it_ended  # noqa
+        out = RuntimeError(f"{name} {how_it_ended(err)} on worker {worker} (rank {rank}): "
+                           "a scheduled function that exits fails like one that raises")
+        out.add_note(f"its traceback there:\n{text}")
+        return out
+    if isinstance(err, Exception):
         first = str(err.args[0]) if err.args else ""
         try:
             err.args = (f"{first} ({where})",) + tuple(err.args[1:])

@@ -85,6 +85,14 @@ def _setup(kind: str, ident: int, payload, arrays):
     state["resources"][ident] = value
 
 
+def how_it_ended(e: BaseException) -> str:
+    """What a function did that raised ``e``, a BaseException that is not an
+    Exception (``sys.exit``, ``KeyboardInterrupt``): in the words of a message."""
+    if isinstance(e, SystemExit):
+        return "called sys.exit()" if e.code is None else f"called sys.exit({e.code!r})"
+    return f"raised {type(e).__name__}" + (f" ({e})" if str(e) else "")
+
+
 def _error_blob(e: BaseException):
     try:
         return pickle.dumps(e, protocol=pickle.HIGHEST_PROTOCOL)
@@ -147,8 +155,10 @@ def main(fd: int, parent: int | None = None) -> None:
             try:
                 _setup(what, ident, payload, arrays)
                 err = None
-            except BaseException as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001
                 err = (type(e).__name__, f"{type(e).__name__}: {e}")
+            except BaseException as e:  # noqa: BLE001 - sys.exit ends nothing here
+                err = ("RuntimeError", f"the function making it {how_it_ended(e)}")
                 state["missing"][ident] = (f"worker {state['worker']} has no per-worker "
                                            f"value #{ident}: making it failed there with "
                                            f"{err[1]}")

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import threading
 
+from gpustrat.distribute.parameter_server.wire import Unsendable
+
 
 class RemoteValue:
     """The future result of a scheduled function (``tf.distribute.experimental.
@@ -57,10 +59,15 @@ class RemoteValue:
 
     def __reduce__(self):
         # As an argument of a scheduled function: its result, once there is one.
-        if self._ready() and self._error is None:
-            return (_identity, (self._value,))
-        raise TypeError(f"the RemoteValue of {self._name} is not ready (or failed): pass "
-                        "remote_value.fetch() to a scheduled function, not the RemoteValue")
+        if not self._ready():
+            raise Unsendable(f"the RemoteValue of {self._name} is not ready yet: pass "
+                             "remote_value.fetch() (which waits for its result) to a "
+                             "scheduled function, not the RemoteValue")
+        if self._error is not None:
+            raise Unsendable(f"the RemoteValue of {self._name} has no result: the "
+                             f"function failed with {type(self._error).__name__}: "
+                             f"{self._error}")
+        return (_identity, (self._value,))
 
     def _ready(self) -> bool:
         return self._event.is_set()

@@ -18,6 +18,10 @@ Words:
   defaults, the contents of its closure cells and the globals its code names, each
   packed the same way (modules by name). A value that cannot travel (a lock, an open
   file, a class defined in the script) is a ``TypeError`` naming it.
+- *state of this process*: a ``gs.Variable`` or a metric made outside
+  ``strategy.scope()`` holds its value here; a copy on a worker would be updated and
+  never read. Packing one is a ``TypeError`` naming it (the variables made in the scope
+  live on the servers and travel as handles).
 """
 
 from __future__ import annotations
@@ -86,6 +90,40 @@ def _fill_function(fn, state) -> None:
     fn.__dict__.update(fdict)
 
 
+class Unsendable(TypeError):
+    """Raised while packing by an object that says why it cannot travel: :func:`pack`
+    reports its message as it is, without the general advice on pickling."""
+
+
+#: (Variable, Metric, the kinds of variable held on the servers), imported at first use
+#: (this module is imported by the variables').
+_state_classes = None
+
+
+def _held_here(obj) -> str | None:
+    """Why ``obj`` cannot travel, when it is a variable or a metric whose value is held
+    in this process (made outside the strategy's scope); None otherwise."""
+    global _state_classes
+    if _state_classes is None:
+        from gpustrat.distribute.parameter_server.variables import (  # noqa: PLC0415
+            _HeldElsewhere)
+        from gpustrat.distribute.variables import Variable  # noqa: PLC0415
+        from gpustrat.metrics import Metric  # noqa: PLC0415
+        _state_classes = (Variable, Metric, _HeldElsewhere)
+    variable, metric, remote = _state_classes
+    if isinstance(obj, variable) and not isinstance(obj, remote):
+        return (f"gs.{type(obj)._kind} {obj.name!r} was made outside strategy.scope(): "
+                "its value is held in this process, and a worker would update a copy "
+                "that nothing reads. Make it inside `with strategy.scope():` (variables "
+                "made there live on the parameter servers and travel by reference)")
+    if isinstance(obj, metric) and not all(isinstance(v, remote) for v in obj.variables):
+        return (f"metric {obj.name!r} (gs.metrics.{type(obj).__name__}) was made outside "
+                "strategy.scope(): its state is held in this process, and a worker's "
+                "update_state would add to a copy that nothing reads. Make it inside "
+                "`with strategy.scope():` (its state then lives on the parameter servers)")
+    return None
+
+
 class _Empty:
     def __reduce__(self):
         return (_empty, ())
@@ -112,6 +150,9 @@ class _Packer(pickle.Pickler):
     def reducer_override(self, obj):
         if isinstance(obj, types.FunctionType) and not _importable(obj):
             return self._function_by_value(obj)
+        why = _held_here(obj)
+        if why is not None:
+            raise Unsendable(why)
         if isinstance(obj, types.ModuleType):
             if obj.__name__ == "__main__":
                 raise TypeError("the script's own module (__main__) cannot be sent to a "
@@ -161,6 +202,8 @@ def pack(obj, what: str = "value") -> tuple[bytes, list]:
     p = _Packer(buf)
     try:
         p.dump(obj)
+    except Unsendable as e:
+        raise TypeError(f"cannot send {what} to another process: {e}") from None
     except RecursionError:
         raise TypeError(f"cannot send {what} to another process: it is nested too "
                         "deeply (or refers to itself through a non-function)") from None

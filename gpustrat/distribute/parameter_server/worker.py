@@ -214,6 +214,8 @@ class WorkerRank:
                     return
                 if kind == "ping":  # the coordinator asks whether this rank is there
                     self._to_coordinator(("pong",))
+                elif kind == "server_lost":  # requests to it now fail at once
+                    self.ch.lost.add(header[1])
                 elif kind == "run":
                     self.outbox.append((header, arrays, ("run", header[1])))
                 elif kind == "setup":
