@@ -185,13 +185,15 @@ def _values(out: str, key: str) -> list:
 
 
 def test_async_training_converges_and_coordinator_api():
+    # 120 steps: asynchronous steps read stale weights, more so on a loaded machine (60
+    # left an error of 0.09 once).
     script = "import re\n" + TRAIN.format(num_ps=1, partitioner=None, lr=0.1, momentum=0.0,
-                                          steps=60, extra=API_CHECKS)
+                                          steps=120, extra=API_CHECKS)
     out = assert_mpi_ok(4, script, timeout=90)
     assert "ROLES 1 2" in out
     first, last = _values(out, "FIRST")[0], _values(out, "LAST")[0]
     assert last < 0.01 * first, out
-    assert _values(out, "ITER")[0] == 60
+    assert _values(out, "ITER")[0] == 120
     err_w, err_b = _values(out, "ERR")
     assert err_w < 0.05 and err_b < 0.05, out
     assert "API OK" in out and out.rstrip().endswith("OK")

@@ -358,8 +358,9 @@ class Channel:
                 raise ServerLostError(
                     f"{op} on parameter server {server} (rank {dest}): it did not take "
                     f"this rank's previous update within {self.timeout:g} s "
-                    "(GPUSTRAT_TIMEOUT): it has probably been lost. The job cannot continue: restart it and "
-                    "restore the variables from a checkpoint") from None
+                    "(GPUSTRAT_TIMEOUT): it has probably been lost. The job cannot "
+                    "continue: restart it and restore the variables from a checkpoint"
+                    ) from None
         if staged is None:
             self._request_fast(server, dest, code, vid, value, answer, op)
             return
