@@ -387,6 +387,47 @@ def test_collectives_after_a_timeout_or_close_say_why_they_cannot_run(case):
     assert out.count("OK") == (1 if case == "timeout" else 2), report
 
 
+
+# Making a strategy waits for every rank: one that has exited is named within seconds
+# (the wait lasted GPUSTRAT_TIMEOUT); one that closed its earlier strategy and makes
+# the new one too is no error.
+NEW_GROUP = r"""
+import sys, time
+import numpy as np
+import gpustrat as gs
+from gpustrat.errors import CollectiveTimeout
+s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+r, W = s.worker_index, s.num_workers
+assert s.reduce("SUM", np.float32(1), axis=None) == W
+if sys.argv[1] == "exited":
+    if r == 0:
+        sys.exit(0)
+    t0 = time.monotonic()
+    try:
+        gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+        raise AssertionError("made")
+    except CollectiveTimeout as e:
+        assert "rank 0 has exited" in str(e) and time.monotonic() - t0 < 20, e
+else:
+    if r == 0:
+        s.close()
+    time.sleep(0.5 * r)
+    s2 = gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+    assert s2.reduce("SUM", np.float32(2), axis=None) == 2 * W
+print(f"OK {r}", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("n,case", [(2, "exited"), (3, "exited"), (3, "closed")])
+def test_making_a_strategy_names_a_rank_that_exited(n, case):
+    rc, out, err = run_mpi(n, NEW_GROUP, timeout=60, args=[case],
+                           env={"GPUSTRAT_TIMEOUT": "60", "GPUSTRAT_ABORT_ON_ERROR": "0"})
+    report = format_result(rc, out, err)
+    assert "[run_mpi] timed out" not in err and rc == 0, report
+    assert out.count("OK") == (n - 1 if case == "exited" else n), report
+
+
 # Random layouts around the 32 bytes that ride in the header, through the public calls:
 # every replica's values are known to every rank (seeded by replica id), so each rank
 # checks exact results. Held results must not change when later calls reuse buffers.

@@ -78,7 +78,8 @@ class _ExitWatch:
         MPI = mpi()
         _finish_closed(block=False)
         dup, req = comm.Idup()
-        wait(req, "creating a worker group (MPI Idup)", comm.Get_rank(), timeout)
+        wait(req, "creating a worker group (MPI Idup)", comm.Get_rank(), timeout,
+             exits_of(comm))
         self.comm = dup
         self.size = dup.Get_size()
         rank = dup.Get_rank()
@@ -158,6 +159,36 @@ class _ExitWatch:
 
 
 _EXITED, _CLOSED = 0, 1
+
+
+class _Watches:
+    """The watches of open groups over the same ranks as a communicator, polled as one
+    (for a wait on that communicator before its own group has a watch): a rank that
+    exited or died is reported; one that only closed an older strategy is not."""
+
+    def __init__(self, watches: list):
+        self._watches = watches
+        self._gone = None
+
+    def poll(self) -> int | None:
+        if self._gone is None:
+            for w in self._watches:
+                if w.poll() is not None and (w.died or w._buf[0] != _CLOSED):
+                    self._gone = w
+                    break
+        return None if self._gone is None else self._gone.gone
+
+    def reason(self) -> str:
+        return self._gone.reason()
+
+
+def exits_of(comm) -> "_Watches | None":
+    """What tells of a rank of ``comm`` that left, before a group on it has its own
+    watch: the open groups' watches whose ranks are ``comm``'s (None if there are none)."""
+    MPI = mpi()
+    same = [w for w in _watches.values()
+            if MPI.Comm.Compare(w.comm, comm) in (MPI.IDENT, MPI.CONGRUENT)]
+    return _Watches(same) if same else None
 
 
 def _finish_closed(block: bool) -> None:

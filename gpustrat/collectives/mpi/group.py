@@ -7,7 +7,7 @@ import pickle
 import numpy as np
 
 from gpustrat.collectives.base import WorkerGroup, layout_code
-from gpustrat.collectives.mpi.exits import _ExitWatch
+from gpustrat.collectives.mpi.exits import _ExitWatch, exits_of
 from gpustrat.collectives.mpi.header import _INLINE, _Channel
 from gpustrat.collectives.mpi.waits import (_NP_OPS, _OPS, _describe, mpi,
                                             timeout_from_env, wait)
@@ -28,7 +28,8 @@ class MpiWorkerGroup(WorkerGroup):
         base = MPI.COMM_WORLD if comm is None else comm
         timeout = timeout_from_env()
         dup, req = base.Idup()
-        wait(req, "creating a worker group (MPI Idup)", base.Get_rank(), timeout)
+        wait(req, "creating a worker group (MPI Idup)", base.Get_rank(), timeout,
+             exits_of(base))
         self.comm = dup
         self.exits = _ExitWatch(dup, timeout) if dup.Get_size() > 1 else None
         self._ch = _Channel(dup, self.exits)
