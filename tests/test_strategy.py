@@ -208,6 +208,30 @@ def test_booleans_reduce_alike_on_any_replica_count(strategy):
         np.testing.assert_array_equal(res, [True, False])
 
 
+def test_complex_values_sum_but_have_no_max_on_any_replica_count(strategy):
+    # As TensorFlow (no complex max kernel) and as between workers and over NCCL:
+    # MAX and MIN of complex numbers are refused (the host path took NumPy's
+    # lexicographic order); SUM and MEAN are exact.
+    n = strategy.num_replicas_in_sync
+    value = np.array([1 + 2j, 3 - 1j], np.complex64)
+
+    def reduce_in_run(op):
+        return gs.get_replica_context().all_reduce(op, value)
+    for res in strategy.experimental_local_results(strategy.run(reduce_in_run,
+                                                                args=("sum",))):
+        np.testing.assert_array_equal(res, value * n)
+    per_replica = strategy.run(lambda: value.copy())
+    np.testing.assert_array_equal(strategy.reduce("MEAN", per_replica, axis=None), value)
+    for op in ("max", "MIN"):
+        with pytest.raises(TypeError, match="of complex numbers is not defined"):
+            strategy.run(reduce_in_run, args=(op,))
+        if n > 1:  # one replica's plain value is its own MAX, as in TensorFlow
+            with pytest.raises(TypeError, match="of complex numbers is not defined"):
+                strategy.reduce(op, per_replica, axis=None)
+        with pytest.raises(TypeError, match="of complex numbers is not defined"):
+            strategy.reduce(op, per_replica, axis=0)
+
+
 def test_all_gather_uneven_rows(strategy):
     n = strategy.num_replicas_in_sync
 

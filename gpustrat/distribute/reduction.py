@@ -8,7 +8,8 @@
 
 Only numbers are combined: integer, floating and complex arrays and Python numbers.
 Strings, None and other objects are a TypeError naming the leaf; booleans can be
-gathered and reduced with MAX (any) and MIN (all), not with SUM or MEAN.
+gathered and reduced with MAX (any) and MIN (all), not with SUM or MEAN; complex
+numbers with SUM and MEAN, not with MAX or MIN (they have no order).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ _HINT_AXIS = "Sizes may differ only along the reduced axis (shown as '*')"
 _NUMBER_NAMES = frozenset(
     [np.dtype(c).name for c in np.typecodes["AllInteger"] + np.typecodes["AllFloat"]]
     + ["int", "float", "complex", "bfloat16"])
+#: Those that MAX and MIN take: numbers with an order (no complex).
+_REAL_NAMES = frozenset(n for n in _NUMBER_NAMES if "complex" not in n)
+_ORDERED = (ReduceOp.MAX, ReduceOp.MIN)
 
 
 def check_leaf(x: Any, op: ReduceOp | None, what: str, where: str) -> None:
@@ -45,24 +49,31 @@ def check_leaf(x: Any, op: ReduceOp | None, what: str, where: str) -> None:
     dtype = getattr(x, "dtype", None)
     if isinstance(dtype, np.dtype):
         kind = dtype.kind
-        if kind in "iufc":  # the common case, before anything costs (dtype.name does)
+        if kind in "iuf":  # the common case, before anything costs (dtype.name does)
             return
         if kind == "V" and dtype.name == "bfloat16":  # ml_dtypes' bfloat16: kind "V"
             kind = "f"
         shown = f"an array of dtype {dtype}"
     elif isinstance(x, bool):
         kind, shown = "b", f"the bool {x}"
-    elif isinstance(x, (int, float, complex)):
+    elif isinstance(x, complex):
+        kind, shown = "c", f"the complex {x}"
+    elif isinstance(x, (int, float)):
         return
     elif hasattr(x, "__array__") or hasattr(x, "__cuda_array_interface__") or \
             hasattr(x, "__dlpack__"):
         return  # another library's array, whose dtype is not NumPy's: not inspected
     else:
         kind, shown = "O", f"{type(x).__name__} {_short_repr(x)}"
-    if kind in "iufc" or (kind == "b" and op not in (ReduceOp.SUM, ReduceOp.MEAN)):
+    if kind in "iuf" or (kind == "c" and op not in _ORDERED) or \
+            (kind == "b" and op not in (ReduceOp.SUM, ReduceOp.MEAN)):
         return
     if op is not None:
         what = f"{what}({op.name})"
+    if kind == "c":
+        raise TypeError(f"{what}: {op.name} of complex numbers is not defined ({shown}, "
+                        f"{where}): they have no order; reduce the real and imaginary "
+                        "parts, or the absolute value")
     if x is None:
         raise TypeError(f"{what}: a None leaf ({where}) cannot be reduced or gathered over "
                         "replicas; leave it out of the structure or give it a value")
@@ -80,7 +91,8 @@ def check_leaves(signature: tuple, value: Any, op: ReduceOp | None, what: str,
                  replica: int) -> None:
     """:func:`check_leaf` for every leaf of one replica's ``value``, whose
     ``leaf_signature`` is ``signature``; leaves of a number dtype cost one lookup."""
-    if all(dtype in _NUMBER_NAMES for _, dtype in signature[2]):
+    names = _REAL_NAMES if op in _ORDERED else _NUMBER_NAMES
+    if all(dtype in names for _, dtype in signature[2]):
         return
     for leaf in nest.flatten(value):
         check_leaf(leaf, op, what, f"replica {replica}")
@@ -161,7 +173,7 @@ def reduce_components(comm: Communicator, op: ReduceOp, comps: Sequence[Any],
                       axis: int | None) -> Any:
     """Reduce one leaf given as one component per local replica."""
     for i, c in enumerate(comps):
-        if type(c) is not np.ndarray or c.dtype.kind not in "iufc":  # else nothing to check
+        if type(c) is not np.ndarray or c.dtype.kind not in "iuf":  # else nothing to check
             check_leaf(c, op, "strategy.reduce", f"component {i}")
     return _reduce_arrays(comm, op, _arrays(comps, comm.devices), axis)
 
@@ -170,8 +182,8 @@ def reduce_host_array(comm: Communicator, op: ReduceOp, a: np.ndarray, axis: int
                       ) -> Any:
     """:func:`reduce_components` of one host array of numbers (dtype kind ``b``, ``i``,
     ``u``, ``f`` or ``c``; the caller checked) on a communicator with one CPU replica."""
-    if a.dtype.kind == "b":
-        check_leaf(a, op, "strategy.reduce", "component 0")   # MAX and MIN only
+    if a.dtype.kind in "bc":
+        check_leaf(a, op, "strategy.reduce", "component 0")   # bool MAX/MIN, complex not
     if axis is None:
         return comm.reduce_named(a, op, NAMES_AXIS_NONE[id(op)], HINT_AXIS_NONE)
     if op is not _MEAN and a.dtype.kind != "b":

@@ -77,7 +77,8 @@ class ReplicaContext:
             t = type(reduce_op)
             op = OPS_BY_KEY.get(id(reduce_op)) if t is ReduceOp else \
                 OPS_BY_KEY.get(reduce_op) if t is str else None
-            if op is not None:
+            if op is not None and (value.dtype.kind != "c" or op is ReduceOp.SUM
+                                   or op is ReduceOp.MEAN):
                 # This replica's reduce is every local replica's all_reduce.
                 return self._rendezvous.call_alone(
                     self._local_index, "all_reduce", _OP_NAMES[id(op)],
