@@ -129,7 +129,9 @@ class _ExitWatch:
         freed once they all have closed or exited (see the class docstring)."""
         if _watches.pop(id(self), None) is None:
             return
-        if self.died or _waits._MPI is None or _waits._MPI.Is_finalized():
+        if _waits._MPI is None or _waits._MPI.Is_finalized():
+            return  # MPI has ended: nothing is left to free
+        if self.died:
             # A peer is gone without its notices: nobody would finish the barrier.
             self._req.Cancel()
             self._req.Wait()
