@@ -12,6 +12,7 @@ and assigned as any variable is.
 from __future__ import annotations
 
 import pickle
+import re
 import time
 import traceback
 
@@ -292,7 +293,8 @@ class Server:
                 raise ValueError(f"the gradient of variable {var.name!r} has shape "
                                  f"{grad.shape} but the variable has {var.array.shape}")
             if opt.weight_decay:
-                opt.decay(var.array, lr, var.name)
+                # A shard ("w/part_0") decays as its whole variable ("w") does.
+                opt.decay(var.array, lr, _SHARD_SUFFIX.sub("", var.name))
             opt.update_step(var.array, grad.astype(var.array.dtype, copy=False), slots,
                             lr, step, var.name)
         return step, []
@@ -330,6 +332,8 @@ class Server:
         return {"variables": len(self.vars), "nbytes": self.nbytes}, []
 
 
+#: The suffix ParameterServerStrategy gives a sharded variable's parts.
+_SHARD_SUFFIX = re.compile(r"/part_\d+$")
 _ACK = np.zeros(1, np.int64)
 #: Fast request code -> dtype kinds it applies to (booleans add as a logical or, as
 #: NumPy does; nothing subtracts them).
