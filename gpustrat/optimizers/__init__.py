@@ -1,9 +1,15 @@
 """Optimizers that train variables under a strategy with one fused gradient reduction
 per step (see :mod:`gpustrat.optimizers.base`)."""
 
+from gpustrat.optimizers.adadelta import Adadelta
+from gpustrat.optimizers.adagrad import Adagrad
 from gpustrat.optimizers.adam import Adam
+from gpustrat.optimizers.adamax import Adamax
 from gpustrat.optimizers.adamw import AdamW
 from gpustrat.optimizers.base import Optimizer
+from gpustrat.optimizers.nadam import Nadam
+from gpustrat.optimizers.rmsprop import RMSprop
 from gpustrat.optimizers.sgd import SGD
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "Nadam",
+           "Adadelta"]

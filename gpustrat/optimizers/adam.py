@@ -13,13 +13,16 @@ class Adam(Optimizer):
     ``m += (g - m) * (1 - beta_1)``, ``v += (g**2 - v) * (1 - beta_2)``,
     ``w -= lr * sqrt(1 - beta_2**t) / (1 - beta_1**t) * m / (sqrt(v) + epsilon)``
     (AMSGrad: ``v`` replaced by its running maximum).
+
+    Keyword arguments of every optimizer (``weight_decay``, the clips,
+    ``exclude_from_weight_decay``): see :class:`Optimizer`.
     """
 
     agreed_settings = ("beta_1", "beta_2", "epsilon", "amsgrad")
 
     def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999,
                  epsilon: float = 1e-7, amsgrad: bool = False, name: str = "Adam",
-                 compression=None):
+                 compression=None, **common):
         for what, b in (("beta_1", beta_1), ("beta_2", beta_2)):
             if not 0.0 <= float(b) < 1.0:
                 raise ValueError(f"{what} must be in [0, 1), got {b}")
@@ -29,7 +32,7 @@ class Adam(Optimizer):
         self.epsilon = float(epsilon)
         self.amsgrad = bool(amsgrad)
         self.slot_names = ("m", "v", "vhat") if self.amsgrad else ("m", "v")
-        super().__init__(learning_rate, name, compression)
+        super().__init__(learning_rate, name, compression, **common)
 
     def update_step(self, param, grad, slots, lr, step, name):
         xp = array_module(param)

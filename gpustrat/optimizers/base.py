@@ -12,6 +12,12 @@ Words:
   :mod:`gpustrat.collectives.fusion`) and each replica's components are updated with
   the summed gradient. The sum (not the mean) is what tf.distribute does: scale each
   replica's loss with :func:`gpustrat.nn.compute_average_loss`.
+- *clipping* (``clipnorm``, ``clipvalue``, ``global_clipnorm``; see
+  :mod:`gpustrat.optimizers.clipping`): applied to the summed gradients, so a step
+  clips what one process would on the whole global batch, at any replica count.
+  (Keras 3 under tf.distribute clips each replica's own gradients before the sum.)
+- *weight decay*: before its update, each variable that is not excluded becomes
+  ``w - w * weight_decay * lr`` (Keras 3's decoupled decay, on every optimizer).
 
 An algorithm is a subclass that names its slots and writes :meth:`Optimizer.update_step`
 on plain arrays (NumPy, or CuPy on a GPU replica), in place.
@@ -22,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
+import re
 import zlib
 from itertools import repeat
 from typing import Iterable
@@ -37,7 +44,7 @@ from gpustrat.distribute.extended import agreement, fused_reduce
 from gpustrat.distribute.variables import Variable, VariableAggregation
 from gpustrat.reduce_util import ReduceOp
 from gpustrat.values import PerReplica
-from gpustrat.optimizers import bfloat16, checkpointing
+from gpustrat.optimizers import bfloat16, checkpointing, clipping
 from gpustrat.optimizers.plan import StepPlan, check_trainable, fresh_arrays, replica_devices
 
 _NO_CONTEXT = contextlib.nullcontext()
@@ -72,6 +79,22 @@ class Optimizer:
         name: a name for slots and messages.
         compression: ``None``, ``"float16"`` or ``"bfloat16"``: the dtype gradients are
             reduced in (halving the bytes moved; values are rounded to it).
+        weight_decay: None (no decay) or a non-negative float: each step first sets
+            ``w -= w * weight_decay * lr`` for every variable not excluded.
+        clipnorm: None or a positive float: each variable's summed gradient is scaled
+            down to this L2 norm when it is longer.
+        clipvalue: None or a positive float: each summed gradient's elements are
+            clipped to ``[-clipvalue, clipvalue]``.
+        global_clipnorm: None or a positive float: all summed gradients together are
+            scaled down to this L2 norm when longer. At most one of the three clips.
+        exclude_from_weight_decay: regular expressions (``re`` syntax); a variable
+            whose name any of them matches somewhere (``re.search``, as Keras) is not
+            decayed: ``["bias"]`` excludes every name containing "bias", ``["bias$"]``
+            only names ending in it.
+
+    Raises:
+        ValueError: a learning rate, weight decay or clip that is not a positive (decay:
+            non-negative) finite number, or more than one clip.
     """
 
     #: Names of the slots each variable gets.
@@ -79,13 +102,35 @@ class Optimizer:
     #: Attributes (hyperparameters) that every worker must set alike, beside the
     #: learning rate and ``iterations``.
     agreed_settings: tuple = ()
+    #: The settings of every optimizer that workers agree on (before ``agreed_settings``).
+    base_settings: tuple = ("weight_decay", "exclude_from_weight_decay") + clipping.NAMES
 
-    def __init__(self, learning_rate, name: str, compression=None):
+    def __init__(self, learning_rate, name: str, compression=None, *, weight_decay=None,
+                 clipnorm=None, clipvalue=None, global_clipnorm=None,
+                 exclude_from_weight_decay=None):
         if not callable(learning_rate):
             _check_positive("learning_rate", learning_rate)
         self._learning_rate = learning_rate
         self.name = name
         self.compression = compression_dtype(compression)
+        clipping.check(clipnorm, clipvalue, global_clipnorm)
+        self.clipnorm = clipping.check_one("clipnorm", clipnorm)
+        self.clipvalue = clipping.check_one("clipvalue", clipvalue)
+        self.global_clipnorm = clipping.check_one("global_clipnorm", global_clipnorm)
+        if weight_decay is not None:
+            bad = isinstance(weight_decay, (str, bytes, bool))
+            try:
+                number = float(weight_decay)
+            except (TypeError, ValueError):
+                bad = True
+            if bad or not 0 <= number < math.inf:
+                raise ValueError(f"weight_decay must be a non-negative finite number or "
+                                 f"None (no decay), got {weight_decay!r}")
+            weight_decay = number
+        self.weight_decay = weight_decay
+        self._decayed: dict = {}
+        self._exclude = ()
+        self.exclude_from_weight_decay = exclude_from_weight_decay
         strategy, replica_ctx = context.current()
         if replica_ctx is not None and strategy is not None:
             raise RuntimeError("make the optimizer in cross-replica context (inside "
@@ -144,6 +189,58 @@ class Optimizer:
                            f"{var.name!r}: slots are {list(self.slot_names)}, made on the "
                            "first apply_gradients that trains the variable") from None
 
+    @property
+    def exclude_from_weight_decay(self) -> tuple:
+        """The regular expressions of the variable names that are not decayed."""
+        return self._exclude
+
+    @exclude_from_weight_decay.setter
+    def exclude_from_weight_decay(self, names) -> None:
+        if isinstance(names, str):
+            names = (names,)
+        names = tuple(names or ())
+        bad = [n for n in names if not isinstance(n, str)]
+        if bad:
+            raise TypeError(f"exclude_from_weight_decay takes regular expressions (strings) "
+                            f"matched against variable names, got {bad!r}")
+        try:
+            # Keras joins the patterns into one alternation and searches each name.
+            pattern = re.compile("|".join(names)) if names else None
+        except re.error as e:
+            raise ValueError(f"exclude_from_weight_decay {list(names)}: not a regular "
+                             f"expression ({e}); escape special characters with "
+                             "re.escape to match them literally") from None
+        if self._decayed and names != self._exclude:
+            # Which variables decay is settled by the first step (a fused step decays
+            # every variable of its arena).
+            raise ValueError(
+                f"exclude_from_weight_decay {list(self._exclude)} -> {list(names)}: this "
+                f"{type(self).__name__} has taken steps, and which variables decay is "
+                f"fixed by the first one; make the {type(self).__name__} with the "
+                "exclusions it should keep")
+        self._exclude = names
+        self._exclude_pattern = pattern
+
+    def _decays(self, name: str) -> bool:
+        """Whether weight decay applies to the variable called ``name``."""
+        hit = self._decayed.get(name)
+        if hit is None:
+            pattern = self._exclude_pattern
+            hit = self._decayed[name] = pattern is None or pattern.search(name) is None
+        return hit
+
+    def decay(self, param, lr: float, name: str | None) -> None:
+        """Keras's weight decay of ``param`` (the variable called ``name``; None: the
+        flattened values of variables that all decay), in place, before its update:
+        ``w -= w * weight_decay * lr``."""
+        if self.weight_decay and (name is None or self._decays(name)):
+            param -= param * self.weight_decay * lr
+
+    def slot_initial_value(self, name: str) -> float:
+        """The value every element of slot ``name`` starts at (0 unless an algorithm
+        says otherwise)."""
+        return 0.0
+
     def _first_iteration(self) -> Variable:
         it = self._iterations
         return it.values[0] if isinstance(it, DistributedVariable) else it
@@ -175,6 +272,9 @@ class Optimizer:
             made = {}
             for s in self.slot_names:
                 made[s] = zeros(strategy_of(v), v.shape, v.dtype, f"{v.name}/{s}")
+                start = self.slot_initial_value(s)
+                if start:
+                    made[s].assign(np.full(v.shape, start, v.dtype))
                 self._slot_list.append(made[s])
             self._slots[v] = made
             for s, value in restored.get(v, {}).items():
@@ -224,7 +324,7 @@ class Optimizer:
         Checkpoint (slots saved by name: to the one variable of that name). Slots of
         variables this optimizer has not trained yet are assigned when the first step
         makes them, as TensorFlow defers a restore to the slot's creation. A slot this
-        optimizer keeps that the checkpoint lacks starts at zero. A saved learning rate
+        optimizer keeps that the checkpoint lacks starts afresh. A saved learning rate
         replaces this optimizer's unless this one has a schedule.
         """
         held = getattr(self._iterations, "_prepare_optimizer_restore", None)
@@ -357,6 +457,8 @@ class Optimizer:
                                                    f"{type(self).__name__}.apply_gradients")
             if agree is not None:  # and the learning rate, settings and iterations
                 agree = agree + (self._settings_agreement(lr, step),)
+        clips = self.clipnorm is not None or self.clipvalue is not None or \
+            self.global_clipnorm is not None
         arenas = plan.buffer_arenas([a.grads for a in per_replica])
         if arenas is not None:
             # The gradients were written into the plan's gradient buffers: reduced in
@@ -364,9 +466,13 @@ class Optimizer:
             buckets = self._reduce_arenas(plan, arenas, agree) if reduce else \
                 [(plan.indices, arenas)]
             if plan.flat is not None:
+                if clips:
+                    buckets = clipping.clip_flat(self, buckets, plan.flat.offsets)
                 plan.flat.step(self, buckets, lr, step)
             else:
-                plan.step_each(self, plan.buffer_views(), lr, step)
+                views = plan.buffer_views()
+                plan.step_each(self, clipping.clip_tensors(self, views) if clips else views,
+                               lr, step)
         else:
             try:
                 if len(per_replica) == 1:
@@ -384,11 +490,15 @@ class Optimizer:
                         "floating-point dtype")
                 raise
             if plan.flat is not None:
-                plan.flat.step(self, self._flat_gradients(plan, tensors, reduce, agree), lr,
-                               step)
+                buckets = self._flat_gradients(plan, tensors, reduce, agree)
+                if clips:
+                    buckets = clipping.clip_flat(self, buckets, plan.flat.offsets)
+                plan.flat.step(self, buckets, lr, step)
             else:
                 if reduce:
                     tensors = self._reduce(plan, tensors, agree)
+                if clips:
+                    tensors = clipping.clip_tensors(self, tensors)
                 plan.step_each(self, tensors, lr, step)
         for c in (self._iterations.values if isinstance(self._iterations, DistributedVariable)
                   else (self._iterations,)):
@@ -399,8 +509,12 @@ class Optimizer:
         """The values of :attr:`agreed_settings`, now (a getter made once per class)."""
         get = _SETTINGS.get(type(self))
         if get is None:
-            get = _SETTINGS[type(self)] = _getter(self.agreed_settings)
+            get = _SETTINGS[type(self)] = _getter(self._agreed_names())
         return get(self)
+
+    def _agreed_names(self) -> tuple:
+        """:attr:`agreed_settings` and :attr:`base_settings`, each name once."""
+        return tuple(dict.fromkeys(tuple(self.agreed_settings) + self.base_settings))
 
     def _settings_agreement(self, lr: float, step: int) -> tuple:
         """``(code, describe)`` for ``comm.agreeing``'s ``also``: every worker must take
@@ -418,8 +532,11 @@ class Optimizer:
     def _agreed_description(self) -> tuple:
         """The ``(key, what, hint)`` of :meth:`_settings_agreement`'s last step."""
         lr, settings, _ = self._agreed
+        # The common settings only where set: an optimizer without clips or decay
+        # reads as its algorithm's settings.
         key = (f"learning_rate={lr!r}",) + tuple(
-            f"{n}={v!r}" for n, v in zip(self.agreed_settings, settings)) + (
+            f"{n}={v!r}" for n, v in zip(self._agreed_names(), settings)
+            if n in self.agreed_settings or v not in (None, ())) + (
             f"iterations={self._agreed_step - 1}",)
         return (key, f"{type(self).__name__}.apply_gradients (learning rate, "
                 "hyperparameters and iterations)",
@@ -511,8 +628,9 @@ class Optimizer:
 
     def flat_ok(self, names: list) -> bool:
         """Whether one update of all these variables' flattened values at once is the
-        same as updating each (True unless an algorithm treats variables by name)."""
-        return True
+        same as updating each (True unless some are excluded from weight decay, or an
+        algorithm treats variables by name)."""
+        return not self.weight_decay or all(self._decays(n) for n in names)
 
     def update_step(self, param, grad, slots: dict, lr: float, step: int, name: str | None
                     ) -> None:
@@ -533,8 +651,16 @@ class Optimizer:
             self.update_step(param, grad, s, lr, step, None)
 
     def get_config(self) -> dict:
-        return {"name": self.name, "learning_rate": self._learning_rate,
-                "compression": None if self.compression is None else str(self.compression)}
+        config = {"name": self.name, "learning_rate": self._learning_rate,
+                  "compression": None if self.compression is None else str(self.compression)}
+        # The common settings when set (so that an optimizer without them reads as
+        # before); AdamW always shows its weight decay.
+        for k in ("weight_decay",) + clipping.NAMES:
+            if getattr(self, k) is not None:
+                config[k] = getattr(self, k)
+        if self._exclude:
+            config["exclude_from_weight_decay"] = list(self._exclude)
+        return config
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "name")

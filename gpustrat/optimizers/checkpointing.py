@@ -80,7 +80,7 @@ def saved_iterations(optimizer, state: dict) -> np.ndarray:
 def check_slot_names(optimizer, state: dict, what: str, saved: dict) -> None:
     """Raise unless every slot in ``saved`` (the slots of ``what``, a variable) is one
     this optimizer keeps. A slot this optimizer keeps that the checkpoint lacks starts
-    at zero, as made by a first step."""
+    afresh, as made by a first step."""
     extra = [s for s in saved if s not in optimizer.slot_names]
     if not extra:
         return
@@ -103,13 +103,14 @@ def check_slot_values(optimizer, what: str, var, saved: dict) -> None:
                 "saved dtypes and shapes")
 
 
-def zeros_for(saved: dict, slot_names, var) -> dict:
-    """``saved`` with a zero value for each slot of ``slot_names`` it lacks (a slot the
-    checkpoint did not keep starts afresh, also in an optimizer that has stepped)."""
+def zeros_for(saved: dict, optimizer, var) -> dict:
+    """``saved`` with a fresh value (the optimizer's initial one, mostly zero) for each
+    of its slots it lacks (a slot the checkpoint did not keep starts afresh, also in an
+    optimizer that has stepped)."""
     out = dict(saved)
-    for s in slot_names:
+    for s in optimizer.slot_names:
         if s not in out:
-            out[s] = np.zeros(var.shape, var.dtype)
+            out[s] = np.full(var.shape, optimizer.slot_initial_value(s), var.dtype)
     return out
 
 
@@ -215,7 +216,7 @@ def match(optimizer, state: dict, keys, known: list) -> tuple:
         check_slot_values(optimizer, what, var, saved)
         taken.add(id(var))
         if id(var) in known_ids:
-            writes.append((var, zeros_for(saved, optimizer.slot_names, var)))
+            writes.append((var, zeros_for(saved, optimizer, var)))
         else:
             pending.by_var[var] = dict(saved)
 

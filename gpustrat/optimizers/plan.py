@@ -187,11 +187,14 @@ class StepPlan:
     def step_each(self, optimizer, tensors: list, lr: float, step: int) -> None:
         """Update each variable's components in turn (``tensors[j][i]`` summed)."""
         update = optimizer.update_step
+        decay = optimizer.weight_decay
         names = self.names
         for i in range(self.n_local):
             for j, (comp, slots) in enumerate(zip(self.comps[i], self.slot_comps[i])):
                 dev = comp._device
                 with dev.activate() if dev.is_gpu else _NO_CONTEXT:
+                    if decay:
+                        optimizer.decay(comp._array, lr, names[j])
                     update(comp._array, tensors[j][i], {s: c._array for s, c in slots.items()},
                            lr, step, names[j])
 
@@ -306,8 +309,14 @@ class FlatArenas:
     def step(self, optimizer, buckets: list, lr: float, step: int) -> None:
         """Update from ``[(tensor indices, flat summed gradients per replica)]``."""
         update = optimizer.update_step
+        decay = optimizer.weight_decay
         for indices, grads in buckets:
             lo, hi = self.offsets[indices[0]], self.offsets[indices[-1] + 1]
+            if decay:   # every variable of a flat plan decays (Optimizer.flat_ok)
+                for i, p in enumerate(self.params):
+                    dev = self.plan.devices[i][0]
+                    with dev.activate() if dev.is_gpu else _NO_CONTEXT:
+                        optimizer.decay(p[lo:hi], lr, None)
             if len(grads) > 1 and not self.plan.gpu and \
                     all(g is grads[0] for g in grads):
                 # One summed gradient for every local replica (a host reduction's).

@@ -14,16 +14,18 @@ class SGD(Optimizer):
         momentum: in [0, 1); 0 keeps no slot.
         nesterov: Nesterov momentum.
         compression: the dtype gradients are reduced in (None, "float16", "bfloat16").
+        weight_decay, clipnorm, clipvalue, global_clipnorm, exclude_from_weight_decay:
+            keyword arguments of every optimizer (see :class:`Optimizer`).
     """
 
     agreed_settings = ("momentum", "nesterov")
 
     def __init__(self, learning_rate=0.01, momentum: float = 0.0, nesterov: bool = False,
-                 name: str = "SGD", compression=None):
+                 name: str = "SGD", compression=None, **common):
         self._momentum = None
         self.momentum = momentum
         self.nesterov = bool(nesterov)
-        super().__init__(learning_rate, name, compression)
+        super().__init__(learning_rate, name, compression, **common)
 
     @property
     def momentum(self) -> float:

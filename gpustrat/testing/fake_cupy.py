@@ -227,6 +227,27 @@ class FakeCupy:
     def where(self, cond, a, b):
         return _compute(self, "where", np.where, [cond, a, b])
 
+    def minimum(self, a, b, out=None):
+        return _compute(self, "minimum", np.minimum, [a, b], out=out)
+
+    def square(self, a):
+        return _compute(self, "square", np.square, [a])
+
+    def abs(self, a):
+        return _compute(self, "abs", np.abs, [a])
+
+    def clip(self, a, lo, hi):
+        return _compute(self, "clip", lambda x: np.clip(x, lo, hi), [a])
+
+    def sum(self, a, axis=None, dtype=None):
+        return a.sum(axis=axis, dtype=dtype)
+
+    def stack(self, arrays, axis=0):
+        return _compute(self, "stack", lambda *xs: np.stack(xs, axis=axis), list(arrays))
+
+    def ones_like(self, a, dtype=None):
+        return self.full(a.shape, 1, a.dtype if dtype is None else dtype)
+
     def empty_pinned(self, shape, dtype=float):
         dtype = np.dtype(dtype)
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize

@@ -175,6 +175,27 @@ for i in range(4):
 assert np.allclose(wa.numpy(), la.numpy(), rtol=1e-6), (wa.numpy(), la.numpy())
 assert np.allclose(ww.numpy(), lw.numpy(), rtol=1e-6), (ww.numpy(), lw.numpy())
 assert not np.allclose(wa.numpy(), 1.0) and int(adam.iterations.numpy()) == 4
+# The other algorithms, with clipping (on the worker) and weight decay (on the server).
+MADE = [lambda: gs.optimizers.RMSprop(0.1, momentum=0.5, centered=True, clipnorm=2.0,
+                                      weight_decay=0.1),
+        lambda: gs.optimizers.Adagrad(0.1, global_clipnorm=3.0, weight_decay=0.1),
+        lambda: gs.optimizers.Nadam(0.1, clipvalue=2.5),
+        lambda: gs.optimizers.Adamax(0.1, weight_decay=0.1),
+        lambda: gs.optimizers.Adadelta(1.0, clipnorm=2.0)]
+for make in MADE:
+    with strategy.scope():
+        wr = gs.Variable(np.ones(3, np.float32), name="wr")
+        opt = make()
+    lr_, ref = gs.Variable(np.ones(3, np.float32), name="wr"), make()
+    for i in range(3):
+        g = np.array([1, -2, 3], np.float32) * (i + 1)
+        opt.apply_gradients([(g, wr)]); ref.apply_gradients([(g, lr_)])
+    name = type(opt).__name__
+    assert np.allclose(wr.numpy(), lr_.numpy(), rtol=1e-6), (name, wr.numpy(), lr_.numpy())
+    assert not np.allclose(wr.numpy(), 1.0), name
+    for slot in opt.slot_names:
+        assert np.allclose(opt.get_slot(wr, slot).numpy(), ref.get_slot(lr_, slot).numpy(),
+                           rtol=1e-6), (name, slot)
 print("API OK", flush=True)
 """
 

@@ -447,3 +447,24 @@ def test_reads_inside_run_on_gpu_replicas_are_on_the_replicas_devices():
         assert all(type(g) is np.ndarray and not g.flags.writeable for g in got)
     finally:
         cpu.close()
+
+
+def test_a_server_step_decays_a_shard_as_its_whole_variable_and_starts_slots_afresh():
+    # Shards are "bias/part_0" on their server: an exclusion anchored at the end of the
+    # name ("bias$") still excludes them, as it does the local variable "bias".
+    from gpustrat.distribute.parameter_server.optimizers import _server_copy
+    from gpustrat.distribute.parameter_server.server import Server
+    server = Server(None, 0, None)
+    server.op_create(0, "iterations", "int64", (), arrays=[])
+    server.op_create(1, "bias/part_0", "float32", (2,), arrays=[])
+    server.op_create(2, "kernel/part_1", "float32", (2,), arrays=[])
+    server.op_assign(1, arrays=[np.ones(2, np.float32)])
+    server.op_assign(2, arrays=[np.ones(2, np.float32)])
+    opt = gs.optimizers.Adagrad(1.0, initial_accumulator_value=0.5, weight_decay=0.5,
+                                exclude_from_weight_decay=["bias$"])
+    step, _ = server.op_apply(0, 1.0, None, [1, 2], opt._settings(), _server_copy(opt),
+                              arrays=[np.zeros(2, np.float32)] * 2)
+    assert step == 1
+    np.testing.assert_array_equal(server.vars[1].array, [1.0, 1.0])     # not decayed
+    np.testing.assert_array_equal(server.vars[2].array, [0.5, 0.5])     # 1 - 1 * 0.5 * 1
+    np.testing.assert_array_equal(server.slot_arrays[(0, 1)]["accumulator"], [0.5, 0.5])

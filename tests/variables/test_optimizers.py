@@ -440,3 +440,72 @@ def test_adamw_exclusions_are_regular_expressions_searched_in_the_name():
         gs.optimizers.AdamW(exclude_from_weight_decay=["bias("])
     with pytest.raises(TypeError, match=r"regular expressions \(strings\).*\[3\]"):
         gs.optimizers.AdamW(exclude_from_weight_decay=["bias", 3])
+
+
+def test_clip_and_decay_arguments_are_checked_on_every_optimizer():
+    for cls in (gs.optimizers.SGD, gs.optimizers.Adam, gs.optimizers.AdamW,
+                gs.optimizers.RMSprop, gs.optimizers.Adagrad, gs.optimizers.Nadam,
+                gs.optimizers.Adamax, gs.optimizers.Adadelta):
+        for name in ("clipnorm", "clipvalue", "global_clipnorm"):
+            for bad in (-1.0, 0, float("inf"), float("nan"), "1", True):
+                with pytest.raises(ValueError, match=rf"{name} must be a positive finite "
+                                   rf"number or None \(no clipping\), got {bad!r}"):
+                    cls(**{name: bad})
+            assert getattr(cls(**{name: 2}), name) == 2.0
+        with pytest.raises(ValueError, match=r"at most one of clipnorm, clipvalue and "
+                           r"global_clipnorm can be set, got clipnorm=1\.0, "
+                           r"global_clipnorm=2\.0"):
+            cls(clipnorm=1.0, global_clipnorm=2.0)
+        with pytest.raises(ValueError, match="at most one"):
+            cls(clipvalue=1.0, clipnorm=2.0)
+        for bad in (-0.1, float("inf"), "0.1"):
+            with pytest.raises(ValueError, match=rf"weight_decay must be a non-negative "
+                               rf"finite number.*got {bad!r}"):
+                cls(weight_decay=bad)
+        with pytest.raises(TypeError, match="unexpected keyword argument 'clip_norm'"):
+            cls(clip_norm=1.0)
+    with pytest.raises(ValueError, match="AdamW's weight_decay must be a non-negative "
+                       "number, got None"):
+        gs.optimizers.AdamW(weight_decay=None)
+    for kwargs, message in [({"rho": 1.0}, r"rho must be in \[0, 1\), got 1\.0"),
+                            ({"momentum": -0.5}, r"momentum must be in \[0, 1\)"),
+                            ({"epsilon": 0}, "epsilon must be a positive finite number")]:
+        with pytest.raises(ValueError, match=message):
+            gs.optimizers.RMSprop(**kwargs)
+    with pytest.raises(ValueError, match="initial_accumulator_value must be a non-negative"):
+        gs.optimizers.Adagrad(initial_accumulator_value=-1)
+    with pytest.raises(ValueError, match=r"beta_2 must be in \[0, 1\)"):
+        gs.optimizers.Nadam(beta_2=1.5)
+    with pytest.raises(AttributeError):
+        gs.optimizers.RMSprop().momentum = 0.5    # it decides the slots: fixed
+
+
+def test_clipping_and_decay_apply_to_the_summed_gradient(three):
+    # Each replica's gradient is under the clip; their sum (3 * [3, 4], norm 15) is not:
+    # the step clips the sum to norm 1, as one process would on the global batch.
+    # Weight decay: 1 - 1 * 0.5 * lr, then the summed step.
+    for kwargs, want in [({"clipnorm": 1.0}, [0.4, 0.2]),
+                         ({"global_clipnorm": 1.0}, [0.4, 0.2]),
+                         ({"clipvalue": 5.0}, [-4.0, -4.0]),
+                         ({"weight_decay": 0.5}, [0.5 - 9.0, 0.5 - 12.0])]:
+        with three.scope():
+            v = gs.Variable(np.float32([1.0, 1.0]), name="v")
+            opt = gs.optimizers.SGD(1.0, **kwargs)
+        three.run(lambda: opt.apply_gradients([(np.float32([3.0, 4.0]), v)]))
+        for c in three.experimental_local_results(v):
+            np.testing.assert_allclose(np.asarray(c), want, rtol=1e-6,
+                                       err_msg=str(kwargs))
+
+
+def test_no_clip_or_decay_leaves_the_step_as_it_was(monkeypatch):
+    from gpustrat.optimizers import clipping
+    monkeypatch.setattr(clipping, "clip_flat", None)     # never reached
+    monkeypatch.setattr(clipping, "clip_tensors", None)
+    s = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    try:
+        with s.scope():
+            v = gs.Variable(np.ones(3, np.float32), name="v")
+            opt = gs.optimizers.Adam(0.1)
+        s.run(lambda: opt.apply_gradients([(np.ones(3, np.float32), v)]))
+    finally:
+        s.close()

@@ -214,3 +214,50 @@ s.close()
 def test_workers_mixing_gradient_buffers_and_arrays_make_the_same_collectives():
     assert_mpi_ok(2, MIXED_WAYS, timeout=120, expect_lines=2,
                   env={"GPUSTRAT_FUSION_BUCKET_BYTES": "16"})
+
+
+CLIPPED = r"""
+import json, sys
+sys.path.insert(0, {here!r})
+import numpy as np
+import gpustrat as gs
+from test_optimizers_keras_parity import train
+s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+out = {{}}
+for name in {names!r}:
+    steps, slots, final, _ = train(s, name, "float32", buffers=name.startswith("adagrad"))
+    out[name] = [[[a.tolist() for a in step] for step in steps],
+                 {{k: [a.tolist() for a in v] for k, v in slots.items()}}]
+with open(sys.argv[1] + f".rank{{s.worker_index}}.json", "w") as f:
+    json.dump(out, f)
+print(f"OK rank {{s.worker_index}}", flush=True)
+s.close()
+"""
+
+
+def test_new_optimizers_with_clipping_match_one_process_across_workers(tmp_path):
+    # 2 workers of one replica each; clipping applies to the gradients summed over the
+    # workers, so every rank ends where one process does on the same global batches.
+    import gpustrat as gs
+    from test_optimizers_keras_parity import train
+    names = ["rmsprop_clipnorm_active", "nadam_global_clipnorm_active",
+             "adagrad_clipvalue_active"]
+    out = tmp_path / "clipped"
+    assert_mpi_ok(2, CLIPPED.format(here=str(HERE), names=names), timeout=300,
+                  args=(out,), expect_lines=2)
+    for name in names:
+        one = gs.MirroredStrategy(["cpu:0"])
+        try:
+            steps, slots, _, _ = train(one, name, "float32")
+        finally:
+            one.close()
+        for rank in range(2):
+            got_steps, got_slots = json.loads(Path(f"{out}.rank{rank}.json").read_text())[name]
+            for i, (got, want) in enumerate(zip(got_steps, steps)):
+                for g, w in zip(got, want):
+                    np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7,
+                                               err_msg=f"{name} rank {rank} step {i + 1}")
+            for k, values in slots.items():
+                for g, w in zip(got_slots[k], values):
+                    np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7,
+                                               err_msg=f"{name} rank {rank} slot {k}")

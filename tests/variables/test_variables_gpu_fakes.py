@@ -387,7 +387,19 @@ def _adamw_reference(w, g, slots, lr, t, wd=0.1):
     _adam_reference(w, g, slots, lr, t)
 
 
+def _rmsprop_clipnorm_reference(w, g, slots, lr, t, rho=0.9, eps=1e-7, clipnorm=0.5):
+    g = g * clipnorm / max(float(np.sqrt(np.sum(np.square(g)))), clipnorm)
+    v = slots.setdefault("velocity", np.zeros_like(w))
+    m = slots.setdefault("momentum", np.zeros_like(w))
+    v[...] = rho * v + (1 - rho) * g * g
+    m[...] = 0.5 * m + lr * g / np.sqrt(v + eps)
+    w -= m
+
+
 OPTIMIZERS = {
+    # Clipping of each replica's summed gradient, on its device.
+    "rmsprop_clipnorm": (lambda: gs.optimizers.RMSprop(0.05, momentum=0.5, clipnorm=0.5),
+                         _rmsprop_clipnorm_reference, 2e-5),
     "sgd_momentum": (lambda: gs.optimizers.SGD(0.05, momentum=0.9), _sgd_reference, 2e-5),
     "adam": (lambda: gs.optimizers.Adam(0.05), _adam_reference, 2e-5),
     # Gradients on the wire as bfloat16 (8 bits of mantissa): close to float32 training.

@@ -4,7 +4,9 @@ An optimizer made in a ParameterServerStrategy's scope has a remote ``iterations
 its number on the servers (``iterations``' variable id, the *key*) names the
 optimizer there. ``apply_gradients`` on remote variables sends each gradient to the
 server of its variable, which runs the optimizer's ``update_step`` on its array and
-keeps the slots (momentum, Adam's moments) beside it. Each slot is a variable of that
+keeps the slots (momentum, Adam's moments) beside it. Weight decay is applied there too,
+before each update; gradient clipping on the worker, to that worker's gradients of the
+step (a server applies the workers' steps in turn, never their sum). Each slot is a variable of that
 server (made on the first step that trains the variable, or by a restore), so
 ``optimizer.get_slot(var, name)`` is a remote variable like any other: reads and
 assigns are one request each, from the coordinator or from a scheduled function.
@@ -25,7 +27,7 @@ from gpustrat.devices import to_host
 from gpustrat.distribute.parameter_server import wire
 from gpustrat.distribute.parameter_server.variables import (RemoteVariable,
                                                             ShardedVariable, request)
-from gpustrat.optimizers import checkpointing
+from gpustrat.optimizers import checkpointing, clipping
 from gpustrat.optimizers.plan import check_trainable
 
 
@@ -91,8 +93,14 @@ def _apply(optimizer, grads: list, variables: list):
                 "on the parameter servers (it was made outside the ParameterServerStrategy's "
                 "scope); train the strategy's variables together, or separately")
     check_trainable(optimizer, variables)
+    grads = [_gradient(g, v) for g, v in zip(grads, variables)]
+    if optimizer.clipnorm is not None or optimizer.clipvalue is not None or \
+            optimizer.global_clipnorm is not None:
+        # Each worker's step is clipped as it comes (the servers apply steps of
+        # several workers in turn, never their sum), as Keras under a
+        # ParameterServerStrategy.
+        grads = clipping.clip_list(optimizer, grads)
     for g, v in zip(grads, variables):
-        g = _gradient(g, v)
         pieces = v._split(g) if isinstance(v, ShardedVariable) else [g]
         for part, piece in zip(_parts(v), pieces):
             vids, arrays = per_server.setdefault(part._server, ([], []))

@@ -12,6 +12,7 @@ and assigned as any variable is.
 from __future__ import annotations
 
 import pickle
+import re
 import time
 import traceback
 
@@ -286,18 +287,22 @@ class Server:
             var = self._var(vid)
             slots = self.slot_arrays.get((key, vid))
             if slots is None or len(slots) != len(opt.slot_names):
-                self._make_slots(key, vid, opt.slot_names)
+                self._make_slots(key, vid, opt.slot_names, opt)
                 slots = self.slot_arrays[(key, vid)]
             if grad.shape != var.array.shape:
                 raise ValueError(f"the gradient of variable {var.name!r} has shape "
                                  f"{grad.shape} but the variable has {var.array.shape}")
+            if opt.weight_decay:
+                # A shard ("w/part_0") decays as its whole variable ("w") does.
+                opt.decay(var.array, lr, _SHARD_SUFFIX.sub("", var.name))
             opt.update_step(var.array, grad.astype(var.array.dtype, copy=False), slots,
                             lr, step, var.name)
         return step, []
 
-    def _make_slots(self, key, vid: int, names) -> dict:
-        """The slots ``names`` of variable ``vid`` for optimizer ``key``, made (zeros)
-        where missing; ``{name: slot variable id}``."""
+    def _make_slots(self, key, vid: int, names, opt=None) -> dict:
+        """The slots ``names`` of variable ``vid`` for optimizer ``key``, made where
+        missing (at ``opt``'s initial slot values; zeros without ``opt``: a restore
+        writes them next); ``{name: slot variable id}``."""
         var = self._var(vid)
         ids = self.slots.setdefault((key, vid), {})
         arrays = self.slot_arrays.setdefault((key, vid), {})
@@ -305,7 +310,8 @@ class Server:
             if name not in ids:
                 sid = self._next_slot_id
                 self._next_slot_id -= 1
-                self.vars[sid] = _Var(np.zeros_like(var.array), f"{var.name}/{name}")
+                start = 0.0 if opt is None else opt.slot_initial_value(name)
+                self.vars[sid] = _Var(np.full_like(var.array, start), f"{var.name}/{name}")
                 ids[name] = sid
                 arrays[name] = self.vars[sid].array
         return dict(ids)
@@ -326,6 +332,8 @@ class Server:
         return {"variables": len(self.vars), "nbytes": self.nbytes}, []
 
 
+#: The suffix ParameterServerStrategy gives a sharded variable's parts.
+_SHARD_SUFFIX = re.compile(r"/part_\d+$")
 _ACK = np.zeros(1, np.int64)
 #: Fast request code -> dtype kinds it applies to (booleans add as a logical or, as
 #: NumPy does; nothing subtracts them).

@@ -1,0 +1,137 @@
+"""Every optimizer case of ``keras_optimizer_cases.py`` trained under 2 and 3 mirrored
+replicas gives the weights (after every step) and slots that Keras 3 gave on one device
+with the same global batches (recorded in ``keras_optimizers.json`` by
+``record_keras_optimizers.py``): clipping and weight decay apply to the gradients
+summed over the replicas, and each algorithm follows Keras's formulas."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gpustrat as gs
+from gpustrat.data import Dataset
+from keras_optimizer_cases import BATCH, CASES, DTYPES, data, dtypes_of, gradients
+
+RECORDED = json.loads((Path(__file__).resolve().parent / "keras_optimizers.json")
+                      .read_text())["cases"]
+# float32: the gradients are summed over the replicas in another order than one
+# device's; Adam-like steps of a gradient near zero amplify that.
+TOLERANCE = {"float32": dict(rtol=1e-5, atol=1e-5), "float64": dict(rtol=1e-11, atol=1e-13)}
+#: Nadam's constant 0.96 is float32 in Keras (see keras_optimizer_cases).
+NADAM_FLOAT64 = dict(rtol=1e-6, atol=1e-8)
+
+
+def train(strategy, name: str, dtype: str, buffers: bool = False):
+    """Train case ``name``; returns (the weights after every step, as replica 0 has
+    them; the final slots; every replica's final weights; the optimizer)."""
+    cls, kwargs = CASES[name]
+    x, y, w0, b0 = data(dtype)
+    with strategy.scope():
+        w = gs.Variable(w0, name="kernel")
+        b = gs.Variable(b0, name="bias")
+        opt = getattr(gs.optimizers, cls)(**kwargs)
+    dist = strategy.experimental_distribute_dataset(
+        Dataset.from_tensor_slices((x, y)).batch(BATCH))
+
+    def step(batch):
+        xb, yb = batch
+        count = gs.get_replica_context().all_reduce("sum", float(len(xb)))
+        gw, gb = gradients(np.asarray(w.value()), np.asarray(b.value()), xb, yb, count)
+        if buffers:
+            bw, bb = opt.gradient_buffers([w, b])
+            bw[...], bb[...] = gw, gb
+            gw, gb = bw, bb
+        opt.apply_gradients(zip([gw, gb], [w, b]))
+
+    local = strategy.experimental_local_results
+    steps = []
+    for epoch in range(2):
+        for batch in dist:
+            strategy.run(step, args=(batch,))
+            steps.append([np.asarray(local(w)[0]), np.asarray(local(b)[0])])
+    slots = {s: [np.asarray(local(opt.get_slot(v, s))[0]) for v in (w, b)]
+             for s in opt.slot_names}
+    final = [(np.asarray(cw), np.asarray(cb)) for cw, cb in zip(local(w), local(b))]
+    return steps, slots, final, opt
+
+
+def check(name, dtype, steps, slots, final):
+    want = RECORDED[f"{name}/{dtype}"]
+    tol = TOLERANCE[dtype]
+    if dtype == "float64" and CASES[name][0] == "Nadam":
+        tol = NADAM_FLOAT64
+    assert len(steps) == len(want["steps"]) == want["iterations"]
+    for i, (got, expected) in enumerate(zip(steps, want["steps"])):
+        for g, e, what in zip(got, expected, ("kernel", "bias")):
+            assert g.dtype == np.dtype(dtype)
+            np.testing.assert_allclose(g, e, err_msg=f"{name} {dtype} step {i + 1} {what}",
+                                       **tol)
+    assert sorted(slots) == sorted(want["slots"])
+    for s, values in slots.items():
+        for g, e in zip(values, want["slots"][s]):
+            np.testing.assert_allclose(g, e, err_msg=f"{name} {dtype} slot {s}", **tol)
+    for cw, cb in final[1:]:     # every replica holds the same values
+        np.testing.assert_array_equal(cw, final[0][0])
+        np.testing.assert_array_equal(cb, final[0][1])
+
+
+@pytest.mark.parametrize("name, dtype", [(n, d) for n in sorted(CASES) for d in dtypes_of(n)])
+@pytest.mark.parametrize("n", [2, 3])
+def test_same_as_keras_on_the_global_batch(name, dtype, n):
+    strategy = gs.MirroredStrategy([f"cpu:{i}" for i in range(n)])
+    try:
+        steps, slots, final, _ = train(strategy, name, dtype)
+    finally:
+        strategy.close()
+    check(name, dtype, steps, slots, final)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_same_as_keras_with_gradient_buffers(name):
+    strategy = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    try:
+        steps, slots, final, _ = train(strategy, name, "float32", buffers=True)
+    finally:
+        strategy.close()
+    check(name, "float32", steps, slots, final)
+
+
+def test_recorded_clips_were_active_where_named_so():
+    for key, want in RECORDED.items():
+        name = key.split("/")[0]
+        if name.endswith("_active"):
+            assert want["clipped_steps"] == want["iterations"], key
+        elif name.endswith("_inactive"):
+            assert want["clipped_steps"] == 0, key
+    assert sorted(RECORDED) == sorted(f"{n}/{d}" for n in CASES for d in dtypes_of(n))
+    # An active clip changed the training; an inactive one did not (to rounding).
+    for dtype in DTYPES:
+        plain = RECORDED[f"rmsprop/{dtype}"]["steps"][-1][0]
+        assert not np.allclose(RECORDED[f"rmsprop_clipnorm_active/{dtype}"]["steps"][-1][0],
+                               plain, rtol=1e-3)
+        np.testing.assert_allclose(
+            RECORDED[f"rmsprop_clipnorm_inactive/{dtype}"]["steps"][-1][0], plain,
+            rtol=1e-5)
+
+
+#: Keras arguments gpustrat's optimizers do not take.
+UNSUPPORTED = {"use_ema", "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor",
+               "gradient_accumulation_steps"}
+
+
+def test_defaults_are_keras_defaults():
+    defaults = json.loads((Path(__file__).resolve().parent / "keras_optimizers.json")
+                          .read_text())["defaults"]
+    for cls, keras_config in defaults.items():
+        config = getattr(gs.optimizers, cls)().get_config()
+        for key, value in keras_config.items():
+            if key == "learning_rate":   # a float32 variable in Keras
+                assert config[key] == pytest.approx(value, rel=1e-7), cls
+            elif key in UNSUPPORTED:
+                assert not hasattr(gs.optimizers.Optimizer, key)
+            else:
+                assert config.get(key) == value, f"{cls}.{key}"
