@@ -359,13 +359,14 @@ class Pending:
         self.var_keys = {e.key for e in entries if e.kind == "variable"}
         self.since = vmod.write_stamp()
         self.restored_at: dict = {}
-        self._watching = True
+        self.closed = False
         vmod.watch_creations(1)
         self._finalizer = weakref.finalize(self, vmod.watch_creations, -1)
 
     def close(self) -> None:
-        """Stop waiting: no later walk restores anything."""
-        self.keys = set()
+        """Stop waiting: no later walk restores anything (the keys still pending stay
+        to be reported as not restored)."""
+        self.closed = True
         self.again = {}
         self.saved = None
         self._finalizer()
@@ -401,7 +402,7 @@ class Pending:
         """Restore the pending keys ``checkpoint``'s graph holds now (a collective
         under several workers while keys are pending); return the graph's entries."""
         entries = checkpoint._graph(restoring=True)
-        if not self.keys:
+        if self.closed:
             return entries
         workers = workers_of(entries)
         var_keys = {e.key for e in entries if e.kind == "variable"}
