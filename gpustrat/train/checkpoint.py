@@ -124,9 +124,12 @@ class Checkpoint:
         ``save_path``; waits for an asynchronous save first. Collective under several
         workers.
 
-        Objects of this Checkpoint that the checkpoint lacks stay as they are, and saved
-        objects this Checkpoint lacks are not used (as TensorFlow): the returned status
-        tells, by key (``assert_consumed``, ``assert_existing_objects_matched``).
+        Objects of this Checkpoint that the checkpoint lacks stay as they are (as
+        TensorFlow): the returned status tells, by key (``assert_consumed``,
+        ``assert_existing_objects_matched``). Saved objects this Checkpoint lacks wait:
+        objects attached or made later at their keys get their values at the status's
+        methods and at this Checkpoint's next save, write, restore or read (see
+        :mod:`gpustrat.train.restoring`).
 
         All or nothing: everything is checked before anything is written, and the
         shared objects (variables, optimizers, metrics, numbers) are written only once
