@@ -24,7 +24,7 @@ from gpustrat.devices import device_of, on_device_of, to_device
 from gpustrat.distribute import context
 from gpustrat.distribute.variables import (_AGG_OPS, Variable, VariableAggregation,
                                            VariableSynchronization, checksum,
-                                           initial_array)
+                                           initial_array, note_creation)
 from gpustrat.reduce_util import ReduceOp
 
 _ON_READ = VariableSynchronization.ON_READ
@@ -120,6 +120,7 @@ class DistributedVariable(Variable):
                           for a, d in zip(arrays, strategy.local_devices))
         v._array = v._values[0]._array
         v._device = strategy.local_devices[0]
+        note_creation(v)
         return v
 
     # --- what it is -----------------------------------------------------------------

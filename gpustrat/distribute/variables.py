@@ -28,6 +28,7 @@ hanging or diverging.
 from __future__ import annotations
 
 import enum
+import itertools
 import zlib
 from typing import Any, Callable
 
@@ -36,6 +37,14 @@ import numpy as np
 from gpustrat.devices import Device, device_of, is_gpu_array, on_device_of, to_device, to_host
 from gpustrat.distribute import context
 from gpustrat.reduce_util import ReduceOp
+
+# Stamps of a checkpoint restore that waits for variables made later (gpustrat.train):
+# every write takes the next number of ``_clock`` (so a restore can tell whether a
+# variable was written after it), and while ``_watchers`` is positive every new
+# variable notes its initial value's checksum (so that a write that bypasses
+# ``_write``, such as an optimizer's fused step, shows too).
+_clock = itertools.count(1)
+_watchers = 0
 
 
 class VariableSynchronization(enum.Enum):
@@ -169,6 +178,10 @@ class Variable:
     #: How many times :meth:`_write` changed this variable (lets an owner that keeps a
     #: host copy of a value, such as an optimizer's step count, see outside writes).
     _writes = 0
+    #: The :func:`write_stamp` of the last :meth:`_write` (0: never written).
+    _written_at = 0
+    #: The initial value's checksum, noted while a checkpoint restore waits (else None).
+    _initial_checksum = None
 
     def __init__(self, *args, **kwargs):
         # All construction happens in __new__ (which may return a subclass).
@@ -185,6 +198,8 @@ class Variable:
         v._sync = sync
         v._agg = agg
         v._parent = parent
+        if parent is None:
+            note_creation(v)
         return v
 
     # --- what it is -----------------------------------------------------------------
@@ -269,6 +284,7 @@ class Variable:
         """Apply ``op`` in place with an already checked ``value``."""
         a = self._array
         self._writes += 1
+        self._written_at = next(_clock)
         with self._device.activate():
             if self._device.is_gpu or is_gpu_array(value):
                 value = to_device(value, self._device)
@@ -406,3 +422,39 @@ def checksum(array) -> int:
     """A 32-bit checksum of an array's bytes (equal values give equal checksums)."""
     host = np.ascontiguousarray(to_host(array))
     return zlib.crc32(host.view(np.uint8).reshape(-1)) if host.size else 0
+
+
+# --- what a deferred checkpoint restore asks of variables -----------------------------
+
+def write_stamp() -> int:
+    """A new stamp: every later write of any variable has a larger ``_written_at``."""
+    return next(_clock)
+
+
+def watch_creations(delta: int) -> None:
+    """Start (``+1``) or stop (``-1``) noting new variables' initial checksums."""
+    global _watchers
+    _watchers += delta
+
+
+def note_creation(v: "Variable") -> None:
+    """Note ``v``'s initial checksum while a checkpoint restore waits for variables."""
+    if _watchers > 0:
+        arrays = [c._array for c in getattr(v, "_values", (v,))]
+        v._initial_checksum = checksum(arrays[0])
+
+
+def written_at(v) -> int:
+    """The stamp of the last write of ``v`` (any component), 0 where never written."""
+    comps = getattr(v, "_values", None) or (v,)
+    return max((getattr(c, "_written_at", 0) for c in comps), default=0)
+
+
+def changed_since_creation(v) -> bool:
+    """Whether a variable whose initial checksum was noted now holds another value (in
+    any component), whatever wrote it; False where nothing was noted."""
+    initial = getattr(v, "_initial_checksum", None)
+    if initial is None:
+        return False
+    comps = getattr(v, "_values", None) or (v,)
+    return any(checksum(c._array) != initial for c in comps)

@@ -136,26 +136,29 @@ def escape(name) -> str:
     return str(name).replace("%", "%25").replace("/", "%2F")
 
 
-def walk(objects: dict, root_owner) -> list[Entry]:
+def walk(objects: dict, root_owner, allow_empty: bool = False) -> list[Entry]:
     """The savables reachable from a ``Checkpoint``'s entries ``objects``, in order.
 
     Raises:
         TypeError: an entry of a ``Checkpoint`` (a nested one too) that is a container
-            or plain object leading to no savable, with its key.
+            or plain object leading to no savable, with its key; unless ``allow_empty``
+            (a restore: a model whose layers are made later gets their values then).
     """
     seen: dict[int, bool] = {id(root_owner): True}
     out: list[Entry] = []
-    _walk_checkpoint(objects, root_owner, "", seen, out)
+    _walk_checkpoint(objects, root_owner, "", seen, out, allow_empty)
     return out
 
 
-def _walk_checkpoint(objects: dict, owner, prefix: str, seen: dict, out: list) -> None:
+def _walk_checkpoint(objects: dict, owner, prefix: str, seen: dict, out: list,
+                     allow_empty: bool) -> None:
     for name, obj in objects.items():
         key = prefix + escape(name)
         if isinstance(obj, NUMBER_TYPES):
             out.append(Entry(key, "number", obj, owner, name))
             continue
-        if not _visit(obj, key, seen, out) and not _is_checkpoint(obj):
+        if not _visit(obj, key, seen, out, allow_empty) and not _is_checkpoint(obj) \
+                and not allow_empty:
             raise TypeError(
                 f"Checkpoint: {key!r} ({type(obj).__name__}) holds no savable object "
                 "(gs.Variable, optimizer, metric, iterator, Checkpoint, or a container "
@@ -164,7 +167,7 @@ def _walk_checkpoint(objects: dict, owner, prefix: str, seen: dict, out: list) -
                 "Checkpoint(step=3)")
 
 
-def _visit(obj, key: str, seen: dict, out: list) -> bool:
+def _visit(obj, key: str, seen: dict, out: list, allow_empty: bool) -> bool:
     """Add the savables reachable from ``obj``; whether any is reachable (saved here or
     under an earlier key)."""
     if id(obj) in seen:
@@ -176,12 +179,12 @@ def _visit(obj, key: str, seen: dict, out: list) -> bool:
         return True
     if _is_checkpoint(obj):
         seen[id(obj)] = True
-        _walk_checkpoint(obj._objects, obj, key + "/", seen, out)
+        _walk_checkpoint(obj._objects, obj, key + "/", seen, out, allow_empty)
         return True
     seen[id(obj)] = False   # a cycle back here adds nothing
     found = False
     for name, value in _children(obj):
-        found = _visit(value, f"{key}/{escape(name)}", seen, out) or found
+        found = _visit(value, f"{key}/{escape(name)}", seen, out, allow_empty) or found
     seen[id(obj)] = found
     return found
 

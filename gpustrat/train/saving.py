@@ -191,11 +191,12 @@ class Job:
     """One save after its snapshot: write the files, then commit them.
 
     ``on_commit`` runs on worker 0 once the checkpoint is in place (before the outcome
-    is broadcast), ``after_commit`` on every worker once the commit succeeded.
+    is broadcast, with what it returned), ``after_commit`` on every worker once the
+    commit succeeded, given what ``on_commit`` returned on worker 0.
     """
 
-    def __init__(self, snap: Snapshot, on_commit: Callable[[], None] | None = None,
-                 after_commit: Callable[[], None] | None = None):
+    def __init__(self, snap: Snapshot, on_commit: Callable[[], object] | None = None,
+                 after_commit: Callable[[object], None] | None = None):
         self.snap = snap
         self.on_commit, self.after_commit = on_commit, after_commit
         self.write_error: str | None = None
@@ -243,7 +244,7 @@ class Job:
             for f in s.written:
                 _remove(f)
             raise
-        error = recorded = None
+        error = recorded = result = None
         if s.rank == 0:
             try:
                 if _before_commit is not None:
@@ -261,11 +262,11 @@ class Job:
                 error = describe(e)
             if error is None and self.on_commit is not None:
                 try:
-                    self.on_commit()
+                    result = self.on_commit()
                 except Exception as e:  # noqa: BLE001
                     recorded = describe(e)
         if s.size > 1:
-            error, recorded = group.bcast((error, recorded), root=0)
+            error, recorded, result = group.bcast((error, recorded, result), root=0)
         if error is not None:
             raise RuntimeError(f"committing checkpoint {s.path!r} failed on worker 0: "
                                f"{error}")
@@ -273,7 +274,7 @@ class Job:
             raise RuntimeError(f"checkpoint {s.path!r} was written, but recording it "
                                f"failed on worker 0: {recorded}")
         if self.after_commit is not None:
-            self.after_commit()
+            self.after_commit(result)
 
 
 class Background:
