@@ -142,6 +142,20 @@ def test_script_functions_travel_by_value_with_closures_globals_and_recursion():
     assert lam(1) == 11
 
 
+# A global whose name is also an attribute a function reads (np.log): not the function's.
+log = threading.Lock()
+
+
+def test_a_global_named_like_an_attribute_the_function_reads_stays_behind():
+    # Attribute names sit beside global names in the code object: np.log used to
+    # bring the unpicklable global ``log`` along, and the schedule failed.
+    back, _, _ = _roundtrip(lambda x: float(np.log(x)))
+    assert back(1.0) == 0.0
+    # A global the function does read still travels, and one that cannot is named.
+    with pytest.raises(TypeError, match=r"_thread.lock"):
+        wire.pack(lambda: log.locked(), "function 'f'")
+
+
 def test_what_cannot_travel_is_a_type_error_naming_it():
     lock = threading.Lock()
     with pytest.raises(TypeError, match=r"cannot send function 'f'.*_thread.lock"):

@@ -27,6 +27,7 @@ Words:
 from __future__ import annotations
 
 import builtins
+import dis
 import importlib
 import io
 import marshal
@@ -60,8 +61,17 @@ def _importable(obj) -> bool:
     return found is obj
 
 
+#: Instructions that name a global (``co_names`` also holds attribute names: ``np.log``
+#: names ``log``, which must not bring a global ``log`` along).
+_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME",
+                         "STORE_NAME", "DELETE_NAME"})
+
+
 def _global_names(code: types.CodeType, out: set) -> set:
-    out.update(code.co_names)
+    """The globals ``code`` (and the code nested in it) reads or writes."""
+    for ins in dis.get_instructions(code):
+        if ins.opname in _GLOBAL_OPS:
+            out.add(ins.argval)
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
             _global_names(c, out)
