@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 
+from gpustrat.train import format as fmt
 from gpustrat.train import graph, restoring, saving
 from gpustrat.train.restoring import CheckpointLoadStatus
 from gpustrat.train.saving import CheckpointOptions, check_options
@@ -74,7 +75,8 @@ class Checkpoint:
         options = check_options(options, "Checkpoint.save")
         self.sync()
         self.save_counter += 1
-        return self._write(f"{os.fspath(file_prefix)}-{self.save_counter}", options)
+        path = f"{os.fspath(file_prefix)}-{self.save_counter}"
+        return self._write(path, options, on_commit=lambda: record_latest(path))
 
     def write(self, file_prefix: str, options: CheckpointOptions | None = None) -> str:
         """Write a checkpoint at exactly ``file_prefix`` (``save_counter`` unchanged);
@@ -154,11 +156,16 @@ class Checkpoint:
         check_options(options, "Checkpoint.read")
         return self._load(save_path, with_counter=False)
 
-    def _load(self, save_path, with_counter: bool) -> CheckpointLoadStatus:
+    def _load(self, save_path, with_counter: bool):
+        call = "Checkpoint.restore" if with_counter else "Checkpoint.read"
         if save_path is None:
-            raise ValueError("Checkpoint.restore: save_path is None (no checkpoint found; "
-                             "CheckpointManager.latest_checkpoint is None before the first "
-                             "save): check for None before restoring")
+            # As TensorFlow: no checkpoint yet (latest_checkpoint of a fresh directory)
+            # restores nothing, on every worker alike.
+            self.sync()
+            workers = restoring.workers_of(self._graph(restoring=True))
+            saving.agree_on_path(workers, None, None, call, "restore",
+                                 "restoring no checkpoint")
+            return restoring.InitializationOnlyStatus()
         self.sync()
         self._walk_pending()
         path = os.fspath(save_path)
@@ -169,8 +176,7 @@ class Checkpoint:
             saved = restoring.read(path, entries, workers)
         except Exception as e:  # noqa: BLE001
             error = saving.describe(e)
-        saving.agree_on_path(workers, path, error, "Checkpoint.restore" if with_counter
-                             else "Checkpoint.read", "restore",
+        saving.agree_on_path(workers, path, error, call, "restore",
                              f"reading checkpoint {path!r}")
         targets = [e for e in entries if e.key in saved.keys]
         restoring.restore(entries, targets, saved, workers)
@@ -186,3 +192,11 @@ class Checkpoint:
             pending = restoring.Pending(saved, entries, targets)
         object.__setattr__(self, "_pending", pending)
         return CheckpointLoadStatus(self, pending, saved.keys, {e.key for e in targets})
+
+
+def record_latest(path: str) -> None:
+    """Name ``path`` the latest checkpoint of its directory (what ``Checkpoint.save``
+    records, as TensorFlow's: that one checkpoint, for ``latest_checkpoint``)."""
+    name = os.path.basename(path)
+    fmt.write_state(os.path.dirname(path) or ".", {
+        "model_checkpoint_path": name, "all_model_checkpoint_paths": [name]})

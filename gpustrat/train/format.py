@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import secrets
 import zlib
 from typing import Any, Callable
 
@@ -96,6 +97,20 @@ def _hashable(key):
 
 
 # --- files ----------------------------------------------------------------------------
+
+#: The file of a checkpoint directory that names its latest checkpoint (TensorFlow's
+#: name), read by ``latest_checkpoint``.
+STATE_FILE = "checkpoint"
+
+
+def write_state(directory: str, state: dict) -> None:
+    """Replace ``directory``'s state file with ``state`` (atomically, durably)."""
+    path = os.path.join(directory, STATE_FILE)
+    tmp = temp_name(path, secrets.token_hex(6))
+    write_json(tmp, state)
+    replace(tmp, path)
+    fsync_dir(directory)
+
 
 def temp_name(final: str, token: str) -> str:
     """The temporary name a file is written under before it is renamed to ``final``."""

@@ -26,7 +26,6 @@ import glob
 import logging
 import numbers
 import os
-import secrets
 import time
 
 import numpy as np
@@ -35,7 +34,7 @@ from gpustrat.train import format as fmt
 from gpustrat.train.checkpoint import Checkpoint
 from gpustrat.train.saving import CheckpointOptions, check_options
 
-_STATE_FILE = "checkpoint"
+_STATE_FILE = fmt.STATE_FILE
 log = logging.getLogger("gpustrat")
 
 
@@ -253,15 +252,11 @@ class CheckpointManager:
         """Worker 0, once ``path`` is committed: the state file, then the removals.
         Returns the new state, which every worker takes (:meth:`_keep`)."""
         active, preserved, removed = self._sweep(path, time.time())
-        state = os.path.join(self._directory, _STATE_FILE)
-        tmp = fmt.temp_name(state, secrets.token_hex(6))
-        fmt.write_json(tmp, {
+        fmt.write_state(self._directory, {
             "model_checkpoint_path": os.path.basename(path),
             "all_model_checkpoint_paths": [os.path.basename(p) for p in active],
             "all_model_checkpoint_timestamps": list(active.values()),
             "last_preserved_timestamp": preserved})
-        fmt.replace(tmp, state)
-        fmt.fsync_dir(self._directory)
         for old in removed:
             for f in _checkpoint_files(old):
                 _remove(f)

@@ -490,3 +490,30 @@ class CheckpointLoadStatus:
             raise ValueError("run_restore_ops: session must be None (a TensorFlow 1 "
                              "argument; gpustrat restores at the call)")
         self._walk()
+
+
+class InitializationOnlyStatus:
+    """The status of ``restore(None)`` (no checkpoint yet, as
+    ``latest_checkpoint`` of a fresh directory gives): nothing was restored, so the
+    assertions raise, as TensorFlow's; ``expect_partial``, ``run_restore_ops`` and
+    ``initialize_or_restore`` do nothing."""
+
+    _WHY = "no checkpoint was given (save_path=None): nothing was restored"
+
+    def assert_consumed(self):
+        raise AssertionError(self._WHY)
+
+    def assert_existing_objects_matched(self):
+        raise AssertionError(self._WHY)
+
+    def assert_nontrivial_match(self):
+        raise AssertionError(self._WHY)
+
+    def expect_partial(self) -> "InitializationOnlyStatus":
+        return self
+
+    def run_restore_ops(self, session=None) -> None:
+        return None
+
+    def initialize_or_restore(self, session=None) -> None:
+        return None

@@ -160,14 +160,41 @@ def test_clear_errors(tmp_path):
     ck = gs.train.Checkpoint(w=w)
     with pytest.raises(RuntimeError, match="no checkpoint at"):
         ck.restore(str(tmp_path / "nothing"))
-    with pytest.raises(ValueError, match="save_path is None"):
-        ck.restore(None)
     path = ck.write(str(tmp_path / "a"))
     other = gs.train.Checkpoint(w=gs.Variable(np.zeros(3, np.float32)))
     with pytest.raises(ValueError, match=r"shape \(3,\).*shape \(2,\)"):
         other.restore(path)
     with pytest.raises(AssertionError, match="not in the checkpoint"):
         gs.train.Checkpoint(w=w, v=gs.Variable(1.0)).restore(path).assert_consumed()
+
+
+def test_save_names_its_checkpoint_the_latest_and_restoring_none_restores_nothing(
+        tmp_path):
+    # TensorFlow's tutorial loop: restore(latest_checkpoint(dir)) at the start (None on
+    # a fresh directory), then ckpt.save(prefix); a later job finds the last save.
+    w = gs.Variable(np.zeros(2, np.float32), name="w")
+    ck = gs.train.Checkpoint(w=w)
+    status = ck.restore(gs.train.latest_checkpoint(str(tmp_path)))
+    status.expect_partial()
+    status.run_restore_ops()
+    for check in (status.assert_consumed, status.assert_existing_objects_matched,
+                  status.assert_nontrivial_match):
+        with pytest.raises(AssertionError, match="save_path=None"):
+            check()
+    assert w.numpy().tolist() == [0, 0]
+    prefix = str(tmp_path / "ckpt")
+    first = ck.save(prefix)
+    assert gs.train.latest_checkpoint(str(tmp_path)) == first == prefix + "-1"
+    w.assign(np.ones(2, np.float32))
+    second = ck.save(prefix)
+    with open(tmp_path / "checkpoint") as f:
+        assert json.load(f) == {"model_checkpoint_path": "ckpt-2",
+                                "all_model_checkpoint_paths": ["ckpt-2"]}
+    ck.write(str(tmp_path / "written"))     # write records nothing, as TensorFlow's
+    assert gs.train.latest_checkpoint(str(tmp_path)) == second
+    again = gs.train.Checkpoint(w=gs.Variable(np.zeros(2, np.float32), name="w"))
+    again.restore(gs.train.latest_checkpoint(str(tmp_path))).assert_consumed()
+    assert again.save_counter == 2 and again.w.numpy().tolist() == [1, 1]
 
 
 def _values(*variables):
