@@ -185,9 +185,13 @@ class Optimizer:
         try:
             return self._slots[var][name]
         except KeyError:
-            raise KeyError(f"{type(self).__name__} has no slot {name!r} for variable "
-                           f"{var.name!r}: slots are {list(self.slot_names)}, made on the "
-                           "first apply_gradients that trains the variable") from None
+            kind = type(self).__name__
+            if name not in self.slot_names:
+                raise KeyError(f"{kind} keeps no slot {name!r}: its slots are "
+                               f"{list(self.slot_names)}") from None
+            raise KeyError(f"{kind} has no slot {name!r} for variable {var.name!r} yet: "
+                           "slots are made on the first apply_gradients that trains the "
+                           "variable (a restored slot takes its saved value then)") from None
 
     @property
     def exclude_from_weight_decay(self) -> tuple:

@@ -509,3 +509,16 @@ def test_no_clip_or_decay_leaves_the_step_as_it_was(monkeypatch):
         s.run(lambda: opt.apply_gradients([(np.ones(3, np.float32), v)]))
     finally:
         s.close()
+
+
+def test_get_slot_before_the_first_step_says_when_slots_are_made():
+    w = gs.Variable(np.zeros(2, np.float32), name="w")
+    opt = gs.optimizers.SGD(0.1, momentum=0.9)
+    with pytest.raises(KeyError, match=r"no slot 'momentum' for variable 'w' yet: slots "
+                                       r"are made on the first apply_gradients"):
+        opt.get_slot(w, "momentum")
+    with pytest.raises(KeyError, match=r"SGD keeps no slot 'velocity': its slots are "
+                                       r"\['momentum'\]"):
+        opt.get_slot(w, "velocity")
+    opt.apply_gradients([(np.ones(2, np.float32), w)])
+    np.testing.assert_allclose(opt.get_slot(w, "momentum").numpy(), [-0.1, -0.1])
