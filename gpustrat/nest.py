@@ -109,16 +109,18 @@ def assert_same_structure(a: Any, b: Any) -> None:
 
 def describe(structure: Any) -> str:
     """``structure``'s shape as text, each leaf a ``.``: dict keys (sorted), namedtuple
-    fields, list and tuple lengths; what two structures share when their leaves pair up
+    names and fields (in order), list and tuple lengths; what two structures share when their leaves pair up
     alike (``{'a': ., 'b': [., .]}``)."""
     if not is_nested(structure):
         return "."
     if isinstance(structure, dict):
         return "{" + ", ".join(f"{k!r}: {describe(structure[k])}"
                                for k in sorted(structure)) + "}"
-    inner = ", ".join(describe(c) for c in structure)
     if is_namedtuple(structure):
-        return f"{type(structure).__name__}({inner})"
+        fields = ", ".join(f"{f}={describe(c)}" for f, c in zip(structure._fields,
+                                                               structure))
+        return f"{type(structure).__name__}({fields})"
+    inner = ", ".join(describe(c) for c in structure)
     if isinstance(structure, tuple):
         return f"({inner},)" if len(structure) == 1 else f"({inner})"
     return f"[{inner}]"

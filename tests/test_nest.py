@@ -49,7 +49,10 @@ def test_packed_leaves_are_freed_when_the_structure_is_dropped_without_a_collect
 
 def test_describe_tells_apart_what_pairs_leaves_differently():
     assert nest.describe({"b": [1, 2], "a": (3,)}) == "{'a': (.,), 'b': [., .]}"
-    assert nest.describe(Point(1, {"k": 2})) == "Point(., {'k': .})"
+    assert nest.describe(Point(1, {"k": 2})) == "Point(x=., y={'k': .})"
+    # The same type name with the fields in another order pairs leaves differently.
+    assert nest.describe(collections.namedtuple("Point", "y x")(1, 2)) != \
+        nest.describe(Point(1, 2))
     assert nest.describe(3.5) == "."
     # Insertion order does not matter (leaves pair in sorted key order); keys, lengths
     # and nesting do.

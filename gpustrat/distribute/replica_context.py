@@ -10,7 +10,6 @@ import numpy as np
 from gpustrat.distribute import collective_ops, context, reduction
 from gpustrat.reduce_util import OPS_BY_KEY, ReduceOp
 from gpustrat import nest
-from gpustrat.errors import CollectiveMismatch, CollectiveTimeout
 from gpustrat.values import PerReplica, regroup, select_replica
 
 _merge = threading.local()
@@ -143,12 +142,6 @@ class ReplicaContext:
         _merge.depth = getattr(_merge, "depth", 0) + 1
         try:
             result = merge_fn(strategy, *args, **kwargs)
-        except Exception as e:
-            # The other workers make this merge's collectives: the runner tells them
-            # (an error of a collective itself has reached every worker already).
-            if not isinstance(e, (CollectiveMismatch, CollectiveTimeout)):
-                e._gpustrat_tell = True
-            raise
         finally:
             _merge.depth -= 1
             context.pop()

@@ -47,6 +47,7 @@ from typing import Any, Callable, Sequence
 
 from gpustrat.devices import (Device, current_stream, join_streams_into_current, new_stream,
                               wait_for_current)
+from gpustrat.errors import CollectiveMismatch, CollectiveTimeout
 
 #: A replica-0 step shorter than this runs the other replicas inline, in the caller.
 INLINE_STEP_LIMIT_S = 200e-6
@@ -176,7 +177,6 @@ class Rendezvous:
             f"replica {self.returned} never called: replica {self.returned} returned from "
             "its function first; every replica must issue the same collectives in the "
             "same order")
-        error._gpustrat_tell = True  # told to the other workers (see call)
         return error
 
     def clear_outcome(self) -> None:
@@ -441,11 +441,6 @@ class ReplicaRunner:
             if errors:
                 rv.reset()
                 error = _primary_error(errors, self.devices)
-                if not isinstance(error, ReplicaAborted) and any(
-                        isinstance(e, ReplicaAborted) for e in errors.values()):
-                    # Another replica of this worker was in a collective, or went into
-                    # one, after this error: the other workers make it too.
-                    error._gpustrat_tell = True
                 _tell_other_workers(rv.share_error, error)
                 raise error
             return results
@@ -458,15 +453,16 @@ class ReplicaRunner:
 
 
 def _tell_other_workers(share_error, error: BaseException) -> None:
-    """A step that failed on this worker at a collective: a replica returned before a
-    collective its other replicas made, a replica raised while another replica of this
-    worker was in a collective, or a ``merge_call`` function raised. Under several
-    workers the others wait in that collective, or would pair their next one with this
-    worker's next one: they are told (``Communicator.share_error``), once, so that
-    every worker raises. An exception of the replica function raised where no replica
-    of this worker reached a collective is not told: a script that catches it and takes
-    the step again meets the others' pending collective, as a retry."""
-    if share_error is None or not getattr(error, "_gpustrat_tell", False) or \
+    """A step that failed on this worker (a replica raised, or its replicas' collectives
+    did not match): under several workers the others wait in the step's collectives,
+    or would pair their next one with this worker's next one. They are told
+    (``Communicator.share_error``), once, so that every worker raises at this step,
+    and a script that catches the error on every rank and goes on (skipping the step
+    or taking it again) stays in step. Not told: an error every worker already has (a
+    collective's disagreement or timeout), one told where it was found, and an
+    interruption (KeyboardInterrupt: the launcher interrupts every rank)."""
+    if share_error is None or not isinstance(error, Exception) or \
+            isinstance(error, (CollectiveMismatch, CollectiveTimeout, ReplicaAborted)) or \
             getattr(error, "_gpustrat_told", False):
         return
     try:

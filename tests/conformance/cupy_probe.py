@@ -244,6 +244,16 @@ def _(cp, nccl, cuda):
     return cp.sqrt(fake_array(cp, (8,)))         # optimizers/adam.py: sqrt(v)
 
 
+@entry("cupy.square", "cupy.abs", "cupy.minimum", "cupy.sum", "cupy.ones_like")
+def _(cp, nccl, cuda):
+    # optimizers: RMSprop/Adagrad/Adadelta/Nadam square the gradient, Adamax takes its
+    # absolute value; clipping.py sums squares into a norm and scales by a minimum.
+    g = fake_array(cp, (8,))
+    norm = cp.sum(cp.square(g))
+    scale = cp.minimum(cp.ones_like(norm), norm)
+    return cp.abs(g) * scale
+
+
 @entry("cupy.float32", "cupy.uint32")
 def _(cp, nccl, cuda):
     # optimizers/bfloat16.py: float32 values reinterpreted as uint32 bit patterns and

@@ -232,11 +232,12 @@ def test_a_rank_that_closes_its_strategy_is_named_and_the_job_ends(n, local, aft
 
 
 
-# A step that fails on one worker at a collective, caught on every rank, which then
-# skip the step: a replica raising while another replica of its worker is in a
-# collective, or a merge_call function (an optimizer's check) raising on one worker.
-# Every worker raises at that step and every later step's values are exact (the
-# failing worker's next collective used to meet the others' pending one).
+# A step that fails on one worker, caught on every rank, which then skip the step: a
+# replica raising while another replica of its worker is in a collective, before any
+# collective (the replica in the calling thread), after the step's collectives, or a
+# merge_call function (an optimizer's check) raising on one worker. Every worker raises
+# at that step and every later step's values are exact (the failing worker's next
+# collective used to meet the others' pending one).
 SKIPS = r"""
 import sys
 import numpy as np
@@ -253,10 +254,19 @@ with s.scope():
 def step(k):
     ctx = gs.get_replica_context()
     failing = ctx.replica_id_in_sync_group == last and k == 2
+    failing_first = ctx.local_index == 0 and r == W - 1 and k == 2
     g = np.full(2, -float(k), np.float32)
     if how == "replica":
         if failing:
             raise FloatingPointError("loss is NaN")
+    elif how == "first":   # the replica in the calling thread, before any collective
+        if failing_first:
+            raise FloatingPointError("loss is NaN")
+    elif how == "after":   # after the step's collectives
+        total = ctx.all_reduce("SUM", np.float32(k))
+        if failing:
+            raise FloatingPointError("loss is NaN")
+        return total
     elif how == "apply":
         opt.apply_gradients([(g, w)] if failing else [(g, w), (g, b)])
     else:
@@ -287,6 +297,8 @@ print(f"OK {r}", flush=True)
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n,local,how", [(2, 2, "replica"), (3, 2, "replica"),
+                                         (2, 2, "first"), (2, 1, "first"),
+                                         (3, 2, "after"), (2, 1, "after"),
                                          (2, 2, "apply"), (2, 1, "merge"),
                                          (3, 2, "merge")])
 def test_a_step_failing_at_a_collective_on_one_worker_raises_on_every_worker(n, local,

@@ -166,7 +166,7 @@ print(f"NOT REACHED rank {r}", flush=True)
 @pytest.mark.parametrize("ranks, local", [(2, 2), (3, 1)])
 def test_a_rank_that_raises_mid_step_ends_the_job(ranks, local, abort):
     # With abort on error (the default) the failing rank ends every rank at once;
-    # without, it exits with its error and every other rank raises, naming it.
+    # without, every other rank raises, naming it (its error, or its exit).
     t0 = time.monotonic()
     rc, out, err = run_mpi(ranks, RAISES, timeout=120, args=(local,),
                            env={"GPUSTRAT_ABORT_ON_ERROR": "1" if abort else "0"})
@@ -177,12 +177,17 @@ def test_a_rank_that_raises_mid_step_ends_the_job(ranks, local, abort):
     if abort:
         assert f"rank {ranks - 1} of {ranks}: uncaught exception" in err, err
     else:
-        assert err.count(f"rank {ranks - 1} has exited") == ranks - 1, err
+        # Every other rank raises naming it: told of its error at the step, or of its
+        # exit where that came first.
+        named = err.count(f"worker {ranks - 1} failed before this collective: "
+                          "RuntimeError: injected failure") + \
+            err.count(f"rank {ranks - 1} has exited")
+        assert named >= ranks - 1, err
     assert took < 100, took
 
 
-# A rank that catches its step's error and goes on: its next step meets the others'
-# pending one (as a retry would), and every rank ends with the same weights.
+# A rank whose step raises, every rank catching the error and taking the step again:
+# every rank raised at that step, and every rank ends with the same weights.
 CAUGHT = COMMON + r"""
 def bad(gw, gb):
     if r == last:
