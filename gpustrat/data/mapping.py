@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from gpustrat import nest
 from gpustrat.data import parallel
 from gpustrat.data import spec as specs
 from gpustrat.data import structure as st
@@ -16,6 +17,26 @@ from gpustrat.data.dataset import (AUTOTUNE, UNKNOWN_CARDINALITY, Dataset, _chec
 from gpustrat.data.iterator_state import FunctionIterator, ParallelMapIterator
 from gpustrat.data.spec import merge_specs, spec_of, zeros_like_spec
 from gpustrat.data.unary import _MISSING, UnaryDataset, _close
+
+
+#: Elements read past the second, at most, for one that differs from the first.
+_MORE_PROBES = 4
+
+
+def _same_element(a: Any, b: Any) -> bool:
+    """Whether two elements hold the same values in the same structure (False when in
+    doubt)."""
+    try:
+        fa, fb = nest.flatten(a), nest.flatten(b)
+        if len(fa) != len(fb) or nest.describe(a) != nest.describe(b):
+            return False
+        for x, y in zip(fa, fb):
+            x, y = np.asarray(x), np.asarray(y)
+            if x.shape != y.shape or x.dtype != y.dtype or not np.array_equal(x, y):
+                return False
+        return True
+    except Exception:  # noqa: BLE001 - values NumPy cannot compare: not the same
+        return False
 
 
 def _function_spec(dataset: Dataset, output_spec: Callable[[Any], Any]) -> Any:
@@ -32,6 +53,13 @@ def _function_spec(dataset: Dataset, output_spec: Callable[[Any], Any]) -> Any:
     try:
         first = next(gen, _MISSING)
         second = _MISSING if first is _MISSING else next(gen, _MISSING)
+        # A second element equal to the first shows nothing about how the output
+        # depends on values (range(x) over 3, 3, 5): a few more are read for one that
+        # differs.
+        for _ in range(_MORE_PROBES):
+            if second is _MISSING or not _same_element(first, second):
+                break
+            second = next(gen, _MISSING)
     finally:
         _close(gen)
     in_spec = dataset.element_spec

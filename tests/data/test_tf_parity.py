@@ -249,6 +249,14 @@ def test_specs_of_values_that_vary_between_elements():
     ragged = Dataset.range(5).map(lambda x: np.arange(x))
     assert ragged.element_spec == TensorSpec((None,), np.int64)
     _assert_every_element_fits(ragged)
+    # The first elements equal (3, 3): later ones are read for one that differs (TF
+    # 2.21 gives (None,) here, and (None, None) for the padded batches distributed).
+    repeated = Dataset.from_tensor_slices(np.array([3, 3, 5, 2])).map(np.arange)
+    assert repeated.element_spec == TensorSpec((None,), np.int64)
+    _assert_every_element_fits(repeated)
+    # Constant elements read a few past the second, no more (an infinite input too).
+    constant = Dataset.from_tensors(np.ones(3)).repeat().map(lambda x: x * 2)
+    assert constant.element_spec == TensorSpec((3,), np.float64)
     # An empty input: the function sees zeros, but its outputs' sizes are not known.
     assert Dataset.range(0).batch(2).map(lambda x: x * 2).element_spec == \
         TensorSpec((None,), np.int64)
