@@ -7,6 +7,7 @@ callers, thread lifetimes and interpreter exit. Anything that could hang has a t
 
 import gc
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -190,10 +191,27 @@ def test_different_collectives_at_the_same_point(strategy, odd):
 
 def test_all_gather_axes_differ(strategy):
     def fn():
-        return gs.get_replica_context().all_gather(np.ones((2, 2)), rid() % 2)
+        return gs.get_replica_context().all_gather(np.ones((2, 3)), rid() % 2)
     with pytest.raises(ValueError, match="replicas issued different collectives"):
         strategy.run(fn)
     check_usable(strategy)
+
+
+def test_different_collectives_are_named_in_words():
+    # The signatures read as calls, with each leaf's dtype and shape (they were raw
+    # tuples, an all_gather's showing shape () for a (2,) array).
+    s = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+
+    def fn():
+        ctx = gs.get_replica_context()
+        if ctx.replica_id_in_sync_group == 0:
+            return ctx.all_gather(np.ones((2, 3)), axis=0)
+        return ctx.all_reduce("sum", np.ones(2))
+    with pytest.raises(ValueError, match=re.escape(
+            "replica 0 called all_gather(axis=0) on float64 of shape (3,) besides the "
+            "gathered axis but replica 1 called all_reduce(SUM) on float64 (2,)")):
+        s.run(fn)
+    s.close()
 
 
 @pytest.mark.parametrize("other", [

@@ -210,11 +210,25 @@ def _check_signatures(sigs: list, share_error=None) -> None:
         if s != sigs[0]:
             error = ValueError(
                 f"replicas issued different collectives at the same point: replica 0 called "
-                f"{sigs[0]} but replica {i} called {s}; every replica must issue the same "
-                "collectives in the same order")
+                f"{_shown_signature(sigs[0])} but replica {i} called {_shown_signature(s)}; "
+                "every replica must issue the same collectives in the same order")
             if share_error is not None:
                 share_error(error)
             raise error
+
+
+def _shown_signature(sig) -> str:
+    """A collective's signature in words (``all_reduce(SUM) on float64 (2,)``), or as
+    it is when it is not one of ``(kind, op, ((shape, dtype), ...))``."""
+    try:
+        kind, op, leaves = sig
+        gather = kind == "all_gather"
+        call = f"all_gather(axis={op})" if gather else f"{kind}({op})"
+        shown = [f"{dtype} of shape {tuple(shape)} besides the gathered axis" if gather
+                 else f"{dtype} {tuple(shape)}" for shape, dtype in leaves]
+    except (TypeError, ValueError):
+        return repr(sig)
+    return f"{call} on " + ", ".join(shown) if shown else call
 
 
 class _ReplicaThread(threading.Thread):
