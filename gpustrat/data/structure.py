@@ -162,8 +162,9 @@ def stack(leaves: list, where: str = "batch") -> Any:
     except ValueError:
         shapes = {tuple(np.shape(v)) for v in leaves}
         raise ValueError(f"{where}: cannot stack elements of different shapes "
-                         f"{sorted(shapes)} into one batch; make the shapes equal "
-                         "(for example with map) before batching") from None
+                         f"{sorted(shapes)} into one batch; use padded_batch, which pads "
+                         "them to a common shape, or make the shapes equal (with map) "
+                         "before batching") from None
 
 
 def leading_dim(leaf: Any) -> int:

@@ -459,3 +459,12 @@ def test_concurrent_file_cache_readers_after_fill(tmp_path):
         t.join(30)
     assert results == [list(range(50))] * 3
     assert isinstance(c, CacheDataset) and c.path.endswith("shared.gpustrat-cache")
+
+
+def test_batching_elements_of_different_shapes_points_to_padded_batch():
+    ds = Dataset.range(4).map(lambda x: np.arange(x)).batch(2)
+    with pytest.raises(ValueError, match=r"different shapes \[\(0,\), \(1,\)\] into one "
+                                         r"batch; use padded_batch"):
+        list(ds)
+    assert [b.shape for b in Dataset.range(4).map(lambda x: np.arange(x)).padded_batch(2)] \
+        == [(2, 1), (2, 3)]
