@@ -452,3 +452,18 @@ def test_an_axis_that_is_no_integer_is_named_at_the_call(make):
         assert np.asarray(s.reduce("sum", x, axis=np.int32(1))).tolist() == [3.0 * n] * 2
     finally:
         s.close()
+
+
+def test_tensorflow_arguments_without_a_counterpart_say_so():
+    # TensorFlow's MirroredStrategy(devices, cross_device_ops): the collectives are
+    # chosen here; the argument is refused with the reason, not an unexpected-keyword
+    # error (or, positionally, a crash later).
+    with pytest.raises(TypeError, match=r"cross_device_ops=.* has no counterpart: the "
+                                        r"collectives are chosen for you"):
+        gs.MirroredStrategy(cpus(2), cross_device_ops=object())
+    with pytest.raises(TypeError, match=r"communicator must be a gpustrat Communicator, "
+                                        r"got object"):
+        gs.MirroredStrategy(cpus(2), object())
+    s = gs.MirroredStrategy(cpus(2), cross_device_ops=None)
+    assert s.cluster_resolver is None   # as TensorFlow's, on one worker
+    s.close()

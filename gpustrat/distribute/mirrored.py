@@ -18,9 +18,22 @@ class MirroredStrategy(Strategy):
             collectives for CPUs).
     """
 
-    def __init__(self, devices=None, communicator: Communicator | None = None):
+    def __init__(self, devices=None, communicator: Communicator | None = None, *,
+                 cross_device_ops=None):
+        from gpustrat.distribute.multi_worker import _no_counterpart  # noqa: PLC0415
+        _no_counterpart("MirroredStrategy", cross_device_ops=cross_device_ops)
+        if communicator is not None and not isinstance(communicator, Communicator):
+            raise TypeError(
+                f"MirroredStrategy: communicator must be a gpustrat Communicator, got "
+                f"{type(communicator).__name__}; TensorFlow's cross_device_ops (its "
+                "second argument) has no counterpart: the collectives are chosen for you")
         devs = resolve_devices(devices)
         super().__init__(devs, communicator or make_communicator(devs))
+
+    @property
+    def cluster_resolver(self):
+        """None, as ``tf.distribute.MirroredStrategy``'s (one worker)."""
+        return None
 
 
 class OneDeviceStrategy(Strategy):

@@ -44,6 +44,51 @@ def default_worker_devices(n_gpus: int, local_rank: int, local_size: int
                 "each rank its own GPU (CUDA_VISIBLE_DEVICES), or pass devices=")
 
 
+_WHY_NOT = {
+    "cross_device_ops": "the collectives are chosen for you: NCCL between the GPUs of a "
+                        "process, host collectives between CPU devices, MPI between workers",
+    "communication_options": "the collectives are chosen for you (NCCL within a node, MPI "
+                             "between workers), and a step's collectives are fused",
+    "cluster_resolver": "the workers are the ranks of the MPI launch (mpiexec -n W, or "
+                        "srun): TF_CONFIG and cluster resolvers are not read",
+}
+
+
+def _no_counterpart(where: str, **given) -> None:
+    """A TensorFlow constructor argument that gpustrat has no use for: None is
+    accepted, anything else is a TypeError saying why."""
+    for name, value in given.items():
+        if value is not None:
+            raise TypeError(f"{where}: {name}={value!r} has no counterpart: "
+                            f"{_WHY_NOT[name]}. Leave it out (see docs/porting.md)")
+
+
+class WorkerClusterResolver:
+    """The role of this worker in a :class:`MultiWorkerMirroredStrategy` job, as
+    ``strategy.cluster_resolver`` gives it in ``tf.distribute``: ``task_type``
+    ``"worker"``, ``task_id`` the worker index, ``cluster_spec()`` (one address per
+    rank; MPI connects them), ``num_accelerators()``, ``environment`` ``"mpi"``."""
+
+    task_type = "worker"
+    rpc_layer = "mpi"
+    environment = "mpi"
+
+    def __init__(self, task_id: int, num_workers: int):
+        self.task_id = task_id
+        self.num_workers = num_workers
+
+    def cluster_spec(self):
+        from gpustrat.distribute.parameter_server.resolver import ClusterSpec  # noqa
+        return ClusterSpec({"worker": [f"mpi-rank-{r}" for r in range(self.num_workers)]})
+
+    def num_accelerators(self, task_type=None, task_id=None, config_proto=None) -> dict:
+        return {}
+
+    def __repr__(self) -> str:
+        return (f"WorkerClusterResolver(task_type='worker', task_id={self.task_id}, "
+                f"num_workers={self.num_workers})")
+
+
 class MultiWorkerMirroredStrategy(Strategy):
     """Synchronous data parallelism over MPI workers.
 
@@ -64,7 +109,10 @@ class MultiWorkerMirroredStrategy(Strategy):
     """
 
     def __init__(self, devices=None, communicator=None,
-                 collectives: Communicator | None = None):
+                 collectives: Communicator | None = None, *, cluster_resolver=None,
+                 communication_options=None):
+        _no_counterpart("MultiWorkerMirroredStrategy", cluster_resolver=cluster_resolver,
+                        communication_options=communication_options)
         from gpustrat.collectives.mpi import MpiWorkerGroup  # noqa: PLC0415 - inits MPI
         from gpustrat.distribute.failures import install_abort_on_error  # noqa: PLC0415
         workers = MpiWorkerGroup(communicator)
@@ -91,6 +139,14 @@ class MultiWorkerMirroredStrategy(Strategy):
         # One CPU replica per worker, several workers: a reduce or gather of one host
         # array goes straight to the communicator (see reduce).
         self._one_host = len(devs) == 1 and not devs[0].is_gpu and workers.size > 1
+
+    @property
+    def cluster_resolver(self) -> "WorkerClusterResolver":
+        """This worker's role, as ``tf.distribute``'s strategy gives its resolver:
+        ``task_type`` ``"worker"``, ``task_id`` the worker index (0 is the one that
+        writes summaries, as TensorFlow's chief-less clusters use worker 0),
+        ``cluster_spec()``."""
+        return WorkerClusterResolver(self.worker_index, self.num_workers)
 
     def _one_leaf(self, value):
         """The components of a value that is one host array per local replica (a plain

@@ -585,3 +585,26 @@ def test_replicas_disagreeing_on_one_worker_raise_on_every_worker_at_once(n):
     others = [line for line in errors if not line.startswith("ERROR rank 0")]
     assert all("LayoutMismatch: worker 0 failed before this collective: ValueError:"
                in line for line in others), others
+
+
+
+# strategy.cluster_resolver, as tf.distribute code reads it to pick worker 0's tasks;
+# TensorFlow-only constructor arguments are refused with the reason, on every rank.
+RESOLVER = r"""
+import gpustrat as gs
+s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+res = s.cluster_resolver
+assert (res.task_type, res.task_id) == ("worker", s.worker_index), res
+assert res.cluster_spec().as_dict() == {"worker": ["mpi-rank-0", "mpi-rank-1", "mpi-rank-2"]}
+for kwargs in ({"communication_options": object()}, {"cluster_resolver": res}):
+    try:
+        gs.MultiWorkerMirroredStrategy(devices=["cpu:0"], **kwargs)
+        raise AssertionError(kwargs)
+    except TypeError as e:
+        assert "has no counterpart" in str(e), e
+print(f"OK {s.worker_index}", flush=True)
+"""
+
+
+def test_cluster_resolver_names_the_worker_and_tf_arguments_are_refused():
+    assert_mpi_ok(3, RESOLVER, timeout=60, expect_lines=3)
