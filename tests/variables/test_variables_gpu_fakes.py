@@ -6,6 +6,7 @@ steady training step waits for the device from no step thread."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -20,6 +21,20 @@ SEEDS = (0, 1, 2)
 
 def _strategy(n: int = 2):
     return gs.MirroredStrategy([f"gpu:{i}" for i in range(n)])
+
+
+@contextlib.contextmanager
+def _sanitized(seed: int, names=("gpu:0", "gpu:1")):
+    """CuPy and a strategy on ``names`` under the sanitizer (reports collected, not
+    raised), closed and drained on the way out; no report may remain."""
+    with testing.sanitize(seed=seed, check=False) as san:
+        s = gs.MirroredStrategy(list(names))
+        try:
+            yield devices.cupy(), s
+        finally:
+            s.close()
+        san.drain()
+    assert not san.reports, [str(x) for x in san.reports[:3]]
 
 
 def _local(strategy, v) -> list:
@@ -158,62 +173,48 @@ def test_a_plain_gpu_variable_is_read_on_its_own_device(seed):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_cross_replica_reads_on_gpus_other_than_the_current_one(seed):
-    with testing.sanitize(seed=seed, check=False) as san:
-        cp = devices.cupy()
-        s = gs.MirroredStrategy(["gpu:1", "gpu:2"])
-        try:
-            with s.scope():
-                v = gs.Variable(np.zeros(4, np.float32), aggregation="sum")
-                opt = gs.optimizers.SGD(0.1)
+    with _sanitized(seed, ["gpu:1", "gpu:2"]) as (cp, s):
+        with s.scope():
+            v = gs.Variable(np.zeros(4, np.float32), aggregation="sum")
+            opt = gs.optimizers.SGD(0.1)
 
-            def step():
-                v.assign_add(cp.ones(4, np.float32))
-            s.run(step)
-            v.assign_add(np.ones(4, np.float32))        # on gpu:1's and gpu:2's streams
-            r = v.read_value()
-            assert r.device.id == 1
-            assert devices.to_host(r).tolist() == [3.0] * 4
-            assert v.numpy().tolist() == [3.0] * 4
-            opt.iterations.assign_add(np.int64(2).astype(opt.iterations.dtype))
-            assert int(opt.iterations.numpy()) == 2
-        finally:
-            s.close()
-        san.drain()
-    assert not san.reports, [str(x) for x in san.reports[:3]]
+        def step():
+            v.assign_add(cp.ones(4, np.float32))
+        s.run(step)
+        v.assign_add(np.ones(4, np.float32))        # on gpu:1's and gpu:2's streams
+        r = v.read_value()
+        assert r.device.id == 1
+        assert devices.to_host(r).tolist() == [3.0] * 4
+        assert v.numpy().tolist() == [3.0] * 4
+        opt.iterations.assign_add(np.int64(2).astype(opt.iterations.dtype))
+        assert int(opt.iterations.numpy()) == 2
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_read_value_inside_merge_call_copies_on_the_variables_device(seed):
     # The merge runs in the last replica's thread: the copy once ran on that replica's
     # device and stream, unordered after replica 0's update of its own component.
-    with testing.sanitize(seed=seed, check=False) as san:
-        cp = devices.cupy()
-        s = _strategy()
-        got = {}
-        try:
-            with s.scope():
-                v = gs.Variable(np.zeros(4, np.float32), synchronization="on_read",
-                                aggregation="only_first_replica")
-                m = gs.Variable(np.zeros(4, np.float32), aggregation="sum")
+    got = {}
+    with _sanitized(seed) as (cp, s):
+        with s.scope():
+            v = gs.Variable(np.zeros(4, np.float32), synchronization="on_read",
+                            aggregation="only_first_replica")
+            m = gs.Variable(np.zeros(4, np.float32), aggregation="sum")
 
-            def step():
-                ctx = gs.get_replica_context()
-                m.assign_add(cp.ones(4, np.float32))
-                v.assign_add(cp.ones(4, np.float32) * (ctx.replica_id_in_sync_group + 1))
-                if ctx.replica_id_in_sync_group == 1:
-                    time.sleep(0.02)            # replica 1 arrives last: it runs the merge
+        def step():
+            ctx = gs.get_replica_context()
+            m.assign_add(cp.ones(4, np.float32))
+            v.assign_add(cp.ones(4, np.float32) * (ctx.replica_id_in_sync_group + 1))
+            if ctx.replica_id_in_sync_group == 1:
+                time.sleep(0.02)            # replica 1 arrives last: it runs the merge
 
-                def merge(strategy):
-                    r, q = v.read_value(), m.read_value()
-                    got["devices"] = (r.device.id, q.device.id)
-                    got["values"] = (devices.to_host(r).tolist(), v.numpy().tolist(),
-                                     devices.to_host(q).tolist(), m.numpy().tolist())
-                ctx.merge_call(merge)
-            s.run(step)
-        finally:
-            s.close()
-        san.drain()
-    assert not san.reports, [str(x) for x in san.reports[:3]]
+            def merge(strategy):
+                r, q = v.read_value(), m.read_value()
+                got["devices"] = (r.device.id, q.device.id)
+                got["values"] = (devices.to_host(r).tolist(), v.numpy().tolist(),
+                                 devices.to_host(q).tolist(), m.numpy().tolist())
+            ctx.merge_call(merge)
+        s.run(step)
     assert got["devices"] == (0, 0)
     assert got["values"] == ([1.0] * 4, [1.0] * 4, [2.0] * 4, [2.0] * 4)
 
@@ -222,25 +223,18 @@ def test_read_value_inside_merge_call_copies_on_the_variables_device(seed):
 def test_a_cross_replica_assign_of_a_value_on_another_gpu_is_computed_there(seed):
     # A sync-on-read SUM assign divides the value by the number of replicas: on the
     # value's device, after the work that wrote it.
-    with testing.sanitize(seed=seed, check=False) as san:
-        cp = devices.cupy()
-        s = _strategy()
-        try:
-            with s.scope():
-                total = gs.Variable(np.zeros(3, np.float32), synchronization="on_read",
-                                    aggregation="sum")
-                w = gs.Variable(np.zeros(3, np.float32))
-            with cp.cuda.Device(1):
-                x = cp.full((3,), 4.0, np.float32) * 2          # on gpu:1's stream
-                d = cp.full((3,), 2, np.int32) * 1
-            total.assign(x)                                    # gpu:0 is current
-            w.assign(d)                                        # cast on gpu:1
-            assert devices.to_host(total.read_value()).tolist() == [8.0] * 3
-            assert w.numpy().tolist() == [2.0] * 3
-        finally:
-            s.close()
-        san.drain()
-    assert not san.reports, [str(x) for x in san.reports[:3]]
+    with _sanitized(seed) as (cp, s):
+        with s.scope():
+            total = gs.Variable(np.zeros(3, np.float32), synchronization="on_read",
+                                aggregation="sum")
+            w = gs.Variable(np.zeros(3, np.float32))
+        with cp.cuda.Device(1):
+            x = cp.full((3,), 4.0, np.float32) * 2          # on gpu:1's stream
+            d = cp.full((3,), 2, np.int32) * 1
+        total.assign(x)                                    # gpu:0 is current
+        w.assign(d)                                        # cast on gpu:1
+        assert devices.to_host(total.read_value()).tolist() == [8.0] * 3
+        assert w.numpy().tolist() == [2.0] * 3
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -248,30 +242,23 @@ def test_a_variable_made_from_a_device_value_copies_it_on_that_device(seed):
     # Inside run, the replica combining the creation (the last to arrive) copied replica
     # 0's value onto its own device, unordered after replica 0's stream; likewise a
     # value on gpu:1 in the scope with gpu:0 current.
-    with testing.sanitize(seed=seed, check=False) as san:
-        cp = devices.cupy()
-        s = _strategy()
-        out = {}
-        try:
-            def step():
-                out["v"] = gs.Variable(cp.full((4,), 7.0, np.float32) * 2)
-            s.run(step)
-            with cp.cuda.Device(1):
-                init = cp.full((4,), 3.0, np.float32) * 1      # on gpu:1's stream
-            with s.scope():
-                w = gs.Variable(init)
-                w64 = gs.Variable(init, dtype=np.float64)
-                u = gs.Variable(w)                              # from a variable
-            plain = gs.Variable(init)
-            assert [c.numpy().tolist() for c in out["v"].values] == [[14.0] * 4] * 2
-            for var in (w, w64, u):
-                assert [c.device for c in var.values] == ["gpu:0", "gpu:1"]
-                assert [c.numpy().tolist() for c in var.values] == [[3.0] * 4] * 2
-            assert plain.device == "gpu:1" and plain.numpy().tolist() == [3.0] * 4
-        finally:
-            s.close()
-        san.drain()
-    assert not san.reports, [str(x) for x in san.reports[:3]]
+    out = {}
+    with _sanitized(seed) as (cp, s):
+        def step():
+            out["v"] = gs.Variable(cp.full((4,), 7.0, np.float32) * 2)
+        s.run(step)
+        with cp.cuda.Device(1):
+            init = cp.full((4,), 3.0, np.float32) * 1      # on gpu:1's stream
+        with s.scope():
+            w = gs.Variable(init)
+            w64 = gs.Variable(init, dtype=np.float64)
+            u = gs.Variable(w)                              # from a variable
+        plain = gs.Variable(init)
+        assert [c.numpy().tolist() for c in out["v"].values] == [[14.0] * 4] * 2
+        for var in (w, w64, u):
+            assert [c.device for c in var.values] == ["gpu:0", "gpu:1"]
+            assert [c.numpy().tolist() for c in var.values] == [[3.0] * 4] * 2
+        assert plain.device == "gpu:1" and plain.numpy().tolist() == [3.0] * 4
 
 
 # --- metrics ----------------------------------------------------------------------------
