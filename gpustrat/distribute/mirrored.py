@@ -5,7 +5,7 @@ from __future__ import annotations
 from gpustrat.collectives.base import Communicator
 from gpustrat.collectives.select import make_communicator
 from gpustrat.devices import parse_device, resolve_devices
-from gpustrat.distribute.strategy import Strategy
+from gpustrat.distribute.strategy import Strategy, no_counterpart
 
 
 class MirroredStrategy(Strategy):
@@ -20,8 +20,7 @@ class MirroredStrategy(Strategy):
 
     def __init__(self, devices=None, communicator: Communicator | None = None, *,
                  cross_device_ops=None):
-        from gpustrat.distribute.multi_worker import _no_counterpart  # noqa: PLC0415
-        _no_counterpart("MirroredStrategy", cross_device_ops=cross_device_ops)
+        no_counterpart("MirroredStrategy", cross_device_ops=cross_device_ops)
         if communicator is not None and not isinstance(communicator, Communicator):
             raise TypeError(
                 f"MirroredStrategy: communicator must be a gpustrat Communicator, got "

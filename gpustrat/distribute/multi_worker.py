@@ -16,7 +16,7 @@ from gpustrat.collectives.base import Communicator
 from gpustrat.collectives.select import make_communicator
 from gpustrat.devices import Device, gpu_count, resolve_devices
 from gpustrat.distribute import context, reduction
-from gpustrat.distribute.strategy import Strategy
+from gpustrat.distribute.strategy import Strategy, no_counterpart
 from gpustrat.reduce_util import OPS_BY_KEY, ReduceOp
 from gpustrat.values import PerReplica
 
@@ -42,25 +42,6 @@ def default_worker_devices(n_gpus: int, local_rank: int, local_size: int
     return [], (f"node-local rank {local_rank} of {local_size} workers on a node with "
                 f"{n_gpus} visible GPUs: launch at most {n_gpus} ranks per node, give "
                 "each rank its own GPU (CUDA_VISIBLE_DEVICES), or pass devices=")
-
-
-_WHY_NOT = {
-    "cross_device_ops": "the collectives are chosen for you: NCCL between the GPUs of a "
-                        "process, host collectives between CPU devices, MPI between workers",
-    "communication_options": "the collectives are chosen for you (NCCL within a node, MPI "
-                             "between workers), and a step's collectives are fused",
-    "cluster_resolver": "the workers are the ranks of the MPI launch (mpiexec -n W, or "
-                        "srun): TF_CONFIG and cluster resolvers are not read",
-}
-
-
-def _no_counterpart(where: str, **given) -> None:
-    """A TensorFlow constructor argument that gpustrat has no use for: None is
-    accepted, anything else is a TypeError saying why."""
-    for name, value in given.items():
-        if value is not None:
-            raise TypeError(f"{where}: {name}={value!r} has no counterpart: "
-                            f"{_WHY_NOT[name]}. Leave it out (see docs/porting.md)")
 
 
 class WorkerClusterResolver:
@@ -111,7 +92,7 @@ class MultiWorkerMirroredStrategy(Strategy):
     def __init__(self, devices=None, communicator=None,
                  collectives: Communicator | None = None, *, cluster_resolver=None,
                  communication_options=None):
-        _no_counterpart("MultiWorkerMirroredStrategy", cluster_resolver=cluster_resolver,
+        no_counterpart("MultiWorkerMirroredStrategy", cluster_resolver=cluster_resolver,
                         communication_options=communication_options)
         from gpustrat.collectives.mpi import MpiWorkerGroup  # noqa: PLC0415 - inits MPI
         from gpustrat.distribute.failures import install_abort_on_error  # noqa: PLC0415

@@ -277,6 +277,25 @@ class Strategy:
         self._communicator.close()
 
 
+_WHY_NOT = {
+    "cross_device_ops": "the collectives are chosen for you: NCCL between the GPUs of a "
+                        "process, host collectives between CPU devices, MPI between workers",
+    "communication_options": "the collectives are chosen for you (NCCL within a node, MPI "
+                             "between workers), and a step's collectives are fused",
+    "cluster_resolver": "the workers are the ranks of the MPI launch (mpiexec -n W, or "
+                        "srun): TF_CONFIG and cluster resolvers are not read",
+}
+
+
+def no_counterpart(where: str, **given) -> None:
+    """A TensorFlow constructor argument that gpustrat has no use for: None is
+    accepted, anything else is a TypeError saying why."""
+    for name, value in given.items():
+        if value is not None:
+            raise TypeError(f"{where}: {name}={value!r} has no counterpart: "
+                            f"{_WHY_NOT[name]}. Leave it out (see docs/porting.md)")
+
+
 def _is_arraylike(v) -> bool:
     return hasattr(v, "__array__") or hasattr(v, "__cuda_array_interface__")
 
