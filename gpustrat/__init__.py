@@ -25,7 +25,7 @@ __all__ = [
     "DistributedValues", "ReplicaContext", "ValueContext", "InputContext", "InputOptions",
     "get_strategy", "has_strategy", "get_replica_context", "get_cross_replica_context",
     "in_cross_replica_context", "data", "distribute", "Variable", "VariableSynchronization",
-    "VariableAggregation", "optimizers", "metrics", "nn", "train",
+    "VariableAggregation", "optimizers", "metrics", "nn", "train", "timeline",
 ]
 
 
@@ -38,7 +38,7 @@ def __getattr__(name):
     if name in ("InputContext", "InputOptions"):
         from gpustrat.distribute import input_lib
         return getattr(input_lib, name)
-    if name in ("data", "distribute", "optimizers", "metrics", "nn", "train"):
+    if name in ("data", "distribute", "optimizers", "metrics", "nn", "train", "timeline"):
         import importlib
         return importlib.import_module(f"gpustrat.{name}")
     raise AttributeError(f"module 'gpustrat' has no attribute {name!r}")

@@ -464,3 +464,49 @@ def synchronize(device: Device, stream=None) -> None:
 def pinned_empty(shape, dtype) -> np.ndarray:
     """A page-locked host array (for fast asynchronous host-to-device copies)."""
     return cupyx().empty_pinned(shape, dtype)
+
+
+# --- the timeline's device times and NVTX ranges (gpustrat.timeline) ----------------------
+
+def timing_events(devices) -> list:
+    """One CUDA event recorded on the calling thread's current stream of each GPU in
+    ``devices`` (None for CPU devices): a timestamp in stream order, no host wait."""
+    cp = _loaded_cupy()
+    out: list = []
+    for d in devices:
+        if not d.is_gpu or cp is None:
+            out.append(None)
+            continue
+        with cp.cuda.Device(d.index):
+            out.append(cp.cuda.get_current_stream().record())
+    return out
+
+
+def elapsed_ms(start, end, wait: bool = False) -> float | None:
+    """Milliseconds of device time between two :func:`timing_events`, or None while
+    ``end`` has not completed (a query: no host wait) unless ``wait`` (then the host
+    waits for it: only when a trace is written)."""
+    if start is None or end is None:
+        return None
+    if not end.done:
+        if not wait:
+            return None
+        end.synchronize()
+    return float(_loaded_cupy().cuda.get_elapsed_time(start, end))
+
+
+def nvtx_push(name: str) -> bool:
+    """Open an NVTX range named ``name`` on this thread (Nsight Systems shows it), where
+    CuPy is in use; whether one was opened."""
+    cp = _loaded_cupy()
+    if cp is None or not hasattr(cp.cuda, "nvtx"):
+        return False
+    cp.cuda.nvtx.RangePush(name)
+    return True
+
+
+def nvtx_pop() -> None:
+    """Close this thread's innermost NVTX range (opened by :func:`nvtx_push`)."""
+    cp = _loaded_cupy()
+    if cp is not None:
+        cp.cuda.nvtx.RangePop()

@@ -35,6 +35,7 @@ from typing import Sequence
 
 import numpy as np
 
+from gpustrat import timeline as _tl
 from gpustrat.collectives.base import Communicator
 from gpustrat.devices import array_module, device_of, is_gpu_array, to_host
 from gpustrat.reduce_util import ReduceOp
@@ -308,6 +309,7 @@ def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout, aren
             tensors, layout = check_layout(comm, tensors, bucket_bytes)
     n_local = comm.num_local
     pool: dict = {}
+    t0 = _tl.now() if _tl.ON else 0
     for bucket, lo, hi, start, total, dtype, arena_total, runs in layout.buckets:
         if arenas is not None:
             if arenas[0].dtype != dtype or arenas[0].size != arena_total:
@@ -344,6 +346,8 @@ def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout, aren
                     copy_into(b, r)
             reduced = buffers
         yield bucket, runs, reduced
+    if t0:
+        _tl.span("fused reduction", t0, {"buckets": len(layout.buckets)})
 
 
 def copy_into(dst, src) -> None:

@@ -45,6 +45,7 @@ import time
 import weakref
 from typing import Any, Callable, Sequence
 
+from gpustrat import timeline as _tl
 from gpustrat.devices import (Device, current_stream, join_streams_into_current, new_stream,
                               wait_for_current)
 from gpustrat.errors import CollectiveMismatch, CollectiveTimeout
@@ -141,9 +142,12 @@ class Rendezvous:
                 self._generation += 1
                 self._cond.notify_all()
             else:
+                t0 = _tl.now() if _tl.ON else 0
                 while (self._generation == gen and self._broken is None
                        and self.returned is None):
                     self._cond.wait()
+                if t0:
+                    _tl.replica_wait(t0, signature)
                 if self._generation == gen:
                     if self._broken is not None:
                         raise ReplicaAborted("another replica failed") from self._broken

@@ -118,6 +118,17 @@ def _(cp, nccl, cuda):
     return fake_event(cp).done
 
 
+@entry("cupy.cuda.get_elapsed_time")
+def _(cp, nccl, cuda):
+    return cp.cuda.get_elapsed_time(fake_event(cp), fake_event(cp))
+
+
+@entry("cupy.cuda.nvtx.RangePush", "cupy.cuda.nvtx.RangePop")
+def _(cp, nccl, cuda):
+    cp.cuda.nvtx.RangePush("gpustrat probe")
+    cp.cuda.nvtx.RangePop()
+
+
 # --- CuPy: arrays ---------------------------------------------------------------------------
 
 @entry("cupy.empty")
