@@ -3,6 +3,7 @@
     python -m gpustrat demo [--devices cpu:0 cpu:1] [--epochs N] [--quick] [--[no-]multi-worker]
     python -m gpustrat info [--json]
     python -m gpustrat bench [NAME ...] [--quick] [--json FILE] [--plot FILE.png]
+    python -m gpustrat timeline summary FILE [--json] [--plot OUT.png] | merge PATH
 
 Importing this module does nothing; each command imports what it needs when it runs.
 """
@@ -31,6 +32,8 @@ commands:
   info    versions, MPI, NCCL, devices and CUDA simulator state, for bug reports
           (--json for JSON)
   bench   run the benchmark suites of a source checkout's benchmarks/ folder
+  timeline  summarize a timeline (GPUSTRAT_TIMELINE=PATH): step times, waits, the
+          rank the others waited for, bytes/s, a Gantt chart; or merge its rank files
 
 `python -m gpustrat COMMAND --help` tells more about each.
 """
@@ -46,7 +49,8 @@ def main(argv=None) -> int:
         from gpustrat import __version__  # noqa: PLC0415
         print(f"gpustrat {__version__}")
         return 0
-    commands = {"demo": cmd_demo, "info": cmd_info, "bench": cmd_bench}
+    commands = {"demo": cmd_demo, "info": cmd_info, "bench": cmd_bench,
+                "timeline": cmd_timeline}
     if argv[0] not in commands:
         print(f"gpustrat: unknown command {argv[0]!r}; choose one of "
               f"{', '.join(commands)}\n\n{USAGE}", end="", file=sys.stderr)
@@ -60,6 +64,11 @@ def cmd_demo(argv) -> int:
     from gpustrat import demo  # noqa: PLC0415
     demo.main(argv, prog="python -m gpustrat demo")
     return 0
+
+
+def cmd_timeline(argv) -> int:
+    from gpustrat.timeline import summary  # noqa: PLC0415
+    return summary.main(argv)
 
 
 # --- info ---------------------------------------------------------------------------------

@@ -337,7 +337,9 @@ def _describe(name: str, args) -> tuple:
         arrays = (first,)
     else:
         arrays = first if isinstance(first, (list, tuple)) else ()
-    if name.startswith("all_reduce") or name in ("reduce", "reduce_named", "reduce_scatter"):
+    if name == "reduce_named" and len(args) > 2 and type(args[2]) is str:
+        return args[2], str(getattr(first, "dtype", "")), int(getattr(first, "nbytes", 0))
+    if name.startswith("all_reduce") or name in ("reduce", "reduce_scatter"):
         op = args[1] if len(args) > 1 else None
         opname = getattr(op, "name", op)
         if name in ("all_reduce_inplace", "all_reduce_shared"):
