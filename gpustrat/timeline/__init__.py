@@ -359,11 +359,9 @@ def _record_collective(comm, name, args, t0, t1, wait, starts) -> None:
     if rec is None:
         return
     kind, dtype, nbytes = _describe(name, args)
-    info = {"kind": kind, "dtype": dtype, "bytes": nbytes,
-            "replicas": comm.num_replicas, "workers": comm.num_workers,
-            "seq": rec.next_collective(), "wait_us": round(wait / 1000, 3),
-            "move_us": round((t1 - t0 - wait) / 1000, 3)}
-    emit(kind, "collective", t0, t1, info)
+    # Formatted by the writer (trace._collective_json), off this thread.
+    emit(kind, "collective", t0, t1, (kind, dtype, nbytes, comm.num_replicas,
+                                      comm.num_workers, rec.next_collective(), wait))
     if starts is not None:
         from gpustrat import devices  # noqa: PLC0415
         ends = devices.timing_events(comm.devices)
