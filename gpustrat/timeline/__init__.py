@@ -7,7 +7,7 @@ strategy is made), or around part of a program::
         for batch in dist:
             strategy.run(step, args=(batch,))
 
-Every rank streams its events to ``PATH.rank<N>.json`` as it goes (a dead rank's
+Every rank streams its events to ``PATH.rank<N>.events`` as it goes (a dead rank's
 events up to its last fraction of a second survive); when recording ends normally,
 rank 0 merges every rank's file into ``PATH``. ``python -m gpustrat timeline merge
 PATH`` does it after a job died, and ``python -m gpustrat timeline summary PATH``
@@ -24,7 +24,8 @@ Words:
   collective moves and combines the data.
 
 Cost: off, each hook is one test of the module flag :data:`ON`. On, each event is one
-tuple appended to a queue; a background thread formats and writes them.
+tuple appended to a queue; a background thread writes them (see :mod:`.trace`), and
+merging turns them into JSON.
 """
 
 from __future__ import annotations
@@ -216,21 +217,27 @@ def traced(name: str):
 
 def merged(name: str, merge_fn):
     """``merge_fn`` (a ``merge_call`` function) recorded as ``name`` where it runs."""
-    @functools.wraps(merge_fn)
     def call(*args, **kwargs):
         return timed(name, merge_fn, *args, **kwargs)
+    # merge_call names the function in its signature (and errors) by its qualname.
+    call.__qualname__ = getattr(merge_fn, "__qualname__", name)
     return call
+
+
+_context = None
 
 
 def replica_fn(fn):
     """``fn`` of one ``strategy.run``, recording each replica's run on its track."""
+    global _context
+    if _context is None:
+        from gpustrat.distribute import context as _context  # noqa: PLC0415
     rec = _rec
     step = rec.next_step() if rec is not None else 0
+    current = _context.current
 
-    @functools.wraps(fn)
     def run(*args, **kwargs):
-        from gpustrat.distribute import context  # noqa: PLC0415
-        ctx = context.current()[1]
+        ctx = current()[1]
         index = ctx.local_index if ctx is not None else 0
         previous = getattr(_local, "tid", None)
         _local.tid = index

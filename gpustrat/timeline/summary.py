@@ -220,11 +220,11 @@ def main(argv=None, prog: str = "python -m gpustrat timeline") -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("summary", help="step times, waits, stragglers, bytes/s")
     s.add_argument("file", help="a merged trace, a per-rank file, or the PATH whose "
-                   "PATH.rank<N>.json files to read")
+                   "PATH.rank<N>.events files to read")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--plot", metavar="OUT.png", help="draw a Gantt chart of the last steps")
     s.add_argument("--steps", type=int, default=10, help="steps in the plot (default 10)")
-    m = sub.add_parser("merge", help="merge PATH.rank<N>.json into PATH (after a job died)")
+    m = sub.add_parser("merge", help="merge PATH.rank<N>.events into PATH (after a job died)")
     m.add_argument("path")
     m.add_argument("--ranks", type=int, default=None,
                    help="ranks expected (default: the files found); missing ones are listed")

@@ -117,7 +117,7 @@ def test_a_rank_that_dies_leaves_the_others_events_to_merge(tmp_path):
                                 "GPUSTRAT_TIMEOUT": "5"})
     assert rc != 0, out
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert "t.json.rank0.json" in files and "t.json.rank1.json" in files, files
+    assert "t.json.rank0.events" in files and "t.json.rank1.events" in files, files
     merged = subprocess.run([sys.executable, "-m", "gpustrat", "timeline", "merge",
                              str(path), "--ranks", "2"], capture_output=True, text=True,
                             cwd=REPO, timeout=120)

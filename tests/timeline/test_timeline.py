@@ -112,8 +112,7 @@ def test_off_nothing_is_recorded_and_the_communicator_is_its_own(tmp_path):
         assert timeline.ON and "all_reduce" in vars(comm)   # timed while on
     assert not timeline.ON and "all_reduce" not in vars(comm)
     _train(s, steps=2)
-    assert os.listdir(tmp_path) == ["t.json.rank0.json", "t.json"] or \
-        sorted(os.listdir(tmp_path)) == ["t.json", "t.json.rank0.json"]
+    assert sorted(os.listdir(tmp_path)) == ["t.json", "t.json.rank0.events"]
     spans = check_trace(load(tmp_path / "t.json"))
     assert spans == []                              # the loop ran after the block
 
@@ -185,16 +184,28 @@ def test_summary_json_and_the_plot_of_a_two_replica_loop(tmp_path):
     assert png_size(png) == (w, h)
 
 
+def _chunks(data: bytes) -> list:
+    """The (start, end) of each chunk of a rank file's bytes."""
+    at, out = len(trace.MAGIC), []
+    while at < len(data):
+        n = int.from_bytes(data[at:at + 4], "little")
+        out.append((at, at + 4 + n))
+        at += 4 + n
+    return out
+
+
 def test_merge_reads_files_cut_off_by_a_crash(tmp_path):
     path = str(tmp_path / "t.json")
     with gs.timeline.record(path):
         _train(gs.MirroredStrategy(["cpu:0"]), steps=3)
-    mine = Path(trace.rank_path(path, 0)).read_text()
-    # Rank 1 "died": its file has no end, and its last line was cut in the middle.
-    lines = re.sub(r'"pid": ?0', '"pid": 1', mine).splitlines()
-    cut = [ln for ln in lines if "gpustrat_end" not in ln and ln != "]"]
-    cut[-1] = cut[-1][: len(cut[-1]) // 2]
-    Path(trace.rank_path(path, 1)).write_text("\n".join(cut))
+        timeline._rec.flush()                       # a chunk of its own for the last step
+        _train(gs.MirroredStrategy(["cpu:0"]), steps=1)
+    mine = Path(trace.rank_path(path, 0)).read_bytes()
+    chunks = _chunks(mine)
+    assert len(chunks) >= 4 and chunks[-1][1] == len(mine)
+    # Rank 1 "died" while writing: no end chunk, and its last chunk cut in the middle.
+    last = chunks[-2]
+    Path(trace.rank_path(path, 1)).write_bytes(mine[:(last[0] + last[1]) // 2])
     os.remove(path)
     out = subprocess.run([sys.executable, "-m", "gpustrat", "timeline", "merge", path,
                           "--ranks", "3"], capture_output=True, text=True, cwd=REPO,
@@ -205,7 +216,12 @@ def test_merge_reads_files_cut_off_by_a_crash(tmp_path):
     spans = check_trace(data)
     assert {e["pid"] for e in spans} == {0, 1}
     assert data["otherData"]["ranks"] == [0, 1] and data["otherData"]["complete"] == [0]
-    assert sum(e["pid"] == 1 for e in spans) == sum(e["pid"] == 0 for e in spans) - 1
+    runs = [sum(e["pid"] == p and e["name"] == "run" for e in spans) for p in (0, 1)]
+    assert runs == [4, 3]                           # the last step's chunk was cut off
+    # Each rank's file also reads on its own, and the path of the files as a whole.
+    assert sum(e["name"] == "run" for e in trace.load(trace.rank_path(path, 1))) == 3
+    os.remove(path)
+    assert sum(e["name"] == "run" for e in trace.load(path)) == 7
 
 
 def test_merge_and_summary_say_what_is_missing(tmp_path):
@@ -214,7 +230,7 @@ def test_merge_and_summary_say_what_is_missing(tmp_path):
         out = subprocess.run([sys.executable, "-m", "gpustrat", "timeline", *cmd],
                              capture_output=True, text=True, cwd=REPO, timeout=120)
         assert out.returncode == 1 and "none.json" in out.stderr and \
-            "rank<N>.json" in out.stderr, out.stderr
+            "rank<N>.events" in out.stderr, out.stderr
 
 
 def test_the_environment_variable_records_a_whole_program(tmp_path):
