@@ -308,13 +308,17 @@ def _unwrap(comm) -> None:
 
 
 def _timed_collective(ref, name, fn):
+    gpu = None
+
     def collective(*args, **kwargs):
+        nonlocal gpu
         comm = ref()
         if getattr(_local, "coll", None) is not None or not ON:
             return fn(comm, *args, **kwargs)  # inside another collective of the same call
         coll = _local.coll = [0]
-        pushed = _nvtx_push(name)
-        gpu = comm.devices[0].is_gpu if comm.devices else False
+        pushed = _nvtx_push(name) if _rec.nvtx else False
+        if gpu is None:
+            gpu = bool(comm.devices) and comm.devices[0].is_gpu
         starts = _device_events(comm) if gpu else None
         t0 = now()
         try:
@@ -333,32 +337,44 @@ def _device_events(comm):
     return devices.timing_events(comm.devices)
 
 
+#: The communicator methods that take a ReduceOp second, and the kind they record.
+_REDUCING = {"all_reduce": "all_reduce", "all_reduce_inplace": "all_reduce",
+             "all_reduce_shared": "all_reduce", "reduce": "reduce",
+             "reduce_scatter": "reduce_scatter"}
+_kinds: dict = {}
+_dtypes: dict = {}
+
+
 def _describe(name: str, args) -> tuple:
-    """``(kind, dtype, bytes)`` of a communicator call's arguments."""
-    kind = name
-    dtype, nbytes = "", 0
+    """``(kind, dtype, bytes)`` of a communicator call's arguments (remembered by the
+    objects named, so that a loop's collectives cost a few dictionary reads)."""
     first = args[0] if args else None
-    if name == "agree":
+    if name == "reduce_named":
+        kind, arrays = args[2] if len(args) > 2 else name, (first,)
+    elif name == "agree":
         return "agree", "", 0
-    if name in ("reduce_named",):
-        arrays = (first,)
     else:
-        arrays = first if isinstance(first, (list, tuple)) else ()
-    if name == "reduce_named" and len(args) > 2 and type(args[2]) is str:
-        return args[2], str(getattr(first, "dtype", "")), int(getattr(first, "nbytes", 0))
-    if name.startswith("all_reduce") or name in ("reduce", "reduce_scatter"):
-        op = args[1] if len(args) > 1 else None
-        opname = getattr(op, "name", op)
-        if name in ("all_reduce_inplace", "all_reduce_shared"):
-            kind = "all_reduce"
-        kind = f"{kind}({opname})" if opname is not None else kind
+        arrays = first if type(first) in (list, tuple) else ()
+        kind = name
+        base = _REDUCING.get(name)
+        if base is not None and len(args) > 1:
+            op = args[1]
+            key = (base, id(op) if not isinstance(op, str) else op)
+            kind = _kinds.get(key)
+            if kind is None:
+                kind = _kinds[key] = f"{base}({getattr(op, 'name', op)})"
+    nbytes = 0
+    dtype = ""
     for a in arrays:
         nb = getattr(a, "nbytes", None)
         if nb is not None:
-            nbytes += int(nb)
-            if not dtype:
-                dtype = str(getattr(a, "dtype", ""))
-    return kind, dtype, nbytes
+            nbytes += nb
+    if arrays:
+        dt = getattr(arrays[0], "dtype", None)
+        dtype = _dtypes.get(dt)
+        if dtype is None:
+            dtype = _dtypes[dt] = str(dt) if dt is not None else ""
+    return kind, dtype, int(nbytes)
 
 
 def _record_collective(comm, name, args, t0, t1, wait, starts) -> None:

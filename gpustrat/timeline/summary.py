@@ -191,10 +191,15 @@ def plot(events: list, out: str, steps: int = 10) -> tuple[int, int]:
     fig = plt.figure(figsize=(PLOT_WIDTH / 100, height / 100), dpi=100)
     ax = fig.add_axes((0.13, 50 / height, 0.85, 1 - 90 / height))
     where = {row: i for i, row in enumerate(rows)}
+    stacks: dict = {}
     for e in sorted(shown, key=lambda e: (e["ts"], -e["dur"])):
-        y = where[(e["pid"], e["tid"])]
-        level = 0 if e["name"] == "run" else 2 if e.get("cat") == "wait" else 1
-        h = 0.8 - 0.2 * level
+        row = (e["pid"], e["tid"])
+        y = where[row]
+        stack = stacks.setdefault(row, [])   # the spans this one nests in
+        while stack and stack[-1] <= e["ts"]:
+            stack.pop()
+        h = 0.8 * 0.75 ** len(stack)
+        stack.append(e["ts"] + e["dur"])
         ax.broken_barh([((max(e["ts"], lo) - lo) / 1e3, max(e["dur"], 0.5) / 1e3)],
                        (y - h / 2, h), facecolors=_colour(e), edgecolor="none")
     ax.set_yticks(range(len(rows)))
