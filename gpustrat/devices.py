@@ -499,9 +499,12 @@ def nvtx_push(name: str) -> bool:
     """Open an NVTX range named ``name`` on this thread (Nsight Systems shows it), where
     CuPy is in use; whether one was opened."""
     cp = _loaded_cupy()
-    if cp is None or not hasattr(cp.cuda, "nvtx"):
+    if cp is None:
         return False
-    cp.cuda.nvtx.RangePush(name)
+    try:
+        cp.cuda.nvtx.RangePush(name)
+    except AttributeError:  # a CuPy built without NVTX
+        return False
     return True
 
 
