@@ -9,7 +9,9 @@ Figures per rank, read on its first track (replica 0, the thread that calls
   step and whatever the loop does between steps), median and 95th percentile;
 - *input wait share*: the share of the rank's recorded time spent in ``get_next``;
 - *collective wait share*: the share spent waiting in collectives, for the other
-  workers (the header exchange) or for the worker's other replicas.
+  workers (the header exchange) or for the worker's other replicas. (Waiting for the
+  other workers' agreement on the end of the data, inside ``get_next``, is input
+  wait.)
 
 *Last to arrive*: a collective between workers ends for all at about the same moment,
 when the last worker arrives, so the worker that waited least for its peers came last
@@ -58,7 +60,10 @@ def summarize(events: list) -> dict:
         if not periods:
             periods = [e["dur"] / 1e6 for e in main if e["name"] == "run"]
         inputs = sum(e["dur"] for e in main if e["name"] == "get_next") / 1e6
-        waits = sum(e["dur"] for e in main if e.get("cat") == "wait") / 1e6
+        # In collectives: their waits for peers, and the waits for the local replicas
+        # (an agreement inside get_next waits for peers too: that is input wait).
+        waits = (sum(e["args"]["wait_us"] for e in main if e.get("cat") == "collective")
+                 + sum(e["dur"] for e in main if e["name"] == "wait for replicas")) / 1e6
         out["ranks"][str(r)] = {
             "steps": len(runs), "wall_s": wall,
             "step_time_median_s": statistics.median(periods) if periods else None,
