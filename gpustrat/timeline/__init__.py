@@ -64,7 +64,7 @@ def start(path) -> None:
         RuntimeError: recording is already on (to another path).
         ValueError: ``path``'s folder does not exist.
     """
-    global ON, _rec
+    global ON, _rec, _exit_hook
     path = os.fspath(path)
     with _lock:
         if _rec is not None:
@@ -75,6 +75,9 @@ def start(path) -> None:
             raise ValueError(f"timeline path {path!r}: folder {folder!r} does not exist; "
                              "create it or choose another path")
         _rec = _trace.Writer(path)
+        if not _exit_hook:
+            atexit.register(_at_exit)
+            _exit_hook = True
         for comm in list(_attached):
             _wrap(comm)
         ON = True
@@ -132,8 +135,7 @@ def from_env() -> None:
     _env_read = True
     path = os.environ.get(ENV)
     if path and _rec is None:
-        start(path)
-        atexit.register(stop)
+        start(path)  # stopped (and merged) at exit
 
 
 def _at_exit() -> None:
@@ -142,7 +144,7 @@ def _at_exit() -> None:
         stop()
 
 
-atexit.register(_at_exit)
+_exit_hook = False
 
 
 # --- tracks ----------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import threading
 import time
 
 FLUSH_S = 0.2  # how often the writer thread writes the queued events
+MISSING_GRACE_S = 1.0  # how long a merge waits for a rank that has no file at all
 MAGIC = b"gpustrat-timeline 1\n"
 _LEN = struct.Struct("<I")
 
@@ -214,19 +215,23 @@ def merge(path: str, size: int | None = None, wait: float = 0.0) -> dict:
 
     Args:
         size: the number of ranks expected (default: the files found).
-        wait: seconds to wait for ranks whose file is missing or still being written.
+        wait: seconds to wait for ranks whose file is still being written. A rank with
+            no file yet is waited for only ``MISSING_GRACE_S`` (every rank opens its
+            file when it starts recording, long before the end; a rank that never
+            records, such as a parameter server, has none).
     Returns:
         The trace written (``traceEvents`` and ``otherData``: ranks found, complete and
         missing).
     Raises:
         FileNotFoundError: no per-rank file of ``path`` exists.
     """
-    deadline = time.monotonic() + wait
+    start = time.monotonic()
     while True:
         files = rank_files(path)
-        expected = range(size) if size else files
-        if all(r in files and _complete(files[r]) for r in expected) or \
-                time.monotonic() >= deadline:
+        waited = time.monotonic() - start
+        missing = [r for r in (range(size) if size else ()) if r not in files]
+        if (all(_complete(f) for f in files.values()) and
+                (not missing or waited >= min(wait, MISSING_GRACE_S))) or waited >= wait:
             break
         time.sleep(0.05)
     if not files:

@@ -128,3 +128,43 @@ def test_a_rank_that_dies_leaves_the_others_events_to_merge(tmp_path):
     for p in (0, 1):
         runs = [e for e in spans if e["pid"] == p and e["name"] == "run"]
         assert len(runs) >= 3, (p, len(runs))       # the steps before rank 1 died
+
+
+PS = r"""
+import numpy as np
+import gpustrat as gs
+
+resolver = gs.distribute.cluster_resolver.MpiClusterResolver(num_ps=1)
+strategy = gs.distribute.experimental.ParameterServerStrategy(resolver)
+# Only the coordinator (rank 0) gets here; it alone records (GPUSTRAT_TIMELINE).
+with strategy.scope():
+    w = gs.Variable(np.zeros(4, np.float32), name="w")
+    opt = gs.optimizers.SGD(0.1)
+coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
+
+def step():
+    opt.apply_gradients([(np.ones(4, np.float32), w)])
+    return 1.0
+
+results = [coord.schedule(step) for _ in range(12)]
+coord.join()
+assert [r.fetch() for r in results] == [1.0] * 12
+print("OK", flush=True)
+"""
+
+
+def test_the_parameter_servers_schedule_run_and_fetch_are_recorded(tmp_path):
+    path = tmp_path / "ps.json"
+    assert_mpi_ok(4, PS, timeout=120, expect_lines=1,
+                  env={"GPUSTRAT_TIMELINE": str(path), "GPUSTRAT_TIMELINE_WAIT": "10"})
+    data = load(path)
+    spans = check_trace(data)
+    assert data["otherData"]["ranks"] == [0]        # servers and workers do not record
+    names = {}
+    for e in spans:
+        names.setdefault(e["name"], set()).add(e["tid"])
+    assert names["ps schedule"] == {0} and names["ps fetch"] == {0}
+    assert names["ps join"] == {0}
+    assert names["ps run"] <= {200, 201} and names["ps run"]   # per worker: 2 workers
+    assert sum(e["name"] == "ps run" for e in spans) == 12
+    assert sum(e["name"] == "ps schedule" for e in spans) == 12
