@@ -10,6 +10,7 @@ import numpy as np
 from gpustrat.distribute import collective_ops, context, reduction
 from gpustrat.reduce_util import OPS_BY_KEY, ReduceOp
 from gpustrat import nest
+from gpustrat.devices import gpu_array_type
 from gpustrat.values import PerReplica, regroup, select_replica
 
 _merge = threading.local()
@@ -84,7 +85,19 @@ class ReplicaContext:
                     self._communicator.reduce_named, value, op, _KINDS[id(op)])
         op = ReduceOp.from_value(reduce_op)
         comm = self._strategy.communicator
-        sig = collective_ops.leaf_signature("all_reduce", _OP_NAMES[id(op)], value)
+        name = _OP_NAMES[id(op)]
+        device = self._strategy.local_devices[self._local_index]
+        if device.is_gpu:
+            flat = collective_ops.flat_layout(value, gpu_array_type(), device.index, name)
+        else:
+            flat = collective_ops.flat_layout(value, np.ndarray, None, name)
+        if flat is not None:
+            # A flat list of arrays (a model's gradients): its layout is the signature,
+            # compared whole, and the reduction is planned once per layout.
+            return self._exchange(
+                ("all_reduce", name, flat),
+                value, lambda vals: collective_ops.all_reduce_flat(comm, vals, op, flat))
+        sig = collective_ops.leaf_signature("all_reduce", name, value)
         reduction.check_leaves(sig, value, op, "all_reduce", self._replica_id)
         return self._exchange(
             sig, value, lambda vals: collective_ops.all_reduce_structures(comm, vals, op))
