@@ -502,6 +502,9 @@ class NcclCommunicator(Communicator):
             except Exception:  # an abort must reach every communicator
                 pass
 
+    def number_group(self):
+        return self._control
+
     def agree_layout(self, shape, dtype, what, hint=""):
         agree_layout_over(self._control, shape, dtype, what, hint)
 

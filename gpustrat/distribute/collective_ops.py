@@ -241,15 +241,37 @@ def all_reduce_structures(comm: Communicator, values: Sequence[Any], op: ReduceO
         return comm.all_reduce(values, op)  # one host array: nothing to flatten
     check_same_structures("all_reduce", values)
     flats = [nest.flatten(v) for v in values]
-    tensors = [[as_array(flats[i][j], comm.devices[i]) for i in range(len(values))]
-               for j in range(len(flats[0]))]
-    # Many leaves (a model's gradients) go in fusion buckets: one collective per bucket.
+    n = len(flats[0])
+    reduced: list = [None] * n
+    # On GPUs a Python number the host holds is reduced on the host: sent up to the
+    # devices, through NCCL and read back, it would make the host wait for the GPUs.
+    numbers = [j for j in range(n) if _host_number(flats[0][j])] \
+        if comm.devices[0].is_gpu else ()
     with same_structure_everywhere(comm, f"all_reduce({op.name})", values[0]):
-        reduced = fused_all_reduce(comm, tensors, op) if len(tensors) > 1 else \
-            [comm.all_reduce(tensors[0], op)]
+        for j in numbers:
+            column = [flat[j] for flat in flats]
+            if all(map(_host_number, column)):
+                reduced[j] = [comm.reduce_numbers(column, op)] * len(values)
+        rest = [j for j in range(n) if reduced[j] is None]
+        tensors = [[as_array(flats[i][j], comm.devices[i]) for i in range(len(values))]
+                   for j in rest]
+        # Many leaves (a model's gradients) go in fusion buckets: one collective per
+        # bucket.
+        if len(tensors) > 1:
+            out = fused_all_reduce(comm, tensors, op)
+        else:
+            out = [comm.all_reduce(t, op) for t in tensors]
+    for j, r in zip(rest, out):
+        reduced[j] = r
     return [nest.pack_sequence_as(values[i], [_restore_scalar(flats[i][j], reduced[j][i])
-                                              for j in range(len(tensors))])
+                                              for j in range(n)])
             for i in range(len(values))]
+
+
+def _host_number(x) -> bool:
+    """A Python int or float (not a bool: NumPy adds booleans as a logical or)."""
+    t = type(x)
+    return t is float or t is int
 
 
 def all_gather_structures(comm: Communicator, values: Sequence[Any], axis: int) -> list:

@@ -169,3 +169,74 @@ def test_cpu_replicas_take_the_same_plan():
                 np.testing.assert_array_equal(out[j].values[i], e)
     for j, e in enumerate(_expected(3, 0)):
         np.testing.assert_array_equal(kept[j].values[2], e)
+
+
+# --- a Python number, reduced on the host -----------------------------------------------
+
+@pytest.mark.parametrize("op, expected", [("sum", 1.5 + 2.5 + 3.5 + 4.5), ("mean", 3.0),
+                                          ("max", 4.5), ("min", 1.5)])
+def test_a_python_number_is_reduced_on_the_host_with_no_device_work(op, expected):
+    with testing.sanitize(num_devices=4) as san:
+        strategy = gs.MirroredStrategy([f"gpu:{i}" for i in range(4)])
+
+        def step():
+            ctx = gs.distribute.get_replica_context()
+            return ctx.all_reduce(op, 1.5 + ctx.replica_id_in_sync_group)
+
+        strategy.run(step)
+        with san.measure() as c:
+            out = strategy.run(step)
+        assert [type(v) for v in out.values] == [float] * 4
+        assert out.values == (expected,) * 4
+        assert c["host_syncs"] == 0 and c["nccl_calls"] == 0 and c["copies"] == 0
+    assert not san.reports
+
+
+def test_python_ints_and_a_structure_mixing_numbers_and_arrays():
+    with testing.sanitize(num_devices=2) as san:
+        cp = devices.cupy()
+        strategy = gs.MirroredStrategy(["gpu:0", "gpu:1"])
+
+        def step():
+            ctx = gs.distribute.get_replica_context()
+            i = ctx.replica_id_in_sync_group
+            out = ctx.all_reduce("sum", {"n": 3 + i, "x": cp.full((2,), float(i), np.float32),
+                                         "mean_of_ints": 7})
+            return out["n"], devices.to_host(out["x"]), out["mean_of_ints"]
+
+        with san.measure() as c:
+            n, x, m = strategy.run(step)
+        assert n.values == (7, 7) and type(n.values[0]) is int
+        np.testing.assert_array_equal(x.values[1], [1.0, 1.0])
+        assert m.values == (14, 14)
+        assert c["nccl_calls"] == 2          # the array's reduction only (one per GPU)
+
+        def mean():
+            return gs.distribute.get_replica_context().all_reduce("mean", 3)
+        assert strategy.run(mean).values == (3.0, 3.0)
+    assert not san.reports
+
+
+def test_numbers_between_workers_combine_every_workers_part_in_rank_order():
+    from gpustrat.collectives.base import Communicator, LocalWorkerGroup
+    from gpustrat.reduce_util import ReduceOp
+
+    class Parts(LocalWorkerGroup):      # what allgather gives on a 3-worker job
+        size = 3
+
+        def allgather(self, obj):
+            return [obj, obj * 10, obj * 100]
+
+    class ThreeWorkers(Communicator):
+        devices = [devices.Device("gpu", 0), devices.Device("gpu", 1)]
+        num_workers, worker_index = 3, 0
+        all_reduce = all_gather = broadcast = reduce_scatter = agree_layout = None
+
+        def number_group(self):
+            return Parts()
+
+    comm = ThreeWorkers()
+    assert comm.reduce_numbers([1, 2], ReduceOp.SUM) == 333
+    assert comm.reduce_numbers([1.0, 2.0], ReduceOp.MEAN) == pytest.approx(333 / 6)
+    assert comm.reduce_numbers([1, 2], ReduceOp.MAX) == 200
+    assert comm.reduce_numbers([1.5, 2.5], ReduceOp.MIN) == 1.5
