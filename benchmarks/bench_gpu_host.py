@@ -17,7 +17,10 @@ tensor:
 - SGD with momentum (Keras's rule): ``v *= m; v -= lr * g; p += v`` per tensor;
   Adam: ``m += (g - m) * (1 - b1); v += (g * g - v) * (1 - b2);
   p -= lr_t * m / (sqrt(v) + eps)`` per tensor, ``lr_t`` computed on the host;
-- ``strategy.reduce`` of a 0-d loss: one NCCL ``reduce`` per device to gpu:0, grouped.
+- ``strategy.reduce`` of a 0-d loss: one NCCL ``reduce`` per device to gpu:0, grouped;
+- beside ``gradient_buffers``: flat arenas (one parameter, momentum and gradient
+  buffer per device, the gradients written into views of it, one NCCL call and three
+  update launches per device).
 
 The one-process-per-GPU row is a model, labelled so: a replica's own launches, timed
 alone on one GPU (its host time per process when each GPU has its own process, the
@@ -179,6 +182,71 @@ def make_hand_step(cp, nccl, n_dev, shapes, optimizer: str | None):
     return step
 
 
+def make_hand_flat_step(cp, nccl, n_dev, shapes):
+    """SGD with momentum on flat arenas: per device one parameter, one momentum and one
+    gradient buffer; the gradients are written into views of the gradient buffer (one
+    ``g[...] = value`` per tensor), reduced by one NCCL call per device, and the update
+    is three launches per device (the hand-written equivalent of ``gradient_buffers``)."""
+    comms = nccl.NcclCommunicator.initAll(list(range(n_dev))) if n_dev > 1 else None
+    sizes = [int(np.prod(s)) for s in shapes]
+    total = sum(sizes)
+    arenas = []
+    for i in range(n_dev):
+        with cp.cuda.Device(i):
+            flat_g = cp.zeros((total,), F32)
+            views, off = [], 0
+            for s, n in zip(shapes, sizes):
+                views.append(flat_g[off:off + n].reshape(s))
+                off += n
+            arenas.append((cp.zeros((total,), F32), cp.zeros((total,), F32), flat_g, views))
+
+    def step():
+        for i in range(n_dev):
+            with cp.cuda.Device(i):
+                for g in arenas[i][3]:
+                    g[...] = 1e-3
+        if comms is not None:
+            nccl.groupStart()
+            try:
+                for i, comm in enumerate(comms):
+                    with cp.cuda.Device(i):
+                        g = arenas[i][2]
+                        comm.allReduce(g.data.ptr, g.data.ptr, g.size, nccl.NCCL_FLOAT32,
+                                       nccl.NCCL_SUM, cp.cuda.get_current_stream().ptr)
+            finally:
+                nccl.groupEnd()
+        for i in range(n_dev):
+            with cp.cuda.Device(i):
+                p, v, g, _ = arenas[i]
+                v *= MOMENTUM
+                v -= LR * g
+                p += v
+    return step
+
+
+def calibrate(cp, nccl, n: int = 2000) -> dict:
+    """The stand-in's own host cost of the operations every step is made of (us)."""
+    a = cp.zeros((256, 256), F32)
+    b = cp.zeros((256, 256), F32)
+    comm = nccl.NcclCommunicator.initAll([0])[0]
+    ops = {"a * 0.5 (a launch and a new array)": lambda: a * 0.5,
+           "a -= b (a launch in place)": lambda: a.__isub__(b),
+           "a[1:] (a CuPy view)": lambda: a[1:],
+           "with cp.cuda.Device(1)": lambda: cp.cuda.Device(1).__enter__().__exit__(),
+           "nccl allReduce call": lambda: comm.allReduce(a.data.ptr, a.data.ptr, a.size,
+                                                         nccl.NCCL_FLOAT32, nccl.NCCL_SUM, 0)}
+    out = {}
+    for name, fn in ops.items():
+        samples = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            samples.append((time.perf_counter() - t0) / n)
+        out[name] = _median_us(samples)
+    return out
+
+
 def make_hand_reduce(cp, nccl, n_dev):
     comms = nccl.NcclCommunicator.initAll(list(range(n_dev))) if n_dev > 1 else None
     losses = []
@@ -277,12 +345,13 @@ def measure(quick: bool = False) -> dict:
     import gpustrat as gs
     from gpustrat import devices, testing
 
-    steps = {"resnet": 3 if quick else 8, "small": 10 if quick else 60}
+    steps = {"resnet": 3 if quick else 12, "small": 10 if quick else 100}
     rounds = 2 if quick else 4
     resnet = resnet50_shapes()
     rows = []
     with testing.stand_in(num_devices=4) as gpus:
         cp, nccl = devices.cupy(), devices.nccl_library()
+        calibration = calibrate(cp, nccl, 500 if quick else 2000)
         cases = []
         for opt in ("sgd", "adam"):
             label = "SGD momentum" if opt == "sgd" else "Adam"
@@ -290,9 +359,10 @@ def measure(quick: bool = False) -> dict:
                           make_gpustrat_apply(gs, cp, 4, resnet, opt),
                           make_hand_step(cp, nccl, 4, resnet, opt),
                           1.5 if opt == "sgd" else None, None))
-        cases.append(("apply_gradients (SGD momentum, gradient_buffers), ResNet-50, 4 GPUs",
-                      "resnet", make_gpustrat_apply(gs, cp, 4, resnet, "sgd", buffers=True),
-                      make_hand_step(cp, nccl, 4, resnet, "sgd"), None, None))
+        cases.append(("apply_gradients (SGD momentum, gradient_buffers), ResNet-50, 4 GPUs "
+                      "[hand: flat arenas]", "resnet",
+                      make_gpustrat_apply(gs, cp, 4, resnet, "sgd", buffers=True),
+                      make_hand_flat_step(cp, nccl, 4, resnet), None, None))
         for n in (1, 4):
             cases.append((f"apply_gradients (SGD momentum), small MLP (8 tensors), {n} GPU"
                           f"{'s' if n > 1 else ''}", "small",
@@ -340,7 +410,7 @@ def measure(quick: bool = False) -> dict:
         t = _alternate({"one": one, "four": four}, steps["small"], rounds)
         gil = {"launches_per_replica": launches, "one_gpu_us": _median_us(t["one"]),
                "four_in_process_us": _median_us(t["four"])}
-    return {"rows": rows, "gil": gil}
+    return {"rows": rows, "gil": gil, "calibration": calibration}
 
 
 def _fmt(x):
@@ -351,6 +421,8 @@ def report(result: dict) -> list:
     rows, gil = result["rows"], result["gil"]
     print(f"load average: {' '.join(open('/proc/loadavg').read().split()[:3])} "
           f"({os.cpu_count()} cores)")
+    print("the stand-in's own cost (us): " + "; ".join(
+        f"{k} {v:.2f}" for k, v in result["calibration"].items()))
     print("host us per steady step (median), gpustrat public API vs hand-written CuPy+NCCL, "
           "same stand-ins, same run")
     print(f"{'case':<78} {'gpustrat':>9} {'hand':>8} {'ratio':>6} {'syncs':>5}")

@@ -165,7 +165,7 @@ def check_the_pool_hands_a_freed_block_out_again_and_live_blocks_never_overlap()
         assert gpus.counts()["allocations"] == 8
 
 
-def check_nccl_and_numba_calls_are_counted():
+def check_nccl_numba_and_cupy_kernel_calls_are_counted():
     from gpustrat.kernels import pack
     with testing.stand_in(num_devices=2) as gpus:
         cp = devices.cupy()
@@ -190,6 +190,15 @@ def check_nccl_and_numba_calls_are_counted():
             flat = pack.pack(parts)
         assert c["kernel_launches"] >= 1 and c["host_syncs"] == 0, c
         assert flat.shape == (11,) and flat.device.id == 1
+        # CuPy's own user kernels: launches counted, outputs shaped, no compilation.
+        with gpus.measure() as c, cp.cuda.Device(1):
+            cp.RawKernel("extern \"C\" __global__ void f(float* x) {}", "f")(
+                (1,), (32,), (parts[0],))
+            cp.RawModule(code="...").get_function("g")((1,), (32,), (parts[0], 5))
+            add = cp.ElementwiseKernel("float32 x, float32 y", "float64 z", "z = x + y", "add")
+            z = add(parts[1], parts[1])
+        assert (c["kernel_launches"], c["host_syncs"]) == (3, 0)
+        assert z.shape == (3, 2) and z.dtype == np.float64 and z.device.id == 1
 
 
 def check_a_steady_mirrored_training_step_runs_and_is_counted():
