@@ -55,7 +55,7 @@ from gpustrat.collectives.base import (Communicator, LocalWorkerGroup, WorkerGro
                                        agree_layout_over)
 from gpustrat.collectives.host import check_same_layout
 from gpustrat.devices import (Device, cupy, gpu_count, is_gpu_array, join_streams_into_current,
-                              nccl_library, new_stream, to_device)
+                              mark, nccl_library, new_stream, release_events, to_device)
 from gpustrat.errors import CollectiveTimeout
 from gpustrat.reduce_util import ReduceOp
 
@@ -333,18 +333,17 @@ class NcclCommunicator(Communicator):
         ``keep``, the buffers) to the watchdog. No host wait."""
         cp = cupy()
         nccl = self._nccl
-        for i, d in enumerate(self.devices):
-            with cp.cuda.Device(d.index):
-                self._streams[i].wait_event(cp.cuda.get_current_stream().record())
         nccl.groupStart()
         try:
             for i, (comm, d) in enumerate(zip(self._comms, self.devices)):
                 with cp.cuda.Device(d.index):
-                    issue(i, comm, self._streams[i].ptr)
+                    stream = self._streams[i]
+                    stream.wait_event(mark(cp.cuda.get_current_stream(), d.index))
+                    issue(i, comm, stream.ptr)
         finally:
             nccl.groupEnd()
         events = join_streams_into_current(self.devices, self._streams,
-                                           into_current_device=False)
+                                           into_current_device=False, keep=True)
         if self._watchdog is None:
             self._watchdog = _Watchdog(self)
         self._watchdog.watch(events, what, keep)
@@ -502,6 +501,9 @@ class NcclCommunicator(Communicator):
             except Exception:  # an abort must reach every communicator
                 pass
 
+    def number_group(self):
+        return self._control
+
     def agree_layout(self, shape, dtype, what, hint=""):
         agree_layout_over(self._control, shape, dtype, what, hint)
 
@@ -532,6 +534,7 @@ class _Watchdog:
         self._queue: queue.Queue = queue.Queue()
         self._timeout = comm.timeout
         self._comms = list(comm._comms)
+        self._device_ids = [d.index for d in comm.devices]
         self._abort_method = weakref.WeakMethod(comm.abort)
         self._thread = threading.Thread(target=self._loop, name="gpustrat-nccl-watchdog",
                                         daemon=True)
@@ -575,4 +578,6 @@ class _Watchdog:
                          check=self._check, started=issued)
             except BaseException as e:  # raised by the communicator's next call
                 self.failure = e
+            else:
+                release_events(events, self._device_ids)
             del item, events, keep, what   # the buffers may be reused from here on

@@ -39,14 +39,13 @@ from __future__ import annotations
 
 import _thread
 import contextlib
-import functools
 import threading
 import time
 import weakref
 from typing import Any, Callable, Sequence
 
 from gpustrat import timeline as _tl
-from gpustrat.devices import (Device, current_stream, join_streams_into_current, new_stream,
+from gpustrat.devices import (Device, cupy, join_streams_into_current, new_stream,
                               wait_for_current)
 from gpustrat.errors import CollectiveMismatch, CollectiveTimeout
 
@@ -101,9 +100,10 @@ class Rendezvous:
                  combine: Callable[[list], list]) -> Any:
         if self.returned is not None:
             raise self._unmatched(index, signature)
-        if self.n == 1 and self.streams is None:
+        if self.n == 1:
             # One replica: nobody to meet or wake, and no signatures to compare; the
-            # lock still orders collectives from threads the function started.
+            # lock still orders collectives from threads the function started. Its
+            # stream is already current (this is its own thread, under its context).
             with self._cond:
                 if self._broken is not None:
                     raise ReplicaAborted("another replica failed") from self._broken
@@ -287,25 +287,65 @@ class _ReplicaThread(threading.Thread):
         return step
 
 
+_NO_CONTEXT = contextlib.nullcontext()
+
+
 def _replica_context(device: Device, stream):
     """Make a replica's device and stream current (nothing for CPUs)."""
     if not device.is_gpu:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(device.activate())
-    stack.enter_context(stream)
-    return stack
+        return _NO_CONTEXT
+    return _DeviceAndStream(cupy().cuda.Device(device.index), stream)
 
 
-@contextlib.contextmanager
-def _replica_streams(devices, streams):
-    # CuPy's current stream is per thread and per device: the combining thread makes
-    # each replica's stream its current stream of that replica's device.
-    with contextlib.ExitStack() as stack:
-        for d, s in zip(devices, streams):
-            if s is not None:
-                stack.enter_context(current_stream(d, s))
-        yield
+class _DeviceAndStream:
+    """``with device: with stream:`` as one context manager (no ExitStack)."""
+
+    __slots__ = ("device", "stream")
+
+    def __init__(self, device, stream):
+        self.device, self.stream = device, stream
+
+    def __enter__(self):
+        self.device.__enter__()
+        try:
+            self.stream.__enter__()
+        except BaseException:
+            self.device.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.stream.__exit__(*exc)
+        finally:
+            self.device.__exit__(*exc)
+
+
+class _replica_streams:
+    """CuPy's current stream is per thread and per device: the combining thread makes
+    each replica's stream its current stream of that replica's device (entered and
+    left in loops: no context manager per device)."""
+
+    __slots__ = ("pairs",)
+
+    def __init__(self, devices, streams):
+        self.pairs = [(d.index, s) for d, s in zip(devices, streams) if s is not None]
+
+    def __call__(self):
+        return self
+
+    def __enter__(self):
+        cuda = cupy().cuda
+        for index, s in self.pairs:
+            with cuda.Device(index):
+                s.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        cuda = cupy().cuda
+        for index, s in self.pairs:
+            with cuda.Device(index):
+                s.__exit__(None, None, None)
 
 
 class ReplicaRunner:
@@ -319,8 +359,7 @@ class ReplicaRunner:
         self._streams = [new_stream(d) for d in self.devices]
         if any(s is not None for s in self._streams):
             # Not a bound method: the threads reach the rendezvous, not the runner.
-            self.rendezvous.streams = functools.partial(_replica_streams, self.devices,
-                                                        self._streams)
+            self.rendezvous.streams = _replica_streams(self.devices, self._streams)
         self._threads = [_ReplicaThread(self.rendezvous, i, d, st) for i, (d, st)
                          in enumerate(zip(self.devices, self._streams))][1:]
         self._call_lock = threading.Lock()

@@ -7,6 +7,19 @@ sanitizer's fakes (see :mod:`gpustrat.testing.sanitizer`) inside a ``with`` bloc
         strategy = gs.MirroredStrategy(["gpu:0", "gpu:1"])
         ...
     # san.reports: the races found; san.counts(): host syncs, launches, ...
+
+:func:`stand_in` swaps them for counting stand-ins over real CuPy arrays (see
+:mod:`gpustrat.testing.standin`): nothing runs on a device and no value is computed,
+so a test or a benchmark measures what a GPU path costs the host and counts what it
+asks of the GPU (host synchronizations, launches, NCCL calls, events, device
+entries, allocations)::
+
+    with gpustrat.testing.stand_in(num_devices=4) as gpus:
+        strategy = gs.MirroredStrategy(["gpu:0", "gpu:1", "gpu:2", "gpu:3"])
+        ...                                    # warm up: plans are built once
+        with gpus.measure() as c:
+            strategy.run(step, args=(batch,))
+        assert c["host_syncs"] == 0, c["sync_sites"]
 """
 
 from __future__ import annotations
@@ -16,7 +29,14 @@ import gc
 
 from gpustrat.testing.sanitizer import Report, Sanitizer, SanitizerError
 
-__all__ = ["Report", "Sanitizer", "SanitizerError", "sanitize"]
+__all__ = ["Report", "Sanitizer", "SanitizerError", "StandIn", "sanitize", "stand_in"]
+
+
+def __getattr__(name):
+    if name == "StandIn":
+        from gpustrat.testing.standin import StandIn  # noqa: PLC0415
+        return StandIn
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @contextlib.contextmanager
@@ -53,3 +73,30 @@ def sanitize(seed: int = 0, num_devices: int = 4, run_probability: float = 0.5,
         _launch.clear_table_cache()
     if check:
         san.check()
+
+
+@contextlib.contextmanager
+def stand_in(num_devices: int = 4, nccl: bool = True):
+    """Run the block on ``num_devices`` stand-in GPUs of a new
+    :class:`~gpustrat.testing.standin.StandIn` (yielded: ``counts()``, ``reset()``,
+    ``measure()``, ``sync_sites``).
+
+    Args:
+        nccl: offer ``cupy.cuda.nccl`` (False: the host-staged path is chosen).
+    Raises:
+        RuntimeError: the real CuPy package is not importable (the message says how to
+            install it without a GPU).
+    """
+    from gpustrat import devices  # noqa: PLC0415
+    from gpustrat.kernels import _launch  # noqa: PLC0415
+    from gpustrat.testing.standin import StandIn, build  # noqa: PLC0415
+    model = StandIn(num_devices=num_devices)
+    cp, cupyx, nccl_module, numba_cuda = build(model)
+    backend = devices.Backend(cupy=cp, cupyx=cupyx, nccl=nccl_module if nccl else None,
+                              numba_cuda=numba_cuda)
+    _launch.clear_table_cache()
+    try:
+        with devices.use_backend(backend):
+            yield model
+    finally:
+        _launch.clear_table_cache()

@@ -52,7 +52,8 @@ _lock = threading.Lock()
 _env_read = False
 _attached: "weakref.WeakSet" = weakref.WeakSet()
 _COLLECTIVES = ("all_reduce", "all_reduce_inplace", "all_reduce_shared", "all_gather",
-                "broadcast", "reduce_scatter", "reduce", "gather", "reduce_named", "agree")
+                "broadcast", "reduce_scatter", "reduce", "gather", "reduce_named", "agree",
+                "reduce_numbers")
 
 
 # --- turning it on and off -------------------------------------------------------------
@@ -342,7 +343,7 @@ def _device_events(comm):
 #: The communicator methods that take a ReduceOp second, and the kind they record.
 _REDUCING = {"all_reduce": "all_reduce", "all_reduce_inplace": "all_reduce",
              "all_reduce_shared": "all_reduce", "reduce": "reduce",
-             "reduce_scatter": "reduce_scatter"}
+             "reduce_scatter": "reduce_scatter", "reduce_numbers": "reduce_numbers"}
 _kinds: dict = {}
 _dtypes: dict = {}
 
@@ -365,6 +366,8 @@ def _describe(name: str, args) -> tuple:
             kind = _kinds.get(key)
             if kind is None:
                 kind = _kinds[key] = f"{base}({getattr(op, 'name', op)})"
+    if name == "reduce_numbers":  # Python numbers, one per local replica
+        return kind, type(arrays[0]).__name__ if arrays else "", 8 * len(arrays)
     nbytes = 0
     dtype = ""
     for a in arrays:

@@ -113,6 +113,13 @@ def _(cp, nccl, cuda):
     cp.cuda.Stream.null.synchronize()
 
 
+@entry("cupy.cuda.Event")
+def _(cp, nccl, cuda):
+    # devices.mark and kept_event: timing-free events, recorded again and again.
+    ev = cp.cuda.Event(disable_timing=True)
+    cp.cuda.Stream.null.record(ev)
+
+
 @entry("cupy.cuda.Event.done")
 def _(cp, nccl, cuda):
     return fake_event(cp).done
