@@ -377,7 +377,8 @@ class Optimizer:
             # One leaf per replica: the merge hands over the replicas' lists as they are
             # (a PerReplica of them), without walking a hundred gradients.
             replica_ctx.merge_call(_tl.merged("apply_gradients", self._apply_merged)
-                                   if _tl.ON else self._apply_merged, args=(_StepArgs(grads, variables),
+                                   if _tl.ON else self._apply_merged,
+                                   args=(_StepArgs(grads, variables),
                                          not skip_gradients_aggregation))
         else:
             self._apply_merged(strategy, _StepArgs(grads, variables), False)
