@@ -375,7 +375,7 @@ def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout, aren
             reduced = buffers
         yield bucket, runs, reduced
     if t0:
-        _tl.span("fused reduction", t0, {"buckets": len(layout.buckets)})
+        _tl.span("fused reduction", t0, (("buckets", len(layout.buckets)),))
 
 
 def copy_into(dst, src) -> None:

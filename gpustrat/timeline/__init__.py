@@ -168,14 +168,18 @@ def _tid() -> int:
 # --- recording -------------------------------------------------------------------------
 
 def emit(name: str, cat: str, t0: int, t1: int, args=None, tid=None) -> None:
-    """One span from ``t0`` to ``t1`` (``now()`` values) on this thread's track."""
+    """One span from ``t0`` to ``t1`` (``now()`` values) on this thread's track.
+
+    ``args``: None, or ``((key, value), ...)`` with strings and numbers (tuples of
+    those are left alone by the garbage collector; dicts would be scanned as long as
+    they wait in the queue); a collective's are its own tuple (see :mod:`.trace`)."""
     rec = _rec
     if rec is not None:
         rec.events.append((name, cat, _tid() if tid is None else tid, t0, t1, args))
 
 
 def span(name: str, t0: int, args=None, cat: str = "gpustrat") -> None:
-    """A span from ``t0`` to now, on this thread's track."""
+    """A span from ``t0`` to now, on this thread's track (``args`` as :func:`emit`'s)."""
     emit(name, cat, t0, now(), args)
 
 
@@ -249,7 +253,7 @@ def replica_fn(fn):
         try:
             return fn(*args, **kwargs)
         finally:
-            emit("run", "step", t0, now(), {"step": step, "replica": index}, index)
+            emit("run", "step", t0, now(), (("step", step), ("replica", index)), index)
             if pushed:
                 _nvtx_pop()
             _local.tid = previous
@@ -259,21 +263,20 @@ def replica_fn(fn):
 def replica_wait(t0: int, signature) -> None:
     """A replica waited from ``t0`` for the worker's other replicas in a collective."""
     kind = signature[0] if type(signature) is tuple and signature else "collective"
-    emit("wait for replicas", "wait", t0, now(), {"kind": str(kind)})
+    emit("wait for replicas", "wait", t0, now(), (("kind", str(kind)),))
 
 
 def peer_wait(t0: int, what) -> None:
     """This thread waited from ``t0`` until every worker had arrived at a collective
     (the MPI header exchange)."""
     t1 = now()
-    coll = getattr(_local, "coll", None)
-    if coll is not None:
-        coll[0] += t1 - t0
+    if getattr(_local, "coll", False):
+        _local.wait += t1 - t0
         emit("wait for peers", "wait", t0, t1)
     else:
         kind = what[0] if type(what) is tuple else what if type(what) is str else \
             "agreement"
-        emit("wait for peers", "wait", t0, t1, {"kind": kind})
+        emit("wait for peers", "wait", t0, t1, (("kind", kind),))
 
 
 # --- collectives: a strategy's communicator, timed while recording ------------------------
@@ -316,9 +319,10 @@ def _timed_collective(ref, name, fn):
     def collective(*args, **kwargs):
         nonlocal gpu
         comm = ref()
-        if getattr(_local, "coll", None) is not None or not ON:
+        if getattr(_local, "coll", False) or not ON:
             return fn(comm, *args, **kwargs)  # inside another collective of the same call
-        coll = _local.coll = [0]
+        _local.coll = True
+        _local.wait = 0
         pushed = _nvtx_push(name) if _rec.nvtx else False
         if gpu is None:
             gpu = bool(comm.devices) and comm.devices[0].is_gpu
@@ -328,8 +332,8 @@ def _timed_collective(ref, name, fn):
             return fn(comm, *args, **kwargs)
         finally:
             t1 = now()
-            _local.coll = None
-            _record_collective(comm, name, args, t0, t1, coll[0], starts)
+            _local.coll = False
+            _record_collective(comm, name, args, t0, t1, _local.wait, starts)
             if pushed:
                 _nvtx_pop()
     return collective
@@ -420,7 +424,7 @@ def _resolve_device_times(rec, wait: bool) -> None:
             begin = max(t0, rec.device_end.get(tid, 0))
             end = begin + int(ms * 1e6)
             rec.device_end[tid] = end
-            rec.events.append((kind, "device", tid, begin, end, {"device_ms": ms}))
+            rec.events.append((kind, "device", tid, begin, end, (("device_ms", ms),)))
 
 
 # --- the parameter server's functions, as the coordinator sees them -------------------------
@@ -447,4 +451,4 @@ def ps_answered(worker: int, closure) -> None:
     t0 = max(t0, rec.device_end.get(tid, 0))
     t1 = now()
     rec.device_end[tid] = t1
-    emit("ps run", "ps", t0, t1, {"function": getattr(closure, "name", "")}, tid)
+    emit("ps run", "ps", t0, t1, (("function", getattr(closure, "name", "")),), tid)

@@ -3,7 +3,9 @@ the merged Chrome trace at ``PATH``.
 
 A rank's file is a stream of chunks, each a 4-byte little-endian length and a
 ``marshal`` dump of a list of event tuples ``(name, category, track, start ns, end
-ns, args)`` (a category of None marks metadata). Writing a chunk costs tens of
+ns, args)`` (a category of None marks metadata; ``args`` is None, a dict, ``((key,
+value), ...)``, or for a collective ``(kind, dtype, bytes, replicas, workers, seq, ns
+waiting for peers)``). Writing a chunk costs tens of
 nanoseconds per event (formatting JSON costs microseconds, on the training threads'
 CPU), and a file cut off by a crash still reads up to its last whole chunk. Its first
 chunk is its header (``gpustrat_origin``: rank, ranks, host, and the wall-clock time
@@ -161,11 +163,13 @@ def _chrome(rank: int, event: tuple, base: int, shift_us: float) -> dict:
         return {"name": name, "ph": "M", "pid": rank, "tid": tid, "args": args}
     e = {"name": name, "cat": cat, "ph": "X", "pid": rank, "tid": tid,
          "ts": round((t0 - base) / 1000 + shift_us, 3), "dur": round((t1 - t0) / 1000, 3)}
-    if type(args) is tuple:  # a collective: (kind, dtype, bytes, replicas, workers, seq, wait)
+    if cat == "collective":  # (kind, dtype, bytes, replicas, workers, seq, wait ns)
         kind, dtype, nbytes, replicas, workers, seq, wait = args
         args = {"kind": kind, "dtype": dtype, "bytes": nbytes, "replicas": replicas,
                 "workers": workers, "seq": seq, "wait_us": round(wait / 1000, 3),
                 "move_us": round((t1 - t0 - wait) / 1000, 3)}
+    elif type(args) is tuple:  # ((key, value), ...)
+        args = dict(args)
     if args:
         e["args"] = args
     return e
