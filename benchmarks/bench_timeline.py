@@ -9,7 +9,8 @@ beside); off, the hooks a step passes (one test of a module flag each) at most 0
 of the demo's step.
 
     python benchmarks/bench_timeline.py [--quick] [--json FILE]
-    mpiexec -n 2 python benchmarks/bench_timeline.py --quick
+
+Started by ``mpiexec -n W`` it measures the same over W workers (one replica each).
 """
 
 from __future__ import annotations

@@ -75,7 +75,9 @@ def start(path) -> None:
         if not os.path.isdir(folder):
             raise ValueError(f"timeline path {path!r}: folder {folder!r} does not exist; "
                              "create it or choose another path")
+        wait = _wait_from_env()
         _rec = _trace.Writer(path)
+        _rec.wait = wait
         if not _exit_hook:
             atexit.register(_at_exit)
             _exit_hook = True
@@ -84,10 +86,22 @@ def start(path) -> None:
         ON = True
 
 
+def _wait_from_env() -> float:
+    text = os.environ.get("GPUSTRAT_TIMELINE_WAIT", "10")
+    try:
+        wait = float(text)
+    except ValueError:
+        wait = -1.0
+    if not wait >= 0:
+        raise ValueError(f"GPUSTRAT_TIMELINE_WAIT={text!r}: give the seconds rank 0 waits "
+                         "for the other ranks' timeline files (a number >= 0, default 10)")
+    return wait
+
+
 def stop(merge: bool = True):
     """Stop recording; write this rank's last events, and on rank 0 (``merge``) the
     merged trace, once every rank's file is complete (waiting at most
-    ``GPUSTRAT_TIMELINE_WAIT`` seconds, default 30, for ranks still writing).
+    ``GPUSTRAT_TIMELINE_WAIT`` seconds, default 10, for ranks still writing).
 
     Returns:
         The merged trace's path on rank 0 (None elsewhere, or when nothing was on).
@@ -104,8 +118,7 @@ def stop(merge: bool = True):
     _resolve_device_times(rec, wait=True)
     rec.close()
     if merge and rec.rank == 0:
-        wait = float(os.environ.get("GPUSTRAT_TIMELINE_WAIT", "30"))
-        _trace.merge(rec.path, size=rec.size, wait=wait)
+        _trace.merge(rec.path, size=rec.size, wait=rec.wait)
         return rec.path
     return None
 

@@ -124,13 +124,17 @@ def test_the_same_results_with_the_timeline_on(tmp_path):
     assert on == off
 
 
-def test_misuse_is_refused_with_what_to_do(tmp_path):
+def test_misuse_is_refused_with_what_to_do(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="does not exist; create it"):
         timeline.start(tmp_path / "missing" / "t.json")
     with gs.timeline.record(tmp_path / "a.json"):
         with pytest.raises(RuntimeError, match="already being recorded to .*a.json"):
             timeline.start(tmp_path / "b.json")
     assert timeline.stop() is None                  # nothing on: nothing to do
+    monkeypatch.setenv("GPUSTRAT_TIMELINE_WAIT", "soon")
+    with pytest.raises(ValueError, match="GPUSTRAT_TIMELINE_WAIT='soon': give the seconds"):
+        timeline.start(tmp_path / "c.json")
+    assert not timeline.ON and not (tmp_path / "c.json.rank0.events").exists()
 
 
 def test_checkpoint_saves_record_the_blocking_and_the_background_parts(tmp_path):
