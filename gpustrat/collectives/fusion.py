@@ -35,7 +35,6 @@ from typing import Sequence
 
 import numpy as np
 
-from gpustrat import timeline as _tl
 from gpustrat.collectives.base import Communicator
 from gpustrat.devices import array_module, device_of, is_gpu_array, to_host
 from gpustrat.reduce_util import ReduceOp
@@ -336,7 +335,6 @@ def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout, aren
             tensors, layout = check_layout(comm, tensors, bucket_bytes)
     n_local = comm.num_local
     pool: dict = {}
-    t0 = _tl.now() if _tl.ON else 0
     for k, (bucket, lo, hi, start, total, dtype, arena_total, runs) in \
             enumerate(layout.buckets):
         if arenas is not None:
@@ -374,8 +372,6 @@ def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout, aren
                     copy_into(b, r)
             reduced = buffers
         yield bucket, runs, reduced
-    if t0:
-        _tl.span("fused reduction", t0, (("buckets", len(layout.buckets)),))
 
 
 def copy_into(dst, src) -> None:

@@ -130,7 +130,8 @@ def record(path):
 
     Every rank must enter and leave the block (rank 0 merges every rank's events at
     its end). Inside, each ``strategy.run`` (per replica), collective, input
-    ``get_next``, placement copy, ``apply_gradients`` and its fused reduction,
+    ``get_next``, placement copy, ``apply_gradients`` (its fused reduction: the
+    collectives inside it, one per fusion bucket),
     checkpoint save and parameter-server ``schedule``/``fetch`` is recorded.
     """
     start(path)
@@ -188,7 +189,11 @@ def emit(name: str, cat: str, t0: int, t1: int, args=None, tid=None) -> None:
     they wait in the queue); a collective's are its own tuple (see :mod:`.trace`)."""
     rec = _rec
     if rec is not None:
-        rec.events.append((name, cat, _tid() if tid is None else tid, t0, t1, args))
+        if tid is None:
+            tid = getattr(_local, "tid", None)
+            if tid is None:
+                tid = _tid()
+        rec.events.append((name, cat, tid, t0, t1, args))
 
 
 def span(name: str, t0: int, args=None, cat: str = "gpustrat") -> None:
@@ -212,12 +217,17 @@ def _nvtx_pop() -> None:
 def timed(name: str, fn, *args, **kwargs):
     """``fn(*args, **kwargs)``, recorded as a span named ``name`` (and an NVTX range
     on GPUs)."""
-    pushed = _nvtx_push(name)
+    rec = _rec
+    if rec is None:
+        return fn(*args, **kwargs)
+    pushed = rec.nvtx and _nvtx_push(name)
     t0 = now()
     try:
         return fn(*args, **kwargs)
     finally:
-        emit(name, "gpustrat", t0, now())
+        t1 = now()
+        tid = getattr(_local, "tid", None)
+        rec.events.append((name, "gpustrat", _tid() if tid is None else tid, t0, t1, None))
         if pushed:
             _nvtx_pop()
 
@@ -253,20 +263,24 @@ def replica_fn(fn):
     if _context is None:
         from gpustrat.distribute import context as _context  # noqa: PLC0415
     rec = _rec
-    step = rec.next_step() if rec is not None else 0
+    if rec is None:
+        return fn
+    step = rec.next_step()
     current = _context.current
+    events = rec.events
 
     def run(*args, **kwargs):
         ctx = current()[1]
         index = ctx.local_index if ctx is not None else 0
         previous = getattr(_local, "tid", None)
         _local.tid = index
-        pushed = _nvtx_push("run")
+        pushed = rec.nvtx and _nvtx_push("run")
         t0 = now()
         try:
             return fn(*args, **kwargs)
         finally:
-            emit("run", "step", t0, now(), (("step", step), ("replica", index)), index)
+            events.append(("run", "step", index, t0, now(),
+                           (("step", step), ("replica", index))))
             if pushed:
                 _nvtx_pop()
             _local.tid = previous
@@ -283,8 +297,9 @@ def peer_wait(t0: int, what) -> None:
     """This thread waited from ``t0`` until every worker had arrived at a collective
     (the MPI header exchange)."""
     t1 = now()
-    if getattr(_local, "coll", False):
-        _local.wait += t1 - t0
+    waited = getattr(_local, "coll", None)
+    if waited is not None:  # inside a timed collective: its wait
+        _local.coll = waited + (t1 - t0)
         emit("wait for peers", "wait", t0, t1)
     else:
         kind = what[0] if type(what) is tuple else what if type(what) is str else \
@@ -327,26 +342,27 @@ def _unwrap(comm) -> None:
 
 
 def _timed_collective(ref, name, fn):
-    gpu = None
+    known = None  # (on a GPU, replicas in sync, workers): fixed for a communicator
 
     def collective(*args, **kwargs):
-        nonlocal gpu
+        nonlocal known
         comm = ref()
-        if getattr(_local, "coll", False) or not ON:
+        if not ON or getattr(_local, "coll", None) is not None:
             return fn(comm, *args, **kwargs)  # inside another collective of the same call
-        _local.coll = True
-        _local.wait = 0
-        pushed = _nvtx_push(name) if _rec.nvtx else False
-        if gpu is None:
-            gpu = bool(comm.devices) and comm.devices[0].is_gpu
-        starts = _device_events(comm) if gpu else None
+        _local.coll = 0  # ns waited for peers so far (peer_wait adds to it)
+        rec = _rec
+        pushed = rec.nvtx and _nvtx_push(name)
+        if known is None:
+            known = (bool(comm.devices) and comm.devices[0].is_gpu, comm.num_replicas,
+                     comm.num_workers)
+        starts = _device_events(comm) if known[0] else None
         t0 = now()
         try:
             return fn(comm, *args, **kwargs)
         finally:
             t1 = now()
-            _local.coll = False
-            _record_collective(comm, name, args, t0, t1, _local.wait, starts)
+            waited, _local.coll = _local.coll, None
+            _record_collective(rec, comm, name, args, t0, t1, waited, starts, known)
             if pushed:
                 _nvtx_pop()
     return collective
@@ -374,39 +390,38 @@ def _describe(name: str, args) -> tuple:
     elif name == "agree":
         return "agree", "", 0
     else:
-        arrays = first if type(first) in (list, tuple) else ()
+        t = type(first)
+        arrays = first if t is list or t is tuple else ()
         kind = name
         base = _REDUCING.get(name)
         if base is not None and len(args) > 1:
             op = args[1]
-            key = (base, id(op) if not isinstance(op, str) else op)
+            key = (base, op if type(op) is str else id(op))
             kind = _kinds.get(key)
             if kind is None:
                 kind = _kinds[key] = f"{base}({getattr(op, 'name', op)})"
+    if not arrays:
+        return kind, "", 0
+    a = arrays[0]
     if name == "reduce_numbers":  # Python numbers, one per local replica
-        return kind, type(arrays[0]).__name__ if arrays else "", 8 * len(arrays)
-    nbytes = 0
-    dtype = ""
-    for a in arrays:
-        nb = getattr(a, "nbytes", None)
-        if nb is not None:
-            nbytes += nb
-    if arrays:
-        dt = getattr(arrays[0], "dtype", None)
-        dtype = _dtypes.get(dt)
-        if dtype is None:
-            dtype = _dtypes[dt] = str(dt) if dt is not None else ""
-    return kind, dtype, int(nbytes)
+        return kind, type(a).__name__, 8 * len(arrays)
+    dt = getattr(a, "dtype", None)
+    dtype = _dtypes.get(dt)
+    if dtype is None:
+        dtype = _dtypes[dt] = "" if dt is None else str(dt)
+    if name != "all_gather" and name != "gather":
+        # The local buffers of a reduction or broadcast share one layout.
+        return kind, dtype, int(getattr(a, "nbytes", 0)) * len(arrays)
+    return kind, dtype, int(sum(getattr(x, "nbytes", 0) for x in arrays))
 
 
-def _record_collective(comm, name, args, t0, t1, wait, starts) -> None:
-    rec = _rec
-    if rec is None:
-        return
+def _record_collective(rec, comm, name, args, t0, t1, wait, starts, known) -> None:
     kind, dtype, nbytes = _describe(name, args)
-    # Formatted by the writer (trace._collective_json), off this thread.
-    emit(kind, "collective", t0, t1, (kind, dtype, nbytes, comm.num_replicas,
-                                      comm.num_workers, rec.next_collective(), wait))
+    rec.collectives += 1
+    tid = getattr(_local, "tid", None)
+    # Turned into the trace's arguments when merged (trace._chrome).
+    rec.events.append((kind, "collective", _tid() if tid is None else tid, t0, t1,
+                       (kind, dtype, nbytes, known[1], known[2], rec.collectives, wait)))
     if starts is not None:
         from gpustrat import devices  # noqa: PLC0415
         ends = devices.timing_events(comm.devices)

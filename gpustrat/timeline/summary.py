@@ -157,7 +157,7 @@ def format_summary(s: dict) -> str:
 # --- the picture --------------------------------------------------------------------------
 
 _COLOURS = {"run": "#9ecae1", "get_next": "#fd8d3c", "place": "#fdae6b",
-            "apply_gradients": "#9e9ac8", "fused reduction": "#bcbddc",
+            "apply_gradients": "#9e9ac8",
             "wait for peers": "#de2d26", "wait for replicas": "#fc9272"}
 
 

@@ -59,7 +59,8 @@ class Writer:
         self.named: set = {0}
         self.nvtx = False
         self._steps = 0
-        self._collectives = 0
+        #: Collectives recorded so far (each one's ``seq``).
+        self.collectives = 0
         self.base = time.perf_counter_ns()
         origin = time.time_ns()
         self._file = open(self.file_path, "wb")  # noqa: SIM115
@@ -78,10 +79,6 @@ class Writer:
     def next_step(self) -> int:
         self._steps += 1
         return self._steps
-
-    def next_collective(self) -> int:
-        self._collectives += 1
-        return self._collectives
 
     def thread_name(self, tid: int, name: str) -> None:
         self.named.add(tid)
@@ -112,7 +109,7 @@ class Writer:
         self.flush()
         with self._write_lock:
             self._write([("gpustrat_end", None, 0, 0, 0,
-                          {"steps": self._steps, "collectives": self._collectives})])
+                          {"steps": self._steps, "collectives": self.collectives})])
             self._file.close()
             self._file = None
 

@@ -89,15 +89,17 @@ def test_a_training_loop_gives_a_chrome_trace_whose_spans_nest(tmp_path, devices
         assert e["args"]["move_us"] == pytest.approx(e["dur"], abs=0.01)
     applied = [e for e in spans if e["name"] == "apply_gradients"]
     assert len(applied) == 6
-    fused = [e for e in spans if e["name"] == "fused reduction"]
+    # The fused reduction: one all_reduce of both gradients (one bucket) inside each
+    # apply_gradients, on its track.
+    fused = [e for e in colls if any(
+        a["tid"] == e["tid"] and a["ts"] <= e["ts"] and
+        e["ts"] + e["dur"] <= a["ts"] + a["dur"] + 0.002 for a in applied)]
     if n == 1:
         assert not fused                            # nothing to sum over
     else:
-        assert len(fused) == 6 and "all_reduce(SUM)" in kinds
-        # Each fused reduction lies inside an apply_gradients, on the same track.
-        for f in fused:
-            assert any(a["tid"] == f["tid"] and a["ts"] <= f["ts"] and
-                       f["ts"] + f["dur"] <= a["ts"] + a["dur"] + 0.002 for a in applied)
+        assert len(fused) == 6
+        assert all(e["args"]["kind"] == "all_reduce(SUM)" and e["args"]["bytes"] == 2 * 4 * 8
+                   for e in fused), fused          # (3 + 1) float64 per replica
         assert [e for e in spans if e["name"] == "wait for replicas"]
     files = trace.rank_files(str(path))
     assert list(files) == [0]                       # this rank's own file stays beside
