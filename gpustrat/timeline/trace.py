@@ -20,12 +20,10 @@ The files are read with ``marshal``: read only timeline files your own jobs wrot
 from __future__ import annotations
 
 import collections
-import glob
 import json
 import marshal
 import os
 import re
-import socket
 import struct
 import threading
 import time
@@ -62,6 +60,7 @@ class Writer:
         #: Collectives recorded so far (each one's ``seq``).
         self.collectives = 0
         self.base = time.perf_counter_ns()
+        import socket  # noqa: PLC0415 - only once recording starts
         origin = time.time_ns()
         self._file = open(self.file_path, "wb")  # noqa: SIM115
         self._file.write(MAGIC)
@@ -145,6 +144,7 @@ def read_rank_file(path: str) -> tuple[dict, list, bool]:
 
 def rank_files(path: str) -> dict:
     """``{rank: file}`` of the per-rank files of ``path``."""
+    import glob  # noqa: PLC0415
     found = {}
     for f in glob.glob(glob.escape(path) + ".rank*.events"):
         m = re.fullmatch(re.escape(path) + r"\.rank(\d+)\.events", f)
