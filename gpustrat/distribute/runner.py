@@ -331,16 +331,16 @@ class _replica_streams:
         return self
 
     def __enter__(self):
-        cuda = cupy().cuda
+        cp = cupy()
         for index, s in self.pairs:
-            with cuda.Device(index):
+            with cp.cuda.Device(index):
                 s.__enter__()
         return self
 
     def __exit__(self, *exc):
-        cuda = cupy().cuda
+        cp = cupy()
         for index, s in self.pairs:
-            with cuda.Device(index):
+            with cp.cuda.Device(index):
                 s.__exit__(None, None, None)
 
 
