@@ -107,3 +107,22 @@ def test_strategy_reduce_over_gpus_makes_one_result_on_the_first(op):
         np.testing.assert_array_equal(devices.to_host(vector),
                                       [combine([2.0, 3.0, 4.0, 5.0])] * 3)
     assert not san.reports
+
+
+def test_iterations_count_on_the_gpus_without_an_upload_per_step():
+    with testing.sanitize(num_devices=2) as san:
+        cp = devices.cupy()
+        strategy = gs.MirroredStrategy(["gpu:0", "gpu:1"])
+        step, variables = _training(strategy, cp)
+        strategy.run(step)
+        with strategy.scope():
+            counter = gs.Variable(np.zeros((), np.int64))
+        with san.measure() as c:
+            for _ in range(3):
+                counter.assign_add(np.ones((), np.int64))
+        assert c["copies"] == 0 and c["launches"] == 3 * 2
+        with san.measure() as c:
+            strategy.run(step)
+        assert c["copies"] == 0
+        assert [int(c.numpy()) for c in counter.values] == [3, 3]
+    assert not san.reports
