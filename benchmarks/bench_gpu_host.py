@@ -5,7 +5,9 @@ Every case runs through gpustrat's public API under ``gpustrat.testing.stand_in`
 streams, events, NCCL and Numba: see docs/benchmarks.md), beside a hand-written
 CuPy+NCCL step doing the same work under the same stand-ins in the same run. Times are
 host microseconds per steady step (the median over the steps; fresh gradients every
-step), their ratio gpustrat / hand-written, and the stand-in's counts per step.
+step): the CPU time of the process (every thread's: what the step costs the host,
+steady on a loaded machine, where wall-clock time is not; both are printed), their
+ratio gpustrat / hand-written (of CPU times), and the stand-in's counts per step.
 
 The hand-written steps are what a competent CuPy user writes without a framework, per
 tensor:
@@ -80,24 +82,54 @@ def resnet50_shapes() -> list[tuple]:
 MLP_SHAPES = [(784, 512), (512,), (512, 512), (512,), (512, 256), (256,), (256, 10), (10,)]
 
 
+# --- the cases and their targets ----------------------------------------------------------
+
+APPLY_RESNET = {"sgd": "apply_gradients (SGD momentum), ResNet-50 layout, 4 GPUs",
+                "adam": "apply_gradients (Adam), ResNet-50 layout, 4 GPUs"}
+APPLY_BUFFERS = ("apply_gradients (SGD momentum, gradient_buffers), ResNet-50, 4 GPUs "
+                 "[hand: flat arenas]")
+APPLY_MLP = {n: f"apply_gradients (SGD momentum), small MLP (8 tensors), {n} GPU"
+                f"{'s' if n > 1 else ''}" for n in (1, 4)}
+ALL_REDUCE_4 = "replica-context all_reduce('sum', 161 grads) in run, ResNet-50, 4 GPUs"
+REDUCE_4 = "strategy.reduce('sum', loss), 4 GPUs"
+REDUCE_1 = "strategy.reduce('sum', loss), 1 GPU (nothing to combine)"
+ALL_REDUCE_1 = "all_reduce of 161 tensors, 1 GPU (nothing to combine; the call alone)"
+#: case -> ("x", most gpustrat / hand-written) or ("us", most host us per step)
+TARGETS = {APPLY_RESNET["sgd"]: ("x", 1.5), APPLY_MLP[1]: ("x", 1.5), APPLY_MLP[4]: ("x", 1.5),
+           ALL_REDUCE_4: ("x", 2.0), REDUCE_4: ("x", 2.0), REDUCE_1: ("us", 20.0),
+           ALL_REDUCE_1: ("us", 100.0)}
+#: The cases with nothing to do by hand, measured against an absolute target.
+ABSOLUTE = (REDUCE_1, ALL_REDUCE_1)
+SYNCS_TARGET = "host synchronizations in any steady step above"
+
+
+def _target_name(case: str, unit: str) -> str:
+    return f"{case}: gpustrat / hand-written" if unit == "x" else f"{case}: host us"
+
+
 # --- timing ------------------------------------------------------------------------------
 
 def _median_us(samples) -> float:
     return statistics.median(samples) * 1e6
 
 
-def _alternate(fns: dict, steps: int, rounds: int) -> dict:
-    """Per-step seconds of each ``fns[name]()``, the functions taking turns in
-    ``rounds`` blocks of ``steps`` (so a change of load hits them alike)."""
-    out = {k: [] for k in fns}
+def _alternate(fns: dict, steps: int, rounds: int, batch: int = 1) -> dict:
+    """Per-step seconds of each ``fns[name]()``, wall-clock (``"wall"``) and the CPU
+    time of the process (``"cpu"``, every thread's), the functions taking turns in
+    ``rounds`` blocks of ``steps`` samples (so a change of load hits them alike). A
+    sample times ``batch`` steps in a row (the clocks cost about a microsecond)."""
+    out = {k: {"wall": [], "cpu": []} for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
             gc.collect()
-            samples = out[k]
+            wall, cpu = out[k]["wall"], out[k]["cpu"]
             for _ in range(steps):
+                c0 = time.process_time()
                 t0 = time.perf_counter()
-                fn()
-                samples.append(time.perf_counter() - t0)
+                for _ in range(batch):
+                    fn()
+                wall.append((time.perf_counter() - t0) / batch)
+                cpu.append((time.process_time() - c0) / batch)
     return out
 
 
@@ -112,16 +144,6 @@ def _per_step_counts(gpus, fn, steps: int = 3) -> dict:
 
 
 # --- the cases ---------------------------------------------------------------------------
-
-class Case:
-    """One case: ``gpustrat()`` and ``hand()`` each run one steady step."""
-
-    def __init__(self, name, gpustrat_fn, hand_fn, target_ratio=None, target_abs_us=None,
-                 time_inner=None):
-        self.name, self.gpustrat, self.hand = name, gpustrat_fn, hand_fn
-        self.target_ratio, self.target_abs_us = target_ratio, target_abs_us
-        self.time_inner = time_inner     # a list the gpustrat step appends its own time to
-
 
 def _hand_setup(cp, nccl, n_dev, shapes):
     comms = nccl.NcclCommunicator.initAll(list(range(n_dev))) if n_dev > 1 else None
@@ -297,7 +319,9 @@ def make_gpustrat_apply(gs, cp, n_dev, shapes, optimizer: str, buffers: bool = F
     return step
 
 
-def make_gpustrat_all_reduce(gs, cp, n_dev, shapes, inner: list | None = None):
+def make_gpustrat_all_reduce(gs, cp, n_dev, shapes, inner: dict | None = None):
+    """``inner``: where the replica records the call's own seconds (wall, and its
+    thread's CPU time)."""
     strategy = make_strategy(gs, n_dev)
 
     def replica_step():
@@ -305,9 +329,11 @@ def make_gpustrat_all_reduce(gs, cp, n_dev, shapes, inner: list | None = None):
         ctx = gs.distribute.get_replica_context()
         if inner is None:
             return ctx.all_reduce("sum", grads)
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         out = ctx.all_reduce("sum", grads)
-        inner.append(time.perf_counter() - t0)
+        inner["wall"].append(time.perf_counter() - t0)
+        inner["cpu"].append(time.thread_time() - c0)
         return out
 
     def step():
@@ -345,60 +371,61 @@ def measure(quick: bool = False) -> dict:
     import gpustrat as gs
     from gpustrat import devices, testing
 
-    steps = {"resnet": 3 if quick else 12, "small": 10 if quick else 100}
+    steps = {"resnet": 3 if quick else 12, "small": 5 if quick else 30}
     rounds = 2 if quick else 4
     resnet = resnet50_shapes()
     rows = []
     with testing.stand_in(num_devices=4) as gpus:
         cp, nccl = devices.cupy(), devices.nccl_library()
         calibration = calibrate(cp, nccl, 500 if quick else 2000)
-        cases = []
-        for opt in ("sgd", "adam"):
-            label = "SGD momentum" if opt == "sgd" else "Adam"
-            cases.append((f"apply_gradients ({label}), ResNet-50 layout, 4 GPUs", "resnet",
-                          make_gpustrat_apply(gs, cp, 4, resnet, opt),
-                          make_hand_step(cp, nccl, 4, resnet, opt),
-                          1.5 if opt == "sgd" else None, None))
-        cases.append(("apply_gradients (SGD momentum, gradient_buffers), ResNet-50, 4 GPUs "
-                      "[hand: flat arenas]", "resnet",
-                      make_gpustrat_apply(gs, cp, 4, resnet, "sgd", buffers=True),
-                      make_hand_flat_step(cp, nccl, 4, resnet), None, None))
-        for n in (1, 4):
-            cases.append((f"apply_gradients (SGD momentum), small MLP (8 tensors), {n} GPU"
-                          f"{'s' if n > 1 else ''}", "small",
-                          make_gpustrat_apply(gs, cp, n, MLP_SHAPES, "sgd"),
-                          make_hand_step(cp, nccl, n, MLP_SHAPES, "sgd"), 1.5, None))
-        cases.append(("replica-context all_reduce('sum', 161 grads) in run, ResNet-50, 4 GPUs",
-                      "resnet", make_gpustrat_all_reduce(gs, cp, 4, resnet),
-                      make_hand_step(cp, nccl, 4, resnet, None), 2.0, None))
-        cases.append(("strategy.reduce('sum', loss), 4 GPUs", "small",
-                      make_gpustrat_reduce(gs, cp, 4), make_hand_reduce(cp, nccl, 4),
-                      2.0, None))
-        cases.append(("strategy.reduce('sum', loss), 1 GPU (nothing to combine)", "small",
-                      make_gpustrat_reduce(gs, cp, 1), make_hand_reduce(cp, nccl, 1),
-                      None, 20.0))
-        inner: list = []
-        cases.append(("all_reduce of 161 tensors, 1 GPU (nothing to combine; the call alone)",
-                      "resnet", make_gpustrat_all_reduce(gs, cp, 1, resnet, inner),
-                      make_hand_step(cp, nccl, 1, resnet, None), None, 100.0, inner))
+        inner = {"wall": [], "cpu": []}
+        # Each case is built when it is measured and dropped after, so that the
+        # garbage collector's passes do not grow with the cases measured before.
+        cases = [(APPLY_RESNET[opt], "resnet",
+                  lambda opt=opt: (make_gpustrat_apply(gs, cp, 4, resnet, opt),
+                                   make_hand_step(cp, nccl, 4, resnet, opt)))
+                 for opt in ("sgd", "adam")]
+        cases.append((APPLY_BUFFERS, "resnet",
+                      lambda: (make_gpustrat_apply(gs, cp, 4, resnet, "sgd", buffers=True),
+                               make_hand_flat_step(cp, nccl, 4, resnet))))
+        cases += [(APPLY_MLP[n], "small",
+                   lambda n=n: (make_gpustrat_apply(gs, cp, n, MLP_SHAPES, "sgd"),
+                                make_hand_step(cp, nccl, n, MLP_SHAPES, "sgd")))
+                  for n in (1, 4)]
+        cases.append((ALL_REDUCE_4, "resnet",
+                      lambda: (make_gpustrat_all_reduce(gs, cp, 4, resnet),
+                               make_hand_step(cp, nccl, 4, resnet, None))))
+        cases.append((REDUCE_4, "small", lambda: (make_gpustrat_reduce(gs, cp, 4),
+                                                  make_hand_reduce(cp, nccl, 4))))
+        cases.append((REDUCE_1, "small", lambda: (make_gpustrat_reduce(gs, cp, 1),
+                                                  make_hand_reduce(cp, nccl, 1))))
+        cases.append((ALL_REDUCE_1, "resnet",
+                      lambda: (make_gpustrat_all_reduce(gs, cp, 1, resnet, inner),
+                               lambda: None)))     # by hand: no call at all
 
-        for name, size, g_fn, h_fn, ratio, absolute, *rest in cases:
+        for name, size, make in cases:
             targets.progress(name)
+            g_fn, h_fn = make()
             for _ in range(2):              # warm up: plans, caches, pools
                 g_fn()
                 h_fn()
             g_counts = _per_step_counts(gpus, g_fn)
             h_counts = _per_step_counts(gpus, h_fn)
-            if rest:
-                rest[0].clear()
-            t = _alternate({"gpustrat": g_fn, "hand": h_fn}, steps[size], rounds)
-            g_us = _median_us(rest[0] if rest else t["gpustrat"])
-            h_us = _median_us(t["hand"])
+            for v in inner.values():
+                v.clear()
+            t = _alternate({"gpustrat": g_fn, "hand": h_fn}, steps[size], rounds,
+                           batch=1 if size == "resnet" else 10)
+            g_t = inner if name == ALL_REDUCE_1 else t["gpustrat"]
+            g_us, h_us = _median_us(g_t["cpu"]), _median_us(t["hand"]["cpu"])
             rows.append({"case": name, "gpustrat_us": g_us, "hand_us": h_us,
-                         "ratio": g_us / h_us if h_us else None,
-                         "target_ratio": ratio, "target_us": absolute,
+                         "ratio": g_us / h_us if h_us and name not in ABSOLUTE else None,
+                         "gpustrat_wall_us": _median_us(g_t["wall"]),
+                         "hand_wall_us": _median_us(t["hand"]["wall"]),
+                         "target": TARGETS.get(name),
                          "gpustrat_counts": g_counts, "hand_counts": h_counts,
-                         "steps": len(t["gpustrat"])})
+                         "steps": len(t["gpustrat"]["cpu"])})
+            del g_fn, h_fn
+            gc.collect()
 
         # One process per GPU vs in-process replicas (a model).
         launches = 200
@@ -408,9 +435,16 @@ def measure(quick: bool = False) -> dict:
             one()
             four()
         t = _alternate({"one": one, "four": four}, steps["small"], rounds)
-        gil = {"launches_per_replica": launches, "one_gpu_us": _median_us(t["one"]),
-               "four_in_process_us": _median_us(t["four"])}
+        gil = {"launches_per_replica": launches,
+               "one_gpu_us": _median_us(t["one"]["cpu"]),
+               "four_in_process_us": _median_us(t["four"]["cpu"]),
+               "one_gpu_wall_us": _median_us(t["one"]["wall"]),
+               "four_in_process_wall_us": _median_us(t["four"]["wall"])}
     return {"rows": rows, "gil": gil, "calibration": calibration}
+
+
+def _count(x) -> str:
+    return f"{x:.0f}" if x == int(x) else f"{x:.1f}"
 
 
 def _fmt(x):
@@ -423,39 +457,49 @@ def report(result: dict) -> list:
           f"({os.cpu_count()} cores)")
     print("the stand-in's own cost (us): " + "; ".join(
         f"{k} {v:.2f}" for k, v in result["calibration"].items()))
-    print("host us per steady step (median), gpustrat public API vs hand-written CuPy+NCCL, "
-          "same stand-ins, same run")
-    print(f"{'case':<78} {'gpustrat':>9} {'hand':>8} {'ratio':>6} {'syncs':>5}")
+    print("host us per steady step (median): CPU time of the process (every thread's), "
+          "and wall-clock; gpustrat public API vs hand-written CuPy+NCCL, same stand-ins, "
+          "same run; ratio of CPU times")
+    print(f"{'case':<86} {'gpustrat':>9} {'hand':>8} {'ratio':>6} {'wall: gpustrat':>15} "
+          f"{'hand':>8} {'syncs':>5}")
     verdicts = []
     for r in rows:
         syncs = r["gpustrat_counts"]["host_syncs"]
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1f}x"
-        print(f"{r['case']:<78} {_fmt(r['gpustrat_us']):>9} {_fmt(r['hand_us']):>8} "
-              f"{ratio:>6} {syncs:>5g}")
+        print(f"{r['case']:<86} {_fmt(r['gpustrat_us']):>9} {_fmt(r['hand_us']):>8} "
+              f"{ratio:>6} {_fmt(r['gpustrat_wall_us']):>15} {_fmt(r['hand_wall_us']):>8} "
+              f"{_count(syncs):>5}")
         if r["gpustrat_counts"]["sync_sites"]:
             print(f"    host syncs at: {'; '.join(r['gpustrat_counts']['sync_sites'])}")
     print("internal (stand-in counts per step: gpustrat / hand-written)")
-    print(f"{'case':<78} " + " ".join(f"{k[:13]:>13}" for k in INTERNAL))
+    print(f"{'case':<86} " + " ".join(f"{k[:13]:>13}" for k in INTERNAL))
     for r in rows:
-        cells = [f"{r['gpustrat_counts'][k]:g}/{r['hand_counts'][k]:g}" for k in INTERNAL]
-        print(f"{r['case']:<78} " + " ".join(f"{c:>13}" for c in cells))
-    print(f"one process per GPU vs in-process replicas (a model): {gil['launches_per_replica']} "
-          f"small launches per replica; 1 GPU (each process's host time when every GPU has "
-          f"its own process, on its own core): {_fmt(gil['one_gpu_us'])} us per step; 4 "
-          f"in-process replicas (launches serialized by the GIL): "
+        cells = [f"{_count(r['gpustrat_counts'][k])}/{_count(r['hand_counts'][k])}"
+                 for k in INTERNAL]
+        print(f"{r['case']:<86} " + " ".join(f"{c:>13}" for c in cells))
+    print(f"one process per GPU vs in-process replicas (a model): "
+          f"{gil['launches_per_replica']} small launches per replica in strategy.run. 1 GPU "
+          f"(the host time of each process when every GPU has its own process on its own "
+          f"core, the processes in parallel): {_fmt(gil['one_gpu_us'])} us per step; 4 "
+          f"in-process replicas, their launches serialized by the GIL: "
           f"{_fmt(gil['four_in_process_us'])} us per step "
-          f"({gil['four_in_process_us'] / gil['one_gpu_us']:.1f}x)")
+          f"({gil['four_in_process_us'] / gil['one_gpu_us']:.1f}x; wall-clock "
+          f"{_fmt(gil['one_gpu_wall_us'])} and {_fmt(gil['four_in_process_wall_us'])} us)")
     for r in rows:
-        if r["target_ratio"] is not None:
-            verdicts.append(targets.check(f"{r['case']}: gpustrat / hand-written", r["ratio"],
-                                          r["target_ratio"], "x", higher_is_better=False))
-        if r["target_us"] is not None:
-            verdicts.append(targets.check(r["case"], r["gpustrat_us"], r["target_us"], "us",
+        if r["target"] is None:
+            continue
+        unit, goal = r["target"]
+        if unit == "x":
+            verdicts.append(targets.check(_target_name(r["case"], unit), r["ratio"], goal, "x",
                                           higher_is_better=False))
+        else:
+            verdicts.append(targets.check(_target_name(r["case"], unit), r["gpustrat_us"], goal,
+                                          "us", higher_is_better=False))
     worst = max(rows, key=lambda r: r["gpustrat_counts"]["host_syncs"])
-    verdicts.append(targets.check(f"host synchronizations per steady step (most: {worst['case']})",
-                                  worst["gpustrat_counts"]["host_syncs"], 0, "",
+    verdicts.append(targets.check(SYNCS_TARGET, worst["gpustrat_counts"]["host_syncs"], 0, "",
                                   higher_is_better=False))
+    if worst["gpustrat_counts"]["host_syncs"]:
+        print(f"    most host synchronizations: {worst['case']}")
     return verdicts
 
 
@@ -470,7 +514,12 @@ def main(argv=None) -> dict:
         if "stand-in backend needs the real CuPy" not in str(e):
             raise
         print(f"not measured: {e}")
-        return {"suite": "gpu_host", "skipped": str(e), "verdicts": []}
+        reason = "the real CuPy package is missing (python tests/conformance/install_cupy.py)"
+        verdicts = [targets.not_measured(_target_name(case, unit), goal, reason, unit,
+                                         higher_is_better=False)
+                    for case, (unit, goal) in TARGETS.items()]
+        verdicts.append(targets.not_measured(SYNCS_TARGET, 0, reason, higher_is_better=False))
+        return {"suite": "gpu_host", "skipped": str(e), "verdicts": verdicts}
     verdicts = report(result)
     result.update({"suite": "gpu_host", "verdicts": verdicts,
                    "loadavg": open("/proc/loadavg").read().split()[:3]})
