@@ -24,12 +24,17 @@ tensor:
   buffer per device, the gradients written into views of it, one NCCL call and three
   update launches per device).
 
+What a launch costs the host on a GPU machine beyond the stand-in's own cost (CuPy's
+kernel dispatch, the driver's ``cuLaunchKernel``, Numba's dispatcher) is not in the
+figures unless ``--launch-us`` adds it to every launch and NCCL call, a model for
+seeing how much fewer launches are worth.
+
 The one-process-per-GPU row is a model, labelled so: a replica's own launches, timed
 alone on one GPU (its host time per process when each GPU has its own process, the
 processes running in parallel on their own cores), beside the same work on 4
 in-process replicas of ``strategy.run``, whose launches the GIL serializes.
 
-    python benchmarks/bench_gpu_host.py [--quick] [--json out.json]
+    python benchmarks/bench_gpu_host.py [--quick] [--json out.json] [--launch-us US]
     python -m gpustrat bench gpu_host
 
 Needs the real CuPy package (``python tests/conformance/install_cupy.py`` installs it
@@ -98,8 +103,10 @@ ALL_REDUCE_1 = "all_reduce of 161 tensors, 1 GPU (nothing to combine; the call a
 TARGETS = {APPLY_RESNET["sgd"]: ("x", 1.5), APPLY_MLP[1]: ("x", 1.5), APPLY_MLP[4]: ("x", 1.5),
            ALL_REDUCE_4: ("x", 2.0), REDUCE_4: ("x", 2.0), REDUCE_1: ("us", 20.0),
            ALL_REDUCE_1: ("us", 100.0)}
-#: The cases with nothing to do by hand, measured against an absolute target.
-ABSOLUTE = (REDUCE_1, ALL_REDUCE_1)
+DEMO = "the demo's train_step in run (MLP, 4 GPUs; all_reduce of a Python number)"
+#: The cases with nothing to do by hand, or no hand-written step beside them.
+ABSOLUTE = (REDUCE_1, ALL_REDUCE_1, DEMO)
+NO_HAND = (ALL_REDUCE_1, DEMO)
 SYNCS_TARGET = "host synchronizations in any steady step above"
 
 
@@ -350,6 +357,26 @@ def make_gpustrat_reduce(gs, cp, n_dev):
     return step
 
 
+def make_gpustrat_demo(gs, n_dev):
+    """The demo's training step (``python -m gpustrat demo``: an MLP trained with SGD,
+    the example count all-reduced as a Python number, a Mean metric), batches from a
+    distributed dataset."""
+    from gpustrat import demo
+    strategy = make_strategy(gs, n_dev)
+    x, y = demo.make_dataset(4096, demo.N_FEATURES, demo.DATA_SEED, np.float64)
+    init = demo.init_weights(demo.N_FEATURES, demo.HIDDEN, y.shape[1], demo.INIT_SEED,
+                             np.float64)
+    weights, optimizer, train_loss = demo.build_model(strategy, init, demo.LEARNING_RATE,
+                                                      np.float64)
+    dataset = gs.data.Dataset.from_tensor_slices((x, y)).repeat().batch(demo.GLOBAL_BATCH)
+    batches = iter(strategy.experimental_distribute_dataset(dataset))
+    train_step = demo.make_train_step(weights, optimizer, train_loss)
+
+    def step():
+        strategy.run(train_step, args=(next(batches),))
+    return step
+
+
 def make_small_launches(gs, cp, n_dev, launches: int):
     """The GIL row: each replica makes ``launches`` small CuPy launches."""
     strategy = make_strategy(gs, n_dev)
@@ -367,7 +394,7 @@ def make_small_launches(gs, cp, n_dev, launches: int):
 
 # --- running -----------------------------------------------------------------------------
 
-def measure(quick: bool = False) -> dict:
+def measure(quick: bool = False, launch_us: float = 0.0) -> dict:
     import gpustrat as gs
     from gpustrat import devices, testing
 
@@ -375,7 +402,7 @@ def measure(quick: bool = False) -> dict:
     rounds = 2 if quick else 4
     resnet = resnet50_shapes()
     rows = []
-    with testing.stand_in(num_devices=4) as gpus:
+    with testing.stand_in(num_devices=4, launch_us=launch_us) as gpus:
         cp, nccl = devices.cupy(), devices.nccl_library()
         calibration = calibrate(cp, nccl, 500 if quick else 2000)
         inner = {"wall": [], "cpu": []}
@@ -401,29 +428,32 @@ def measure(quick: bool = False) -> dict:
                                                   make_hand_reduce(cp, nccl, 1))))
         cases.append((ALL_REDUCE_1, "resnet",
                       lambda: (make_gpustrat_all_reduce(gs, cp, 1, resnet, inner),
-                               lambda: None)))     # by hand: no call at all
+                               None)))             # by hand: no call at all
+
+        cases.append((DEMO, "small", lambda: (make_gpustrat_demo(gs, 4), None)))
 
         for name, size, make in cases:
             targets.progress(name)
             g_fn, h_fn = make()
+            fns = {"gpustrat": g_fn} if h_fn is None else {"gpustrat": g_fn, "hand": h_fn}
             for _ in range(2):              # warm up: plans, caches, pools
-                g_fn()
-                h_fn()
-            g_counts = _per_step_counts(gpus, g_fn)
-            h_counts = _per_step_counts(gpus, h_fn)
+                for fn in fns.values():
+                    fn()
+            counts = {k: _per_step_counts(gpus, fn) for k, fn in fns.items()}
             for v in inner.values():
                 v.clear()
-            t = _alternate({"gpustrat": g_fn, "hand": h_fn}, steps[size], rounds,
-                           batch=1 if size == "resnet" else 10)
+            t = _alternate(fns, steps[size], rounds, batch=1 if size == "resnet" else 10)
             g_t = inner if name == ALL_REDUCE_1 else t["gpustrat"]
-            g_us, h_us = _median_us(g_t["cpu"]), _median_us(t["hand"]["cpu"])
+            g_us = _median_us(g_t["cpu"])
+            h_us = _median_us(t["hand"]["cpu"]) if "hand" in t else None
             rows.append({"case": name, "gpustrat_us": g_us, "hand_us": h_us,
                          "ratio": g_us / h_us if h_us and name not in ABSOLUTE else None,
                          "gpustrat_wall_us": _median_us(g_t["wall"]),
-                         "hand_wall_us": _median_us(t["hand"]["wall"]),
+                         "hand_wall_us": _median_us(t["hand"]["wall"]) if "hand" in t else None,
                          "target": TARGETS.get(name),
-                         "gpustrat_counts": g_counts, "hand_counts": h_counts,
-                         "steps": len(t["gpustrat"]["cpu"])})
+                         "gpustrat_counts": counts["gpustrat"],
+                         "hand_counts": counts.get("hand"),
+                         "steps": len(g_t["cpu"])})
             del g_fn, h_fn
             gc.collect()
 
@@ -440,7 +470,7 @@ def measure(quick: bool = False) -> dict:
                "four_in_process_us": _median_us(t["four"]["cpu"]),
                "one_gpu_wall_us": _median_us(t["one"]["wall"]),
                "four_in_process_wall_us": _median_us(t["four"]["wall"])}
-    return {"rows": rows, "gil": gil, "calibration": calibration}
+    return {"rows": rows, "gil": gil, "calibration": calibration, "launch_us": launch_us}
 
 
 def _count(x) -> str:
@@ -455,6 +485,8 @@ def report(result: dict) -> list:
     rows, gil = result["rows"], result["gil"]
     print(f"load average: {' '.join(open('/proc/loadavg').read().split()[:3])} "
           f"({os.cpu_count()} cores)")
+    print(f"modelled cost added to each launch and NCCL call: {result['launch_us']:g} us "
+          "(--launch-us)")
     print("the stand-in's own cost (us): " + "; ".join(
         f"{k} {v:.2f}" for k, v in result["calibration"].items()))
     print("host us per steady step (median): CPU time of the process (every thread's), "
@@ -471,10 +503,12 @@ def report(result: dict) -> list:
               f"{_count(syncs):>5}")
         if r["gpustrat_counts"]["sync_sites"]:
             print(f"    host syncs at: {'; '.join(r['gpustrat_counts']['sync_sites'])}")
-    print("internal (stand-in counts per step: gpustrat / hand-written)")
+    print("internal (stand-in counts per step: gpustrat / hand-written; launches include "
+          "kernel_launches, the launches of custom kernels)")
     print(f"{'case':<86} " + " ".join(f"{k[:13]:>13}" for k in INTERNAL))
     for r in rows:
-        cells = [f"{_count(r['gpustrat_counts'][k])}/{_count(r['hand_counts'][k])}"
+        hand = r["hand_counts"]
+        cells = [f"{_count(r['gpustrat_counts'][k])}/{'-' if hand is None else _count(hand[k])}"
                  for k in INTERNAL]
         print(f"{r['case']:<86} " + " ".join(f"{c:>13}" for c in cells))
     print(f"one process per GPU vs in-process replicas (a model): "
@@ -507,9 +541,12 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="few steps, for CI")
     ap.add_argument("--json", help="write results here")
+    ap.add_argument("--launch-us", type=float, default=0.0,
+                    help="host us each launch and NCCL call spends beyond the stand-in's own "
+                         "cost, a model of CuPy's dispatch and the driver's (default: 0)")
     args = ap.parse_args(argv)
     try:
-        result = measure(quick=args.quick)
+        result = measure(quick=args.quick, launch_us=args.launch_us)
     except RuntimeError as e:
         if "stand-in backend needs the real CuPy" not in str(e):
             raise

@@ -45,6 +45,7 @@ import importlib
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -138,12 +139,19 @@ class StandIn:
 
     Args:
         num_devices: GPUs the stand-in shows.
+        launch_us: host microseconds each launch (an array operation, a kernel, an NCCL
+            call) spends on top of the stand-in's own cost: a model of what CuPy's
+            kernel dispatch and the driver add on a GPU machine (0: nothing added).
     """
 
-    def __init__(self, num_devices: int = 4):
+    def __init__(self, num_devices: int = 4, launch_us: float = 0.0):
         if num_devices < 1:
             raise ValueError(f"num_devices must be at least 1, got {num_devices}")
+        if not launch_us >= 0:
+            raise ValueError(f"launch_us must be a number of microseconds >= 0, got "
+                             f"{launch_us!r}")
         self.num_devices = int(num_devices)
+        self.launch_s = float(launch_us) * 1e-6
         self._tls = threading.local()
         self._all_counters: list[dict] = []
         self._lock = threading.Lock()
@@ -167,6 +175,13 @@ class StandIn:
 
     def count(self, what: str, n: int = 1) -> None:
         self._c()[what] += n
+
+    def spin(self) -> None:
+        """Spend ``launch_us`` of the thread's CPU time (a launch's modelled cost; CPU
+        time, so that a thread descheduled meanwhile still spends all of it)."""
+        end = time.thread_time() + self.launch_s
+        while time.thread_time() < end:
+            pass
 
     def host_sync(self, what: str) -> None:
         self._c()["host_syncs"] += 1

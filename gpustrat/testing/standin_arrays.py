@@ -156,6 +156,8 @@ def make_ndarray(cp, real):
     class ndarray(base):
         """A real ``cupy.ndarray`` whose operations count a launch instead of running."""
 
+        __slots__ = ()      # as CuPy's: no attributes of its own, no weak references
+
         # --- the CUDA Array Interface (CuPy's asks the driver for the current stream)
         @property
         def __cuda_array_interface__(self):

@@ -92,6 +92,8 @@ class StandInCupy:
             self.model._tls.c["launches"] += n
         except AttributeError:
             self.model._c()["launches"] += n
+        if self.model.launch_s:
+            self.model.spin()
 
     def _elementwise(self, fn, name, operands, out=None, dtype=None):
         shape, rdtype = _elementwise_result(fn, name, operands, dtype)
@@ -122,6 +124,8 @@ class StandInCupy:
             self.model._tls.c["launches"] += 1
         except AttributeError:
             self.model._c()["launches"] += 1
+        if self.model.launch_s:
+            self.model.spin()
         if inplace:
             return a
         return self._new(hit[0], hit[1])
@@ -295,6 +299,8 @@ class _RawKernel:
         c = self.model._c()
         c["kernel_launches"] += 1
         c["launches"] += 1
+        if self.model.launch_s:
+            self.model.spin()
 
     def compile(self, log_stream=None):
         pass
@@ -337,6 +343,8 @@ class _ElementwiseKernel:
         c = self.cp.model._c()
         c["kernel_launches"] += 1
         c["launches"] += 1
+        if self.cp.model.launch_s:
+            self.cp.model.spin()
         if outs:
             return outs[0] if len(outs) == 1 else tuple(outs)
         arrays = [a for a in ins if hasattr(a, "shape")]

@@ -266,6 +266,25 @@ def check_without_cupy_the_error_says_how_to_install_it():
         raise AssertionError("the stand-in started without CuPy")
 
 
+def check_a_modelled_launch_cost_is_spent_per_launch():
+    import time
+    with testing.stand_in(num_devices=1, launch_us=200) as gpus:
+        cp = devices.cupy()
+        a = cp.zeros((4,), F32)
+        t0 = time.thread_time()
+        for _ in range(10):
+            a += 1
+        spent = time.thread_time() - t0
+        assert spent >= 10 * 200e-6, spent
+        assert gpus.counts()["launches"] == 10
+    try:
+        testing.stand_in(launch_us=-1).__enter__()
+    except ValueError as err:
+        assert "launch_us" in str(err)
+    else:
+        raise AssertionError("a negative launch cost was accepted")
+
+
 CHECKS = {name[len("check_"):]: fn for name, fn in dict(globals()).items()
           if name.startswith("check_")}
 
