@@ -254,7 +254,8 @@ def make_hand_flat_step(cp, nccl, n_dev, shapes):
 
 
 def calibrate(cp, nccl, n: int = 2000) -> dict:
-    """The stand-in's own host cost of the operations every step is made of (us)."""
+    """The stand-in's own host cost of the operations every step is made of (CPU us;
+    with ``--launch-us``, the modelled cost included)."""
     a = cp.zeros((256, 256), F32)
     b = cp.zeros((256, 256), F32)
     comm = nccl.NcclCommunicator.initAll([0])[0]
@@ -268,10 +269,10 @@ def calibrate(cp, nccl, n: int = 2000) -> dict:
     for name, fn in ops.items():
         samples = []
         for _ in range(5):
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             for _ in range(n):
                 fn()
-            samples.append((time.perf_counter() - t0) / n)
+            samples.append((time.process_time() - t0) / n)
         out[name] = _median_us(samples)
     return out
 
@@ -487,7 +488,7 @@ def report(result: dict) -> list:
           f"({os.cpu_count()} cores)")
     print(f"modelled cost added to each launch and NCCL call: {result['launch_us']:g} us "
           "(--launch-us)")
-    print("the stand-in's own cost (us): " + "; ".join(
+    print("the stand-in's cost (CPU us, the modelled cost included): " + "; ".join(
         f"{k} {v:.2f}" for k, v in result["calibration"].items()))
     print("host us per steady step (median): CPU time of the process (every thread's), "
           "and wall-clock; gpustrat public API vs hand-written CuPy+NCCL, same stand-ins, "
