@@ -46,6 +46,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -160,7 +161,7 @@ class StandIn:
         self._free: dict = {}
         self._top = {d: (d + 1) << ADDRESS_SHIFT for d in range(self.num_devices)}
         self._next_stream = 0x5000
-        self._pinned: list[np.ndarray] = []
+        self._pinned = weakref.WeakValueDictionary()   # id -> pinned array (not kept alive)
         self.cupy = None          # set by stand_in()
 
     # --- counting
@@ -259,14 +260,14 @@ class StandIn:
     def pinned(self, shape, dtype) -> np.ndarray:
         self._c()["pinned_allocations"] += 1
         a = np.zeros(shape, dtype)
-        self._pinned.append(a)
+        self._pinned[id(a)] = a
         return a
 
     def is_pinned(self, a: np.ndarray) -> bool:
         base = a
         while isinstance(base.base, np.ndarray):
             base = base.base
-        return any(base is p for p in self._pinned)
+        return self._pinned.get(id(base)) is base
 
 
 # --- the backend ------------------------------------------------------------------------

@@ -267,7 +267,7 @@ def make_ndarray(cp, real):
 
         def take(self, indices, axis=None):
             cp._launch()
-            ishape = tuple(getattr(indices, "shape", np.shape(indices)))
+            ishape = tuple(indices.shape) if hasattr(indices, "shape") else np.shape(indices)
             if axis is None:
                 shape = ishape
             else:

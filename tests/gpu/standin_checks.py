@@ -62,6 +62,16 @@ def check_arrays_are_real_cupy_arrays_and_operations_count_launches():
             a += b                                 # in place: no allocation
             a *= 2
         assert a.data.ptr == before and c["launches"] == 2 and c["allocations"] == 0
+        with gpus.measure() as c:
+            idx = cp.zeros((2,), np.int64)
+            shapes = [x.shape for x in (cp.concatenate([a, a], axis=1), cp.stack([a, a], axis=1),
+                                        a.take(idx, axis=1), a[idx], a.T.ravel(),
+                                        cp.broadcast_to(b, (2, 3, 4)), cp.moveaxis(a, 0, 1))]
+        assert shapes == [(3, 8), (3, 2, 4), (3, 2), (2, 4), (12,), (2, 3, 4), (4, 3)], shapes
+        assert c["host_syncs"] == 0
+        with gpus.measure() as c:
+            a[a > 0]                               # the result's size is on the device
+        assert c["host_syncs"] == 1
         try:
             a += cp.zeros((5,), F32)
         except ValueError as err:
