@@ -35,6 +35,7 @@ processes running in parallel on their own cores), beside the same work on 4
 in-process replicas of ``strategy.run``, whose launches the GIL serializes.
 
     python benchmarks/bench_gpu_host.py [--quick] [--json out.json] [--launch-us US]
+                                        [--profile TEXT]
     python -m gpustrat bench gpu_host
 
 Needs the real CuPy package (``python tests/conformance/install_cupy.py`` installs it
@@ -395,7 +396,23 @@ def make_small_launches(gs, cp, n_dev, launches: int):
 
 # --- running -----------------------------------------------------------------------------
 
-def measure(quick: bool = False, launch_us: float = 0.0) -> dict:
+def _profile(name: str, fn, steps: int = 5, top: int = 25) -> None:
+    """Print where ``fn``'s host time goes (cProfile, by own time) over ``steps`` steps."""
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        fn()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    print(f"profile of {name} ({steps} steps):")
+    print(out.getvalue())
+
+
+def measure(quick: bool = False, launch_us: float = 0.0, profile: str | None = None) -> dict:
     import gpustrat as gs
     from gpustrat import devices, testing
 
@@ -441,6 +458,8 @@ def measure(quick: bool = False, launch_us: float = 0.0) -> dict:
                 for fn in fns.values():
                     fn()
             counts = {k: _per_step_counts(gpus, fn) for k, fn in fns.items()}
+            if profile and profile.lower() in name.lower():
+                _profile(name, g_fn)
             for v in inner.values():
                 v.clear()
             t = _alternate(fns, steps[size], rounds, batch=1 if size == "resnet" else 10)
@@ -545,9 +564,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--launch-us", type=float, default=0.0,
                     help="host us each launch and NCCL call spends beyond the stand-in's own "
                          "cost, a model of CuPy's dispatch and the driver's (default: 0)")
+    ap.add_argument("--profile", metavar="TEXT",
+                    help="print a profile of gpustrat's step in every case whose name holds "
+                         "TEXT, e.g. 'all_reduce' (default: none)")
     args = ap.parse_args(argv)
     try:
-        result = measure(quick=args.quick, launch_us=args.launch_us)
+        result = measure(quick=args.quick, launch_us=args.launch_us, profile=args.profile)
     except RuntimeError as e:
         if "stand-in backend needs the real CuPy" not in str(e):
             raise
