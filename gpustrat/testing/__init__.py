@@ -28,15 +28,9 @@ import contextlib
 import gc
 
 from gpustrat.testing.sanitizer import Report, Sanitizer, SanitizerError
+from gpustrat.testing.standin import StandIn
 
 __all__ = ["Report", "Sanitizer", "SanitizerError", "StandIn", "sanitize", "stand_in"]
-
-
-def __getattr__(name):
-    if name == "StandIn":
-        from gpustrat.testing.standin import StandIn  # noqa: PLC0415
-        return StandIn
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @contextlib.contextmanager
@@ -91,7 +85,7 @@ def stand_in(num_devices: int = 4, nccl: bool = True, launch_us: float = 0.0):
     """
     from gpustrat import devices  # noqa: PLC0415
     from gpustrat.kernels import _launch  # noqa: PLC0415
-    from gpustrat.testing.standin import StandIn, build  # noqa: PLC0415
+    from gpustrat.testing.standin import build  # noqa: PLC0415
     model = StandIn(num_devices=num_devices, launch_us=launch_us)
     cp, cupyx, nccl_module, numba_cuda = build(model)
     backend = devices.Backend(cupy=cp, cupyx=cupyx, nccl=nccl_module if nccl else None,
