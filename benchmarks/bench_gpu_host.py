@@ -26,8 +26,9 @@ tensor:
 
 What a launch costs the host on a GPU machine beyond the stand-in's own cost (CuPy's
 kernel dispatch, the driver's ``cuLaunchKernel``, Numba's dispatcher) is not in the
-figures unless ``--launch-us`` adds it to every launch and NCCL call, a model for
-seeing how much fewer launches are worth.
+figures unless ``--launch-us`` adds it to every launch and NCCL call (and
+``--numba-launch-us`` more to a Numba kernel's), a model for seeing how much fewer
+launches are worth.
 
 The one-process-per-GPU row is a model, labelled so: a replica's own launches, timed
 alone on one GPU (its host time per process when each GPU has its own process, the
@@ -35,7 +36,7 @@ processes running in parallel on their own cores), beside the same work on 4
 in-process replicas of ``strategy.run``, whose launches the GIL serializes.
 
     python benchmarks/bench_gpu_host.py [--quick] [--json out.json] [--launch-us US]
-                                        [--profile TEXT]
+                                        [--numba-launch-us US] [--profile TEXT]
     python -m gpustrat bench gpu_host
 
 Needs the real CuPy package (``python tests/conformance/install_cupy.py`` installs it
@@ -412,7 +413,8 @@ def _profile(name: str, fn, steps: int = 5, top: int = 25) -> None:
     print(out.getvalue())
 
 
-def measure(quick: bool = False, launch_us: float = 0.0, profile: str | None = None) -> dict:
+def measure(quick: bool = False, launch_us: float = 0.0, numba_launch_us: float = 0.0,
+            profile: str | None = None) -> dict:
     import gpustrat as gs
     from gpustrat import devices, testing
 
@@ -420,7 +422,8 @@ def measure(quick: bool = False, launch_us: float = 0.0, profile: str | None = N
     rounds = 2 if quick else 4
     resnet = resnet50_shapes()
     rows = []
-    with testing.stand_in(num_devices=4, launch_us=launch_us) as gpus:
+    with testing.stand_in(num_devices=4, launch_us=launch_us,
+                          numba_launch_us=numba_launch_us) as gpus:
         cp, nccl = devices.cupy(), devices.nccl_library()
         calibration = calibrate(cp, nccl, 500 if quick else 2000)
         inner = {"wall": [], "cpu": []}
@@ -490,7 +493,8 @@ def measure(quick: bool = False, launch_us: float = 0.0, profile: str | None = N
                "four_in_process_us": _median_us(t["four"]["cpu"]),
                "one_gpu_wall_us": _median_us(t["one"]["wall"]),
                "four_in_process_wall_us": _median_us(t["four"]["wall"])}
-    return {"rows": rows, "gil": gil, "calibration": calibration, "launch_us": launch_us}
+    return {"rows": rows, "gil": gil, "calibration": calibration, "launch_us": launch_us,
+            "numba_launch_us": numba_launch_us}
 
 
 def _count(x) -> str:
@@ -506,7 +510,8 @@ def report(result: dict) -> list:
     print(f"load average: {' '.join(open('/proc/loadavg').read().split()[:3])} "
           f"({os.cpu_count()} cores)")
     print(f"modelled cost added to each launch and NCCL call: {result['launch_us']:g} us "
-          "(--launch-us)")
+          f"(--launch-us), and to each Numba kernel launch: {result['numba_launch_us']:g} us "
+          "more (--numba-launch-us)")
     print("the stand-in's cost (CPU us, the modelled cost included): " + "; ".join(
         f"{k} {v:.2f}" for k, v in result["calibration"].items()))
     print("host us per steady step (median): CPU time of the process (every thread's), "
@@ -567,9 +572,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile", metavar="TEXT",
                     help="print a profile of gpustrat's step in every case whose name holds "
                          "TEXT, e.g. 'all_reduce' (default: none)")
+    ap.add_argument("--numba-launch-us", type=float, default=0.0,
+                    help="host us each launch of a Numba kernel spends on top, a model of "
+                         "Numba's dispatcher (default: 0)")
     args = ap.parse_args(argv)
     try:
-        result = measure(quick=args.quick, launch_us=args.launch_us, profile=args.profile)
+        result = measure(quick=args.quick, launch_us=args.launch_us,
+                         numba_launch_us=args.numba_launch_us, profile=args.profile)
     except RuntimeError as e:
         if "stand-in backend needs the real CuPy" not in str(e):
             raise

@@ -143,16 +143,21 @@ class StandIn:
         launch_us: host microseconds each launch (an array operation, a kernel, an NCCL
             call) spends on top of the stand-in's own cost: a model of what CuPy's
             kernel dispatch and the driver add on a GPU machine (0: nothing added).
+        numba_launch_us: host microseconds each launch of a Numba kernel spends on top
+            of ``launch_us``: a model of Numba's dispatcher, which types every argument
+            of every launch (0: nothing added).
     """
 
-    def __init__(self, num_devices: int = 4, launch_us: float = 0.0):
+    def __init__(self, num_devices: int = 4, launch_us: float = 0.0,
+                 numba_launch_us: float = 0.0):
         if num_devices < 1:
             raise ValueError(f"num_devices must be at least 1, got {num_devices}")
-        if not launch_us >= 0:
-            raise ValueError(f"launch_us must be a number of microseconds >= 0, got "
-                             f"{launch_us!r}")
+        for name, us in (("launch_us", launch_us), ("numba_launch_us", numba_launch_us)):
+            if not us >= 0:
+                raise ValueError(f"{name} must be a number of microseconds >= 0, got {us!r}")
         self.num_devices = int(num_devices)
         self.launch_s = float(launch_us) * 1e-6
+        self.numba_launch_s = float(numba_launch_us) * 1e-6
         self._tls = threading.local()
         self._all_counters: list[dict] = []
         self._lock = threading.Lock()
@@ -177,10 +182,10 @@ class StandIn:
     def count(self, what: str, n: int = 1) -> None:
         self._c()[what] += n
 
-    def spin(self) -> None:
-        """Spend ``launch_us`` of the thread's CPU time (a launch's modelled cost; CPU
-        time, so that a thread descheduled meanwhile still spends all of it)."""
-        end = time.thread_time() + self.launch_s
+    def spin(self, seconds: float | None = None) -> None:
+        """Spend ``seconds`` (``launch_us``) of the thread's CPU time: a launch's modelled
+        cost, in CPU time so that a thread descheduled meanwhile still spends all of it."""
+        end = time.thread_time() + (self.launch_s if seconds is None else seconds)
         while time.thread_time() < end:
             pass
 

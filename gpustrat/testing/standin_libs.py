@@ -167,8 +167,8 @@ class _Kernel:
             c = model._c()
             c["kernel_launches"] += 1
             c["launches"] += 1
-            if model.launch_s:
-                model.spin()
+            if model.launch_s or model.numba_launch_s:
+                model.spin(model.launch_s + model.numba_launch_s)
         return launch
 
 

@@ -287,6 +287,15 @@ def check_a_modelled_launch_cost_is_spent_per_launch():
         spent = time.thread_time() - t0
         assert spent >= 10 * 200e-6, spent
         assert gpus.counts()["launches"] == 10
+    from gpustrat.kernels import pack
+    with testing.stand_in(num_devices=1, numba_launch_us=300) as gpus:
+        cp = devices.cupy()
+        parts = [cp.zeros((5,), F32), cp.zeros((3,), F32)]
+        with gpus.measure() as c:
+            t0 = time.thread_time()
+            pack.pack(parts)
+            spent = time.thread_time() - t0
+        assert spent >= c["kernel_launches"] * 300e-6 and c["kernel_launches"] >= 1, (spent, c)
     try:
         testing.stand_in(launch_us=-1).__enter__()
     except ValueError as err:
