@@ -329,7 +329,8 @@ def make_ndarray(cp, real):
             return tuple(cp._new((0,), np.int64) for _ in range(self.ndim))
 
         def dot(self, b, out=None):
-            return self.__matmul__(b) if out is None else out
+            result = self.__matmul__(b)
+            return result if out is None else out
 
         # --- arithmetic
         def __matmul__(self, other):

@@ -21,7 +21,7 @@ class StandInCupy:
 
     def __init__(self, model: StandIn, real):
         self.model = model
-        self.real = real
+        self._real = real
         self.ndarray = make_ndarray(self, real)
         self._MemoryPointer = make_memory_pointer(self, real)
         self._Unowned = real.cuda.UnownedMemory
@@ -49,7 +49,7 @@ class StandInCupy:
             setattr(self, name, ufunc)
             return ufunc
         raise AttributeError(f"the stand-in CuPy has no {name!r}: add it to "
-                             "gpustrat/testing/standin.py (what it launches, what it returns)")
+                             "gpustrat/testing/standin_cupy.py (what it launches, what it returns)")
 
     # --- arrays
     def _new(self, shape, dtype, device: int | None = None):
@@ -109,10 +109,9 @@ class StandInCupy:
     def _binary(self, fn, name, a, b, inplace=False):
         """``a <op> b`` where one of them is an array of this backend (the hot path)."""
         nd = self.ndarray
-        # (A dtype's hash is slow to compute: its number stands for it.)
-        ka = (a.shape, a.dtype.num) if type(a) is nd else _operand_key(a)
-        kb = (b.shape, b.dtype.num) if type(b) is nd else _operand_key(b)
-        ck = (name, ka, kb)
+        ka = (a.shape, a.dtype) if type(a) is nd else _operand_key(a)
+        kb = (b.shape, b.dtype) if type(b) is nd else _operand_key(b)
+        ck = (name, ka, kb, inplace)
         hit = _binary_cache.get(ck)
         if hit is None:
             shape, rdtype = _elementwise_result(fn, name, (a, b))
@@ -168,7 +167,7 @@ class StandInCupy:
         return self.asarray(np.arange(*args, dtype=dtype))
 
     def asarray(self, x, dtype=None, order=None):
-        if isinstance(x, self.real.ndarray):
+        if isinstance(x, self._real.ndarray):
             if dtype is None or np.dtype(dtype) == x.dtype:
                 return x
             return x.astype(dtype)
@@ -194,20 +193,20 @@ class StandInCupy:
                             strides=cai.get("strides"))
 
     def ascontiguousarray(self, x, dtype=None):
-        if isinstance(x, self.real.ndarray) and x._c_contiguous and \
+        if isinstance(x, self._real.ndarray) and x._c_contiguous and \
                 (dtype is None or np.dtype(dtype) == x.dtype):
             return x
-        if not isinstance(x, self.real.ndarray):
+        if not isinstance(x, self._real.ndarray):
             return self.asarray(np.ascontiguousarray(x, dtype=dtype))
         return self._copy(x, dtype)
 
     def asnumpy(self, x, stream=None, order="C", out=None, blocking=True):
-        if isinstance(x, self.real.ndarray):
+        if isinstance(x, self._real.ndarray):
             return x.get(stream=stream, out=out, blocking=blocking)
         return np.asarray(x)
 
     def get_array_module(self, *args):
-        return self if any(isinstance(a, self.real.ndarray) for a in args) else np
+        return self if any(isinstance(a, self._real.ndarray) for a in args) else np
 
     def concatenate(self, arrays, axis=0, out=None, dtype=None):
         arrays = list(arrays)
@@ -234,7 +233,7 @@ class StandInCupy:
         return a.transpose(order)
 
     def broadcast_to(self, a, shape):
-        return self.real.broadcast_to(a, tuple(shape))
+        return self._real.broadcast_to(a, tuple(shape))
 
     def where(self, cond, x=None, y=None):
         if x is None:
@@ -254,7 +253,8 @@ class StandInCupy:
         return a.take(indices, axis=axis)
 
     def matmul(self, a, b, out=None):
-        return a.__matmul__(b) if out is None else out
+        result = a @ b
+        return result if out is None else out
 
     dot = matmul
 

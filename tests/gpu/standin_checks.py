@@ -72,6 +72,14 @@ def check_arrays_are_real_cupy_arrays_and_operations_count_launches():
         with gpus.measure() as c:
             a[a > 0]                               # the result's size is on the device
         assert c["host_syncs"] == 1
+        with cp.cuda.Device(1):
+            b + a                                  # broadcasts; in place it cannot
+        try:
+            b += a
+        except ValueError as err:
+            assert "broadcast" in str(err)
+        else:
+            raise AssertionError("b += a wrote a (3, 4) result into a (4,) array")
         try:
             a += cp.zeros((5,), F32)
         except ValueError as err:
