@@ -149,6 +149,12 @@ def check_devices_streams_and_events_are_per_thread_and_counted():
         assert y.device.id == 2
         assert (c["device_enters"], c["stream_creations"], c["event_creations"],
                 c["timing_events"], c["event_records"], c["event_waits"]) == (1, 1, 2, 1, 2, 1)
+        from gpustrat.devices import Device
+        with gpus.measure() as c:
+            moved = devices.to_device(y, Device("gpu", 3))     # a peer copy, events only
+            host = devices.to_device(np.zeros(3, F32), Device("gpu", 1))
+        assert moved.device.id == 3 and moved.shape == (2,) and host.device.id == 1
+        assert c["host_syncs"] == 0 and c["copies"] == 2 and c["event_waits"] == 2, c
         with cp.cuda.Device(0):
             try:
                 s.__enter__()
