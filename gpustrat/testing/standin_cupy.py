@@ -11,8 +11,8 @@ import numpy as np
 
 from gpustrat.testing.standin import ADDRESS_SHIFT, ROUND, StandIn, _Block
 from gpustrat.testing.standin_arrays import (_binary_cache, _elementwise_result,
-                                             _operand_key, make_memory_pointer,
-                                             make_ndarray)
+                                             _operand_key, _reduction_result,
+                                             make_memory_pointer, make_ndarray)
 from gpustrat.testing.standin_cuda import make_cuda
 
 
@@ -274,6 +274,37 @@ class StandInCupy:
     def ElementwiseKernel(self, in_params, out_params, operation, name="kernel", **kw):
         return _ElementwiseKernel(self, in_params, out_params, name)
 
+    def ReductionKernel(self, in_params, out_params, map_expr, reduce_expr, post_map_expr,
+                        identity, name="reduce_kernel", **kw):
+        return _ReductionKernel(self, in_params, out_params, name)
+
+    def fuse(self, *args, **kwargs):
+        """``cupy.fuse``: the fused function is one launch; its results have the
+        operands' broadcast shape and the dtypes NumPy gives the function on 0-d
+        stand-ins of them."""
+        def wrap(fn):
+            cp = self
+
+            def fused(*operands):
+                cp._launch()
+                cp.model.count("kernel_launches")
+                arrays = [o for o in operands if isinstance(o, cp._real.ndarray)]
+                shape = np.broadcast_shapes(*[a.shape for a in arrays]) if arrays else ()
+                dummies = [np.zeros((), o.dtype) if isinstance(o, cp._real.ndarray) else o
+                           for o in operands]
+                with np.errstate(all="ignore"):
+                    made = fn(*dummies)
+                if made is None:
+                    return None
+                if isinstance(made, tuple):
+                    return tuple(cp._new(shape, np.asarray(m).dtype) for m in made)
+                return cp._new(shape, np.asarray(made).dtype)
+            fused.__name__ = getattr(fn, "__name__", "fused")
+            return fused
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return wrap(args[0])
+        return wrap
+
     def empty_pinned(self, shape, dtype=float, order="C"):
         return self.model.pinned(shape, dtype)
 
@@ -352,6 +383,24 @@ class _ElementwiseKernel:
         made = [self.cp._new(shape, t if t is not None else arrays[0].dtype)
                 for t in self.out_types]
         return made[0] if len(made) == 1 else tuple(made)
+
+
+class _ReductionKernel(_ElementwiseKernel):
+    """``cupy.ReductionKernel``: one launch; the output reduces ``axis`` (every axis
+    by default) of the inputs' broadcast shape."""
+
+    def __call__(self, *args, axis=None, keepdims=False, stream=None):
+        ins, outs = args[:self.n_in], args[self.n_in:]
+        self.cp._launch()
+        c = self.cp.model._c()
+        c["kernel_launches"] += 1
+        if outs:
+            return outs[0]
+        arrays = [a for a in ins if hasattr(a, "shape")]
+        shape = np.broadcast_shapes(*[tuple(a.shape) for a in arrays])
+        dtype = self.out_types[0] if self.out_types[0] is not None else arrays[0].dtype
+        rshape, _ = _reduction_result("sum", shape, np.dtype(dtype), axis, None, keepdims)
+        return self.cp._new(rshape, dtype)
 
 
 class _Pool:

@@ -221,8 +221,20 @@ def check_nccl_numba_and_cupy_kernel_calls_are_counted():
             cp.RawModule(code="...").get_function("g")((1,), (32,), (parts[0], 5))
             add = cp.ElementwiseKernel("float32 x, float32 y", "float64 z", "z = x + y", "add")
             z = add(parts[1], parts[1])
-        assert (c["kernel_launches"], c["host_syncs"]) == (3, 0)
+            total = cp.ReductionKernel("float32 x", "float64 y", "x", "a + b", "y = a", "0",
+                                       "total")(parts[1], axis=1)
+
+            @cp.fuse()
+            def axpy(a, x, y):
+                return a * x + y
+            fused = axpy(np.float32(2), parts[1], parts[1])
+            mem = cp.cuda.alloc(100)
+        assert (c["kernel_launches"], c["launches"], c["host_syncs"]) == (5, 5, 0)
         assert z.shape == (3, 2) and z.dtype == np.float64 and z.device.id == 1
+        assert total.shape == (3,) and total.dtype == np.float64
+        assert fused.shape == (3, 2) and fused.dtype == np.float32
+        assert mem.device_id == 1 and mem.ptr % 512 == 0
+        assert cp.cuda.Stream.null.ptr == 0
 
 
 def check_a_steady_mirrored_training_step_runs_and_is_counted():
