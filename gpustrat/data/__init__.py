@@ -24,3 +24,9 @@ __all__ = [
     "Options", "AutoShardPolicy", "DistributeOptions", "TensorSpec", "STRING", "experimental",
     "SequenceGenerator",
 ]
+
+
+def __getattr__(name):
+    # A TensorFlow name gpustrat has elsewhere, or not at all, says so.
+    from gpustrat._porting import attribute_error  # noqa: PLC0415
+    raise attribute_error(__name__, name)
