@@ -312,6 +312,13 @@ def test_bench_finds_the_suites_and_their_launchers():
     proc = gpustrat_cmd("bench", "--list", timeout=60)
     assert proc.returncode == 0
     assert {line.split(":")[0] for line in proc.stdout.splitlines()} == set(SUITES)
+    # Each line says what the suite measures, from its docstring's first sentence.
+    for line in proc.stdout.splitlines():
+        name, _, rest = line.partition(": ")
+        assert rest.endswith(")") and f"(bench_{name}.py" in rest, line
+        assert len(rest.split(f" (bench_{name}.py")[0].split()) >= 3, line
+    assert "stall: The stall inspector's cost: a training step's time with it on " \
+           "against off, same run (bench_stall.py, mpiexec -n 2)" in proc.stdout
 
 
 @pytest.mark.parametrize("name", sorted(SUITES))
@@ -331,7 +338,8 @@ def test_bench_suite_quick_writes_json(name, tmp_path):
         for v in result["verdicts"]:
             line = cli.format_verdict(v)
             assert f"target {line}" in proc.stdout and line in proc.stdout.split("== targets ==")[1]
-            assert line.endswith((": met", ": NOT met")) or "not measured (" in line
+            # A quick run judges no target: its figure, then "not judged (quick)".
+            assert line.endswith(": not judged (quick)") or "not measured (" in line, line
     if "skipped" in result:
         pytest.skip(result["skipped"])
     assert isinstance(result, dict) and result and "error" not in result, result
@@ -392,6 +400,21 @@ def test_bench_prints_progress_and_a_verdict_beside_every_target(tmp_path):
     summary = out.split("== targets ==")[1].splitlines()
     assert [line.split()[0] for line in summary[1:4]] == ["fake"] * 3
     assert summary[4] == "1 target(s) met, 1 not met, 1 not measured"
+
+
+def test_bench_quick_judges_no_target_and_says_so(tmp_path):
+    (tmp_path / "bench_fake.py").write_text(FAKE_SUITE.replace("time.sleep(2.5)", "")
+                                            .replace("no GPU here", "--quick is too short"))
+    proc = gpustrat_cmd("bench", "fake", "--quick", timeout=60,
+                        env={"GPUSTRAT_BENCHMARKS": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "target fast enough: 7 x (goal >= 5 x): not judged (quick)" in out
+    assert "target small enough: 7 us (goal <= 5 us): not judged (quick)" in out
+    assert "target on a GPU (goal >= 85 %): not judged (quick)" in out
+    assert "NOT met" not in out and ": met" not in out
+    assert out.split("== targets ==")[1].splitlines()[4] == \
+        "0 target(s) met, 3 not judged (quick)"
 
 
 def test_bench_output_files_and_times_are_checked_before_any_suite_runs(tmp_path):
