@@ -179,6 +179,9 @@ def collect_info() -> dict:
     info.update(_nccl_info())
     info["gpu count"] = devices.gpu_count()
     info["default devices"] = ", ".join(d.name for d in devices.default_devices())
+    # The demo shows distribution even without a GPU: two CPU replicas, not one.
+    from gpustrat.demo import default_devices as demo_devices  # noqa: PLC0415
+    info["demo devices"] = ", ".join(demo_devices())
     info["cuda simulator"] = ("on (NUMBA_ENABLE_CUDASIM=1)"
                               if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else "off")
     return info

@@ -436,3 +436,57 @@ def test_bench_output_files_and_times_are_checked_before_any_suite_runs(tmp_path
         proc = gpustrat_cmd("bench", "fake", *args, timeout=60, env=env)
         assert proc.returncode == 2 and words in proc.stderr, (args, proc.stderr)
         assert "measured" not in proc.stdout, args  # nothing ran
+
+
+# --- defaults that agree, and what the demo says while it trains --------------------------
+
+def test_info_names_the_demos_devices_beside_the_strategies_default():
+    proc = gpustrat_cmd("info", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    pairs = dict(line.split(": ", 1) for line in proc.stdout.splitlines())
+    from gpustrat.demo import default_devices  # noqa: PLC0415
+    assert pairs["demo devices"] == ", ".join(default_devices())
+    if pairs["gpu count"] == "0":
+        assert pairs["default devices"] == "cpu:0" and pairs["demo devices"] == "cpu:0, cpu:1"
+
+
+def test_demo_says_when_its_options_do_not_do_what_they_seem_to():
+    proc = gpustrat_cmd("demo", "--samples", "10", "--batch", "256", "--epochs", "1",
+                        timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert ("note: --samples 10 is less than --batch 256: each epoch is one partial batch "
+            "of 10 examples") in proc.stdout
+    proc = gpustrat_cmd("demo", "--samples", "512", "--batch", "256", "--epochs", "1",
+                        timeout=120)
+    assert "note:" not in proc.stdout
+    proc = gpustrat_cmd("demo", "--multi-worker", "--quick", "--epochs", "1", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "--multi-worker without an MPI launcher: one worker, on cpu:0 (launch W workers " \
+           "with mpiexec -n W python -m gpustrat demo" in proc.stdout, proc.stdout
+    assert "1 worker(s) x 1 replica(s)" in proc.stdout
+
+
+def test_demo_says_what_loss_to_expect_and_it_falls_between_those_bounds():
+    proc = gpustrat_cmd("demo", "--quick", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    m = re.search(r"predicting the mean scores (\d\.\d+) and the noise alone (\d\.\d+)",
+                  proc.stdout)
+    assert m, proc.stdout
+    top, floor = float(m.group(1)), float(m.group(2))
+    losses = [e[2] for e in epoch_lines(proc.stdout)]
+    assert floor < losses[-1] < losses[0] < top, (losses, top, floor)
+
+
+def test_demo_shows_progress_within_a_long_epoch():
+    from gpustrat import demo  # noqa: PLC0415
+    import gpustrat as gs  # noqa: PLC0415
+    lines = []
+    strategy = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    demo.train(strategy, epochs=1, n_samples=1000, global_batch=256, log=lines.append,
+               progress_every=1e-9)  # every step counts as "a few seconds" here
+    notes = [line for line in lines if line.startswith("  epoch 1/1: ")]
+    assert [n.split(": ")[1].split(" examples")[0] for n in notes] == \
+        ["256/1,000", "512/1,000", "768/1,000", "1,000/1,000"], lines
+    lines.clear()
+    demo.train(strategy, epochs=1, n_samples=1000, global_batch=256, log=lines.append)
+    assert not [line for line in lines if line.startswith("  epoch")], lines  # a short epoch
