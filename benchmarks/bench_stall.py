@@ -9,7 +9,7 @@ float). Each round makes a ``MultiWorkerMirroredStrategy`` with the inspector on
 each and closes it, so that the inspector's thread runs only while its rows are timed;
 the order alternates between rounds. The figure is the median over rounds of the time
 per step; target: the inspector adds at most 3% to the step (its thread looks for a
-question ten times a second and reads no stack unless asked).
+question four times a second and reads no stack unless asked).
 """
 
 from __future__ import annotations

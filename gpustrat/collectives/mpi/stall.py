@@ -39,7 +39,7 @@ from gpustrat.collectives.mpi.waits import ENV_TIMEOUT, _name, mpi, timeout_from
 
 ENV_STALL_WARNING = "GPUSTRAT_STALL_WARNING"
 DEFAULT_STALL_WARNING = 10.0
-_POLL_S = 0.1  # how often each rank's thread looks for a question
+_POLL_S = 0.25  # how often each rank's thread looks for a question
 _ANSWER_S = 2.0  # how long a survey waits for the answers before printing what it has
 _ASK = 1  # tag of a question; its answer comes back on the tag the question names
 _FIRST_ANSWER_TAG = 16
