@@ -153,10 +153,14 @@ def this_rank(skip: int | None = None) -> list:
     for tid, frame in frames.items():
         if tid == skip or tid in _thread_ids:
             continue
-        p = place_of(frame)
+        try:
+            p = place_of(frame)
+        except Exception as e:  # noqa: BLE001 - a survey names what it can
+            p = {"state": "outside", "site": None, "call": None,
+                 "where": f"(its stack could not be read: {type(e).__name__})"}
         if p["state"] == "waiting":
             places.append(p)
-    if not places and main in frames:
+    if not places and main in frames and main != skip:
         places.append(place_of(frames[main]))
     return places or [{"state": "outside", "site": None, "call": None, "where": None}]
 
@@ -297,7 +301,12 @@ class Inspector:
         while not self._stop.is_set():
             if self._req.Test(self._status):
                 source, tag = self._status.Get_source(), int(self._question[0])
-                self._sends.append(self.comm.isend(this_rank(), dest=source, tag=tag))
+                try:
+                    places = this_rank()
+                except Exception as e:  # noqa: BLE001 - an answer must still go back
+                    places = [{"state": "outside", "site": None, "call": None,
+                               "where": f"(its stacks could not be read: {e!r})"}]
+                self._sends.append(self.comm.isend(places, dest=source, tag=tag))
                 self._req = self.comm.Irecv([self._question, mpi().INT64_T],
                                             source=mpi().ANY_SOURCE, tag=_ASK)
             else:
@@ -372,8 +381,9 @@ class Survey:
         me = threading.get_ident()
         mine = place_of(sys._getframe(1))
         answers = dict(self.answers)
+        # This thread's place, and any other thread of this rank waiting elsewhere.
         answers[insp.rank] = [mine] + [p for p in this_rank(skip=me)
-                                       if _key(p) != _key(mine)]
+                                       if p["state"] == "waiting" and _key(p) != _key(mine)]
         return explain(insp.rank, mine, answers, insp.size)
 
     def warning(self, waited: float) -> str:
