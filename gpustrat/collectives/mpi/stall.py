@@ -317,10 +317,13 @@ class Inspector:
     def stalled(self, start: float, now: float) -> "Survey | None":
         """A survey for a wait that began at ``start``; None when another wait of this
         rank already warned within the last delay (one warning per stall)."""
-        if now - self._warned_at < self.delay:
+        if now - self._warned_at < self.delay or id(self) not in _inspectors:
             return None
         self._warned_at = now
-        return self.survey()
+        try:
+            return self.survey()
+        except Exception:  # noqa: BLE001 - the wait itself goes on, unwarned
+            return None
 
     def survey(self) -> "Survey":
         with self._tag_lock:
@@ -364,9 +367,12 @@ class Survey:
         answered, or ``_ANSWER_S`` passed)."""
         comm = self.inspector.comm
         MPI = mpi()
-        while comm.iprobe(source=MPI.ANY_SOURCE, tag=self.tag, status=self._status):
-            source = self._status.Get_source()
-            self.answers[source] = comm.recv(source=source, tag=self.tag)
+        try:
+            while comm.iprobe(source=MPI.ANY_SOURCE, tag=self.tag, status=self._status):
+                source = self._status.Get_source()
+                self.answers[source] = comm.recv(source=source, tag=self.tag)
+        except Exception:  # noqa: BLE001 - the survey ends with the answers it has
+            return True
         return (len(self.answers) >= self.inspector.size - 1
                 or time.monotonic() - self.asked >= _ANSWER_S)
 
@@ -387,7 +393,15 @@ class Survey:
         return explain(insp.rank, mine, answers, insp.size)
 
     def warning(self, waited: float) -> str:
-        mine = place_of(sys._getframe(1))
+        """The text a stalled wait prints (never raises: the wait goes on)."""
+        try:
+            return self._warning(waited)
+        except Exception as e:  # noqa: BLE001
+            return (f"[gpustrat] rank {self.inspector.rank} has waited {waited:.0f} s in a "
+                    f"collective (the stall inspector could not describe it: {e!r})\n")
+
+    def _warning(self, waited: float) -> str:
+        mine = place_of(sys._getframe(2))
         at = f" at {mine['site']}" if mine.get("site") else ""
         return (f"[gpustrat] rank {self.inspector.rank} has waited {waited:.0f} s in "
                 f"{mine.get('call') or 'a collective'}{at} [{mine.get('collective')}]. "
