@@ -43,6 +43,7 @@ raises.
 
 from __future__ import annotations
 
+import operator
 import queue
 import threading
 import time
@@ -58,6 +59,9 @@ from gpustrat.devices import (Device, cupy, gpu_count, is_gpu_array, join_stream
                               mark, nccl_library, new_stream, release_events, to_device)
 from gpustrat.errors import CollectiveTimeout
 from gpustrat.reduce_util import ReduceOp
+
+_DEVICE_ID = operator.attrgetter("device.id")
+_CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
 
 ENV_TIMEOUT = "GPUSTRAT_TIMEOUT"
 
@@ -239,6 +243,7 @@ class NcclCommunicator(Communicator):
                 nccl.groupEnd()
             self._comms = comms
         self._streams = [new_stream(d) for d in self.devices]
+        self._device_ids = [d.index for d in self.devices]
         self._watchdog: _Watchdog | None = None
 
     # --- plumbing ---------------------------------------------------------------------
@@ -311,6 +316,10 @@ class NcclCommunicator(Communicator):
         if len(buffers) != self.num_local:
             raise ValueError(f"{what}: got {len(buffers)} buffers for {self.num_local} local "
                              "replicas")
+        if set(map(type, buffers)) == {cupy().ndarray} and \
+                list(map(_DEVICE_ID, buffers)) == self._device_ids and \
+                all(map(_CONTIGUOUS, buffers)):
+            return buffers     # contiguous arrays on their devices: the common case
         cp = cupy()
         out = []
         for b, d in zip(buffers, self.devices):
@@ -395,6 +404,27 @@ class NcclCommunicator(Communicator):
                     b[...] = o
             outs = bufs
         return self._post(outs, post)
+
+    def reduce(self, buffers, op):
+        """The reduction on local replica 0's device only, with one ``ncclReduce`` to
+        that replica (the other devices receive nothing, and nothing is allocated
+        there). Dtypes NCCL reduces through another dtype take the all-reduce path."""
+        op = ReduceOp.from_value(op)
+        bufs = self._prepare(buffers, f"reduce({op.name})")
+        check_same_layout(bufs, f"reduce({op.name})")
+        dtype = bufs[0].dtype
+        wire, dt, nop, post = self._reduce_args(dtype, op)
+        if wire is not None and wire[0] != "view":
+            return self._all_reduce(bufs, op, inplace=False)[0]
+        root = self.global_replica_id(0) if self.worker_index == 0 else 0
+        out = self._empty(0, bufs[0].shape, dtype)
+        count = int(bufs[0].nbytes) // _wire_itemsize(wire, dtype)
+        if count:
+            root_ptrs = [out.data.ptr] + [b.data.ptr for b in bufs[1:]]
+            self._run(lambda: f"NCCL reduce({op.name}) of {bufs[0].shape} {dtype}",
+                      lambda i, c, s: c.reduce(bufs[i].data.ptr, root_ptrs[i], count, dt,
+                                               nop, root, s), (bufs, out))
+        return self._post([out], post)[0]
 
     def reduce_scatter(self, buffers, op):
         op = ReduceOp.from_value(op)

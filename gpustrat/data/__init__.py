@@ -8,6 +8,7 @@ from gpustrat.data.dataset import (AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDI
 from gpustrat.data.files import TextLineDataset
 from gpustrat.data.npy import NpyDataset
 from gpustrat.data.options import AutoShardPolicy, DistributeOptions, Options
+from gpustrat.data.sources import SequenceGenerator
 from gpustrat.data.spec import STRING, TensorSpec
 from gpustrat.data.tfrecord import DataLossError, TFRecordDataset, TFRecordWriter
 from gpustrat.data.windowing import DatasetSpec
@@ -21,4 +22,11 @@ __all__ = [
     "AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset", "DatasetIterator",
     "TextLineDataset", "TFRecordDataset", "TFRecordWriter", "DataLossError", "NpyDataset",
     "Options", "AutoShardPolicy", "DistributeOptions", "TensorSpec", "STRING", "experimental",
+    "SequenceGenerator",
 ]
+
+
+def __getattr__(name):
+    # A TensorFlow name gpustrat has elsewhere, or not at all, says so.
+    from gpustrat._porting import attribute_error  # noqa: PLC0415
+    raise attribute_error(__name__, name)

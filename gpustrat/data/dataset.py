@@ -141,6 +141,13 @@ class DatasetIterator:
     _checkpoint_state = get_state
     _restore_checkpoint_state = set_state
 
+    def _position_unsaveable(self) -> str | None:
+        """Why this iterator cannot save its position (None: it can)."""
+        if self._state is not None:
+            return None
+        return "; ".join(unsupported_nodes(self._dataset)
+                         or ["this iterator was not made by iter()"])
+
     def __iter__(self) -> "DatasetIterator":
         return self
 

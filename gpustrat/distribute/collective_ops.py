@@ -171,20 +171,21 @@ def _flat_refs(held) -> tuple:
             tuple(sys.getrefcount(b.data.mem) for row in buffers for b in row))
 
 
-_flat_plans: dict = {}
-
-
 def all_reduce_flat(comm: Communicator, values: Sequence, op: ReduceOp,
                     layout: FlatLayout) -> list:
     """:func:`all_reduce_structures` of flat lists (or tuples) of arrays whose
     :class:`FlatLayout` every replica gave as ``layout`` (checked by the rendezvous):
     one fused reduction, planned once per layout and communicator."""
-    key = (id(comm), layout.kind, layout.shapes, layout.dtypes)
-    plan = _flat_plans.get(key)
+    # The communicator keeps its plans (they hold its devices' buffers).
+    plans = comm.__dict__.get("_flat_plans")
+    if plans is None:
+        plans = comm.__dict__["_flat_plans"] = {}
+    key = (layout.kind, layout.shapes, layout.dtypes)
+    plan = plans.get(key)
     if plan is None:
-        if len(_flat_plans) >= 64:
-            _flat_plans.clear()
-        plan = _flat_plans[key] = _FlatPlan(layout, values[0])
+        if len(plans) >= 64:
+            plans.clear()
+        plan = plans[key] = _FlatPlan(layout, values[0])
     held = plan.reusable()
     with _NO_AGREEMENT if comm.num_workers == 1 else comm.agreeing(
             plan.structure, f"all_reduce({op.name}) of a nested structure", _SAME_STRUCTURE):

@@ -613,6 +613,11 @@ class DistributedIterator:
     _checkpoint_state = get_state
     _restore_checkpoint_state = set_state
 
+    def _position_unsaveable(self) -> str | None:
+        """Why this iterator cannot save its position (None: it can)."""
+        return f"its pipeline cannot save its position: {self._start}" \
+            if isinstance(self._start, str) else None
+
     def get_next(self):
         """The next step; raises :class:`gpustrat.errors.OutOfRangeError` at the end."""
         try:

@@ -28,15 +28,9 @@ import contextlib
 import gc
 
 from gpustrat.testing.sanitizer import Report, Sanitizer, SanitizerError
+from gpustrat.testing.standin import StandIn
 
 __all__ = ["Report", "Sanitizer", "SanitizerError", "StandIn", "sanitize", "stand_in"]
-
-
-def __getattr__(name):
-    if name == "StandIn":
-        from gpustrat.testing.standin import StandIn  # noqa: PLC0415
-        return StandIn
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @contextlib.contextmanager
@@ -76,21 +70,27 @@ def sanitize(seed: int = 0, num_devices: int = 4, run_probability: float = 0.5,
 
 
 @contextlib.contextmanager
-def stand_in(num_devices: int = 4, nccl: bool = True):
+def stand_in(num_devices: int = 4, nccl: bool = True, launch_us: float = 0.0,
+             numba_launch_us: float = 0.0):
     """Run the block on ``num_devices`` stand-in GPUs of a new
     :class:`~gpustrat.testing.standin.StandIn` (yielded: ``counts()``, ``reset()``,
     ``measure()``, ``sync_sites``).
 
     Args:
         nccl: offer ``cupy.cuda.nccl`` (False: the host-staged path is chosen).
+        launch_us: host microseconds each launch and NCCL call spends beyond the
+            stand-in's own cost (a model of CuPy's dispatch and the driver's; 0: none).
+        numba_launch_us: host microseconds a Numba kernel's launch spends on top (a
+            model of Numba's dispatcher; 0: none).
     Raises:
         RuntimeError: the real CuPy package is not importable (the message says how to
             install it without a GPU).
     """
     from gpustrat import devices  # noqa: PLC0415
     from gpustrat.kernels import _launch  # noqa: PLC0415
-    from gpustrat.testing.standin import StandIn, build  # noqa: PLC0415
-    model = StandIn(num_devices=num_devices)
+    from gpustrat.testing.standin import build  # noqa: PLC0415
+    model = StandIn(num_devices=num_devices, launch_us=launch_us,
+                    numba_launch_us=numba_launch_us)
     cp, cupyx, nccl_module, numba_cuda = build(model)
     backend = devices.Backend(cupy=cp, cupyx=cupyx, nccl=nccl_module if nccl else None,
                               numba_cuda=numba_cuda)

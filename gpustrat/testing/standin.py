@@ -45,6 +45,8 @@ import importlib
 import os
 import sys
 import threading
+import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -138,12 +140,24 @@ class StandIn:
 
     Args:
         num_devices: GPUs the stand-in shows.
+        launch_us: host microseconds each launch (an array operation, a kernel, an NCCL
+            call) spends on top of the stand-in's own cost: a model of what CuPy's
+            kernel dispatch and the driver add on a GPU machine (0: nothing added).
+        numba_launch_us: host microseconds each launch of a Numba kernel spends on top
+            of ``launch_us``: a model of Numba's dispatcher, which types every argument
+            of every launch (0: nothing added).
     """
 
-    def __init__(self, num_devices: int = 4):
+    def __init__(self, num_devices: int = 4, launch_us: float = 0.0,
+                 numba_launch_us: float = 0.0):
         if num_devices < 1:
             raise ValueError(f"num_devices must be at least 1, got {num_devices}")
+        for name, us in (("launch_us", launch_us), ("numba_launch_us", numba_launch_us)):
+            if not us >= 0:
+                raise ValueError(f"{name} must be a number of microseconds >= 0, got {us!r}")
         self.num_devices = int(num_devices)
+        self.launch_s = float(launch_us) * 1e-6
+        self.numba_launch_s = float(numba_launch_us) * 1e-6
         self._tls = threading.local()
         self._all_counters: list[dict] = []
         self._lock = threading.Lock()
@@ -152,7 +166,7 @@ class StandIn:
         self._free: dict = {}
         self._top = {d: (d + 1) << ADDRESS_SHIFT for d in range(self.num_devices)}
         self._next_stream = 0x5000
-        self._pinned: list[np.ndarray] = []
+        self._pinned = weakref.WeakValueDictionary()   # id -> pinned array (not kept alive)
         self.cupy = None          # set by stand_in()
 
     # --- counting
@@ -167,6 +181,13 @@ class StandIn:
 
     def count(self, what: str, n: int = 1) -> None:
         self._c()[what] += n
+
+    def spin(self, seconds: float | None = None) -> None:
+        """Spend ``seconds`` (``launch_us``) of the thread's CPU time: a launch's modelled
+        cost, in CPU time so that a thread descheduled meanwhile still spends all of it."""
+        end = time.thread_time() + (self.launch_s if seconds is None else seconds)
+        while time.thread_time() < end:
+            pass
 
     def host_sync(self, what: str) -> None:
         self._c()["host_syncs"] += 1
@@ -244,14 +265,14 @@ class StandIn:
     def pinned(self, shape, dtype) -> np.ndarray:
         self._c()["pinned_allocations"] += 1
         a = np.zeros(shape, dtype)
-        self._pinned.append(a)
+        self._pinned[id(a)] = a
         return a
 
     def is_pinned(self, a: np.ndarray) -> bool:
         base = a
         while isinstance(base.base, np.ndarray):
             base = base.base
-        return any(base is p for p in self._pinned)
+        return self._pinned.get(id(base)) is base
 
 
 # --- the backend ------------------------------------------------------------------------

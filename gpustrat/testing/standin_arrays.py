@@ -156,6 +156,8 @@ def make_ndarray(cp, real):
     class ndarray(base):
         """A real ``cupy.ndarray`` whose operations count a launch instead of running."""
 
+        __slots__ = ()      # as CuPy's: no attributes of its own, no weak references
+
         # --- the CUDA Array Interface (CuPy's asks the driver for the current stream)
         @property
         def __cuda_array_interface__(self):
@@ -265,7 +267,7 @@ def make_ndarray(cp, real):
 
         def take(self, indices, axis=None):
             cp._launch()
-            ishape = tuple(getattr(indices, "shape", np.shape(indices)))
+            ishape = tuple(indices.shape) if hasattr(indices, "shape") else np.shape(indices)
             if axis is None:
                 shape = ishape
             else:
@@ -327,7 +329,8 @@ def make_ndarray(cp, real):
             return tuple(cp._new((0,), np.int64) for _ in range(self.ndim))
 
         def dot(self, b, out=None):
-            return self.__matmul__(b) if out is None else out
+            result = self.__matmul__(b)
+            return result if out is None else out
 
         # --- arithmetic
         def __matmul__(self, other):

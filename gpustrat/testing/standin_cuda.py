@@ -164,6 +164,18 @@ def make_cuda(cp):
             s = _null[device] = Stream(null=True, _device=device)
         return s
 
+    class _NullOfCurrentDevice:
+        """``Stream.null``: the current device's null stream."""
+
+        def __get__(self, obj, cls):
+            return null_stream(model.current_device())
+
+    Stream.null = _NullOfCurrentDevice()
+
+    def alloc(nbytes):
+        """``cupy.cuda.alloc``: a ``MemoryPointer`` to a pool block of the current device."""
+        return cp._new((int(nbytes),), "u1").data
+
     def get_current_stream(device_id=-1):
         device = model.current_device() if device_id is None or device_id < 0 else device_id
         stack = model.stacks().get(device)
@@ -189,7 +201,7 @@ def make_cuda(cp):
         driverGetVersion=lambda: 13000)
     return types.SimpleNamespace(
         Device=Device, Stream=Stream, ExternalStream=ExternalStream, Event=Event,
-        get_current_stream=get_current_stream, runtime=runtime,
+        get_current_stream=get_current_stream, runtime=runtime, alloc=alloc,
         MemoryPointer=cp._MemoryPointer, UnownedMemory=cp._Unowned,
         get_elapsed_time=lambda start, stop: 0.0,
         is_available=lambda: True)

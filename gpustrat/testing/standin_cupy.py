@@ -11,8 +11,8 @@ import numpy as np
 
 from gpustrat.testing.standin import ADDRESS_SHIFT, ROUND, StandIn, _Block
 from gpustrat.testing.standin_arrays import (_binary_cache, _elementwise_result,
-                                             _operand_key, make_memory_pointer,
-                                             make_ndarray)
+                                             _operand_key, _reduction_result,
+                                             make_memory_pointer, make_ndarray)
 from gpustrat.testing.standin_cuda import make_cuda
 
 
@@ -21,7 +21,7 @@ class StandInCupy:
 
     def __init__(self, model: StandIn, real):
         self.model = model
-        self.real = real
+        self._real = real
         self.ndarray = make_ndarray(self, real)
         self._MemoryPointer = make_memory_pointer(self, real)
         self._Unowned = real.cuda.UnownedMemory
@@ -49,7 +49,7 @@ class StandInCupy:
             setattr(self, name, ufunc)
             return ufunc
         raise AttributeError(f"the stand-in CuPy has no {name!r}: add it to "
-                             "gpustrat/testing/standin.py (what it launches, what it returns)")
+                             "gpustrat/testing/standin_cupy.py (what it launches, what it returns)")
 
     # --- arrays
     def _new(self, shape, dtype, device: int | None = None):
@@ -92,6 +92,8 @@ class StandInCupy:
             self.model._tls.c["launches"] += n
         except AttributeError:
             self.model._c()["launches"] += n
+        if self.model.launch_s:
+            self.model.spin()
 
     def _elementwise(self, fn, name, operands, out=None, dtype=None):
         shape, rdtype = _elementwise_result(fn, name, operands, dtype)
@@ -107,10 +109,9 @@ class StandInCupy:
     def _binary(self, fn, name, a, b, inplace=False):
         """``a <op> b`` where one of them is an array of this backend (the hot path)."""
         nd = self.ndarray
-        # (A dtype's hash is slow to compute: its number stands for it.)
-        ka = (a.shape, a.dtype.num) if type(a) is nd else _operand_key(a)
-        kb = (b.shape, b.dtype.num) if type(b) is nd else _operand_key(b)
-        ck = (name, ka, kb)
+        ka = (a.shape, a.dtype) if type(a) is nd else _operand_key(a)
+        kb = (b.shape, b.dtype) if type(b) is nd else _operand_key(b)
+        ck = (name, ka, kb, inplace)
         hit = _binary_cache.get(ck)
         if hit is None:
             shape, rdtype = _elementwise_result(fn, name, (a, b))
@@ -122,6 +123,8 @@ class StandInCupy:
             self.model._tls.c["launches"] += 1
         except AttributeError:
             self.model._c()["launches"] += 1
+        if self.model.launch_s:
+            self.model.spin()
         if inplace:
             return a
         return self._new(hit[0], hit[1])
@@ -164,7 +167,7 @@ class StandInCupy:
         return self.asarray(np.arange(*args, dtype=dtype))
 
     def asarray(self, x, dtype=None, order=None):
-        if isinstance(x, self.real.ndarray):
+        if isinstance(x, self._real.ndarray):
             if dtype is None or np.dtype(dtype) == x.dtype:
                 return x
             return x.astype(dtype)
@@ -190,20 +193,20 @@ class StandInCupy:
                             strides=cai.get("strides"))
 
     def ascontiguousarray(self, x, dtype=None):
-        if isinstance(x, self.real.ndarray) and x._c_contiguous and \
+        if isinstance(x, self._real.ndarray) and x._c_contiguous and \
                 (dtype is None or np.dtype(dtype) == x.dtype):
             return x
-        if not isinstance(x, self.real.ndarray):
+        if not isinstance(x, self._real.ndarray):
             return self.asarray(np.ascontiguousarray(x, dtype=dtype))
         return self._copy(x, dtype)
 
     def asnumpy(self, x, stream=None, order="C", out=None, blocking=True):
-        if isinstance(x, self.real.ndarray):
+        if isinstance(x, self._real.ndarray):
             return x.get(stream=stream, out=out, blocking=blocking)
         return np.asarray(x)
 
     def get_array_module(self, *args):
-        return self if any(isinstance(a, self.real.ndarray) for a in args) else np
+        return self if any(isinstance(a, self._real.ndarray) for a in args) else np
 
     def concatenate(self, arrays, axis=0, out=None, dtype=None):
         arrays = list(arrays)
@@ -230,7 +233,7 @@ class StandInCupy:
         return a.transpose(order)
 
     def broadcast_to(self, a, shape):
-        return self.real.broadcast_to(a, tuple(shape))
+        return self._real.broadcast_to(a, tuple(shape))
 
     def where(self, cond, x=None, y=None):
         if x is None:
@@ -250,7 +253,8 @@ class StandInCupy:
         return a.take(indices, axis=axis)
 
     def matmul(self, a, b, out=None):
-        return a.__matmul__(b) if out is None else out
+        result = a @ b
+        return result if out is None else out
 
     dot = matmul
 
@@ -269,6 +273,37 @@ class StandInCupy:
 
     def ElementwiseKernel(self, in_params, out_params, operation, name="kernel", **kw):
         return _ElementwiseKernel(self, in_params, out_params, name)
+
+    def ReductionKernel(self, in_params, out_params, map_expr, reduce_expr, post_map_expr,
+                        identity, name="reduce_kernel", **kw):
+        return _ReductionKernel(self, in_params, out_params, name)
+
+    def fuse(self, *args, **kwargs):
+        """``cupy.fuse``: the fused function is one launch; its results have the
+        operands' broadcast shape and the dtypes NumPy gives the function on 0-d
+        stand-ins of them."""
+        def wrap(fn):
+            cp = self
+
+            def fused(*operands):
+                cp._launch()
+                cp.model.count("kernel_launches")
+                arrays = [o for o in operands if isinstance(o, cp._real.ndarray)]
+                shape = np.broadcast_shapes(*[a.shape for a in arrays]) if arrays else ()
+                dummies = [np.zeros((), o.dtype) if isinstance(o, cp._real.ndarray) else o
+                           for o in operands]
+                with np.errstate(all="ignore"):
+                    made = fn(*dummies)
+                if made is None:
+                    return None
+                if isinstance(made, tuple):
+                    return tuple(cp._new(shape, np.asarray(m).dtype) for m in made)
+                return cp._new(shape, np.asarray(made).dtype)
+            fused.__name__ = getattr(fn, "__name__", "fused")
+            return fused
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return wrap(args[0])
+        return wrap
 
     def empty_pinned(self, shape, dtype=float, order="C"):
         return self.model.pinned(shape, dtype)
@@ -295,6 +330,8 @@ class _RawKernel:
         c = self.model._c()
         c["kernel_launches"] += 1
         c["launches"] += 1
+        if self.model.launch_s:
+            self.model.spin()
 
     def compile(self, log_stream=None):
         pass
@@ -337,6 +374,8 @@ class _ElementwiseKernel:
         c = self.cp.model._c()
         c["kernel_launches"] += 1
         c["launches"] += 1
+        if self.cp.model.launch_s:
+            self.cp.model.spin()
         if outs:
             return outs[0] if len(outs) == 1 else tuple(outs)
         arrays = [a for a in ins if hasattr(a, "shape")]
@@ -344,6 +383,24 @@ class _ElementwiseKernel:
         made = [self.cp._new(shape, t if t is not None else arrays[0].dtype)
                 for t in self.out_types]
         return made[0] if len(made) == 1 else tuple(made)
+
+
+class _ReductionKernel(_ElementwiseKernel):
+    """``cupy.ReductionKernel``: one launch; the output reduces ``axis`` (every axis
+    by default) of the inputs' broadcast shape."""
+
+    def __call__(self, *args, axis=None, keepdims=False, stream=None):
+        ins, outs = args[:self.n_in], args[self.n_in:]
+        self.cp._launch()
+        c = self.cp.model._c()
+        c["kernel_launches"] += 1
+        if outs:
+            return outs[0]
+        arrays = [a for a in ins if hasattr(a, "shape")]
+        shape = np.broadcast_shapes(*[tuple(a.shape) for a in arrays])
+        dtype = self.out_types[0] if self.out_types[0] is not None else arrays[0].dtype
+        rshape, _ = _reduction_result("sum", shape, np.dtype(dtype), axis, None, keepdims)
+        return self.cp._new(rshape, dtype)
 
 
 class _Pool:

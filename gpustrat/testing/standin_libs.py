@@ -56,6 +56,8 @@ class StandInNccl:
                 if self.aborted:
                     raise nccl.NcclError("ncclInvalidUsage: the communicator was aborted")
                 model._c()["nccl_calls"] += 1
+                if model.launch_s:
+                    model.spin()
 
             def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
                 self._call()
@@ -159,11 +161,14 @@ class _Kernel:
         self.cuda, self.__name__ = cuda, name
 
     def __getitem__(self, config):
-        c = self.cuda.model._c
+        model = self.cuda.model
 
         def launch(*args):
-            c()["kernel_launches"] += 1
-            c()["launches"] += 1
+            c = model._c()
+            c["kernel_launches"] += 1
+            c["launches"] += 1
+            if model.launch_s or model.numba_launch_s:
+                model.spin(model.launch_s + model.numba_launch_s)
         return launch
 
 

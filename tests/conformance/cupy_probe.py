@@ -366,6 +366,13 @@ def _(cp, nccl, cuda):
                               int(nccl.NCCL_SUM), 0)
 
 
+@entry("cupy.cuda.nccl.NcclCommunicator.reduce")
+def _(cp, nccl, cuda):
+    # nccl.py (strategy.reduce): c.reduce(send, recv, count, dt, op, root, stream.ptr)
+    null_comm(nccl).reduce(0x10000, 0x20000, 4, int(nccl.NCCL_FLOAT32),
+                           int(nccl.NCCL_SUM), 0, 0)
+
+
 @entry("cupy.cuda.nccl.NcclCommunicator.reduceScatter")
 def _(cp, nccl, cuda):
     null_comm(nccl).reduceScatter(0x10000, 0x20000, 2, int(nccl.NCCL_FLOAT32),

@@ -62,6 +62,24 @@ def check_arrays_are_real_cupy_arrays_and_operations_count_launches():
             a += b                                 # in place: no allocation
             a *= 2
         assert a.data.ptr == before and c["launches"] == 2 and c["allocations"] == 0
+        with gpus.measure() as c:
+            idx = cp.zeros((2,), np.int64)
+            shapes = [x.shape for x in (cp.concatenate([a, a], axis=1), cp.stack([a, a], axis=1),
+                                        a.take(idx, axis=1), a[idx], a.T.ravel(),
+                                        cp.broadcast_to(b, (2, 3, 4)), cp.moveaxis(a, 0, 1))]
+        assert shapes == [(3, 8), (3, 2, 4), (3, 2), (2, 4), (12,), (2, 3, 4), (4, 3)], shapes
+        assert c["host_syncs"] == 0
+        with gpus.measure() as c:
+            a[a > 0]                               # the result's size is on the device
+        assert c["host_syncs"] == 1
+        with cp.cuda.Device(1):
+            b + a                                  # broadcasts; in place it cannot
+        try:
+            b += a
+        except ValueError as err:
+            assert "broadcast" in str(err)
+        else:
+            raise AssertionError("b += a wrote a (3, 4) result into a (4,) array")
         try:
             a += cp.zeros((5,), F32)
         except ValueError as err:
@@ -131,6 +149,12 @@ def check_devices_streams_and_events_are_per_thread_and_counted():
         assert y.device.id == 2
         assert (c["device_enters"], c["stream_creations"], c["event_creations"],
                 c["timing_events"], c["event_records"], c["event_waits"]) == (1, 1, 2, 1, 2, 1)
+        from gpustrat.devices import Device
+        with gpus.measure() as c:
+            moved = devices.to_device(y, Device("gpu", 3))     # a peer copy, events only
+            host = devices.to_device(np.zeros(3, F32), Device("gpu", 1))
+        assert moved.device.id == 3 and moved.shape == (2,) and host.device.id == 1
+        assert c["host_syncs"] == 0 and c["copies"] == 2 and c["event_waits"] == 2, c
         with cp.cuda.Device(0):
             try:
                 s.__enter__()
@@ -197,8 +221,20 @@ def check_nccl_numba_and_cupy_kernel_calls_are_counted():
             cp.RawModule(code="...").get_function("g")((1,), (32,), (parts[0], 5))
             add = cp.ElementwiseKernel("float32 x, float32 y", "float64 z", "z = x + y", "add")
             z = add(parts[1], parts[1])
-        assert (c["kernel_launches"], c["host_syncs"]) == (3, 0)
+            total = cp.ReductionKernel("float32 x", "float64 y", "x", "a + b", "y = a", "0",
+                                       "total")(parts[1], axis=1)
+
+            @cp.fuse()
+            def axpy(a, x, y):
+                return a * x + y
+            fused = axpy(np.float32(2), parts[1], parts[1])
+            mem = cp.cuda.alloc(100)
+        assert (c["kernel_launches"], c["launches"], c["host_syncs"]) == (5, 5, 0)
         assert z.shape == (3, 2) and z.dtype == np.float64 and z.device.id == 1
+        assert total.shape == (3,) and total.dtype == np.float64
+        assert fused.shape == (3, 2) and fused.dtype == np.float32
+        assert mem.device_id == 1 and mem.ptr % 512 == 0
+        assert cp.cuda.Stream.null.ptr == 0
 
 
 def check_a_steady_mirrored_training_step_runs_and_is_counted():
@@ -264,6 +300,34 @@ def check_without_cupy_the_error_says_how_to_install_it():
         assert "install_cupy.py" in msg and "GPUSTRAT_CONFORMANCE_DIR" in msg, msg
     else:
         raise AssertionError("the stand-in started without CuPy")
+
+
+def check_a_modelled_launch_cost_is_spent_per_launch():
+    import time
+    with testing.stand_in(num_devices=1, launch_us=200) as gpus:
+        cp = devices.cupy()
+        a = cp.zeros((4,), F32)
+        t0 = time.thread_time()
+        for _ in range(10):
+            a += 1
+        spent = time.thread_time() - t0
+        assert spent >= 10 * 200e-6, spent
+        assert gpus.counts()["launches"] == 10
+    from gpustrat.kernels import pack
+    with testing.stand_in(num_devices=1, numba_launch_us=300) as gpus:
+        cp = devices.cupy()
+        parts = [cp.zeros((5,), F32), cp.zeros((3,), F32)]
+        with gpus.measure() as c:
+            t0 = time.thread_time()
+            pack.pack(parts)
+            spent = time.thread_time() - t0
+        assert spent >= c["kernel_launches"] * 300e-6 and c["kernel_launches"] >= 1, (spent, c)
+    try:
+        testing.stand_in(launch_us=-1).__enter__()
+    except ValueError as err:
+        assert "launch_us" in str(err)
+    else:
+        raise AssertionError("a negative launch cost was accepted")
 
 
 CHECKS = {name[len("check_"):]: fn for name, fn in dict(globals()).items()

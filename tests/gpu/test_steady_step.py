@@ -86,3 +86,43 @@ def test_the_only_replica_all_reduces_nothing_and_a_mean_of_ints_still_divides()
         assert ints[0].dtype == np.float64
         np.testing.assert_array_equal(devices.to_host(ints[1]), [3.0, 3.0])
     assert not san.reports
+
+
+@pytest.mark.parametrize("op", ("sum", "mean", "max", "min"))
+def test_strategy_reduce_over_gpus_makes_one_result_on_the_first(op):
+    with testing.sanitize(num_devices=4) as san:
+        cp = devices.cupy()
+        strategy = gs.MirroredStrategy([f"gpu:{i}" for i in range(4)])
+        losses = strategy.run(lambda: cp.full((), 1.0 + gs.distribute.get_replica_context()
+                                              .replica_id_in_sync_group, np.float32))
+        vectors = strategy.run(lambda: cp.full((3,), 2.0 + gs.distribute.get_replica_context()
+                                               .replica_id_in_sync_group, np.float64))
+        with san.measure() as c:
+            loss = strategy.reduce(op, losses, axis=None)
+            vector = strategy.reduce(op, vectors, axis=None)
+        assert c["allocations"] == 2 and c["host_syncs"] == 0
+        assert loss.device.id == 0 and loss.shape == () and loss.dtype == np.float32
+        combine = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}[op]
+        assert float(devices.to_host(loss)) == combine([1.0, 2.0, 3.0, 4.0])
+        np.testing.assert_array_equal(devices.to_host(vector),
+                                      [combine([2.0, 3.0, 4.0, 5.0])] * 3)
+    assert not san.reports
+
+
+def test_iterations_count_on_the_gpus_without_an_upload_per_step():
+    with testing.sanitize(num_devices=2) as san:
+        cp = devices.cupy()
+        strategy = gs.MirroredStrategy(["gpu:0", "gpu:1"])
+        step, variables = _training(strategy, cp)
+        strategy.run(step)
+        with strategy.scope():
+            counter = gs.Variable(np.zeros((), np.int64))
+        with san.measure() as c:
+            for _ in range(3):
+                counter.assign_add(np.ones((), np.int64))
+        assert c["copies"] == 0 and c["launches"] == 3 * 2
+        with san.measure() as c:
+            strategy.run(step)
+        assert c["copies"] == 0
+        assert [int(c.numpy()) for c in counter.values] == [3, 3]
+    assert not san.reports
