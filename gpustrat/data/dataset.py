@@ -450,14 +450,18 @@ class Dataset(abc.ABC):
         return UnbatchDataset(self)
 
     def map(self, map_func: Callable, num_parallel_calls: int | None = None,
-            deterministic: bool | None = None, name: str | None = None) -> "Dataset":
+            deterministic: bool | None = None, name: str | None = None,
+            use_processes: bool | None = None) -> "Dataset":
         """Apply ``map_func`` to every element (tuples are unpacked into arguments).
 
         With ``num_parallel_calls`` (an int or AUTOTUNE) the calls run in a thread pool;
-        results keep the input order unless ``deterministic`` is False.
+        results keep the input order unless ``deterministic`` is False. With
+        ``use_processes=True`` (or the options' ``experimental_processing.use_processes``)
+        they run in that many worker processes instead (AUTOTUNE: one per core this
+        process may use): Python code that holds the GIL then scales with the cores.
         """
         from gpustrat.data.mapping import MapDataset
-        return MapDataset(self, map_func, num_parallel_calls, deterministic)
+        return MapDataset(self, map_func, num_parallel_calls, deterministic, use_processes)
 
     def filter(self, predicate: Callable) -> "Dataset":
         """Keep the elements for which ``predicate`` returns a true scalar."""
@@ -502,12 +506,17 @@ class Dataset(abc.ABC):
 
     def interleave(self, map_func: Callable, cycle_length: int | None = None,
                    block_length: int | None = None, num_parallel_calls: int | None = None,
-                   deterministic: bool | None = None) -> "Dataset":
+                   deterministic: bool | None = None,
+                   use_processes: bool | None = None) -> "Dataset":
         """Map elements to datasets and interleave them: ``cycle_length`` open at once,
-        ``block_length`` consecutive elements from each (tf.data's order)."""
+        ``block_length`` consecutive elements from each (tf.data's order).
+
+        With ``num_parallel_calls`` each open dataset is read ahead by a thread; with
+        ``use_processes=True`` (or the options' ``experimental_processing``) the
+        datasets are made and iterated in ``num_parallel_calls`` worker processes."""
         from gpustrat.data.interleave import InterleaveDataset
         return InterleaveDataset(self, map_func, cycle_length, block_length,
-                                 num_parallel_calls, deterministic)
+                                 num_parallel_calls, deterministic, use_processes)
 
     def flat_map(self, map_func: Callable) -> "Dataset":
         """Map elements to datasets and concatenate them in order."""

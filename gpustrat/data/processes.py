@@ -1,0 +1,812 @@
+"""Worker processes for ``map`` and ``interleave`` with ``use_processes=True``: Python
+code that holds the GIL (parsing, decoding, per-record logic) runs on as many cores as
+the pipeline may use.
+
+Words:
+    pool: the worker processes of one iterator of one node (one ``map`` or
+        ``interleave`` over one epoch). It starts at the iterator's first ``next`` and
+        is stopped (its processes killed and reaped) when the iterator is closed,
+        garbage collected or fails, and at interpreter exit. A worker also exits by
+        itself when its parent dies: a thread of the worker reads the socket to the
+        parent, which the kernel closes when the parent exits for any reason
+        (SIGKILL included), and looks at ``os.getppid()`` every second.
+    worker: a clean Python interpreter started with :mod:`subprocess` (vfork and exec:
+        this process is never forked, so an initialised MPI library or CUDA context is
+        never copied). It imports gpustrat and the function, which travels by value
+        when it cannot be imported by name (a lambda, a closure, a function of the
+        script), as :mod:`gpustrat.distribute.parameter_server.wire` packs it. The
+        launcher's variables (``PMI_*``, ``OMPI_*``, ...) are removed from its
+        environment (a worker is no MPI rank), ``CUDA_VISIBLE_DEVICES`` is empty (a
+        worker never touches the GPU) and BLAS/OpenMP threads default to one each.
+        Workers ignore SIGINT: Ctrl-C interrupts the consumer, whose iterator then
+        stops them.
+    task: one message to a worker: a run of consecutive input elements of a ``map``
+        (one at first; more when calls are short, so that each message carries about
+        :data:`_TASK_S` of work and small outputs travel together), or a request for
+        the next elements of one open ``interleave`` slot. A worker holds at most
+        :data:`_DEPTH` tasks, and a ``map`` holds at most ``2 * processes`` tasks'
+        elements unreturned (computed or not): in-flight work and memory are bounded.
+    segment: a file in ``/dev/shm`` (shared memory) holding the large arrays of one
+        answer. The worker writes each contiguous array of at least
+        :data:`_OUT_OF_BAND` bytes into it (the one copy), the consumer maps the file,
+        unlinks it and unpickles the answer with NumPy's arrays made over the mapping:
+        no copy. The mapping is freed with the last array using it. A pool removes the
+        segments left by a killed worker when it stops.
+
+An exception raised by the function travels to the consumer (pickled, or as its type
+name and message when it cannot be) with the worker's formatted traceback as its
+``__cause__``, and a note naming the element; it is raised when the consumer reaches
+that element. A worker that dies (killed, ``os._exit``, a segfault) is a
+:class:`WorkerDiedError` naming the element it was computing.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import itertools
+import mmap
+import os
+import pickle
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+from multiprocessing.connection import Connection, wait as wait_for
+from typing import Any, Callable
+
+from gpustrat.data.iterator_state import Replay, StateIterator, pack_elements
+
+_PROTOCOL = 5
+#: Arrays of at least this many bytes travel through a shared-memory segment.
+_OUT_OF_BAND = 32 << 10
+#: Tasks a worker holds at once (one computing, one waiting: no idle gap).
+_DEPTH = 2
+#: A map task carries about this much work (seconds), so that messages stay few ...
+_TASK_S = 2e-3
+#: ... and at most this many elements ...
+_MAX_BATCH = 256
+#: ... and at most this many output bytes (large outputs travel one per task).
+_BATCH_BYTES = 4 << 20
+_ALIGN = 64
+#: Environment variables of MPI launchers, removed from a worker's environment.
+_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "MPIR_", "HYDRA_", "HYDI_", "OMPI_", "MPICH_",
+                      "I_MPI_", "SLURM_STEP_")
+_ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+               "NUMEXPR_NUM_THREADS")
+_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE",
+                    "MV2_COMM_WORLD_LOCAL_SIZE")
+_OK, _ERR = 0, 1
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process of a ``map`` or ``interleave`` ended while it computed an
+    element (killed, ``os._exit``, a crash in an extension)."""
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker process, as text (the
+    ``__cause__`` of the exception raised in the consumer)."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self):
+        return f'\n"""\n{self.text}"""'
+
+
+def process_count() -> int:
+    """Processes for ``num_parallel_calls=AUTOTUNE`` with processes: the cores this
+    process may use (``os.sched_getaffinity``). Under an MPI launcher that binds no
+    ranks (each sees every core of the machine), the node's cores shared by the ranks
+    on it (read from the launcher's environment, without initialising MPI)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    if cores == (os.cpu_count() or cores):
+        for name in _LOCAL_SIZE_VARS:
+            try:
+                local = int(os.environ.get(name, "1"))
+            except ValueError:
+                continue
+            if local > 1:
+                return max(1, cores // local)
+    return max(1, cores)
+
+
+def _shm_dir() -> str:
+    d = "/dev/shm"
+    return d if os.path.isdir(d) and os.access(d, os.W_OK) else tempfile.gettempdir()
+
+
+def _child_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    for name in _ONE_THREAD:
+        env.setdefault(name, "1")
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _pack_function(fn: Callable, what: str) -> bytes:
+    from gpustrat.distribute.parameter_server import wire  # noqa: PLC0415
+    try:
+        blob, arrays = wire.pack(fn, f"{what}'s function")
+    except TypeError as e:
+        raise TypeError(f"{what}: use_processes=True runs the function in worker "
+                        f"processes, and {str(e)[0].lower()}{str(e)[1:]}") from None
+    return pickle.dumps((blob, arrays), _PROTOCOL)
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "closed its connection"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _short(element) -> str:
+    text = repr(element)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+# --- answers: pickles whose large arrays travel in a segment ----------------------
+
+def _encode(obj, shm_dir: str, names) -> bytes:
+    """``obj`` pickled, its large contiguous buffers written to a new segment."""
+    bufs: list = []
+
+    def out_of_band(pb: pickle.PickleBuffer) -> bool:
+        m = pb.raw()
+        if m.nbytes < _OUT_OF_BAND:
+            return True
+        bufs.append(m)
+        return False
+
+    head = pickle.dumps(obj, _PROTOCOL, buffer_callback=out_of_band)
+    if not bufs:
+        return pickle.dumps((head, None, None), _PROTOCOL)
+    name = next(names)
+    layout, offset = [], 0
+    for m in bufs:
+        layout.append((offset, m.nbytes))
+        offset += -(-m.nbytes // _ALIGN) * _ALIGN
+    fd = os.open(os.path.join(shm_dir, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, offset)
+        for (start, _), m in zip(layout, bufs):
+            done = 0
+            while done < m.nbytes:
+                done += os.pwrite(fd, m[done:], start + done)
+    finally:
+        os.close(fd)
+    return pickle.dumps((head, name, layout), _PROTOCOL)
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _decode(data: bytes, shm_dir: str):
+    head, name, layout = pickle.loads(data)
+    if name is None:
+        return pickle.loads(head)
+    path = os.path.join(shm_dir, name)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    view = memoryview(mm)
+    return pickle.loads(head, buffers=[view[o:o + n] for o, n in layout])
+
+
+# --- the worker side -----------------------------------------------------------------
+
+def _read_tasks(conn: Connection, tasks, parent: int) -> None:
+    """Worker thread: tasks from the parent into ``tasks``; the worker exits when the
+    parent is gone (its socket end closed, or this process re-parented)."""
+    while True:
+        try:
+            if conn.poll(1.0):
+                tasks.append(conn.recv_bytes())
+                with _wake:
+                    _wake.notify()
+            elif os.getppid() != parent:
+                os._exit(0)
+        except (EOFError, OSError):
+            os._exit(0)
+
+
+_wake = threading.Condition()
+
+
+def _error_info(e: BaseException) -> tuple:
+    try:
+        blob = pickle.dumps(e, _PROTOCOL)
+        pickle.loads(blob)
+    except Exception:  # noqa: BLE001 - the text still travels
+        blob = None
+    return (blob, type(e).__qualname__, str(e), traceback.format_exc(), os.getpid())
+
+
+class _Slot:
+    """A worker's open ``interleave`` slot: the iterator over the dataset its function
+    returned for one input element."""
+
+    def __init__(self, it, saveable: bool):
+        self.it, self.saveable = it, saveable
+
+
+def _worker_main() -> None:
+    fd, parent = int(sys.argv[1]), int(sys.argv[2])
+    conn = Connection(fd)
+    tasks: collections.deque = collections.deque()
+    threading.Thread(target=_read_tasks, args=(conn, tasks, parent), daemon=True).start()
+
+    def next_task():
+        with _wake:
+            while not tasks:
+                _wake.wait()
+        return pickle.loads(tasks.popleft())
+
+    kind, path, fn_blob, shm_dir, prefix = next_task()
+    sys.path[:] = path
+    from gpustrat.distribute.parameter_server import wire  # noqa: PLC0415
+    blob, arrays = pickle.loads(fn_blob)
+    fn = wire.unpack(blob, arrays)
+    names = (f"{prefix}-{os.getpid()}-{i}" for i in itertools.count())
+    if kind == "map":
+        from gpustrat.data.mapping import map_output  # noqa: PLC0415
+        _serve_map(conn, next_task, fn, map_output, shm_dir, names)
+    else:
+        _serve_interleave(conn, next_task, fn, shm_dir, names)
+
+
+def _serve_map(conn, next_task, fn, map_output, shm_dir, names) -> None:
+    clock = time.perf_counter
+    while True:
+        first, elements = next_task()
+        results = []
+        t0 = clock()
+        for element in elements:
+            try:
+                results.append((_OK, map_output(fn, element)))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                results.append((_ERR, _error_info(e)))
+        conn.send_bytes(_encode((first, results, clock() - t0), shm_dir, names))
+
+
+def _serve_interleave(conn, next_task, fn, shm_dir, names) -> None:
+    from gpustrat.data import autoshard  # noqa: PLC0415
+    from gpustrat.data import structure as st  # noqa: PLC0415
+    from gpustrat.data.dataset import Dataset, _IterContext  # noqa: PLC0415
+    from gpustrat.data.iterator_state import unsupported_nodes  # noqa: PLC0415
+    slots: dict = {}
+    ctx = _IterContext()
+    while True:
+        task = next_task()
+        op, sid = task[0], task[1]
+        if op == "close":
+            slot = slots.pop(sid, None)
+            if slot is not None:
+                slot.it.close()
+            continue
+        elements, ended, error, state = [], False, None, None
+        try:
+            if op == "open":
+                _, _, element, key, saved, track, what = task
+                ds = st.call_with_element(fn, element)
+                if not isinstance(ds, Dataset):
+                    raise TypeError(f"interleave: map_func must return a Dataset, got "
+                                    f"{type(ds).__name__}")
+                if key is not None:
+                    ds = autoshard.seeded_like_every_worker(ds, key)
+                why = unsupported_nodes(ds) if track else ["not saved"]
+                if why:
+                    slots[sid] = _Slot(ds._iter(ctx), False)
+                    if track:
+                        state = ("unsaveable", f"{what} cannot save its position: "
+                                 + "; ".join(why))
+                else:
+                    it = ds._state_iter(ctx)
+                    if saved is not None:
+                        it.restore(saved)
+                    slots[sid] = _Slot(it, True)
+                count = 0
+            else:
+                count = task[2]
+            slot = slots[sid]
+            for _ in range(max(1, count)):
+                try:
+                    elements.append(next(slot.it))
+                except StopIteration:
+                    ended = True
+                    break
+                if op == "open":
+                    break   # the first element comes back at once
+            if slot.saveable and state is None:
+                state = ("state", slot.it.save())
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            error = _error_info(e)
+            ended = True
+        if ended and sid in slots:
+            slots.pop(sid).it.close()
+        conn.send_bytes(_encode((sid, elements, ended, error, state), shm_dir, names))
+
+
+# --- the parent side -----------------------------------------------------------------
+
+_CODE = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+         "from gpustrat.data.processes import _worker_main; _worker_main()")
+
+
+class _Worker:
+    __slots__ = ("proc", "conn", "tasks", "index", "__weakref__")
+
+    def __init__(self, proc, conn, index):
+        self.proc, self.conn, self.index = proc, conn, index
+        self.tasks: collections.deque = collections.deque()   # what each task holds
+
+
+def _stop(workers: list, shm_dir: str, prefix: str) -> None:
+    """Kill and reap the workers, remove the segments of answers never taken."""
+    for w in workers:
+        if w.proc.poll() is None:
+            try:
+                w.proc.kill()
+            except OSError:
+                pass
+    for w in workers:
+        try:
+            w.conn.close()
+        except OSError:
+            pass
+        w.proc.wait()
+    for path in glob.glob(os.path.join(shm_dir, prefix + "-*")):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    workers.clear()
+
+
+class Pool:
+    """``size`` worker processes running ``fn`` for a ``map`` (``kind="map"``) or the
+    datasets of an ``interleave`` (``kind="interleave"``); ``what`` names the node in
+    messages."""
+
+    def __init__(self, fn: Callable, size: int, kind: str, what: str):
+        self.what, self.kind = what, kind
+        blob = _pack_function(fn, what)
+        self.shm_dir = _shm_dir()
+        self.prefix = f"gpustrat-{os.getpid()}-{secrets.token_hex(4)}"
+        self.workers: list[_Worker] = []
+        self._stop = weakref.finalize(self, _stop, self.workers, self.shm_dir, self.prefix)
+        env = _child_env()
+        init = pickle.dumps((kind, list(sys.path), blob, self.shm_dir, self.prefix),
+                            _PROTOCOL)
+        try:
+            for i in range(size):
+                mine, theirs = socket.socketpair()
+                try:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-c", _CODE, str(theirs.fileno()), str(os.getpid())],
+                        pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+                finally:
+                    theirs.close()
+                w = _Worker(proc, Connection(mine.detach()), i)
+                self.workers.append(w)
+                w.conn.send_bytes(init)
+        except BaseException:
+            self.close()
+            raise
+        self._by_conn = {w.conn: w for w in self.workers}
+
+    def send(self, w: _Worker, task, holds) -> None:
+        """Give ``w`` a task; ``holds`` is what the task is about (for its answer and
+        for the error if ``w`` dies)."""
+        w.tasks.append(holds)
+        try:
+            w.conn.send_bytes(pickle.dumps(task, _PROTOCOL))
+        except OSError:
+            self.died(w)
+
+    def receive(self, block: bool = True) -> list:
+        """``(worker, what its oldest task holds, answer)`` for every answer that
+        arrived (waiting for one when ``block``)."""
+        busy = [w.conn for w in self.workers if w.tasks]
+        if not busy:
+            return []
+        out = []
+        for conn in wait_for(busy, None if block else 0):
+            w = self._by_conn[conn]
+            try:
+                data = conn.recv_bytes()
+            except (EOFError, OSError):
+                self.died(w)
+            out.append((w, w.tasks.popleft(), _decode(data, self.shm_dir)))
+        return out
+
+    def died(self, w: _Worker):
+        """Raise the error of a worker that ended while it held tasks."""
+        try:
+            code = w.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        holds = w.tasks[0] if w.tasks else None
+        self.close()
+        raise WorkerDiedError(
+            f"{self.what}: worker process {w.proc.pid} {_describe_exit(code)} while it "
+            f"computed {self.describe(holds)}; the iterator stops here. A function that "
+            "ends its interpreter (os._exit, a crash in an extension, the out-of-memory "
+            "killer) takes its worker with it: run the pipeline without use_processes "
+            "to see it fail in this process")
+
+    describe = staticmethod(lambda holds: "an element")
+
+    def close(self) -> None:
+        self._stop()
+
+
+def raise_remote(info: tuple, where: str):
+    """Raise the exception a worker reported (:func:`_error_info`), its traceback text
+    as the cause."""
+    blob, name, message, text, pid = info
+    exc = None
+    if blob is not None:
+        try:
+            exc = pickle.loads(blob)
+        except Exception:  # noqa: BLE001 - fall back to the text
+            exc = None
+    if not isinstance(exc, BaseException):
+        exc = RuntimeError(f"{name}: {message}")
+    exc.add_note(f"(raised in worker process {pid} on {where})")
+    raise exc from RemoteTraceback(text)
+
+
+class MapRun:
+    """One epoch of a ``map`` on processes: input elements come from ``pull()`` (in
+    this process: a ``from_generator`` source runs here), the calls run in a
+    :class:`Pool`, results come back in input order (``deterministic``) or as they
+    are ready.
+
+    ``on_error``: None (a failed call raises its exception), or ``(value, warn)``: a
+    failed call gives ``value`` (``ignore_errors``; ``warn`` logs it).
+    """
+
+    def __init__(self, fn: Callable, size: int, pull: Callable[[], Any],
+                 deterministic: bool, what: str, on_error=None):
+        self._fn, self._size, self._pull = fn, size, pull
+        self._deterministic = deterministic
+        self._what, self._on_error = what, on_error
+        self.pool: Pool | None = None
+        self.exhausted = False
+        self._seq = 0                 # seq of the next input element pulled
+        self._inputs: dict = {}       # seq -> input element not yet returned
+        self._ready: dict = {}        # seq -> (kind, value) computed, not returned
+        self._order: collections.deque = collections.deque()   # ready seqs (any order)
+        self._want = 0                # next seq returned (deterministic)
+        self._batch = 1
+        self._cost = None             # seconds per call, smoothed
+        self._out_bytes = 0
+
+    def _describe(self, holds) -> str:
+        if holds is None:
+            return "an element"
+        first, count = holds
+        element = self._inputs.get(first)
+        return (f"input element {first} of this epoch ({_short(element)})" if count == 1
+                else f"input elements {first} to {first + count - 1} of this epoch (the "
+                     f"first: {_short(element)})")
+
+    def unreturned(self) -> list:
+        """The input elements pulled whose results were not returned, in input order."""
+        return [self._inputs[s] for s in sorted(self._inputs)]
+
+    def _feed(self) -> None:
+        pool = self.pool
+        limit = _DEPTH * self._size * self._batch
+        for w in pool.workers:
+            while not self.exhausted and len(w.tasks) < _DEPTH and \
+                    len(self._inputs) < limit:
+                first, elements = self._seq, []
+                for _ in range(self._batch):
+                    try:
+                        element = self._pull()
+                    except StopIteration:
+                        self.exhausted = True
+                        break
+                    self._inputs[self._seq] = element
+                    self._seq += 1
+                    elements.append(element)
+                if not elements:
+                    break
+                pool.send(w, (first, elements), (first, len(elements)))
+
+    def _take(self):
+        if self._deterministic:
+            if self._want not in self._ready:
+                return None
+            seq = self._want
+            self._want += 1
+        else:
+            if not self._order:
+                return None
+            seq = self._order.popleft()
+        kind, value = self._ready.pop(seq)
+        element = self._inputs.pop(seq)
+        if kind == _OK:
+            return (value,)
+        if self._on_error is not None:
+            failed, warn = self._on_error
+            if warn:
+                from gpustrat.data.filtering import log  # noqa: PLC0415
+                log.warning("ignore_errors: dropped an element: %s: %s", value[1], value[2])
+            return (failed,)
+        raise_remote(value, f"input element {seq} of this epoch ({_short(element)}) "
+                            f"in {self._what}")
+
+    def _learn(self, results: list, elapsed: float) -> None:
+        n = len(results)
+        cost = elapsed / n
+        self._cost = cost if self._cost is None else 0.7 * self._cost + 0.3 * cost
+        size = 0
+        for kind, value in results[:4]:
+            if kind == _OK:
+                size = max(size, _nbytes(value))
+        self._out_bytes = size
+        batch = int(_TASK_S / max(self._cost, 1e-7))
+        if size:
+            batch = min(batch, _BATCH_BYTES // size)
+        self._batch = max(1, min(_MAX_BATCH, batch))
+
+    def __next__(self):
+        if self.pool is None:
+            self.pool = Pool(self._fn, self._size, "map", self._what)
+            self.pool.describe = self._describe
+        while True:
+            self._feed()
+            got = self._take()
+            if got is not None:
+                return got[0]
+            if not any(w.tasks for w in self.pool.workers):
+                raise StopIteration
+            for _, (first, _), (first_, results, elapsed) in self.pool.receive():
+                for i, r in enumerate(results):
+                    self._ready[first + i] = r
+                if not self._deterministic:
+                    self._order.extend(range(first, first + len(results)))
+                self._learn(results, elapsed)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+
+def _nbytes(value) -> int:
+    """The bytes of the arrays in an output (a cheap look, for the task size)."""
+    nbytes = getattr(value, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    if isinstance(value, (tuple, list)):
+        return sum(_nbytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    return 0
+
+
+def process_map(source, fn: Callable, size: int, deterministic: bool, what: str,
+                on_error=None):
+    """Generator of ``fn``'s outputs over ``source`` (a ``map`` on processes)."""
+    run = MapRun(fn, size, source.__next__, deterministic, what, on_error)
+    try:
+        while True:
+            try:
+                out = next(run)
+            except StopIteration:
+                return
+            yield out
+    finally:
+        run.close()
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
+
+
+class InterleavePool:
+    """The worker processes of one ``interleave`` iteration: each open slot's dataset is
+    made and iterated in a worker (slots dealt to the least loaded), read ahead by
+    ``ahead`` elements per request."""
+
+    def __init__(self, fn: Callable, size: int, ahead: int, what: str):
+        self._fn, self._size, self._ahead, self._what = fn, size, ahead, what
+        self.pool: Pool | None = None
+        self._sids = itertools.count()
+        self._slots: dict = {}        # sid -> RemoteSlot
+        self._load: list = [0] * size
+
+    def _start(self) -> Pool:
+        if self.pool is None:
+            self.pool = Pool(self._fn, self._size, "interleave", self._what)
+            self.pool.describe = lambda holds: (
+                "an element" if holds is None else
+                f"the dataset of input element {_short(self._slots[holds].element)}"
+                if holds in self._slots else "an element")
+        return self.pool
+
+    def open(self, element, key, state=None, track: bool = False,
+             what: str = "") -> "RemoteSlot":
+        slot = RemoteSlot(self, next(self._sids), element, key, track, what)
+        if state is not None:
+            slot.restore(state)
+        return slot
+
+    def _assign(self, slot: "RemoteSlot") -> _Worker:
+        pool = self._start()
+        i = min(range(self._size), key=self._load.__getitem__)
+        self._load[i] += 1
+        self._slots[slot.sid] = slot
+        return pool.workers[i]
+
+    def pump(self, block: bool) -> None:
+        for w, sid, answer in self.pool.receive(block):
+            slot = self._slots.get(sid)
+            if slot is not None:
+                slot._answer(answer)
+
+    def release(self, slot: "RemoteSlot") -> None:
+        if self._slots.pop(slot.sid, None) is not None:
+            self._load[slot.worker.index] -= 1
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        self._slots.clear()
+
+
+class RemoteSlot:
+    """An ``interleave`` slot whose dataset lives in a worker process; iterated, saved
+    and restored as a state iterator. Its state is the slot dataset's state after the
+    last answer taken plus the elements taken and not returned (handed back first by
+    a restored slot), as a prefetch's."""
+
+    def __init__(self, owner: InterleavePool, sid: int, element, key, track: bool,
+                 what: str):
+        self.owner, self.sid, self.element, self.key = owner, sid, element, key
+        self.track, self.what = track, what
+        self.worker = None
+        self._buffer: collections.deque = collections.deque()
+        self._asked = False
+        self._ended = False
+        self._error = None
+        self._state = None            # ("state", tree) | ("unsaveable", why) | None
+        self._restored = None
+
+    def start(self) -> "RemoteSlot":
+        if self.worker is None:
+            self.worker = self.owner._assign(self)
+            self._asked = True
+            self.owner.pool.send(self.worker, ("open", self.sid, self.element, self.key,
+                                               self._restored, self.track, self.what),
+                                 self.sid)
+        return self
+
+    def _answer(self, answer) -> None:
+        _, elements, ended, error, state = answer
+        self._asked = False
+        self._buffer.extend(elements)
+        self._ended = ended
+        self._error = error
+        if state is not None:
+            self._state = state
+        if ended:
+            self.owner.release(self)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.start()
+        while not self._buffer:
+            if self._ended:
+                if self._error is not None:
+                    error, self._error = self._error, None
+                    raise_remote(error, f"the dataset {self.what} for input element "
+                                        f"{_short(self.element)}")
+                raise StopIteration
+            if not self._asked:
+                self._ask()
+            self.owner.pump(True)
+        element = self._buffer.popleft()
+        if not self._buffer and not self._ended and not self._asked:
+            self._ask()     # read ahead while the consumer uses this element
+        return element
+
+    def _ask(self) -> None:
+        self._asked = True
+        self.owner.pool.send(self.worker, ("next", self.sid, self.owner._ahead), self.sid)
+
+    def save(self) -> dict:
+        from gpustrat.data.iterator_state import pack_elements  # noqa: PLC0415
+        if self._restored is not None and self._state is None:
+            state = self._restored
+        elif self._state is not None and self._state[0] == "unsaveable":
+            raise ValueError(self._state[1])
+        elif self._state is None:
+            state = None   # not started: restores as a fresh slot
+        else:
+            state = self._state[1]
+        out = {"pending": pack_elements(list(self._buffer)),
+               "ended": self._ended and self._error is None}
+        if state is not None:
+            out["state"] = state
+        return out
+
+    def restore(self, state: dict) -> None:
+        from gpustrat.data.iterator_state import unpack_elements  # noqa: PLC0415
+        self._buffer = collections.deque(unpack_elements(state["pending"]))
+        self._restored = state.get("state")
+        if bool(state.get("ended")):
+            self._ended = True
+            self.worker = False   # never opened again
+
+    def close(self) -> None:
+        if self.worker and not self._ended and self.owner.pool is not None \
+                and self.sid in self.owner._slots:
+            self.owner.release(self)
+            try:
+                self.worker.conn.send_bytes(pickle.dumps(("close", self.sid), _PROTOCOL))
+            except OSError:
+                pass
+        self._ended = True
+
+
+class ProcessMapIterator(StateIterator):
+    """``map`` on processes as a state iterator: the state is the input's state plus
+    the input elements pulled whose results were not returned (sent to a worker,
+    computed and waiting, or replayed), which a restored iterator maps again, in
+    input order, before reading further: nothing in flight is lost or repeated."""
+
+    def __init__(self, input_it: StateIterator, fn: Callable, size: int,
+                 deterministic: bool, what: str, on_error=None):
+        self._input = input_it
+        self._inputs = (input_it,)
+        self._replay = Replay()
+        self._run = MapRun(fn, size, self._pull, deterministic, what, on_error)
+
+    def _pull(self):
+        if self._replay.items:
+            return self._replay.items.popleft()
+        return next(self._input)
+
+    def __next__(self):
+        return next(self._run)
+
+    def save(self) -> dict:
+        elements = self._run.unreturned() + list(self._replay.items)
+        return {"input": self._input.save(), "in_flight": pack_elements(elements),
+                "exhausted": self._run.exhausted}
+
+    def restore(self, state: dict) -> None:
+        self._input.restore(state["input"])
+        self._replay.set(state["in_flight"])
+        self._run.exhausted = bool(state["exhausted"]) and not self._replay.items
+
+    def close(self) -> None:
+        self._run.close()
+        super().close()
