@@ -54,10 +54,19 @@ def autotune_parallelism() -> int:
 class _IterContext:
     """What a node's ``_iter`` needs to know about the iteration it is part of."""
 
-    __slots__ = ("peek",)
+    __slots__ = ("peek", "root", "_options")
 
-    def __init__(self, peek: bool = False):
+    def __init__(self, peek: bool = False, root: "Dataset | None" = None):
         self.peek = peek
+        self.root = root
+        self._options = None
+
+    def options(self, node: "Dataset") -> Options:
+        """The options of the whole pipeline iterated (those set downstream of ``node``
+        too, as tf.data applies options to the whole pipeline), else ``node``'s."""
+        if self._options is None:
+            self._options = (self.root if self.root is not None else node).options()
+        return self._options
 
 
 # What an ended or failed iterator's ``next`` reads: raises StopIteration.
@@ -131,7 +140,7 @@ class DatasetIterator:
         if "seeds" in state:  # before any node's iterator reads its seed
             for node, seed in zip(drawn_seed_nodes(self._dataset), state["seeds"]):
                 set_drawn_seed(node, seed)
-        fresh = self._dataset._state_iter(_IterContext())
+        fresh = self._dataset._state_iter(_IterContext(root=self._dataset))
         fresh.restore(state["position"])
         if "epochs" in state:  # the counters as at the save (making fresh moved them)
             set_epoch_counts(self._dataset, state["epochs"])
@@ -290,9 +299,9 @@ class Dataset(abc.ABC):
         if saveable is None or saveable[0] != id(self):
             saveable = self.__dict__["_saveable"] = (id(self), not unsupported_nodes(self))
         if saveable[1]:
-            state = self._state_iter(_IterContext())
+            state = self._state_iter(_IterContext(root=self))
             return DatasetIterator(self, state.fast_iter(), state)
-        return DatasetIterator(self, self._iter(_IterContext()))
+        return DatasetIterator(self, self._iter(_IterContext(root=self)))
 
     @property
     def element_spec(self) -> Any:

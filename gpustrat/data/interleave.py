@@ -90,7 +90,7 @@ class InterleaveDataset(UnaryDataset):
         if ctx.peek:
             return None
         n = processes_for(self._parallelism, self._autotune, self._use_processes,
-                          self.options())
+                          ctx.options(self))
         return None if n is None else InterleavePool(self._fn, n, max(2, self._block),
                                                      "interleave")
 

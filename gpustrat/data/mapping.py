@@ -157,11 +157,11 @@ class MapDataset(UnaryDataset):
     def _call(self, element):
         return map_output(self._fn, element)
 
-    def _processes(self) -> int | None:
+    def _processes(self, ctx=None) -> int | None:
         """The number of worker processes this map's calls run in (None: threads, or
         inline)."""
         return processes_for(self._parallelism, self._autotune, self._use_processes,
-                             self.options())
+                             self.options() if ctx is None else ctx.options(self))
 
     def _on_error(self):
         # ignore_errors gives its maps (failed value, warn): see filtering._resilient.
@@ -182,7 +182,7 @@ class MapDataset(UnaryDataset):
         it = self._input._iter(ctx)
         call = self._call
         if self._parallelism is None or ctx.peek or (
-                self._parallelism == 1 and self._processes() is None):
+                self._parallelism == 1 and self._processes(ctx) is None):
             try:
                 for element in it:
                     yield call(element)
@@ -192,7 +192,7 @@ class MapDataset(UnaryDataset):
         deterministic = self._deterministic
         if deterministic is None:
             deterministic = self.options().deterministic is not False
-        processes = self._processes()
+        processes = self._processes(ctx)
         if processes is not None:
             yield from process_map(it, self._fn, processes, deterministic, "map",
                                    self._on_error())
@@ -203,12 +203,12 @@ class MapDataset(UnaryDataset):
         source = self._input._state_iter(ctx)
         call = self._call
         if self._parallelism is None or (self._parallelism == 1 and
-                                         self._processes() is None):
+                                         self._processes(ctx) is None):
             return FunctionIterator((source,), lambda it: call(next(it._inputs[0])))
         deterministic = self._deterministic
         if deterministic is None:
             deterministic = self.options().deterministic is not False
-        processes = self._processes()
+        processes = self._processes(ctx)
         if processes is not None:
             return ProcessMapIterator(source, self._fn, processes, deterministic, "map",
                                       self._on_error())
