@@ -165,8 +165,56 @@ def _short(element) -> str:
 
 # --- answers: pickles whose large arrays travel in a segment ----------------------
 
-def _encode(obj, shm_dir: str, names) -> bytes:
-    """``obj`` pickled, its large contiguous buffers written to a new segment."""
+class _Segments:
+    """A worker's segments: new files, and the ones the consumer has let go of (all
+    its arrays over them freed), kept for reuse (writing into a file's existing
+    pages costs a copy; a new file also allocates and zeroes them)."""
+
+    #: Free segments kept: up to this many bytes, and at least 2 of each size.
+    _KEEP_BYTES = 32 << 20
+
+    def __init__(self, shm_dir: str, prefix: str):
+        self.dir = shm_dir
+        self.prefix = f"{prefix}-{os.getpid()}"
+        self._count = itertools.count()
+        self._free: dict = {}   # size -> [names]
+        self._free_bytes = 0
+
+    def take(self, size: int) -> tuple[str, bool]:
+        """A segment of ``size`` bytes: (name, whether it is new)."""
+        free = self._free.get(size)
+        if free:
+            self._free_bytes -= size
+            return free.pop(), False
+        return f"{self.prefix}-{next(self._count)}", True
+
+    def give_back(self, freed) -> None:
+        for name, size in freed:
+            free = self._free.setdefault(size, [])
+            if len(free) < 2 or self._free_bytes + size <= self._KEEP_BYTES:
+                free.append(name)
+                self._free_bytes += size
+            else:
+                _unlink(os.path.join(self.dir, name))
+
+    def remove_all(self) -> None:
+        for path in glob.glob(os.path.join(self.dir, self.prefix + "-*")):
+            _unlink(path)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+#: Segment sizes are rounded up to this, so that similar answers reuse segments.
+_SEGMENT_GRAIN = 64 << 10
+
+
+def _encode(obj, segments: _Segments) -> bytes:
+    """``obj`` pickled, its large contiguous buffers written to a segment."""
     bufs: list = []
 
     def out_of_band(pb: pickle.PickleBuffer) -> bool:
@@ -179,57 +227,67 @@ def _encode(obj, shm_dir: str, names) -> bytes:
     head = pickle.dumps(obj, _PROTOCOL, buffer_callback=out_of_band)
     if not bufs:
         return pickle.dumps((head, None, None), _PROTOCOL)
-    name = next(names)
     layout, offset = [], 0
     for m in bufs:
         layout.append((offset, m.nbytes))
         offset += -(-m.nbytes // _ALIGN) * _ALIGN
-    fd = os.open(os.path.join(shm_dir, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    size = -(-offset // _SEGMENT_GRAIN) * _SEGMENT_GRAIN
+    name, new = segments.take(size)
+    flags = os.O_CREAT | os.O_EXCL | os.O_RDWR if new else os.O_RDWR
+    fd = os.open(os.path.join(segments.dir, name), flags, 0o600)
     try:
-        os.ftruncate(fd, offset)
+        if new:
+            os.ftruncate(fd, size)
         for (start, _), m in zip(layout, bufs):
             done = 0
             while done < m.nbytes:
                 done += os.pwrite(fd, m[done:], start + done)
     finally:
         os.close(fd)
-    return pickle.dumps((head, name, layout), _PROTOCOL)
+    return pickle.dumps((head, (name, size), layout), _PROTOCOL)
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def _decode(data: bytes, shm_dir: str):
-    head, name, layout = pickle.loads(data)
-    if name is None:
+def _decode(data: bytes, shm_dir: str, freed: collections.deque):
+    """An answer unpickled, its arrays over the segment mapped here; when the last of
+    them is freed, the segment's (name, size) goes to ``freed`` (for its worker to
+    reuse)."""
+    head, segment, layout = pickle.loads(data)
+    if segment is None:
         return pickle.loads(head)
-    path = os.path.join(shm_dir, name)
-    fd = os.open(path, os.O_RDWR)
+    name, size = segment
+    fd = os.open(os.path.join(shm_dir, name), os.O_RDWR)
     try:
-        size = os.fstat(fd).st_size
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
     finally:
         os.close(fd)
-        os.unlink(path)
+    weakref.finalize(mm, freed.append, segment)
     view = memoryview(mm)
     return pickle.loads(head, buffers=[view[o:o + n] for o, n in layout])
 
 
 # --- the worker side -----------------------------------------------------------------
 
-def _read_tasks(conn: Connection, tasks, parent: int) -> None:
-    """Worker thread: tasks from the parent into ``tasks``; the worker exits when the
-    parent is gone (its socket end closed, or this process re-parented)."""
+def _read_tasks(conn: Connection, tasks, parent: int, segments: list) -> None:
+    """Worker thread: tasks from the parent into ``tasks``; the worker removes its
+    segments and exits when the parent is gone (its socket end closed, or this
+    process re-parented)."""
     while True:
         try:
             if conn.poll(1.0):
                 tasks.append(conn.recv_bytes())
                 with _wake:
                     _wake.notify()
-            elif os.getppid() != parent:
-                os._exit(0)
+                continue
+            if os.getppid() == parent:
+                continue
         except (EOFError, OSError):
-            os._exit(0)
+            pass
+        for seg in segments:
+            seg.remove_all()
+        os._exit(0)
 
 
 _wake = threading.Condition()
@@ -256,28 +314,33 @@ def _worker_main() -> None:
     fd, parent = int(sys.argv[1]), int(sys.argv[2])
     conn = Connection(fd)
     tasks: collections.deque = collections.deque()
-    threading.Thread(target=_read_tasks, args=(conn, tasks, parent), daemon=True).start()
+    holder: list = []   # the segments, once known (for the reader thread to remove)
+    threading.Thread(target=_read_tasks, args=(conn, tasks, parent, holder),
+                     daemon=True).start()
 
     def next_task():
         with _wake:
             while not tasks:
                 _wake.wait()
-        return pickle.loads(tasks.popleft())
+        task, freed = pickle.loads(tasks.popleft())
+        if freed:
+            holder[0].give_back(freed)
+        return task
 
     kind, path, fn_blob, shm_dir, prefix = next_task()
+    holder.append(_Segments(shm_dir, prefix))
     sys.path[:] = path
     from gpustrat.distribute.parameter_server import wire  # noqa: PLC0415
     blob, arrays = pickle.loads(fn_blob)
     fn = wire.unpack(blob, arrays)
-    names = (f"{prefix}-{os.getpid()}-{i}" for i in itertools.count())
     if kind == "map":
         from gpustrat.data.mapping import map_output  # noqa: PLC0415
-        _serve_map(conn, next_task, fn, map_output, shm_dir, names)
+        _serve_map(conn, next_task, fn, map_output, holder[0])
     else:
-        _serve_interleave(conn, next_task, fn, shm_dir, names)
+        _serve_interleave(conn, next_task, fn, holder[0])
 
 
-def _serve_map(conn, next_task, fn, map_output, shm_dir, names) -> None:
+def _serve_map(conn, next_task, fn, map_output, segments) -> None:
     clock = time.perf_counter
     while True:
         first, elements = next_task()
@@ -288,10 +351,10 @@ def _serve_map(conn, next_task, fn, map_output, shm_dir, names) -> None:
                 results.append((_OK, map_output(fn, element)))
             except Exception as e:  # noqa: BLE001 - handed to the consumer
                 results.append((_ERR, _error_info(e)))
-        conn.send_bytes(_encode((first, results, clock() - t0), shm_dir, names))
+        conn.send_bytes(_encode((first, results, clock() - t0), segments))
 
 
-def _serve_interleave(conn, next_task, fn, shm_dir, names) -> None:
+def _serve_interleave(conn, next_task, fn, segments) -> None:
     from gpustrat.data import autoshard  # noqa: PLC0415
     from gpustrat.data import structure as st  # noqa: PLC0415
     from gpustrat.data.dataset import Dataset, _IterContext  # noqa: PLC0415
@@ -346,7 +409,7 @@ def _serve_interleave(conn, next_task, fn, shm_dir, names) -> None:
             ended = True
         if ended and sid in slots:
             slots.pop(sid).it.close()
-        conn.send_bytes(_encode((sid, elements, ended, error, state), shm_dir, names))
+        conn.send_bytes(_encode((sid, elements, ended, error, state), segments))
 
 
 # --- the parent side -----------------------------------------------------------------
@@ -356,11 +419,20 @@ _CODE = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
 
 
 class _Worker:
-    __slots__ = ("proc", "conn", "tasks", "index", "__weakref__")
+    __slots__ = ("proc", "conn", "tasks", "index", "freed", "__weakref__")
 
     def __init__(self, proc, conn, index):
         self.proc, self.conn, self.index = proc, conn, index
         self.tasks: collections.deque = collections.deque()   # what each task holds
+        # Its segments that this process no longer maps (appended by finalizers, in
+        # whatever thread frees the last array), handed back with its next task.
+        self.freed: collections.deque = collections.deque()
+
+    def send(self, task) -> None:
+        freed = []
+        while self.freed:
+            freed.append(self.freed.popleft())
+        self.conn.send_bytes(pickle.dumps((task, freed), _PROTOCOL))
 
 
 def _stop(workers: list, shm_dir: str, prefix: str) -> None:
@@ -378,10 +450,7 @@ def _stop(workers: list, shm_dir: str, prefix: str) -> None:
             pass
         w.proc.wait()
     for path in glob.glob(os.path.join(shm_dir, prefix + "-*")):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        _unlink(path)   # arrays still mapped here stay valid
     workers.clear()
 
 
@@ -398,7 +467,7 @@ class Pool:
         self.workers: list[_Worker] = []
         self._stop = weakref.finalize(self, _stop, self.workers, self.shm_dir, self.prefix)
         env = _child_env()
-        init = pickle.dumps((kind, list(sys.path), blob, self.shm_dir, self.prefix),
+        init = pickle.dumps(((kind, list(sys.path), blob, self.shm_dir, self.prefix), []),
                             _PROTOCOL)
         try:
             for i in range(size):
@@ -422,7 +491,7 @@ class Pool:
         for the error if ``w`` dies)."""
         w.tasks.append(holds)
         try:
-            w.conn.send_bytes(pickle.dumps(task, _PROTOCOL))
+            w.send(task)
         except OSError:
             self.died(w)
 
@@ -439,7 +508,7 @@ class Pool:
                 data = conn.recv_bytes()
             except (EOFError, OSError):
                 self.died(w)
-            out.append((w, w.tasks.popleft(), _decode(data, self.shm_dir)))
+            out.append((w, w.tasks.popleft(), _decode(data, self.shm_dir, w.freed)))
         return out
 
     def died(self, w: _Worker):
@@ -770,7 +839,7 @@ class RemoteSlot:
                 and self.sid in self.owner._slots:
             self.owner.release(self)
             try:
-                self.worker.conn.send_bytes(pickle.dumps(("close", self.sid), _PROTOCOL))
+                self.worker.send(("close", self.sid))
             except OSError:
                 pass
         self._ended = True
