@@ -170,8 +170,7 @@ class MapDataset(UnaryDataset):
     def _in_order(self) -> "MapDataset | None":
         """This map keeping the input order, or None when it already does (a parallel
         map with ``deterministic=False`` yields results as they complete)."""
-        if self._parallelism is None or (self._parallelism == 1 and
-                                         self._processes() is None) or self._deterministic or (
+        if self._parallelism is None or self._parallelism == 1 or self._deterministic or (
                 self._deterministic is None and self.options().deterministic is not False):
             return None
         new = copy.copy(self)
