@@ -28,10 +28,13 @@ Words:
         elements unreturned (computed or not): in-flight work and memory are bounded.
     segment: a file in ``/dev/shm`` (shared memory) holding the large arrays of one
         answer. The worker writes each contiguous array of at least
-        :data:`_OUT_OF_BAND` bytes into it (the one copy), the consumer maps the file,
-        unlinks it and unpickles the answer with NumPy's arrays made over the mapping:
-        no copy. The mapping is freed with the last array using it. A pool removes the
-        segments left by a killed worker when it stops.
+        :data:`_OUT_OF_BAND` bytes into it (the one copy); the consumer maps the file
+        (once: a worker's segments stay mapped) and unpickles the answer with NumPy's
+        arrays made over the mapping: no copy. When the last of them is freed, the
+        segment goes back to its worker, which writes later answers into it (its
+        pages exist already). A worker keeps at most 32 MiB of free segments; a pool
+        removes every segment of its workers when it stops, and a worker its own
+        when its parent dies.
 
 An exception raised by the function travels to the consumer (pickled, or as its type
 name and message when it cannot be) with the worker's formatted traceback as its
@@ -43,6 +46,7 @@ that element. A worker that dies (killed, ``os._exit``, a segfault) is a
 from __future__ import annotations
 
 import collections
+import ctypes
 import glob
 import itertools
 import mmap
@@ -179,6 +183,7 @@ class _Segments:
         self._count = itertools.count()
         self._free: dict = {}   # size -> [names]
         self._free_bytes = 0
+        self.dropped: list = []  # removed since the last answer (the consumer unmaps them)
 
     def take(self, size: int) -> tuple[str, bool]:
         """A segment of ``size`` bytes: (name, whether it is new)."""
@@ -196,6 +201,7 @@ class _Segments:
                 self._free_bytes += size
             else:
                 _unlink(os.path.join(self.dir, name))
+                self.dropped.append(name)
 
     def remove_all(self) -> None:
         for path in glob.glob(os.path.join(self.dir, self.prefix + "-*")):
@@ -244,28 +250,46 @@ def _encode(obj, segments: _Segments) -> bytes:
                 done += os.pwrite(fd, m[done:], start + done)
     finally:
         os.close(fd)
-    return pickle.dumps((head, (name, size), layout), _PROTOCOL)
+    dropped, segments.dropped = segments.dropped, []
+    return pickle.dumps((head, (name, size, dropped), layout), _PROTOCOL)
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def _decode(data: bytes, shm_dir: str, freed: collections.deque):
-    """An answer unpickled, its arrays over the segment mapped here; when the last of
-    them is freed, the segment's (name, size) goes to ``freed`` (for its worker to
-    reuse)."""
-    head, segment, layout = pickle.loads(data)
-    if segment is None:
-        return pickle.loads(head)
-    name, size = segment
-    fd = os.open(os.path.join(shm_dir, name), os.O_RDWR)
-    try:
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
-    finally:
-        os.close(fd)
-    weakref.finalize(mm, freed.append, segment)
-    view = memoryview(mm)
-    return pickle.loads(head, buffers=[view[o:o + n] for o, n in layout])
+class _Mappings:
+    """The consumer's mappings of one worker's segments, each mapped once and kept
+    while the worker keeps the segment. An answer's arrays are made over a ctypes
+    object spanning its segment (a weakly referenceable exporter of the mapping's
+    memory): when the last of them is freed, the segment's (name, size) goes to
+    ``freed``, for its worker to write into again."""
+
+    def __init__(self, shm_dir: str, freed: collections.deque):
+        self.dir, self.freed = shm_dir, freed
+        self._maps: dict = {}
+
+    def decode(self, data: bytes):
+        head, segment, layout = pickle.loads(data)
+        if segment is None:
+            return pickle.loads(head)
+        name, size, dropped = segment
+        for gone in dropped:
+            self._maps.pop(gone, None)   # arrays still over it keep it mapped
+        mm = self._maps.get(name)
+        if mm is None:
+            fd = os.open(os.path.join(self.dir, name), os.O_RDWR)
+            try:
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+            finally:
+                os.close(fd)
+            self._maps[name] = mm
+        lease = (ctypes.c_char * size).from_buffer(mm)
+        weakref.finalize(lease, self.freed.append, (name, size))
+        view = memoryview(lease).cast("B")
+        return pickle.loads(head, buffers=[view[o:o + n] for o, n in layout])
+
+    def clear(self) -> None:
+        self._maps.clear()
 
 
 # --- the worker side -----------------------------------------------------------------
@@ -419,14 +443,15 @@ _CODE = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
 
 
 class _Worker:
-    __slots__ = ("proc", "conn", "tasks", "index", "freed", "__weakref__")
+    __slots__ = ("proc", "conn", "tasks", "index", "freed", "maps", "__weakref__")
 
-    def __init__(self, proc, conn, index):
+    def __init__(self, proc, conn, index, shm_dir):
         self.proc, self.conn, self.index = proc, conn, index
         self.tasks: collections.deque = collections.deque()   # what each task holds
-        # Its segments that this process no longer maps (appended by finalizers, in
-        # whatever thread frees the last array), handed back with its next task.
+        # Its segments whose arrays are all freed (appended by finalizers, in whatever
+        # thread frees the last array), handed back with its next task.
         self.freed: collections.deque = collections.deque()
+        self.maps = _Mappings(shm_dir, self.freed)
 
     def send(self, task) -> None:
         freed = []
@@ -449,6 +474,7 @@ def _stop(workers: list, shm_dir: str, prefix: str) -> None:
         except OSError:
             pass
         w.proc.wait()
+        w.maps.clear()
     for path in glob.glob(os.path.join(shm_dir, prefix + "-*")):
         _unlink(path)   # arrays still mapped here stay valid
     workers.clear()
@@ -478,7 +504,7 @@ class Pool:
                         pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
                 finally:
                     theirs.close()
-                w = _Worker(proc, Connection(mine.detach()), i)
+                w = _Worker(proc, Connection(mine.detach()), i, self.shm_dir)
                 self.workers.append(w)
                 w.conn.send_bytes(init)
         except BaseException:
@@ -508,7 +534,7 @@ class Pool:
                 data = conn.recv_bytes()
             except (EOFError, OSError):
                 self.died(w)
-            out.append((w, w.tasks.popleft(), _decode(data, self.shm_dir, w.freed)))
+            out.append((w, w.tasks.popleft(), w.maps.decode(data)))
         return out
 
     def died(self, w: _Worker):
