@@ -76,7 +76,7 @@ _DEPTH = 2
 _TASK_S = 2e-3
 #: ... and at most this many elements ...
 _MAX_BATCH = 256
-#: ... and at most this many output bytes (large outputs travel one per task).
+#: ... and at most this many output bytes (outputs this large travel one per task).
 _BATCH_BYTES = 4 << 20
 _ALIGN = 64
 #: Environment variables of MPI launchers, removed from a worker's environment.
