@@ -116,6 +116,11 @@ def test_written_for_tensorflow_runs_on_threads_and_the_options_switch_moves_it(
     assert set(as_ints(kept)) == {me}
     serial = base.map(lambda x: np.int64(os.getpid())).with_options(o)
     assert set(as_ints(serial)) == {me}
+    # The switch reaches interleave too: the datasets are made in the workers.
+    slots = Dataset.range(4).interleave(lambda x: Dataset.from_tensors(np.int64(os.getpid())),
+                                        num_parallel_calls=2)
+    assert set(as_ints(slots)) == {me}
+    assert me not in set(as_ints(slots.with_options(o)))
     o2 = Options()
     o2.experimental_processing.max_processes = 1
     one = base.map(lambda x: np.int64(os.getpid()), num_parallel_calls=AUTOTUNE,
