@@ -184,14 +184,24 @@ class _Segments:
         self._free: dict = {}   # size -> [names]
         self._free_bytes = 0
         self.dropped: list = []  # removed since the last answer (the consumer unmaps them)
+        self._maps: dict = {}    # name -> this process's mapping of it
 
-    def take(self, size: int) -> tuple[str, bool]:
-        """A segment of ``size`` bytes: (name, whether it is new)."""
+    def take(self, size: int) -> tuple[str, mmap.mmap]:
+        """A segment of ``size`` bytes (a free one, else a new one): its name and
+        mapping here."""
         free = self._free.get(size)
         if free:
             self._free_bytes -= size
-            return free.pop(), False
-        return f"{self.prefix}-{next(self._count)}", True
+            name = free.pop()
+            return name, self._maps[name]
+        name = f"{self.prefix}-{next(self._count)}"
+        fd = os.open(os.path.join(self.dir, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = self._maps[name] = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        return name, mm
 
     def give_back(self, freed) -> None:
         for name, size in freed:
@@ -201,6 +211,7 @@ class _Segments:
                 self._free_bytes += size
             else:
                 _unlink(os.path.join(self.dir, name))
+                self._maps.pop(name).close()
                 self.dropped.append(name)
 
     def remove_all(self) -> None:
@@ -238,18 +249,9 @@ def _encode(obj, segments: _Segments) -> bytes:
         layout.append((offset, m.nbytes))
         offset += -(-m.nbytes // _ALIGN) * _ALIGN
     size = -(-offset // _SEGMENT_GRAIN) * _SEGMENT_GRAIN
-    name, new = segments.take(size)
-    flags = os.O_CREAT | os.O_EXCL | os.O_RDWR if new else os.O_RDWR
-    fd = os.open(os.path.join(segments.dir, name), flags, 0o600)
-    try:
-        if new:
-            os.ftruncate(fd, size)
-        for (start, _), m in zip(layout, bufs):
-            done = 0
-            while done < m.nbytes:
-                done += os.pwrite(fd, m[done:], start + done)
-    finally:
-        os.close(fd)
+    name, mm = segments.take(size)
+    for (start, n), m in zip(layout, bufs):
+        mm[start:start + n] = m.cast("B") if m.format != "B" else m
     dropped, segments.dropped = segments.dropped, []
     return pickle.dumps((head, (name, size, dropped), layout), _PROTOCOL)
 
@@ -334,7 +336,21 @@ class _Slot:
         self.it, self.saveable = it, saveable
 
 
+def _keep_freed_memory() -> None:
+    """Keep the memory a call frees for the next call (glibc only): by default, the
+    heap's free top goes back to the kernel after each large output, and the next
+    call faults every page in again, zeroed (as the parameter server's function
+    processes do, with the same settings)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return  # not glibc: its own policy stands
+    mallopt(-3, 32 << 20)   # M_MMAP_THRESHOLD
+    mallopt(-1, 128 << 20)  # M_TRIM_THRESHOLD
+
+
 def _worker_main() -> None:
+    _keep_freed_memory()
     fd, parent = int(sys.argv[1]), int(sys.argv[2])
     conn = Connection(fd)
     tasks: collections.deque = collections.deque()
