@@ -215,7 +215,9 @@ def bench_processes(elements: int, trivial: int, big: int, repeats: int) -> dict
     fn = functools.partial(_gil_bound, loops=loops)
     base = Dataset.range(elements)
     r = repeats
+    c0 = time.process_time()
     _, serial = _steady(base.map(fn), elements, r)
+    serial_cpu = (time.process_time() - c0) / (r * elements) * 1e3
     _, threads = _steady(base.map(fn, num_parallel_calls=2), elements, r)
     start, procs = _steady(base.map(fn, num_parallel_calls=2, use_processes=True),
                            elements, r)
@@ -224,6 +226,10 @@ def bench_processes(elements: int, trivial: int, big: int, repeats: int) -> dict
            "threads_s": threads, "processes_s": procs, "pool_start_s": start,
            "speedup": serial / procs, "threads_speedup": serial / threads,
            "per_element_ms": {"serial": serial / n * 1e3, "processes": procs / n * 1e3}}
+    consumer, workers = _cpu_per_element(
+        base.map(fn, num_parallel_calls=2, use_processes=True), elements)
+    out["cpu_ms_per_element"] = {"serial": serial_cpu, "consumer": consumer,
+                                 "workers": workers}
     tf = _tensorflow()
     if tf is not None:
         def tf_fn(x):
@@ -261,10 +267,9 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_per_mib(ds, elements: int) -> dict:
-    """Processor time per MiB delivered, in the consumer and in the workers (what a
-    loaded machine does not change): the rate two free cores would give is
-    2 / (their sum) per millisecond."""
+def _cpu_per_element(ds, elements: int) -> tuple[float, float]:
+    """Processor time per element (ms) of a map on processes, in the consumer and in
+    its workers together (what a loaded machine changes little, unlike wall time)."""
     it = iter(ds)
     next(it)
     workers = [w.proc.pid for w in it._state._run.pool.workers]
@@ -274,7 +279,13 @@ def _cpu_per_mib(ds, elements: int) -> dict:
     c1, w1 = time.process_time(), sum(_cpu_seconds(p) for p in workers)
     it.close()
     n = elements - 2
-    consumer, worker = (c1 - c0) / n * 1e3, (w1 - w0) / n * 1e3
+    return (c1 - c0) / n * 1e3, (w1 - w0) / n * 1e3
+
+
+def _cpu_per_mib(ds, elements: int) -> dict:
+    """Processor time per MiB delivered, in the consumer and in the workers: the rate
+    two free cores would give is 2 / (their sum) per millisecond."""
+    consumer, worker = _cpu_per_element(ds, elements)
     return {"big_consumer_cpu_ms_per_mib": consumer, "big_workers_cpu_ms_per_mib": worker,
             "big_gb_per_s_on_2_free_cores": 2 * MIB / ((consumer + worker) * 1e-3) / 1e9
             if consumer + worker > 0 else float("inf")}
@@ -354,7 +365,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"map of a {p['call_ms']:.1f} ms GIL-bound function, {p['elements']} elements: "
               f"serial {p['serial_s']:.2f} s, 2 threads {p['threads_s']:.2f} s "
               f"({p['threads_speedup']:.2f}x), 2 processes {p['processes_s']:.2f} s "
-              f"({p['speedup']:.2f}x; pool start {p['pool_start_s']:.2f} s)")
+              f"({p['speedup']:.2f}x; pool start {p['pool_start_s']:.2f} s); processor time "
+              f"per element: serial {p['cpu_ms_per_element']['serial']:.2f} ms, processes "
+              f"{p['cpu_ms_per_element']['workers']:.2f} ms in workers + "
+              f"{p['cpu_ms_per_element']['consumer']:.3f} ms here")
         print(f"map on processes: trivial function {p['overhead_us']:.1f} us/element; "
               f"1 MiB outputs {p['big_gb_per_s']:.2f} GB/s (processor time per MiB: "
               f"consumer {p['big_consumer_cpu_ms_per_mib']:.2f} ms, workers "
