@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import glob
 import itertools
 import mmap
@@ -336,6 +337,13 @@ class _Slot:
         self.it, self.saveable = it, saveable
 
 
+def _reraise(error: BaseException, *args):
+    """What a worker calls when the function could not be made here (an import that
+    fails in a fresh interpreter): the error, with its traceback, for every element."""
+    raise RuntimeError("the function could not be loaded in the worker process: "
+                       f"{type(error).__name__}: {error}") from error
+
+
 def _keep_freed_memory() -> None:
     """Keep the memory a call frees for the next call (glibc only): by default, the
     heap's free top goes back to the kernel after each large output, and the next
@@ -371,8 +379,11 @@ def _worker_main() -> None:
     holder.append(_Segments(shm_dir, prefix))
     sys.path[:] = path
     from gpustrat.distribute.parameter_server import wire  # noqa: PLC0415
-    blob, arrays = pickle.loads(fn_blob)
-    fn = wire.unpack(blob, arrays)
+    try:
+        blob, arrays = pickle.loads(fn_blob)
+        fn = wire.unpack(blob, arrays)
+    except Exception as e:  # noqa: BLE001 - every call reports it
+        fn = functools.partial(_reraise, e)
     if kind == "map":
         from gpustrat.data.mapping import map_output  # noqa: PLC0415
         _serve_map(conn, next_task, fn, map_output, holder[0])

@@ -509,3 +509,21 @@ print("OK", flush=True)
 @pytest.mark.mpi
 def test_a_parameter_server_workers_dataset_maps_on_processes():
     assert_mpi_ok(3, PS_SCRIPT, timeout=120, expect_lines=1)
+
+
+def test_a_function_that_cannot_load_in_a_worker_is_an_error_not_a_dead_worker(tmp_path):
+    # A module importable here but not in a fresh interpreter (put on sys.path after
+    # the workers' path was taken... here: removed before they start).
+    (tmp_path / "only_here_mod.py").write_text("def f(x):\n    return x\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import only_here_mod
+    finally:
+        sys.path.remove(str(tmp_path))
+    try:
+        ds = Dataset.range(3).map(only_here_mod.f, num_parallel_calls=2, use_processes=True)
+        with pytest.raises(RuntimeError, match="could not be loaded in the worker") as info:
+            list(ds)
+        assert "only_here_mod" in info.value.__cause__.text
+    finally:
+        sys.modules.pop("only_here_mod", None)
