@@ -30,7 +30,7 @@ from gpustrat.data.dataset import (AUTOTUNE, UNKNOWN_CARDINALITY, Dataset, _chec
                                    _IterContext)
 from gpustrat.data.mapping import (_function_spec, _resolve_parallelism, check_use_processes,
                                    processes_for)
-from gpustrat.data.processes import InterleavePool
+from gpustrat.data.process_stages import InterleavePool
 from gpustrat.data.unary import UnaryDataset, _close
 
 

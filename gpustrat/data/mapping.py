@@ -15,7 +15,7 @@ from gpustrat.data import structure as st
 from gpustrat.data.dataset import (AUTOTUNE, UNKNOWN_CARDINALITY, Dataset, _check_positive,
                                    _IterContext, autotune_parallelism)
 from gpustrat.data.iterator_state import FunctionIterator, ParallelMapIterator
-from gpustrat.data.processes import ProcessMapIterator, process_map
+from gpustrat.data.process_stages import ProcessMapIterator, process_map
 from gpustrat.data.spec import merge_specs, spec_of, zeros_like_spec
 from gpustrat.data.unary import _MISSING, UnaryDataset, _close
 
