@@ -246,6 +246,14 @@ def test_no_worker_outlives_its_iterator_closed_or_collected():
     del it
     gc.collect()
     assert worker_pids(me) == []
+    # Read ahead by a prefetch thread, over two passes of a repeat.
+    it = iter(ds.take(5).repeat(2).prefetch(2))
+    assert as_ints(it) == [0, 1, 2, 3, 4] * 2
+    assert wait_gone(me) == []
+    it = iter(ds.prefetch(2))
+    next(it)
+    it.close()
+    assert worker_pids(me) == []
     # A pipeline that cannot save its position (a Python generator's) runs the same.
     gen = Dataset.from_generator(lambda: iter(range(100)),
                                  output_signature=gs.data.TensorSpec((), np.int64))
