@@ -525,9 +525,10 @@ class Pool:
                         pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
                 finally:
                     theirs.close()
-                w = _Worker(proc, Connection(mine.detach()), i, self.shm_dir)
-                self.workers.append(w)
-                w.conn.send_bytes(init)
+                self.workers.append(_Worker(proc, Connection(mine.detach()), i,
+                                            self.shm_dir))
+            for w in self.workers:   # once all are starting: a large function waits
+                w.conn.send_bytes(init)   # for each to read it
         except BaseException:
             self.close()
             raise
