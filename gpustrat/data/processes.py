@@ -158,6 +158,10 @@ def _describe_exit(code: int | None) -> str:
 
 
 def _short(element) -> str:
+    """``element`` for a message: a NumPy scalar as its value (``2``, not
+    ``np.int64(2)``), anything cut to 120 characters."""
+    if getattr(element, "ndim", None) == 0 and hasattr(element, "item"):
+        element = element.item()
     text = repr(element)
     return text if len(text) <= 120 else text[:117] + "..."
 

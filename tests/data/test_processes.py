@@ -535,3 +535,20 @@ def test_a_function_that_cannot_load_in_a_worker_is_an_error_not_a_dead_worker(t
         assert "only_here_mod" in info.value.__cause__.text
     finally:
         sys.modules.pop("only_here_mod", None)
+
+
+def test_a_dead_interleave_worker_is_an_error_naming_the_slots_element():
+    def slot(x):
+        def f(v):
+            if int(x) == 2 and int(v) == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return v
+        return Dataset.range(3).map(f)
+
+    ds = Dataset.range(4).interleave(slot, cycle_length=2, num_parallel_calls=2,
+                                     use_processes=True)
+    with pytest.raises(WorkerDiedError, match="killed by signal SIGKILL") as info:
+        list(ds)
+    assert "input element 2" in str(info.value), str(info.value)
+    assert gs.data.experimental.ProcessingOptions is gs.data.ProcessingOptions
+    assert wait_gone(os.getpid()) == []
