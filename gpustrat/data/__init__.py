@@ -7,7 +7,8 @@ from gpustrat.data.dataset import (AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDI
                                    Dataset, DatasetIterator)
 from gpustrat.data.files import TextLineDataset
 from gpustrat.data.npy import NpyDataset
-from gpustrat.data.options import AutoShardPolicy, DistributeOptions, Options
+from gpustrat.data.options import AutoShardPolicy, DistributeOptions, Options, ProcessingOptions
+from gpustrat.data.processes import WorkerDiedError
 from gpustrat.data.sources import SequenceGenerator
 from gpustrat.data.spec import STRING, TensorSpec
 from gpustrat.data.tfrecord import DataLossError, TFRecordDataset, TFRecordWriter
@@ -22,7 +23,7 @@ __all__ = [
     "AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset", "DatasetIterator",
     "TextLineDataset", "TFRecordDataset", "TFRecordWriter", "DataLossError", "NpyDataset",
     "Options", "AutoShardPolicy", "DistributeOptions", "TensorSpec", "STRING", "experimental",
-    "SequenceGenerator",
+    "SequenceGenerator", "ProcessingOptions", "WorkerDiedError",
 ]
 
 
