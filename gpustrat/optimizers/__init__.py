@@ -1,6 +1,7 @@
 """Optimizers that train variables under a strategy with one fused gradient reduction
 per step (see :mod:`gpustrat.optimizers.base`)."""
 
+from gpustrat.optimizers import schedules
 from gpustrat.optimizers.adadelta import Adadelta
 from gpustrat.optimizers.adagrad import Adagrad
 from gpustrat.optimizers.adam import Adam
@@ -12,4 +13,4 @@ from gpustrat.optimizers.rmsprop import RMSprop
 from gpustrat.optimizers.sgd import SGD
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "Nadam",
-           "Adadelta"]
+           "Adadelta", "schedules"]

@@ -26,6 +26,7 @@ on plain arrays (NumPy, or CuPy on a GPU replica), in place.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import operator
 import re
@@ -44,7 +45,7 @@ from gpustrat.distribute.extended import agreement, fused_reduce
 from gpustrat.distribute.variables import Variable, VariableAggregation
 from gpustrat.reduce_util import ReduceOp
 from gpustrat.values import PerReplica
-from gpustrat.optimizers import bfloat16, checkpointing, clipping
+from gpustrat.optimizers import bfloat16, checkpointing, clipping, schedules
 from gpustrat.optimizers.plan import StepPlan, check_trainable, fresh_arrays, replica_devices
 
 _NO_CONTEXT = contextlib.nullcontext()
@@ -74,8 +75,10 @@ class Optimizer:
     """Base of the optimizers (``keras.optimizers.Optimizer``'s shape).
 
     Args:
-        learning_rate: a positive float, or a callable ``schedule(step) -> float``
-            called with the number of steps applied so far (``iterations``).
+        learning_rate: a positive float; a
+            :class:`~gpustrat.optimizers.schedules.LearningRateSchedule`, called before
+            each step with the number of steps applied so far (``iterations``); or a
+            callable of no arguments, called before each step (as Keras 3).
         name: a name for slots and messages.
         compression: ``None``, ``"float16"`` or ``"bfloat16"``: the dtype gradients are
             reduced in (halving the bytes moved; values are rounded to it).
@@ -108,8 +111,7 @@ class Optimizer:
     def __init__(self, learning_rate, name: str, compression=None, *, weight_decay=None,
                  clipnorm=None, clipvalue=None, global_clipnorm=None,
                  exclude_from_weight_decay=None):
-        if not callable(learning_rate):
-            _check_positive("learning_rate", learning_rate)
+        _check_learning_rate(learning_rate)
         self._learning_rate = learning_rate
         self.name = name
         self.compression = compression_dtype(compression)
@@ -157,14 +159,13 @@ class Optimizer:
         """The learning rate of the next step (a schedule is evaluated)."""
         lr = self._learning_rate
         if callable(lr):
-            lr = lr(self._step_count())
-            lr = float(to_host(lr)) if not isinstance(lr, (int, float)) else float(lr)
+            return rate_at(lr, self._step_count() if isinstance(
+                lr, schedules.LearningRateSchedule) else None)
         return float(lr)
 
     @learning_rate.setter
     def learning_rate(self, value) -> None:
-        if not callable(value):
-            _check_positive("learning_rate", value)
+        _check_learning_rate(value)
         self._learning_rate = value
 
     @property
@@ -702,6 +703,36 @@ def _cast(x, dtype):
         return x.astype(dtype)
     with on_device_of(x):
         return x.astype(dtype)
+
+
+def rate_at(lr, step) -> float:
+    """The rate of ``lr`` (a number, a :class:`~gpustrat.optimizers.schedules.\
+LearningRateSchedule` called with ``step``, or a plain callable called with no
+    arguments, as Keras 3 calls them) as a float."""
+    if isinstance(lr, schedules.LearningRateSchedule):
+        lr = lr(step)
+    elif callable(lr):
+        lr = lr()
+    return float(to_host(lr)) if not isinstance(lr, (int, float)) else float(lr)
+
+
+def _check_learning_rate(value) -> None:
+    """Raise unless ``value`` is a positive finite number, a schedule, or a callable
+    that takes no arguments."""
+    if isinstance(value, schedules.LearningRateSchedule) or not callable(value):
+        if not callable(value):
+            _check_positive("learning_rate", value)
+        return
+    try:
+        inspect.signature(value).bind()
+    except TypeError:
+        raise TypeError(
+            f"learning_rate {value!r} needs arguments, but a callable learning rate is "
+            "called with none (as in Keras 3); for a rate that depends on the step, "
+            "subclass gs.optimizers.schedules.LearningRateSchedule (its __call__(step) is "
+            "given iterations) or use one of its schedules") from None
+    except ValueError:   # no signature to read (a builtin): it is called as it is
+        pass
 
 
 def _check_positive(what: str, value) -> None:

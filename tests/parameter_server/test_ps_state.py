@@ -110,11 +110,11 @@ with strategy.scope():
     adam = gs.optimizers.Adam(0.05)
     sgd = gs.optimizers.SGD(0.1, momentum=0.5)
     # A learning-rate schedule is evaluated by the caller at the step's number.
-    decayed = gs.optimizers.Adam(lambda step: 0.1 / (1 + step))
+    decayed = gs.optimizers.Adam(gs.optimizers.schedules.InverseTimeDecay(0.1, 1, 1.0))
 coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
 lw, lb = gs.Variable(init.copy()), gs.Variable(np.zeros(2, np.float32))
 ladam, lsgd = gs.optimizers.Adam(0.05), gs.optimizers.SGD(0.1, momentum=0.5)
-ldecayed = gs.optimizers.Adam(lambda step: 0.1 / (1 + step))
+ldecayed = gs.optimizers.Adam(gs.optimizers.schedules.InverseTimeDecay(0.1, 1, 1.0))
 with strategy.scope():
     w2 = gs.Variable(init, name="w2")
 lw2 = gs.Variable(init.copy())

@@ -30,6 +30,13 @@ def _step(strategy, w, opt, metric, c):
     strategy.run(fn)
 
 
+class _Linear(gs.optimizers.schedules.LearningRateSchedule):
+    """0.01 * (step + 1)."""
+
+    def __call__(self, step):
+        return 0.01 * (step + 1)
+
+
 @pytest.mark.parametrize("devices", [["cpu:0"], ["cpu:0", "cpu:1"]])
 def test_save_restore_roundtrip_all_kinds(tmp_path, devices):
     strategy = gs.MirroredStrategy(devices)
@@ -486,7 +493,7 @@ def test_the_learning_rate_set_between_steps_is_saved(tmp_path):
         o.apply_gradients([(np.ones(2, np.float32), w)])
     np.testing.assert_array_equal(v2.numpy(), v.numpy())
     # A schedule keeps giving its own rates; a checkpoint of a schedule saves none.
-    scheduled = gs.optimizers.SGD(lambda step: 0.01 * (step + 1), momentum=0.9)
+    scheduled = gs.optimizers.SGD(_Linear(), momentum=0.9)
     gs.train.Checkpoint(v=v2, opt=scheduled).restore(path)
     assert scheduled.learning_rate == pytest.approx(0.02)       # step 1 of the schedule
     path = gs.train.Checkpoint(v=v2, opt=scheduled).write(str(tmp_path / "s"))
