@@ -41,3 +41,39 @@ def test_a_callable_that_needs_the_step_is_refused_with_the_schedule_to_use():
     with pytest.raises(TypeError, match="LearningRateSchedule"):
         opt.learning_rate = lambda step: 0.1
     assert opt.learning_rate == 0.1
+
+
+# --- accuracy shape rules ------------------------------------------------------------------
+
+def test_sparse_accuracy_broadcasts_labels_against_the_arg_max_as_keras():
+    # keras/src/metrics/accuracy_metrics_test.py SparseCategoricalAccuracyTest.
+    # test_reshape_matches: labels (2, 1), scores (1, 2, 3): the arg-max (1, 2) and the
+    # labels broadcast to (2, 2), every one a hit.
+    m = gs.metrics.SparseCategoricalAccuracy()
+    m.update_state(np.array([[0], [0]], np.int64),
+                   np.array([[[0.9, 0.1, 0.0], [0.8, 0.15, 0.05]]], np.float32))
+    assert float(m.result()) == 1.0
+    assert gs.metrics.sparse_categorical_accuracy(
+        np.array([[0], [0]]), np.array([[[0.9, 0.1, 0.0], [0.1, 0.8, 0.1]]])).tolist() == \
+        [[1.0, 0.0], [1.0, 0.0]]
+
+
+def test_accuracy_rules_on_two_replicas(two):
+    # The same cases, one example per replica (BinaryAccuracyTest.test_unweighted's
+    # broadcasting case: labels (4,), scores (4, 1)).
+    with two.scope():
+        binary = gs.metrics.BinaryAccuracy()
+    per = two.experimental_distribute_values_from_function
+    labels = np.array([1, 1, 0, 0])
+    scores = np.array([[0.98], [1], [0], [0.6]])
+    two.run(lambda t, p: binary.update_state(t, p),
+            args=(per(lambda c: labels[2 * c.replica_id_in_sync_group:][:2]),
+                  per(lambda c: scores[2 * c.replica_id_in_sync_group:][:2])))
+    assert float(binary.result()) == 0.75
+
+
+def test_labels_that_do_not_broadcast_name_both_shapes():
+    with pytest.raises(ValueError, match=r"y_true of shape \(3,\) does not match y_pred "
+                                         r"of shape \(2, 3\)"):
+        gs.metrics.SparseCategoricalAccuracy().update_state(np.array([1, 2, 3]),
+                                                            np.zeros((2, 3)))
