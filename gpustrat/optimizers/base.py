@@ -102,6 +102,9 @@ class Optimizer:
 
     #: Names of the slots each variable gets.
     slot_names: tuple = ()
+    #: Former names of slots (``{old: new}``): a checkpoint's slots and
+    #: :meth:`get_slot` take them as the new names.
+    former_slot_names: dict = {}
     #: Attributes (hyperparameters) that every worker must set alike, beside the
     #: learning rate and ``iterations``.
     agreed_settings: tuple = ()
@@ -180,6 +183,7 @@ class Optimizer:
     def get_slot(self, var: Variable, name: str) -> Variable:
         """Slot ``name`` of ``var`` (made on the first step that trained ``var``): a
         variable like ``var`` (mirrored, or on ``var``'s parameter server)."""
+        name = self.former_slot_names.get(name, name)
         held = getattr(var, "_get_slot", None)
         if held is not None:
             return held(self, name)

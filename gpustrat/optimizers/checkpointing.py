@@ -77,6 +77,15 @@ def saved_iterations(optimizer, state: dict) -> np.ndarray:
     return value.astype(np.int64)
 
 
+def renamed(optimizer, saved: dict) -> dict:
+    """``saved`` (one variable's slots by name) with each former slot name of the
+    optimizer (``former_slot_names``, such as Adam's ``"m"``) replaced by its name now."""
+    former = getattr(optimizer, "former_slot_names", None)
+    if not former or not any(s in former for s in saved):
+        return saved
+    return {former.get(s, s): value for s, value in saved.items()}
+
+
 def check_slot_names(optimizer, state: dict, what: str, saved: dict) -> None:
     """Raise unless every slot in ``saved`` (the slots of ``what``, a variable) is one
     this optimizer keeps. A slot this optimizer keeps that the checkpoint lacks starts
@@ -208,6 +217,8 @@ def match(optimizer, state: dict, keys, known: list) -> tuple:
         by_key, by_name = {}, dict(state["slots"])
     else:
         by_key, by_name = dict(state["variable_slots"]), dict(state["named_slots"])
+    by_key = {k: renamed(optimizer, saved) for k, saved in by_key.items()}
+    by_name = {k: renamed(optimizer, saved) for k, saved in by_name.items()}
     known_ids = {id(v) for v in known}
     writes, pending = [], Pending()
     taken = set()
@@ -264,7 +275,8 @@ def _settings_hint(optimizer, state: dict) -> str:
     saved = state.get("config")
     if not isinstance(saved, dict):
         return (": make the optimizer with the settings that keep those slots (such as "
-                "Adam's amsgrad=True for 'vhat', SGD's momentum > 0 for 'momentum')")
+                "Adam's amsgrad=True for 'velocity_hat', SGD's momentum > 0 for "
+                "'momentum')")
     here = config_of(optimizer)
     differ = [k for k in saved if k in here and here[k] != saved[k]]
     if not differ:

@@ -168,7 +168,7 @@ try:
     adam.get_slot(w, "momentum")
     raise SystemExit("a slot Adam does not have was found")
 except KeyError as e:
-    assert "'momentum'" in str(e) and "['m', 'v']" in str(e), e
+    assert "'momentum'" in str(e) and "['momentum', 'velocity']" in str(e), e
 names = [x.name for x in adam.variables]
 assert names == ["Adam/iterations", "w/m", "w/v"], names
 assert [x.name for x in sgd.variables] == ["SGD/iterations", "b/momentum"]

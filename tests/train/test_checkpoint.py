@@ -266,10 +266,11 @@ def test_an_optimizer_saved_with_other_slots_is_refused_before_anything_is_writt
     for _ in range(3):
         opt.apply_gradients([(np.float32([1.0, -2.0]), w)])
     path = gs.train.Checkpoint(w=w, opt=opt, epoch=4).save(str(tmp_path / "c"))
-    message = (r"checkpoint key 'opt': Adam 'Adam' keeps slots \['m', 'v'\], but the "
-               r"checkpoint holds slot 'vhat' for variable 'w'.* \(it was saved with "
-               r"amsgrad=True; this optimizer has amsgrad=False\): make the optimizer "
-               r"with the saved settings; nothing was restored")
+    message = (r"checkpoint key 'opt': Adam 'Adam' keeps slots \['momentum', "
+               r"'velocity'\], but the checkpoint holds slot 'velocity_hat' for variable "
+               r"'w'.* \(it was saved with amsgrad=True; this optimizer has "
+               r"amsgrad=False\): make the optimizer with the saved settings; nothing was "
+               r"restored")
     w2 = gs.Variable(np.ones(2, np.float32), name="w")
     stepped = gs.optimizers.Adam(0.1)
     stepped.apply_gradients([(np.float32([0.5, 0.5]), w2)])

@@ -77,3 +77,42 @@ def test_labels_that_do_not_broadcast_name_both_shapes():
                                          r"of shape \(2, 3\)"):
         gs.metrics.SparseCategoricalAccuracy().update_state(np.array([1, 2, 3]),
                                                             np.zeros((2, 3)))
+
+
+# --- Adam's slot names ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("cls", ["Adam", "AdamW"])
+def test_adam_slots_have_keras_3_names_and_old_checkpoints_still_restore(two, cls):
+    # keras/src/optimizers/adam.py: self._momentums, self._velocities and, with
+    # amsgrad, self._velocity_hats, made as "momentum", "velocity", "velocity_hat".
+    def make():
+        with two.scope():
+            w = gs.Variable(np.ones(3, np.float32), name="w")
+            opt = getattr(gs.optimizers, cls)(0.1, amsgrad=True)
+        return w, opt
+
+    w, opt = make()
+    assert opt.slot_names == ("momentum", "velocity", "velocity_hat")
+    for g in (np.float32([1, -2, 3]), np.float32([-1, 0.5, 2])):
+        two.run(lambda: opt.apply_gradients([(g / 2, w)]))
+    assert [v.name for v in opt.variables[1:]] == ["w/momentum", "w/velocity",
+                                                   "w/velocity_hat"]
+    state = opt._checkpoint_state()
+    # A checkpoint written when the slots were called m, v and vhat (by name).
+    old = {k: v for k, v in state.items() if k not in ("variable_slots", "named_slots")}
+    old["named_slots"] = {"w": {old_name: state["named_slots"]["w"][new]
+                                for old_name, new in (("m", "momentum"), ("v", "velocity"),
+                                                      ("vhat", "velocity_hat"))}}
+    old["variable_slots"] = {}
+    w2, restored = make()
+    w2.assign(w.numpy())
+    restored._restore_checkpoint_state(old)
+    two.run(lambda: restored.apply_gradients([(np.zeros(3, np.float32), w2)]))
+    two.run(lambda: opt.apply_gradients([(np.zeros(3, np.float32), w)]))
+    for s in opt.slot_names:
+        np.testing.assert_array_equal(restored.get_slot(w2, s).numpy(),
+                                      opt.get_slot(w, s).numpy())
+    np.testing.assert_array_equal(w2.numpy(), w.numpy())
+    # TensorFlow's Keras 2 names still find the slots.
+    assert restored.get_slot(w2, "m") is restored.get_slot(w2, "momentum")
+    assert restored.get_slot(w2, "vhat") is restored.get_slot(w2, "velocity_hat")
