@@ -3,6 +3,8 @@ Keras user writes, with what Keras 3 or TensorFlow gives)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -116,3 +118,50 @@ def test_adam_slots_have_keras_3_names_and_old_checkpoints_still_restore(two, cl
     # TensorFlow's Keras 2 names still find the slots.
     assert restored.get_slot(w2, "m") is restored.get_slot(w2, "momentum")
     assert restored.get_slot(w2, "vhat") is restored.get_slot(w2, "velocity_hat")
+
+
+# --- TensorFlow 2.21's variables and losses ------------------------------------------------
+
+def test_summing_one_python_value_over_replicas_is_refused_as_tensorflow(two):
+    from tf_recorded_variables import TF_LOOPS
+    want = TF_LOOPS["mirrored/SUM/replica/assign_add(2.0)"].removeprefix("ERR ValueError: ")
+    with two.scope():
+        v = gs.Variable(10.0, aggregation=gs.VariableAggregation.SUM)
+    with pytest.raises(ValueError, match=re.escape(want[:-1])):
+        two.run(lambda: v.assign_add(2.0))
+    assert float(v.numpy()) == 10.0                  # nothing was added (it was 14)
+    # Per-replica values are summed; zeros (the same on every replica) add nothing.
+    two.run(lambda: v.assign_add(float(gs.get_replica_context().replica_id_in_sync_group)))
+    two.run(lambda: v.assign_add(0.0))
+    assert float(v.numpy()) == 11.0
+    with two.scope():
+        mean = gs.Variable(10.0, aggregation=gs.VariableAggregation.MEAN)
+    two.run(lambda: mean.assign_add(2.0))
+    assert float(mean.numpy()) == 12.0
+
+
+def test_one_device_updates_a_variable_without_aggregation_in_replica_context():
+    from tf_recorded_variables import TF_LOOPS
+    one = gs.OneDeviceStrategy("cpu:0")
+    with one.scope():
+        v = gs.Variable(10.0)
+    assert v.aggregation is gs.VariableAggregation.NONE
+    one.run(lambda: v.assign_add(2.0))
+    assert float(v.numpy()) == TF_LOOPS["one_device/NONE/replica/assign_add(2.0)"]
+    # Several replicas still refuse it (their copies would diverge).
+    two = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    with two.scope():
+        w = gs.Variable(10.0)
+    with pytest.raises(ValueError, match="needs an aggregation"):
+        two.run(lambda: w.assign_add(2.0))
+
+
+def test_average_loss_of_integer_losses_is_float64(two):
+    from tf_recorded_variables import TF_LOOPS
+    dtype, value = TF_LOOPS["compute_average_loss/int32/global_batch_size=4"]
+    got = gs.nn.compute_average_loss(np.array([1, 2, 3], np.int32), global_batch_size=4)
+    assert (str(got.dtype), float(got)) == (dtype, value)
+    dtype, value = TF_LOOPS["compute_average_loss/int32/2 replicas"]
+    out = two.run(lambda: gs.nn.compute_average_loss(np.array([1, 2, 3], np.int32)))
+    for got in two.experimental_local_results(out):
+        assert (str(got.dtype), float(got)) == (dtype, value)
