@@ -660,7 +660,13 @@ class Optimizer:
             self.update_step(param, grad, s, lr, step, None)
 
     def get_config(self) -> dict:
-        config = {"name": self.name, "learning_rate": self._learning_rate,
+        """The constructor's arguments (a schedule as
+        :func:`~gpustrat.optimizers.schedules.serialize` gives it), for
+        :meth:`from_config`."""
+        lr = self._learning_rate
+        if isinstance(lr, schedules.LearningRateSchedule):
+            lr = schedules.serialize(lr)
+        config = {"name": self.name, "learning_rate": lr,
                   "compression": None if self.compression is None else str(self.compression)}
         # The common settings when set (so that an optimizer without them reads as
         # before); AdamW always shows its weight decay.
@@ -670,6 +676,16 @@ class Optimizer:
         if self._exclude:
             config["exclude_from_weight_decay"] = list(self._exclude)
         return config
+
+    @classmethod
+    def from_config(cls, config: dict, custom_objects: dict | None = None):
+        """The optimizer :meth:`get_config` described (``custom_objects``: name -> class
+        for schedules of your own)."""
+        config = dict(config)
+        if isinstance(config.get("learning_rate"), dict):
+            config["learning_rate"] = schedules.deserialize(config["learning_rate"],
+                                                            custom_objects)
+        return cls(**config)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "name")

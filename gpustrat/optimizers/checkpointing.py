@@ -3,8 +3,9 @@
 Words:
     state tree: what an optimizer saves: ``iterations``; ``learning_rate``, the
         current rate when it is a number (set between steps, it is not the
-        constructor's; a schedule is not saved: it is code, and gives its rate from
-        ``iterations``), as Keras 3 saves its learning-rate variable; ``config``, its
+        constructor's), as Keras 3 saves its learning-rate variable, or
+        ``learning_rate_schedule``, a schedule's ``serialize()`` (its rate follows from
+        ``iterations``; a restore keeps the restoring optimizer's own schedule); ``config``, its
         settings (:meth:`Optimizer.get_config` without the name and learning rate), so
         that a restore that cannot take the slots can say which setting differs; and
         each trained variable's slots (by slot name), under ``variable_slots`` keyed by
@@ -32,6 +33,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpustrat.optimizers import schedules
+
 
 def config_of(optimizer) -> dict:
     """The settings a checkpoint records: JSON numbers, strings, bools and lists of
@@ -50,9 +53,16 @@ def config_of(optimizer) -> dict:
 
 
 def learning_rate_of(optimizer) -> dict:
-    """``{"learning_rate": rate}`` for the state tree when the rate is a number; an
-    empty dict for a schedule."""
+    """``{"learning_rate": rate}`` for the state tree when the rate is a number;
+    ``{"learning_rate_schedule": serialize(schedule)}`` for a schedule that has a
+    config (a restore leaves the restoring optimizer's rate or schedule as it is:
+    ``iterations`` carries the schedule on); else an empty dict."""
     lr = optimizer._learning_rate
+    if isinstance(lr, schedules.LearningRateSchedule):
+        try:
+            return {"learning_rate_schedule": schedules.serialize(lr)}
+        except NotImplementedError:   # a schedule without get_config: not described
+            return {}
     return {} if callable(lr) else {"learning_rate": float(lr)}
 
 
