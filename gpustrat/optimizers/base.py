@@ -665,7 +665,10 @@ class Optimizer:
         :meth:`from_config`."""
         lr = self._learning_rate
         if isinstance(lr, schedules.LearningRateSchedule):
-            lr = schedules.serialize(lr)
+            try:
+                lr = schedules.serialize(lr)
+            except NotImplementedError:   # a schedule without get_config: as it is
+                pass
         config = {"name": self.name, "learning_rate": lr,
                   "compression": None if self.compression is None else str(self.compression)}
         # The common settings when set (so that an optimizer without them reads as
