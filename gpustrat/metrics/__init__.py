@@ -31,10 +31,11 @@ from gpustrat.metrics.accuracy import (Accuracy, BinaryAccuracy, CategoricalAccu
                                        sparse_top_k_categorical_accuracy,
                                        top_k_categorical_accuracy)
 from gpustrat.metrics.base import Metric
+from gpustrat.metrics.confusion import AUC, Precision, Recall
 from gpustrat.metrics.reduction import Mean, MeanMetricWrapper, Sum
 
 __all__ = ["Metric", "Mean", "Sum", "MeanMetricWrapper", "Accuracy", "BinaryAccuracy",
            "CategoricalAccuracy", "SparseCategoricalAccuracy", "TopKCategoricalAccuracy",
-           "SparseTopKCategoricalAccuracy", "accuracy", "binary_accuracy",
+           "SparseTopKCategoricalAccuracy", "Precision", "Recall", "AUC", "accuracy", "binary_accuracy",
            "categorical_accuracy", "sparse_categorical_accuracy",
            "top_k_categorical_accuracy", "sparse_top_k_categorical_accuracy"]

@@ -3,6 +3,8 @@ cross-replica read, checkpointing (see :mod:`gpustrat.metrics`)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from gpustrat.devices import array_module, on_device_of
@@ -317,5 +319,7 @@ def _on_host_dtype(x, dtype):
 
 
 def _snake(name: str) -> str:
-    out = "".join("_" + c.lower() if c.isupper() else c for c in name)
-    return out.lstrip("_")
+    """Keras's ``to_snake_case``: "SparseCategoricalAccuracy" ->
+    "sparse_categorical_accuracy", "AUC" -> "auc"."""
+    name = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub(r"([a-z])([A-Z])", r"\1_\2", name).lower()
