@@ -8,9 +8,10 @@ from gpustrat.optimizers.adam import Adam
 from gpustrat.optimizers.adamax import Adamax
 from gpustrat.optimizers.adamw import AdamW
 from gpustrat.optimizers.base import Optimizer
+from gpustrat.optimizers.loss_scale import LossScaleOptimizer
 from gpustrat.optimizers.nadam import Nadam
 from gpustrat.optimizers.rmsprop import RMSprop
 from gpustrat.optimizers.sgd import SGD
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "Nadam",
-           "Adadelta", "schedules"]
+           "Adadelta", "LossScaleOptimizer", "schedules"]

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpustrat.optimizers import schedules
+from gpustrat.optimizers import schedules, training_state
 
 
 def config_of(optimizer) -> dict:
@@ -87,6 +87,12 @@ def saved_iterations(optimizer, state: dict) -> np.ndarray:
     return value.astype(np.int64)
 
 
+def kept(optimizer) -> tuple:
+    """The slots ``optimizer`` keeps: its algorithm's and those of accumulation and EMA."""
+    names = getattr(optimizer, "kept_slot_names", None)
+    return tuple(optimizer.slot_names if names is None else names)
+
+
 def renamed(optimizer, saved: dict) -> dict:
     """``saved`` (one variable's slots by name) with each former slot name of the
     optimizer (``former_slot_names``, such as Adam's ``"m"``) replaced by its name now."""
@@ -100,11 +106,11 @@ def check_slot_names(optimizer, state: dict, what: str, saved: dict) -> None:
     """Raise unless every slot in ``saved`` (the slots of ``what``, a variable) is one
     this optimizer keeps. A slot this optimizer keeps that the checkpoint lacks starts
     afresh, as made by a first step."""
-    extra = [s for s in saved if s not in optimizer.slot_names]
+    extra = [s for s in saved if s not in kept(optimizer)]
     if not extra:
         return
     raise ValueError(
-        f"{_who(optimizer)} keeps slots {list(optimizer.slot_names)}, but the checkpoint "
+        f"{_who(optimizer)} keeps slots {list(kept(optimizer))}, but the checkpoint "
         f"holds slot{'s' if len(extra) > 1 else ''} {', '.join(map(repr, extra))} for "
         f"{what}{_settings_hint(optimizer, state)}; nothing was restored")
 
@@ -127,9 +133,10 @@ def zeros_for(saved: dict, optimizer, var) -> dict:
     of its slots it lacks (a slot the checkpoint did not keep starts afresh, also in an
     optimizer that has stepped)."""
     out = dict(saved)
-    for s in optimizer.slot_names:
+    for s in kept(optimizer):
         if s not in out:
-            out[s] = np.full(var.shape, optimizer.slot_initial_value(s), var.dtype)
+            start = 0.0 if s in training_state.SLOTS else optimizer.slot_initial_value(s)
+            out[s] = np.full(var.shape, start, var.dtype)
     return out
 
 
