@@ -239,6 +239,18 @@ class FakeCupy:
     def clip(self, a, lo, hi):
         return _compute(self, "clip", lambda x: np.clip(x, lo, hi), [a])
 
+    def isfinite(self, a):
+        return _compute(self, "isfinite", np.isfinite, [a])
+
+    def sign(self, a):
+        return _compute(self, "sign", np.sign, [a])
+
+    def exp(self, a):
+        return _compute(self, "exp", np.exp, [a])
+
+    def log(self, a):
+        return _compute(self, "log", np.log, [a])
+
     def sum(self, a, axis=None, dtype=None):
         return a.sum(axis=axis, dtype=dtype)
 
@@ -484,6 +496,12 @@ def _make_ndarray(fake: FakeCupy):
 
         def min(self, axis=None, keepdims=False):
             return self._reduce("min", axis, None, keepdims)
+
+        def all(self, axis=None, keepdims=False):
+            return self._reduce("all", axis, None, keepdims)
+
+        def any(self, axis=None, keepdims=False):
+            return self._reduce("any", axis, None, keepdims)
 
         def argmax(self, axis=None):
             return _compute(fake, "argmax", lambda a: np.argmax(a, axis=axis), [self])
