@@ -64,3 +64,57 @@ s.close()
 @pytest.mark.parametrize("local", [["cpu:0"], ["cpu:0", "cpu:1"]])
 def test_confusion_and_top_k_metrics_aggregate_over_every_worker(local):
     assert_mpi_ok(2, METRICS.format(local=local), timeout=180, expect_lines=2)
+
+
+OPTIMIZERS = r"""
+import numpy as np
+import gpustrat as gs
+O = gs.optimizers
+s = gs.MultiWorkerMirroredStrategy(devices={local})
+n = s.num_replicas_in_sync
+PROGRAMS = {{
+    "loss_scaled": lambda: O.LossScaleOptimizer(O.Adam(0.05), initial_scale=16.0,
+                                               dynamic_growth_steps=2),
+    "accumulated": lambda: O.SGD(0.1, momentum=0.9, gradient_accumulation_steps=3,
+                                 use_ema=True, ema_momentum=0.5),
+    "scheduled": lambda: O.Adam(O.schedules.CosineDecay(0.1, 4, warmup_target=0.2,
+                                                        warmup_steps=2)),
+}}
+rng = np.random.default_rng(0)
+G = rng.standard_normal((7, 3)).astype(np.float32)
+for name, make in PROGRAMS.items():
+    with s.scope():
+        w = gs.Variable(np.ones(3, np.float32), name="w")
+        opt = make()
+    ref_w = gs.Variable(np.ones(3, np.float32), name="w")
+    ref = make()
+    for k in range(7):
+        bad = name == "loss_scaled" and k == 3
+        scale = float(opt.scale_loss(1.0)) if hasattr(opt, "scale_loss") else 1.0
+
+        def step():
+            r = gs.get_replica_context().replica_id_in_sync_group     # global
+            g = G[k] * scale / n
+            if bad and r == n - 1:
+                g = g * np.float32(np.nan)        # one replica of one worker overflows
+            opt.apply_gradients([(g.astype(np.float32), w)])
+        s.run(step)
+        if not bad:
+            ref.apply_gradients([(G[k] * scale, ref_w)])
+        elif hasattr(ref, "scale_loss"):
+            ref.apply_gradients([(G[k] * np.float32(np.nan), ref_w)])
+    for c in s.experimental_local_results(w):
+        np.testing.assert_allclose(c.numpy(), ref_w.numpy(), rtol=1e-5, err_msg=name)
+    assert int(np.asarray(opt.iterations.numpy() if hasattr(opt.iterations, "numpy")
+                          else opt.iterations)) == int(np.asarray(
+        ref.iterations.numpy() if hasattr(ref.iterations, "numpy") else ref.iterations)), name
+print(f"OK rank {{s.worker_index}}", flush=True)
+s.close()
+"""
+
+
+@pytest.mark.parametrize("local", [["cpu:0"], ["cpu:0", "cpu:1"]])
+def test_loss_scaling_accumulation_and_schedules_across_workers(local):
+    # The skip decision (a NaN on the last replica of the last worker) is the same on
+    # every worker, and every worker's weights are one process's on the global batch.
+    assert_mpi_ok(2, OPTIMIZERS.format(local=local), timeout=180, expect_lines=2)
