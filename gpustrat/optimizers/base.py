@@ -286,6 +286,11 @@ class Optimizer:
         if self.use_ema:
             training_state.finalize(self, list(var_list))
 
+    def slot_shape(self, name: str, shape: tuple) -> tuple:
+        """The shape of slot ``name`` of a variable of ``shape`` (the variable's unless an
+        algorithm keeps a smaller state, as Adafactor's factored moments)."""
+        return shape
+
     def slot_initial_value(self, name: str) -> float:
         """The value every element of slot ``name`` starts at (0 unless an algorithm
         says otherwise)."""
@@ -322,11 +327,11 @@ class Optimizer:
             made = {}
             for s in self.kept_slot_names:
                 sync_agg = training_state.SLOT_KINDS.get(s, ())
-                made[s] = zeros(strategy_of(v), v.shape, v.dtype, f"{v.name}/{s}",
-                                *sync_agg)
+                shape = self.slot_shape(s, tuple(v.shape))
+                made[s] = zeros(strategy_of(v), shape, v.dtype, f"{v.name}/{s}", *sync_agg)
                 start = 0.0 if s in training_state.SLOTS else self.slot_initial_value(s)
                 if start:
-                    made[s].assign(np.full(v.shape, start, v.dtype))
+                    made[s].assign(np.full(shape, start, v.dtype))
                 self._slot_list.append(made[s])
             self._slots[v] = made
             for s, value in restored.get(v, {}).items():
@@ -418,10 +423,12 @@ class Optimizer:
                                         None if last is None else last.variables)
         remote = getattr(variables[0], "_apply_gradients", None)
         if remote is not None:  # variables on parameter servers: the step runs there
-            if training_state.extra_slots(self) or self._summed_gate is not None:
+            if training_state.extra_slots(self) or self._summed_gate is not None or \
+                    type(self).slot_shape is not Optimizer.slot_shape:
                 raise ValueError(
-                    f"{type(self).__name__}: gradient_accumulation_steps, use_ema and loss "
-                    "scaling are not supported for variables on parameter servers (each "
+                    f"{type(self).__name__}: gradient_accumulation_steps, use_ema, loss "
+                    "scaling and slots of their own shapes (Adafactor's) are not supported "
+                    "for variables on parameter servers (each "
                     "worker's step is applied there as it comes); train without them, or "
                     "under MirroredStrategy or MultiWorkerMirroredStrategy")
             return remote(self, grads, variables)

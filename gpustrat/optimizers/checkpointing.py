@@ -93,6 +93,11 @@ def kept(optimizer) -> tuple:
     return tuple(optimizer.slot_names if names is None else names)
 
 
+def _slot_shape(optimizer, name: str, var) -> tuple:
+    shape = getattr(optimizer, "slot_shape", None)
+    return tuple(var.shape) if shape is None else tuple(shape(name, tuple(var.shape)))
+
+
 def renamed(optimizer, saved: dict) -> dict:
     """``saved`` (one variable's slots by name) with each former slot name of the
     optimizer (``former_slot_names``, such as Adam's ``"m"``) replaced by its name now."""
@@ -120,12 +125,14 @@ def check_slot_values(optimizer, what: str, var, saved: dict) -> None:
     never cast: the checkpoint and the variable must agree)."""
     for s, value in saved.items():
         shape, dtype = tuple(np.shape(value)), np.asarray(value).dtype
-        if shape != tuple(var.shape) or dtype != var.dtype:
+        want = _slot_shape(optimizer, s, var)
+        if shape != want or dtype != var.dtype:
             raise ValueError(
                 f"{_who(optimizer)}: the checkpoint's slot {s!r} of {what} is {dtype} of "
                 f"shape {shape}, but the variable is {var.dtype} of shape "
-                f"{tuple(var.shape)}; nothing was restored: restore into variables of the "
-                "saved dtypes and shapes")
+                f"{tuple(var.shape)}{'' if want == tuple(var.shape) else f' (slot {want})'}"
+                "; nothing was restored: restore into variables of the saved dtypes and "
+                "shapes")
 
 
 def zeros_for(saved: dict, optimizer, var) -> dict:
@@ -136,7 +143,7 @@ def zeros_for(saved: dict, optimizer, var) -> dict:
     for s in kept(optimizer):
         if s not in out:
             start = 0.0 if s in training_state.SLOTS else optimizer.slot_initial_value(s)
-            out[s] = np.full(var.shape, start, var.dtype)
+            out[s] = np.full(_slot_shape(optimizer, s, var), start, var.dtype)
     return out
 
 

@@ -22,6 +22,10 @@ PROGRAMS = {
     "accumulated_adamw_clipped": lambda: O.AdamW(0.05, gradient_accumulation_steps=3,
                                                  global_clipnorm=0.5,
                                                  exclude_from_weight_decay=["b"]),
+    "lion": lambda: O.Lion(0.01),
+    "lamb": lambda: O.Lamb(0.01),
+    "ftrl": lambda: O.Ftrl(0.05, l1_regularization_strength=0.01),
+    "adafactor": lambda: O.Adafactor(0.05),
 }
 
 
