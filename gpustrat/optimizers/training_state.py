@@ -116,6 +116,13 @@ def accumulate(optimizer, plan, per_replica: list, applying: bool, step_args_typ
         tensors = plan.gradients(per_replica[0].grads)
     else:
         tensors = plan.gradients_by_replica([a.grads for a in per_replica])
+    if plan.flat is not None and not applying:
+        # Each replica's gradients packed into one flat buffer (one call), added to its
+        # flat accumulator at once.
+        for i, flat in enumerate(plan.flat.concatenate(tensors)):
+            with _activate(plan.devices[i][0]):
+                plan.flat.slots[i][ACCUMULATOR] += flat
+        return None
     out = []
     for i in range(plan.n_local):
         grads = []
