@@ -198,10 +198,13 @@ class LossScaleOptimizer:
         return held[0], held[1]
 
     def _set(self, scale: float, count: int) -> None:
-        self._write(self.dynamic_scale, scale)
+        held = self._held
+        scale = float(np.float32(scale))
+        if held is None or held[0] != scale:    # the scale changes rarely
+            self._write(self.dynamic_scale, scale)
         self._write(self.step_counter, count)
         s, c = _first(self.dynamic_scale), _first(self.step_counter)
-        self._held = (float(np.float32(scale)), int(count), s._writes, c._writes)
+        self._held = (scale, int(count), s._writes, c._writes)
 
     @staticmethod
     def _write(var, value) -> None:
