@@ -26,7 +26,6 @@ on plain arrays (NumPy, or CuPy on a GPU replica), in place.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 import operator
 import re
@@ -130,7 +129,7 @@ class Optimizer:
         (self.gradient_accumulation_steps, self.use_ema, self.ema_momentum,
          self.ema_overwrite_frequency) = training_state.check(
             gradient_accumulation_steps, use_ema, ema_momentum, ema_overwrite_frequency)
-        _check_learning_rate(learning_rate)
+        schedules.check_learning_rate(learning_rate)
         self._learning_rate = learning_rate
         self.name = name
         self.compression = compression_dtype(compression)
@@ -185,14 +184,14 @@ class Optimizer:
         lr = self._learning_rate
         if callable(lr):
             if not isinstance(lr, schedules.LearningRateSchedule):
-                return rate_at(lr, None)
+                return schedules.rate_at(lr, None)
             n = self.gradient_accumulation_steps
-            return rate_at(lr, self._step_count() // n if n else self._step_count())
+            return schedules.rate_at(lr, self._step_count() // n if n else self._step_count())
         return float(lr)
 
     @learning_rate.setter
     def learning_rate(self, value) -> None:
-        _check_learning_rate(value)
+        schedules.check_learning_rate(value)
         self._learning_rate = value
 
     @property
@@ -812,50 +811,6 @@ def _cast(x, dtype):
         return x.astype(dtype)
     with on_device_of(x):
         return x.astype(dtype)
-
-
-def rate_at(lr, step) -> float:
-    """The rate of ``lr`` (a number, a :class:`~gpustrat.optimizers.schedules.\
-LearningRateSchedule` called with ``step``, or a plain callable called with no
-    arguments, as Keras 3 calls them) as a float."""
-    if isinstance(lr, schedules.LearningRateSchedule):
-        lr = lr(step)
-    elif callable(lr):
-        lr = lr()
-    return float(to_host(lr)) if not isinstance(lr, (int, float)) else float(lr)
-
-
-def _check_learning_rate(value) -> None:
-    """Raise unless ``value`` is a positive finite number, a schedule, or a callable
-    that takes no arguments."""
-    if isinstance(value, schedules.LearningRateSchedule) or not callable(value):
-        if not callable(value):
-            _check_positive("learning_rate", value)
-        return
-    try:
-        inspect.signature(value).bind()
-    except TypeError:
-        raise TypeError(
-            f"learning_rate {value!r} needs arguments, but a callable learning rate is "
-            "called with none (as in Keras 3); for a rate that depends on the step, "
-            "subclass gs.optimizers.schedules.LearningRateSchedule (its __call__(step) is "
-            "given iterations) or use one of its schedules") from None
-    except ValueError:   # no signature to read (a builtin): it is called as it is
-        pass
-
-
-def _check_positive(what: str, value) -> None:
-    ok = False
-    if not isinstance(value, (str, bytes)):  # float("0.1") would take a string
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            pass
-        else:
-            ok = 0 < number < math.inf
-    if not ok:
-        raise ValueError(f"{what} must be a positive finite number or a callable "
-                         f"schedule, got {value!r}")
 
 
 def _check_pairs(grads_and_vars, known: list | None = None) -> tuple[list, list]:

@@ -14,9 +14,12 @@ optimizer's schedule carries on where the saved one was.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
+
+from gpustrat.devices import to_host
 
 __all__ = ["LearningRateSchedule", "ExponentialDecay", "PiecewiseConstantDecay",
            "PolynomialDecay", "InverseTimeDecay", "CosineDecay", "CosineDecayRestarts",
@@ -243,6 +246,52 @@ class CosineDecayRestarts(LearningRateSchedule):
         return {"initial_learning_rate": self.initial_learning_rate,
                 "first_decay_steps": self.first_decay_steps, "t_mul": self._t_mul,
                 "m_mul": self._m_mul, "alpha": self.alpha, "name": self.name}
+
+
+# --- how optimizers call a learning rate -----------------------------------------------
+
+def rate_at(lr, step) -> float:
+    """The rate of ``lr`` (a number, a :class:`LearningRateSchedule` called with
+    ``step``, or a plain callable called with no arguments, as Keras 3 calls them) as a
+    float."""
+    if isinstance(lr, LearningRateSchedule):
+        lr = lr(step)
+    elif callable(lr):
+        lr = lr()
+    return float(to_host(lr)) if not isinstance(lr, (int, float)) else float(lr)
+
+
+def check_learning_rate(value) -> None:
+    """Raise unless ``value`` is a positive finite number, a schedule, or a callable
+    that takes no arguments."""
+    if isinstance(value, LearningRateSchedule) or not callable(value):
+        if not callable(value):
+            _check_positive("learning_rate", value)
+        return
+    try:
+        inspect.signature(value).bind()
+    except TypeError:
+        raise TypeError(
+            f"learning_rate {value!r} needs arguments, but a callable learning rate is "
+            "called with none (as in Keras 3); for a rate that depends on the step, "
+            "subclass gs.optimizers.schedules.LearningRateSchedule (its __call__(step) is "
+            "given iterations) or use one of its schedules") from None
+    except ValueError:   # no signature to read (a builtin): it is called as it is
+        pass
+
+
+def _check_positive(what: str, value) -> None:
+    ok = False
+    if not isinstance(value, (str, bytes)):  # float("0.1") would take a string
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            pass
+        else:
+            ok = 0 < number < math.inf
+    if not ok:
+        raise ValueError(f"{what} must be a positive finite number or a callable "
+                         f"schedule, got {value!r}")
 
 
 #: The schedules :func:`deserialize` knows by class name.

@@ -28,7 +28,7 @@ from gpustrat.distribute.parameter_server import wire
 from gpustrat.distribute.parameter_server.variables import (RemoteVariable,
                                                             ShardedVariable, request)
 from gpustrat.optimizers import checkpointing, clipping
-from gpustrat.optimizers.base import rate_at
+from gpustrat.optimizers.schedules import rate_at
 from gpustrat.optimizers.plan import check_trainable
 
 
