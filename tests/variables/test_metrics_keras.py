@@ -404,21 +404,29 @@ def test_confusion_metrics_in_checkpoints(tmp_path, two):
 
 # --- MeanMetricWrapper and a metric of your own ------------------------------------------
 
+def _mse(y_true, y_pred):
+    return (np.asarray(y_true) - np.asarray(y_pred)) ** 2
+
+
 def test_mean_metric_wrapper_of_a_function(two):
-    # reduction_metrics_test.py MeanMetricWrapperTest: the mean of a function of the
-    # labels and predictions (mse here), weighted per example.
-    def mse(y_true, y_pred):
-        return ((np.asarray(y_true) - np.asarray(y_pred)) ** 2).mean(axis=-1)
+    # reduction_metrics_test.py MetricWrapperTest: the mean of an element-wise function
+    # (each example counts the mean of its row), weighted per example or broadcast.
     y_true = np.array([[0, 1, 0, 1, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 0], [0, 0, 0, 0, 1]],
                       np.float32)
     y_pred = np.array([[0, 0, 1, 1, 0], [1, 1, 1, 1, 1], [0, 1, 0, 1, 0], [1, 1, 1, 1, 1]],
                       np.float32)
-    check(two, lambda: M.MeanMetricWrapper(fn=mse, name="mse"), y_true, y_pred, 0.5)
-    check(two, lambda: M.MeanMetricWrapper(fn=mse, name="mse"), y_true, y_pred,
-          (0.4 * 1 + 0.4 * 1.5 + 0.4 * 2 + 0.8 * 2.5) / 7.0,
+
+    def make():
+        return M.MeanMetricWrapper(fn=_mse, name="mse", dtype="float32")
+    check(two, make, y_true, y_pred, 0.5, atol=1e-5)                        # unweighted
+    check(two, make, y_true, y_pred, 0.54285, atol=1e-5,                    # weighted
           sample_weight=np.array([1.0, 1.5, 2.0, 2.5]))
-    m = M.MeanMetricWrapper(fn=mse, name="mse")
-    assert m.name == "mse" and len(m.variables) == 2
+    m = make()                                                              # broadcast
+    m(y_true, y_pred, sample_weight=np.array([[1.0, 0.0, 0.5, 0.0, 1.0]]))
+    np.testing.assert_allclose(m.result(), 0.45, atol=1e-5)
+    again = M.MeanMetricWrapper.from_config(m.get_config())                # test_config
+    assert again.name == "mse" and len(again.variables) == 2 and \
+        "fn" in again.get_config()
 
 
 class BinaryTruePositives(M.Metric):
