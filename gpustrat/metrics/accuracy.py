@@ -100,8 +100,10 @@ def _in_top_k(xp, labels, scores, k: int):
     score counts, as ``in_top_k``)."""
     n = scores.shape[-1]
     kth = xp.sort(scores, axis=-1)[:, max(n - int(k), 0)]
-    rows = xp.arange(scores.shape[0])
-    return scores[rows, labels] >= kth
+    # The label's score, by a one-hot mask (no gather of pairs of indices).
+    mask = xp.arange(n).reshape(1, n) == labels.reshape(-1, 1)
+    own = xp.where(mask, scores, 0).sum(axis=1)
+    return own >= kth
 
 
 def _top_k(xp, labels, y_pred, k, what: str, y_true, sorted_ids=False):

@@ -84,10 +84,12 @@ def confusion_counts(y_true, y_pred, thresholds, dtype, sample_weight=None, top_
         # Keras counts evenly spread thresholds by buckets of the scores clipped to
         # [0, 1] (its AUC's outer thresholds sit epsilon outside).
         y_pred = xp.clip(y_pred, 0.0, 1.0)
-    thr = xp.asarray(np.asarray(thresholds, dtype))
-    order = xp.argsort(thr)
-    sorted_thr = thr[order]
-    n_thr = int(thr.shape[0])
+    # The thresholds are host numbers: sorted here, the counts put back in their order
+    # on the device only when they were not sorted.
+    host_thr = np.asarray(thresholds, dtype)
+    order = np.argsort(host_thr, kind="stable")
+    sorted_thr = xp.asarray(host_thr[order])
+    n_thr = int(host_thr.shape[0])
     if multi_label:
         if y_pred.ndim != 2:
             raise ValueError("`y_pred` must have rank 2 when `multi_label=True`. Found "
@@ -102,23 +104,30 @@ def confusion_counts(y_true, y_pred, thresholds, dtype, sample_weight=None, top_
     below = xp.searchsorted(sorted_thr, y_pred.reshape(-1), side="left")
     index = column * (n_thr + 1) + below
     size = n_labels * (n_thr + 1)
-    true_w = (weights * labels).reshape(-1)
-    false_w = (weights * ~labels).reshape(-1)
+    positive = labels.astype(dtype)
+    true_w = (weights * positive).reshape(-1)
+    false_w = (weights * (1 - positive)).reshape(-1)
     true_b = xp.bincount(index, weights=true_w, minlength=size).reshape(n_labels, -1)
     false_b = xp.bincount(index, weights=false_w, minlength=size).reshape(n_labels, -1)
     # Positive at sorted threshold j: the buckets above j.
-    tp_sorted = xp.cumsum(true_b[:, ::-1], axis=1)[:, ::-1][:, 1:]
-    fp_sorted = xp.cumsum(false_b[:, ::-1], axis=1)[:, ::-1][:, 1:]
-    tp = xp.empty_like(tp_sorted)
-    fp = xp.empty_like(fp_sorted)
-    tp[:, order] = tp_sorted
-    fp[:, order] = fp_sorted
+    tp = _above(xp, true_b)
+    fp = _above(xp, false_b)
+    if (order != np.arange(n_thr)).any():
+        back = np.argsort(order)
+        tp, fp = xp.take(tp, back, axis=1), xp.take(fp, back, axis=1)
     total_true = true_b.sum(axis=1, keepdims=True)
     total_false = false_b.sum(axis=1, keepdims=True)
     tn, fn = total_false - fp, total_true - tp
     out = tuple(x.T.astype(dtype) if multi_label else x[0].astype(dtype)
                 for x in (tp, fp, tn, fn))
     return out
+
+
+def _above(xp, buckets):
+    """``out[:, j]``: the sum of ``buckets[:, j + 1:]`` (the weights of the scores above
+    sorted threshold j), as total minus a running sum."""
+    running = xp.cumsum(buckets, axis=1)
+    return running[:, -1:] - running[:, :-1]
 
 
 def _evenly_distributed(thresholds) -> bool:

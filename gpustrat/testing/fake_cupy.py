@@ -251,6 +251,30 @@ class FakeCupy:
     def log(self, a):
         return _compute(self, "log", np.log, [a])
 
+    def sort(self, a, axis=-1):
+        return _compute(self, "sort", lambda x: np.sort(x, axis=axis), [a])
+
+    def argsort(self, a, axis=-1):
+        # CuPy's sort is stable (a radix sort): so is this one.
+        return _compute(self, "argsort", lambda x: np.argsort(x, axis=axis, kind="stable"),
+                        [a])
+
+    def searchsorted(self, a, v, side="left"):
+        return _compute(self, "searchsorted", lambda x, y: np.searchsorted(x, y, side=side),
+                        [a, v])
+
+    def bincount(self, x, weights=None, minlength=0):
+        ops = [x] if weights is None else [x, weights]
+        return _compute(self, "bincount",
+                        lambda i, *w: np.bincount(i, w[0] if w else None, minlength), ops)
+
+    def cumsum(self, a, axis=None):
+        return _compute(self, "cumsum", lambda x: np.cumsum(x, axis=axis), [a])
+
+    def take(self, a, indices, axis=None):
+        return _compute(self, "take", lambda x, i: np.take(x, i, axis=axis),
+                        [a, self.asarray(indices)])
+
     def sum(self, a, axis=None, dtype=None):
         return a.sum(axis=axis, dtype=dtype)
 
