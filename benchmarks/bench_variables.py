@@ -14,6 +14,11 @@ Targets:
   recorded with TensorFlow 2.21 on this project's 2-core machine is printed instead,
   labelled as recorded, and the target is reported not measured (the ratio against
   that figure given as the reason): another day's load gives no verdict;
+- against a plain fused ``SGD`` step in the same run (rounds interleaved), on 2 CPU
+  replicas: a step whose learning rate is a schedule (``ExponentialDecay``), and one
+  with ``gradient_accumulation_steps`` that only accumulates, at most 1.10x; a
+  ``LossScaleOptimizer`` step (finite gradients: the check, the unscaling and the
+  update) at most 1.20x;
 - under ``mpiexec -n 2`` (one replica per worker), the gradient reduction inside
   ``apply_gradients`` at least 0.8x the bandwidth of one bare ``Allreduce`` of the same
   bytes. Each step writes its gradients into ``optimizer.gradient_buffers`` (reduced in
@@ -59,6 +64,9 @@ except ImportError:
 REPO = Path(__file__).resolve().parents[1]
 N_VARS, SIZE = 100, 1000
 TARGET_SEPARATE, TARGET_TF, TARGET_BANDWIDTH = 5.0, 3.0, 0.8
+#: Most a step may cost against a plain fused SGD step: with a schedule, accumulating
+#: (not applying), loss-scaled.
+TARGET_SCHEDULE, TARGET_ACCUMULATE, TARGET_LOSS_SCALED = 1.10, 1.10, 1.20
 
 #: Where the suite finds TensorFlow's interpreter when ``--tf-python`` is not given.
 ENV_TF_PYTHON = "GPUSTRAT_TF_PYTHON"
@@ -411,6 +419,51 @@ def measure_mpi(nprocs: int, repeats: int, sizes, timeout: float = 600,
     return rows
 
 
+def measure_training_state(replicas: int, repeats: int, steps: int) -> dict:
+    """ms per step of a plain fused SGD step and of the same step with a schedule, with
+    accumulation that does not apply, and loss-scaled; rounds interleaved, best of
+    ``repeats``."""
+    import gpustrat as gs
+    O = gs.optimizers
+    strategy = gs.MirroredStrategy([f"cpu:{i}" for i in range(replicas)])
+    rng = np.random.default_rng(0)
+    grads = gs.PerReplica([[rng.integers(-4, 4, SIZE).astype(np.float32)
+                            for _ in range(N_VARS)] for _ in range(replicas)])
+    never = 10 ** 9      # accumulation that never applies within the run
+    makers = {
+        "plain": lambda: O.SGD(0.01),
+        "schedule": lambda: O.SGD(O.schedules.ExponentialDecay(0.01, 1000, 0.9)),
+        "accumulating": lambda: O.SGD(0.01, gradient_accumulation_steps=never),
+        "loss_scaled": lambda: O.LossScaleOptimizer(O.SGD(0.01),
+                                                    dynamic_growth_steps=never),
+    }
+    ways = {}
+    try:
+        for name, make in makers.items():
+            with strategy.scope():
+                vs = [gs.Variable(np.zeros(SIZE, np.float32), name=f"v{j}")
+                      for j in range(N_VARS)]
+                opt = make()
+
+            def step(g, opt=opt, vs=vs):
+                opt.apply_gradients(zip(g, vs))
+            strategy.run(step, args=(grads,))          # builds the plan and slots
+            ways[name] = step
+        best = {name: float("inf") for name in ways}
+        for _ in range(repeats):
+            for name, step in ways.items():
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    strategy.run(step, args=(grads,))
+                best[name] = min(best[name], (time.perf_counter() - t0) / steps)
+    finally:
+        strategy.close()
+    row = {f"{name}_ms": t * 1e3 for name, t in best.items()}
+    for name in ("schedule", "accumulating", "loss_scaled"):
+        row[f"{name}_ratio"] = best[name] / best["plain"]
+    return row
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
@@ -488,7 +541,20 @@ def main(argv=None) -> dict:
         verdicts.append(targets.not_measured(
             tf_target, TARGET_TF, f"{tf_why}; against the figure recorded on "
             f"{TF_RECORDED_WHEN}: {row['vs_tf']:.2f}x", "x"))
-    result = {"suite": "variables", "in_process": row, "verdicts": verdicts}
+    state = measure_training_state(2, repeats, steps)
+    print(f"training state vs a plain fused SGD step ({state['plain_ms']:.3f} ms/step), "
+          f"2 CPU replicas, rounds interleaved")
+    for name, label, goal in (
+            ("schedule", "learning-rate schedule (ExponentialDecay)", TARGET_SCHEDULE),
+            ("accumulating", "gradient_accumulation_steps, not applying", TARGET_ACCUMULATE),
+            ("loss_scaled", "LossScaleOptimizer (finite gradients)", TARGET_LOSS_SCALED)):
+        print(f"  {label:44s} {state[name + '_ms']:8.3f} ms/step   "
+              f"{state[name + '_ratio']:.2f}x")
+        verdicts.append(targets.check(f"SGD step with a {label} vs a plain fused SGD step, "
+                                      "2 CPU replicas", state[name + "_ratio"], goal, "x",
+                                      higher_is_better=False))
+    result = {"suite": "variables", "in_process": row, "training_state": state,
+              "verdicts": verdicts}
     bandwidth = ("gradient reduction in apply_gradients (gradient buffers) vs bare MPI "
                  "Allreduce bandwidth")
     mpi_rows = measure_mpi(args.mpi, repeats, sizes, inner=args.calls_per_sample) \

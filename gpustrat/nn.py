@@ -47,11 +47,13 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
             true count over every replica in sync (one small all-reduce).
     Returns:
         ``sum(per_example_loss * sample_weight) / global_batch_size`` as a 0-d array of
-        the loss's dtype (on the replica's device); 0 when ``global_batch_size`` is 0.
+        the loss's dtype (float64 for integer losses, as TensorFlow's division gives;
+        their weights are cast to the loss's dtype first, as TensorFlow casts them), on
+        the replica's device; 0 when ``global_batch_size`` is 0.
         Summed over replicas, it is the global batch's mean loss.
     Raises:
         ValueError: a rank-0 loss, or a negative ``global_batch_size``.
-        TypeError: a loss that is not floating point.
+        TypeError: a loss that is not a number (a bool or a string).
         RuntimeError: called in cross-replica context without ``global_batch_size``
             (with it, the division needs no replica, as in TensorFlow).
     """
@@ -60,9 +62,12 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
                            hint=", or give global_batch_size")
     xp = array_module(per_example_loss)
     loss = xp.asarray(per_example_loss)
-    if loss.dtype.kind not in "fc":
-        raise TypeError(f"compute_average_loss needs floating-point losses, got dtype "
+    if loss.dtype.kind not in "fciu":
+        raise TypeError(f"compute_average_loss needs numeric losses, got dtype "
                         f"{loss.dtype}: cast them (e.g. loss.astype('float32'))")
+    # Integer losses are summed as integers and divided as TensorFlow's ``/`` divides
+    # them: into float64.
+    out = loss.dtype if loss.dtype.kind in "fc" else np.dtype(np.float64)
     if loss.ndim == 0:
         raise ValueError("compute_average_loss needs per-example losses (rank >= 1, one "
                          f"row per example), got a scalar {per_example_loss!r}")
@@ -78,21 +83,21 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
                              f"the {loss.shape[0]} examples of per_example_loss")
         weight = weight.reshape(weight.shape + (1,) * (loss.ndim - weight.ndim))
         loss = loss * weight
-    total = loss.sum(dtype=loss.dtype)
+    total = loss.sum(dtype=loss.dtype).astype(out)
     if global_batch_size is None:
         # The count is reduced as an array, so on GPUs it stays on the device: the step
         # does not wait for the reduction. Every piece empty: nothing to average, 0.
         rows = np.asarray(loss.shape[0], np.float64)
         count = ctx.all_reduce("sum", rows) if ctx is not None else rows
-        count = xp.asarray(count).astype(loss.dtype)
-        empty = (count == 0).astype(loss.dtype)
-        return xp.asarray(total / (count + empty) * (1 - empty), dtype=loss.dtype)
+        count = xp.asarray(count).astype(out)
+        empty = (count == 0).astype(out)
+        return xp.asarray(total / (count + empty) * (1 - empty), dtype=out)
     count = float(global_batch_size)
     if not count >= 0:
         raise ValueError(f"global_batch_size must be non-negative, got {global_batch_size}")
     if count == 0:  # as TensorFlow's div_no_nan: no examples, no loss
-        return xp.zeros((), dtype=loss.dtype)
-    return xp.asarray(total / loss.dtype.type(count), dtype=loss.dtype)
+        return xp.zeros((), dtype=out)
+    return xp.asarray(total / out.type(count), dtype=out)
 
 
 def scale_regularization_loss(regularization_loss):

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from gpustrat.devices import device_of, on_device_of, to_device
+from gpustrat.devices import device_of, on_device_of, to_device, to_host
 from gpustrat.distribute import context
 from gpustrat.distribute.variables import (_AGG_OPS, Variable, VariableAggregation,
                                            VariableSynchronization, checksum,
@@ -213,7 +213,6 @@ class DistributedVariable(Variable):
         return self.value()
 
     def __repr__(self) -> str:
-        from gpustrat.devices import to_host  # noqa: PLC0415
         body = ", ".join(f"{i}: {to_host(c._array)!r}" for i, c in enumerate(self._values))
         return (f"<gs.{self._kind} {self._name!r} shape={self.shape} dtype={self.dtype} "
                 f"aggregation={self._agg.name}, values={{{body}}}>")
@@ -226,6 +225,11 @@ class MirroredVariable(DistributedVariable):
 
     def _update_replica(self, ctx, op: str, value) -> None:
         if self._agg is VariableAggregation.NONE:
+            if self._strategy.num_replicas_in_sync == 1:
+                # One component (OneDeviceStrategy): nothing to combine or diverge, as
+                # TensorFlow updates it.
+                self._values[0]._update(op, value)
+                return
             raise ValueError(
                 f"{op} of mirrored variable {self._name!r} in replica context needs an "
                 "aggregation to combine the replicas' values, and it has NONE (TensorFlow "
@@ -233,15 +237,38 @@ class MirroredVariable(DistributedVariable):
                 "ONLY_FIRST_REPLICA, or update it in cross-replica context "
                 "(strategy.extended.update or a merge_call)")
         try:
-            item = (self._coerce(value, op), None)
+            item = (self._coerce(value, op), None, value)
         except (TypeError, ValueError) as e:  # raised after the workers agree, on all
-            item = (None, e)
+            item = (None, e, value)
         sig = ("variable update", f"{self._key}.{op}", ())
         ctx._exchange(sig, item, lambda items: self._combine(op, items))
 
+    def _same_value_summed(self, items: list) -> ValueError | None:
+        """TensorFlow's refusal to SUM one value that every local replica passed (the
+        same object: a Python number, an array made outside the replica function),
+        since the sum would count it once per replica; zeros sum to zeros and pass."""
+        first = items[0][2]
+        if self._agg is not VariableAggregation.SUM or len(items) < 2 or \
+                any(raw is not first for _, _, raw in items[1:]) or items[0][0] is None:
+            return None
+        if not to_host(items[0][0]).any():
+            return None
+        return ValueError(
+            f"A non-DistributedValues value {first!r} cannot be reduced with the given "
+            f"reduce op ReduceOp.SUM (variable {self._name!r}, aggregation SUM: every "
+            f"replica passed the same value, and their sum would count it "
+            f"{self._strategy.num_replicas_in_sync} times, as TensorFlow refuses). Give "
+            "each replica its own value (a per-replica value, or one computed in the "
+            "replica function), or update the variable in cross-replica context, or use "
+            "aggregation MEAN or ONLY_FIRST_REPLICA")
+
     def _combine(self, op: str, items: list) -> list:
         # Runs once per worker, in the thread of the last replica to arrive.
-        errors = [e for _, e in items if e is not None]
+        errors = [e for _, e, _ in items if e is not None]
+        if not errors:
+            same = self._same_value_summed(items)
+            if same is not None:
+                errors = [same]
         strategy = self._strategy
         comm = strategy.communicator
         if strategy.num_workers > 1:
@@ -251,7 +278,7 @@ class MirroredVariable(DistributedVariable):
                        _HINT_SAME_UPDATES)
         if errors:
             raise errors[0]
-        arrays = [to_device(a, d) for (a, _), d in zip(items, strategy.local_devices)]
+        arrays = [to_device(a, d) for (a, _, _), d in zip(items, strategy.local_devices)]
         if self._agg is VariableAggregation.ONLY_FIRST_REPLICA:
             reduced = comm.broadcast(arrays, root=0)
         else:

@@ -31,7 +31,7 @@ class Adagrad(Optimizer):
         super().__init__(learning_rate, name, compression, **common)
 
     def slot_initial_value(self, name: str) -> float:
-        return self.initial_accumulator_value
+        return self.initial_accumulator_value if name == "accumulator" else 0.0
 
     def update_step(self, param, grad, slots, lr, step, name):
         xp = array_module(param)

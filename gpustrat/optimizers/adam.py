@@ -12,13 +12,19 @@ class Adam(Optimizer):
     """``keras.optimizers.Adam``: with ``t`` the step (from 1),
     ``m += (g - m) * (1 - beta_1)``, ``v += (g**2 - v) * (1 - beta_2)``,
     ``w -= lr * sqrt(1 - beta_2**t) / (1 - beta_1**t) * m / (sqrt(v) + epsilon)``
-    (AMSGrad: ``v`` replaced by its running maximum).
+    (AMSGrad: ``v`` replaced by its running maximum). Slots, as Keras 3 names them:
+    ``"momentum"`` (m), ``"velocity"`` (v) and, with AMSGrad, ``"velocity_hat"``; the
+    names of TensorFlow's Keras 2 (``"m"``, ``"v"``, ``"vhat"``) are read as these by
+    :meth:`get_slot` and by a checkpoint restore.
 
     Keyword arguments of every optimizer (``weight_decay``, the clips,
     ``exclude_from_weight_decay``): see :class:`Optimizer`.
     """
 
     agreed_settings = ("beta_1", "beta_2", "epsilon", "amsgrad")
+    #: The slot names of earlier checkpoints (and of TensorFlow's Keras 2), by the name
+    #: each stands for now.
+    former_slot_names = {"m": "momentum", "v": "velocity", "vhat": "velocity_hat"}
 
     def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999,
                  epsilon: float = 1e-7, amsgrad: bool = False, name: str = "Adam",
@@ -31,17 +37,18 @@ class Adam(Optimizer):
         self.beta_1, self.beta_2 = float(beta_1), float(beta_2)
         self.epsilon = float(epsilon)
         self.amsgrad = bool(amsgrad)
-        self.slot_names = ("m", "v", "vhat") if self.amsgrad else ("m", "v")
+        self.slot_names = ("momentum", "velocity", "velocity_hat") if self.amsgrad else \
+            ("momentum", "velocity")
         super().__init__(learning_rate, name, compression, **common)
 
     def update_step(self, param, grad, slots, lr, step, name):
         xp = array_module(param)
         alpha = lr * math.sqrt(1.0 - self.beta_2 ** step) / (1.0 - self.beta_1 ** step)
-        m, v = slots["m"], slots["v"]
+        m, v = slots["momentum"], slots["velocity"]
         m += (grad - m) * (1.0 - self.beta_1)
         v += (grad * grad - v) * (1.0 - self.beta_2)
         if self.amsgrad:
-            vhat = slots["vhat"]
+            vhat = slots["velocity_hat"]
             xp.maximum(vhat, v, out=vhat)
             v = vhat
         param -= (m * alpha) / (xp.sqrt(v) + self.epsilon)

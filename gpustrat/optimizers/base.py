@@ -45,7 +45,7 @@ from gpustrat.distribute.extended import agreement, fused_reduce
 from gpustrat.distribute.variables import Variable, VariableAggregation
 from gpustrat.reduce_util import ReduceOp
 from gpustrat.values import PerReplica
-from gpustrat.optimizers import bfloat16, checkpointing, clipping
+from gpustrat.optimizers import bfloat16, checkpointing, clipping, schedules, training_state
 from gpustrat.optimizers.plan import StepPlan, check_trainable, fresh_arrays, replica_devices
 
 _NO_CONTEXT = contextlib.nullcontext()
@@ -75,8 +75,10 @@ class Optimizer:
     """Base of the optimizers (``keras.optimizers.Optimizer``'s shape).
 
     Args:
-        learning_rate: a positive float, or a callable ``schedule(step) -> float``
-            called with the number of steps applied so far (``iterations``).
+        learning_rate: a positive float; a
+            :class:`~gpustrat.optimizers.schedules.LearningRateSchedule`, called before
+            each step with the number of steps applied so far (``iterations``); or a
+            callable of no arguments, called before each step (as Keras 3).
         name: a name for slots and messages.
         compression: ``None``, ``"float16"`` or ``"bfloat16"``: the dtype gradients are
             reduced in (halving the bytes moved; values are rounded to it).
@@ -92,6 +94,13 @@ class Optimizer:
             whose name any of them matches somewhere (``re.search``, as Keras) is not
             decayed: ``["bias"]`` excludes every name containing "bias", ``["bias$"]``
             only names ending in it.
+        gradient_accumulation_steps: None, or an integer >= 2: the gradients of that
+            many steps are summed and applied (divided by it) on the last of them (see
+            :mod:`gpustrat.optimizers.training_state`).
+        use_ema, ema_momentum, ema_overwrite_frequency: keep an exponential moving
+            average of the weights (momentum in [0, 1], default 0.99), and set the
+            weights to it every ``ema_overwrite_frequency`` steps (None: only at
+            :meth:`finalize_variable_values`).
 
     Raises:
         ValueError: a learning rate, weight decay or clip that is not a positive (decay:
@@ -100,17 +109,28 @@ class Optimizer:
 
     #: Names of the slots each variable gets.
     slot_names: tuple = ()
+    #: Former names of slots (``{old: new}``): a checkpoint's slots and
+    #: :meth:`get_slot` take them as the new names.
+    former_slot_names: dict = {}
     #: Attributes (hyperparameters) that every worker must set alike, beside the
     #: learning rate and ``iterations``.
     agreed_settings: tuple = ()
     #: The settings of every optimizer that workers agree on (before ``agreed_settings``).
-    base_settings: tuple = ("weight_decay", "exclude_from_weight_decay") + clipping.NAMES
+    base_settings: tuple = ("weight_decay", "exclude_from_weight_decay") + clipping.NAMES \
+        + ("gradient_accumulation_steps", "_ema_settings")
+    #: A wrapper's check of the summed gradients before the update (see
+    #: :class:`~gpustrat.optimizers.LossScaleOptimizer`): ``gate(sums, flat)`` returns
+    #: the sums to apply, or None to skip the step. None: every step applies.
+    _summed_gate = None
 
     def __init__(self, learning_rate, name: str, compression=None, *, weight_decay=None,
                  clipnorm=None, clipvalue=None, global_clipnorm=None,
-                 exclude_from_weight_decay=None):
-        if not callable(learning_rate):
-            _check_positive("learning_rate", learning_rate)
+                 exclude_from_weight_decay=None, gradient_accumulation_steps=None,
+                 use_ema=False, ema_momentum=0.99, ema_overwrite_frequency=None):
+        (self.gradient_accumulation_steps, self.use_ema, self.ema_momentum,
+         self.ema_overwrite_frequency) = training_state.check(
+            gradient_accumulation_steps, use_ema, ema_momentum, ema_overwrite_frequency)
+        schedules.check_learning_rate(learning_rate)
         self._learning_rate = learning_rate
         self.name = name
         self.compression = compression_dtype(compression)
@@ -149,8 +169,14 @@ class Optimizer:
 
     # --- state ----------------------------------------------------------------------
     @property
-    def iterations(self) -> Variable:
-        """The number of steps applied (an int64 variable)."""
+    def iterations(self):
+        """The number of steps applied (an int64 variable). With
+        ``gradient_accumulation_steps`` n, as Keras: the number of updates, the calls
+        of ``apply_gradients`` divided by n (a 0-d int64 array, read-only; the
+        variable counting every call is saved in checkpoints)."""
+        n = self.gradient_accumulation_steps
+        if n:
+            return np.asarray(self._step_count() // n, np.int64)
         return self._iterations
 
     @property
@@ -158,14 +184,15 @@ class Optimizer:
         """The learning rate of the next step (a schedule is evaluated)."""
         lr = self._learning_rate
         if callable(lr):
-            lr = lr(self._step_count())
-            lr = float(to_host(lr)) if not isinstance(lr, (int, float)) else float(lr)
+            if not isinstance(lr, schedules.LearningRateSchedule):
+                return schedules.rate_at(lr, None)
+            n = self.gradient_accumulation_steps
+            return schedules.rate_at(lr, self._step_count() // n if n else self._step_count())
         return float(lr)
 
     @learning_rate.setter
     def learning_rate(self, value) -> None:
-        if not callable(value):
-            _check_positive("learning_rate", value)
+        schedules.check_learning_rate(value)
         self._learning_rate = value
 
     @property
@@ -180,6 +207,7 @@ class Optimizer:
     def get_slot(self, var: Variable, name: str) -> Variable:
         """Slot ``name`` of ``var`` (made on the first step that trained ``var``): a
         variable like ``var`` (mirrored, or on ``var``'s parameter server)."""
+        name = self.former_slot_names.get(name, name)
         held = getattr(var, "_get_slot", None)
         if held is not None:
             return held(self, name)
@@ -241,6 +269,28 @@ class Optimizer:
         if self.weight_decay and (name is None or self._decays(name)):
             param -= param * self.weight_decay * lr
 
+    @property
+    def kept_slot_names(self) -> tuple:
+        """:attr:`slot_names` and the slots of gradient accumulation and EMA
+        (``"gradient_accumulator"``, ``"average"``) when they are on."""
+        return tuple(self.slot_names) + training_state.extra_slots(self)
+
+    @property
+    def _ema_settings(self):
+        """What workers agree on of the EMA (None when it is off)."""
+        return (self.ema_momentum, self.ema_overwrite_frequency) if self.use_ema else None
+
+    def finalize_variable_values(self, var_list) -> None:
+        """With ``use_ema``: set each variable of ``var_list`` to its moving average
+        (the end of training, as Keras's ``fit`` does); else nothing."""
+        if self.use_ema:
+            training_state.finalize(self, list(var_list))
+
+    def slot_shape(self, name: str, shape: tuple) -> tuple:
+        """The shape of slot ``name`` of a variable of ``shape`` (the variable's unless an
+        algorithm keeps a smaller state, as Adafactor's factored moments)."""
+        return shape
+
     def slot_initial_value(self, name: str) -> float:
         """The value every element of slot ``name`` starts at (0 unless an algorithm
         says otherwise)."""
@@ -275,11 +325,13 @@ class Optimizer:
         restored = pending.take(self, new) if pending else {}
         for v in new:
             made = {}
-            for s in self.slot_names:
-                made[s] = zeros(strategy_of(v), v.shape, v.dtype, f"{v.name}/{s}")
-                start = self.slot_initial_value(s)
+            for s in self.kept_slot_names:
+                sync_agg = training_state.SLOT_KINDS.get(s, ())
+                shape = self.slot_shape(s, tuple(v.shape))
+                made[s] = zeros(strategy_of(v), shape, v.dtype, f"{v.name}/{s}", *sync_agg)
+                start = 0.0 if s in training_state.SLOTS else self.slot_initial_value(s)
                 if start:
-                    made[s].assign(np.full(v.shape, start, v.dtype))
+                    made[s].assign(np.full(shape, start, v.dtype))
                 self._slot_list.append(made[s])
             self._slots[v] = made
             for s, value in restored.get(v, {}).items():
@@ -371,6 +423,14 @@ class Optimizer:
                                         None if last is None else last.variables)
         remote = getattr(variables[0], "_apply_gradients", None)
         if remote is not None:  # variables on parameter servers: the step runs there
+            if training_state.extra_slots(self) or self._summed_gate is not None or \
+                    type(self).slot_shape is not Optimizer.slot_shape:
+                raise ValueError(
+                    f"{type(self).__name__}: gradient_accumulation_steps, use_ema, loss "
+                    "scaling and slots of their own shapes (Adafactor's) are not supported "
+                    "for variables on parameter servers (each "
+                    "worker's step is applied there as it comes); train without them, or "
+                    "under MirroredStrategy or MultiWorkerMirroredStrategy")
             return remote(self, grads, variables)
         strategy, replica_ctx = context.current()
         if replica_ctx is not None and strategy is not None:
@@ -452,6 +512,17 @@ class Optimizer:
                 "for all replicas; make the variables inside strategy.scope()")
         lr = self.learning_rate
         step = self._step_count() + 1
+        accumulating = self.gradient_accumulation_steps
+        # The update's step number (from 1): with accumulation, the applied steps'
+        # (Keras's iterations), which a schedule and bias corrections see.
+        update = step
+        if accumulating:
+            update = step // accumulating
+            per_replica = training_state.accumulate(
+                self, plan, per_replica, step % accumulating == 0, _StepArgs)
+            if per_replica is None:     # only accumulated: no reduction, no update
+                self._count_step(plan, step)
+                return
         reduce = reduce and plan.owner is not None and plan.owner.num_replicas_in_sync > 1
         # Workers must train the same variables with gradients of the same shapes: that
         # agreement rides with the reduction's first collective.
@@ -465,20 +536,23 @@ class Optimizer:
                 agree = agree + (self._settings_agreement(lr, step),)
         clips = self.clipnorm is not None or self.clipvalue is not None or \
             self.global_clipnorm is not None
+        gate = self._summed_gate
         arenas = plan.buffer_arenas([a.grads for a in per_replica])
         if arenas is not None:
             # The gradients were written into the plan's gradient buffers: reduced in
             # place, with no per-gradient check or copy.
             buckets = self._reduce_arenas(plan, arenas, agree) if reduce else \
                 [(plan.indices, arenas)]
+            if gate is not None and gate(buckets, True) is None:
+                return       # a skipped step: no update, iterations unchanged
             if plan.flat is not None:
                 if clips:
                     buckets = clipping.clip_flat(self, buckets, plan.flat.offsets)
-                plan.flat.step(self, buckets, lr, step)
+                plan.flat.step(self, buckets, lr, update)
             else:
                 views = plan.buffer_views()
                 plan.step_each(self, clipping.clip_tensors(self, views) if clips else views,
-                               lr, step)
+                               lr, update)
         else:
             try:
                 if len(per_replica) == 1:
@@ -497,15 +571,30 @@ class Optimizer:
                 raise
             if plan.flat is not None:
                 buckets = self._flat_gradients(plan, tensors, reduce, agree)
+                if gate is not None and gate(buckets, True) is None:
+                    return
                 if clips:
                     buckets = clipping.clip_flat(self, buckets, plan.flat.offsets)
-                plan.flat.step(self, buckets, lr, step)
+                plan.flat.step(self, buckets, lr, update)
             else:
                 if reduce:
                     tensors = self._reduce(plan, tensors, agree)
+                if gate is not None:
+                    tensors = gate(tensors, False)
+                    if tensors is None:
+                        return
                 if clips:
                     tensors = clipping.clip_tensors(self, tensors)
-                plan.step_each(self, tensors, lr, step)
+                plan.step_each(self, tensors, lr, update)
+        if accumulating:
+            training_state.reset(plan)
+        self._count_step(plan, step)
+
+    def _count_step(self, plan: StepPlan, step: int) -> None:
+        """The end of step ``step`` (from 1): the EMA, then ``iterations``."""
+        if self.use_ema:
+            n = self.gradient_accumulation_steps
+            training_state.average(self, plan, (step - 1) // n if n else step - 1)
         for c in (self._iterations.values if isinstance(self._iterations, DistributedVariable)
                   else (self._iterations,)):
             c._write("assign_add", _ONE)
@@ -657,7 +746,16 @@ class Optimizer:
             self.update_step(param, grad, s, lr, step, None)
 
     def get_config(self) -> dict:
-        config = {"name": self.name, "learning_rate": self._learning_rate,
+        """The constructor's arguments (a schedule as
+        :func:`~gpustrat.optimizers.schedules.serialize` gives it), for
+        :meth:`from_config`."""
+        lr = self._learning_rate
+        if isinstance(lr, schedules.LearningRateSchedule):
+            try:
+                lr = schedules.serialize(lr)
+            except NotImplementedError:   # a schedule without get_config: as it is
+                pass
+        config = {"name": self.name, "learning_rate": lr,
                   "compression": None if self.compression is None else str(self.compression)}
         # The common settings when set (so that an optimizer without them reads as
         # before); AdamW always shows its weight decay.
@@ -666,7 +764,18 @@ class Optimizer:
                 config[k] = getattr(self, k)
         if self._exclude:
             config["exclude_from_weight_decay"] = list(self._exclude)
+        config.update(training_state.config(self))
         return config
+
+    @classmethod
+    def from_config(cls, config: dict, custom_objects: dict | None = None):
+        """The optimizer :meth:`get_config` described (``custom_objects``: name -> class
+        for schedules of your own)."""
+        config = dict(config)
+        if isinstance(config.get("learning_rate"), dict):
+            config["learning_rate"] = schedules.deserialize(config["learning_rate"],
+                                                            custom_objects)
+        return cls(**config)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "name")
@@ -704,20 +813,6 @@ def _cast(x, dtype):
         return x.astype(dtype)
     with on_device_of(x):
         return x.astype(dtype)
-
-
-def _check_positive(what: str, value) -> None:
-    ok = False
-    if not isinstance(value, (str, bytes)):  # float("0.1") would take a string
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            pass
-        else:
-            ok = 0 < number < math.inf
-    if not ok:
-        raise ValueError(f"{what} must be a positive finite number or a callable "
-                         f"schedule, got {value!r}")
 
 
 def _check_pairs(grads_and_vars, known: list | None = None) -> tuple[list, list]:

@@ -3,8 +3,9 @@
 Words:
     state tree: what an optimizer saves: ``iterations``; ``learning_rate``, the
         current rate when it is a number (set between steps, it is not the
-        constructor's; a schedule is not saved: it is code, and gives its rate from
-        ``iterations``), as Keras 3 saves its learning-rate variable; ``config``, its
+        constructor's), as Keras 3 saves its learning-rate variable, or
+        ``learning_rate_schedule``, a schedule's ``serialize()`` (its rate follows from
+        ``iterations``; a restore keeps the restoring optimizer's own schedule); ``config``, its
         settings (:meth:`Optimizer.get_config` without the name and learning rate), so
         that a restore that cannot take the slots can say which setting differs; and
         each trained variable's slots (by slot name), under ``variable_slots`` keyed by
@@ -32,6 +33,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpustrat.optimizers import schedules, training_state
+
 
 def config_of(optimizer) -> dict:
     """The settings a checkpoint records: JSON numbers, strings, bools and lists of
@@ -50,9 +53,16 @@ def config_of(optimizer) -> dict:
 
 
 def learning_rate_of(optimizer) -> dict:
-    """``{"learning_rate": rate}`` for the state tree when the rate is a number; an
-    empty dict for a schedule."""
+    """``{"learning_rate": rate}`` for the state tree when the rate is a number;
+    ``{"learning_rate_schedule": serialize(schedule)}`` for a schedule that has a
+    config (a restore leaves the restoring optimizer's rate or schedule as it is:
+    ``iterations`` carries the schedule on); else an empty dict."""
     lr = optimizer._learning_rate
+    if isinstance(lr, schedules.LearningRateSchedule):
+        try:
+            return {"learning_rate_schedule": schedules.serialize(lr)}
+        except NotImplementedError:   # a schedule without get_config: not described
+            return {}
     return {} if callable(lr) else {"learning_rate": float(lr)}
 
 
@@ -77,15 +87,35 @@ def saved_iterations(optimizer, state: dict) -> np.ndarray:
     return value.astype(np.int64)
 
 
+def kept(optimizer) -> tuple:
+    """The slots ``optimizer`` keeps: its algorithm's and those of accumulation and EMA."""
+    names = getattr(optimizer, "kept_slot_names", None)
+    return tuple(optimizer.slot_names if names is None else names)
+
+
+def _slot_shape(optimizer, name: str, var) -> tuple:
+    shape = getattr(optimizer, "slot_shape", None)
+    return tuple(var.shape) if shape is None else tuple(shape(name, tuple(var.shape)))
+
+
+def renamed(optimizer, saved: dict) -> dict:
+    """``saved`` (one variable's slots by name) with each former slot name of the
+    optimizer (``former_slot_names``, such as Adam's ``"m"``) replaced by its name now."""
+    former = getattr(optimizer, "former_slot_names", None)
+    if not former or not any(s in former for s in saved):
+        return saved
+    return {former.get(s, s): value for s, value in saved.items()}
+
+
 def check_slot_names(optimizer, state: dict, what: str, saved: dict) -> None:
     """Raise unless every slot in ``saved`` (the slots of ``what``, a variable) is one
     this optimizer keeps. A slot this optimizer keeps that the checkpoint lacks starts
     afresh, as made by a first step."""
-    extra = [s for s in saved if s not in optimizer.slot_names]
+    extra = [s for s in saved if s not in kept(optimizer)]
     if not extra:
         return
     raise ValueError(
-        f"{_who(optimizer)} keeps slots {list(optimizer.slot_names)}, but the checkpoint "
+        f"{_who(optimizer)} keeps slots {list(kept(optimizer))}, but the checkpoint "
         f"holds slot{'s' if len(extra) > 1 else ''} {', '.join(map(repr, extra))} for "
         f"{what}{_settings_hint(optimizer, state)}; nothing was restored")
 
@@ -95,12 +125,14 @@ def check_slot_values(optimizer, what: str, var, saved: dict) -> None:
     never cast: the checkpoint and the variable must agree)."""
     for s, value in saved.items():
         shape, dtype = tuple(np.shape(value)), np.asarray(value).dtype
-        if shape != tuple(var.shape) or dtype != var.dtype:
+        want = _slot_shape(optimizer, s, var)
+        if shape != want or dtype != var.dtype:
             raise ValueError(
                 f"{_who(optimizer)}: the checkpoint's slot {s!r} of {what} is {dtype} of "
                 f"shape {shape}, but the variable is {var.dtype} of shape "
-                f"{tuple(var.shape)}; nothing was restored: restore into variables of the "
-                "saved dtypes and shapes")
+                f"{tuple(var.shape)}{'' if want == tuple(var.shape) else f' (slot {want})'}"
+                "; nothing was restored: restore into variables of the saved dtypes and "
+                "shapes")
 
 
 def zeros_for(saved: dict, optimizer, var) -> dict:
@@ -108,9 +140,10 @@ def zeros_for(saved: dict, optimizer, var) -> dict:
     of its slots it lacks (a slot the checkpoint did not keep starts afresh, also in an
     optimizer that has stepped)."""
     out = dict(saved)
-    for s in optimizer.slot_names:
+    for s in kept(optimizer):
         if s not in out:
-            out[s] = np.full(var.shape, optimizer.slot_initial_value(s), var.dtype)
+            start = 0.0 if s in training_state.SLOTS else optimizer.slot_initial_value(s)
+            out[s] = np.full(_slot_shape(optimizer, s, var), start, var.dtype)
     return out
 
 
@@ -208,6 +241,8 @@ def match(optimizer, state: dict, keys, known: list) -> tuple:
         by_key, by_name = {}, dict(state["slots"])
     else:
         by_key, by_name = dict(state["variable_slots"]), dict(state["named_slots"])
+    by_key = {k: renamed(optimizer, saved) for k, saved in by_key.items()}
+    by_name = {k: renamed(optimizer, saved) for k, saved in by_name.items()}
     known_ids = {id(v) for v in known}
     writes, pending = [], Pending()
     taken = set()
@@ -264,7 +299,8 @@ def _settings_hint(optimizer, state: dict) -> str:
     saved = state.get("config")
     if not isinstance(saved, dict):
         return (": make the optimizer with the settings that keep those slots (such as "
-                "Adam's amsgrad=True for 'vhat', SGD's momentum > 0 for 'momentum')")
+                "Adam's amsgrad=True for 'velocity_hat', SGD's momentum > 0 for "
+                "'momentum')")
     here = config_of(optimizer)
     differ = [k for k in saved if k in here and here[k] != saved[k]]
     if not differ:

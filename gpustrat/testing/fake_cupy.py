@@ -246,6 +246,42 @@ class FakeCupy:
     def clip(self, a, lo, hi):
         return _compute(self, "clip", lambda x: np.clip(x, lo, hi), [a])
 
+    def isfinite(self, a):
+        return _compute(self, "isfinite", np.isfinite, [a])
+
+    def sign(self, a):
+        return _compute(self, "sign", np.sign, [a])
+
+    def exp(self, a):
+        return _compute(self, "exp", np.exp, [a])
+
+    def log(self, a):
+        return _compute(self, "log", np.log, [a])
+
+    def sort(self, a, axis=-1):
+        return _compute(self, "sort", lambda x: np.sort(x, axis=axis), [a])
+
+    def argsort(self, a, axis=-1):
+        # CuPy's sort is stable (a radix sort): so is this one.
+        return _compute(self, "argsort", lambda x: np.argsort(x, axis=axis, kind="stable"),
+                        [a])
+
+    def searchsorted(self, a, v, side="left"):
+        return _compute(self, "searchsorted", lambda x, y: np.searchsorted(x, y, side=side),
+                        [a, v])
+
+    def bincount(self, x, weights=None, minlength=0):
+        ops = [x] if weights is None else [x, weights]
+        return _compute(self, "bincount",
+                        lambda i, *w: np.bincount(i, w[0] if w else None, minlength), ops)
+
+    def cumsum(self, a, axis=None):
+        return _compute(self, "cumsum", lambda x: np.cumsum(x, axis=axis), [a])
+
+    def take(self, a, indices, axis=None):
+        return _compute(self, "take", lambda x, i: np.take(x, i, axis=axis),
+                        [a, self.asarray(indices)])
+
     def sum(self, a, axis=None, dtype=None):
         return a.sum(axis=axis, dtype=dtype)
 
@@ -491,6 +527,12 @@ def _make_ndarray(fake: FakeCupy):
 
         def min(self, axis=None, keepdims=False):
             return self._reduce("min", axis, None, keepdims)
+
+        def all(self, axis=None, keepdims=False):
+            return self._reduce("all", axis, None, keepdims)
+
+        def any(self, axis=None, keepdims=False):
+            return self._reduce("any", axis, None, keepdims)
 
         def argmax(self, axis=None):
             return _compute(fake, "argmax", lambda a: np.argmax(a, axis=axis), [self])

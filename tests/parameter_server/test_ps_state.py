@@ -110,11 +110,11 @@ with strategy.scope():
     adam = gs.optimizers.Adam(0.05)
     sgd = gs.optimizers.SGD(0.1, momentum=0.5)
     # A learning-rate schedule is evaluated by the caller at the step's number.
-    decayed = gs.optimizers.Adam(lambda step: 0.1 / (1 + step))
+    decayed = gs.optimizers.Adam(gs.optimizers.schedules.InverseTimeDecay(0.1, 1, 1.0))
 coord = gs.distribute.coordinator.ClusterCoordinator(strategy)
 lw, lb = gs.Variable(init.copy()), gs.Variable(np.zeros(2, np.float32))
 ladam, lsgd = gs.optimizers.Adam(0.05), gs.optimizers.SGD(0.1, momentum=0.5)
-ldecayed = gs.optimizers.Adam(lambda step: 0.1 / (1 + step))
+ldecayed = gs.optimizers.Adam(gs.optimizers.schedules.InverseTimeDecay(0.1, 1, 1.0))
 with strategy.scope():
     w2 = gs.Variable(init, name="w2")
 lw2 = gs.Variable(init.copy())
@@ -147,7 +147,7 @@ assert int(adam.iterations.numpy()) == int(decayed.iterations.numpy()) == 3
 
 m, v = adam.get_slot(w, "m"), adam.get_slot(w, "v")
 kind = type(w).__name__
-assert type(m).__name__ == kind and m.shape == (6, 2) and m.name == "w/m", (m, kind)
+assert type(m).__name__ == kind and m.shape == (6, 2) and m.name == "w/momentum", (m, kind)
 assert np.allclose(m.numpy(), ladam.get_slot(lw, "m").numpy(), rtol=1e-6)
 assert np.allclose(v.numpy(), ladam.get_slot(lw, "v").numpy(), rtol=1e-6)
 mom = sgd.get_slot(b, "momentum")
@@ -165,12 +165,12 @@ coord.schedule(train, args=(3,)).fetch()
 lsgd.apply_gradients([(grads(3)[1], lb)])
 assert np.allclose(b.numpy(), lb.numpy()), (b.numpy(), lb.numpy())
 try:
-    adam.get_slot(w, "momentum")
+    adam.get_slot(w, "accumulator")
     raise SystemExit("a slot Adam does not have was found")
 except KeyError as e:
-    assert "'momentum'" in str(e) and "['m', 'v']" in str(e), e
+    assert "'accumulator'" in str(e) and "['momentum', 'velocity']" in str(e), e
 names = [x.name for x in adam.variables]
-assert names == ["Adam/iterations", "w/m", "w/v"], names
+assert names == ["Adam/iterations", "w/momentum", "w/velocity"], names
 assert [x.name for x in sgd.variables] == ["SGD/iterations", "b/momentum"]
 print("OK", flush=True)
 """

@@ -89,8 +89,8 @@ def dtypes_of(name: str) -> tuple:
 #: gpustrat slot name -> the Keras optimizer's attribute holding that slot per variable.
 KERAS_SLOTS = {
     "SGD": {"momentum": "momentums"},
-    "Adam": {"m": "_momentums", "v": "_velocities"},
-    "AdamW": {"m": "_momentums", "v": "_velocities"},
+    "Adam": {"momentum": "_momentums", "velocity": "_velocities"},
+    "AdamW": {"momentum": "_momentums", "velocity": "_velocities"},
     "RMSprop": {"velocity": "_velocities", "momentum": "_momentums",
                 "average_gradient": "_average_gradients"},
     "Adagrad": {"accumulator": "_accumulators"},

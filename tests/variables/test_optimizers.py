@@ -22,6 +22,17 @@ def assert_matches(got, want, what):
         np.testing.assert_allclose(c, b_ref, rtol=RTOL, atol=ATOL, err_msg=what)
 
 
+class _Seen(gs.optimizers.schedules.LearningRateSchedule):
+    """0.1 at every step, each step it is asked for appended to ``seen``."""
+
+    def __init__(self, seen: list):
+        self.seen = seen
+
+    def __call__(self, step):
+        self.seen.append(step)
+        return 0.1
+
+
 @pytest.mark.parametrize("which", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_same_weights_as_numpy_on_any_replica_count(which, n):
@@ -225,7 +236,7 @@ def test_a_step_after_iterations_is_assigned_counts_from_the_assigned_value(two)
     seen = []
     with two.scope():
         v = gs.Variable(np.zeros(2, np.float32))
-        opt = gs.optimizers.Adam(lambda step: seen.append(step) or 0.1)
+        opt = gs.optimizers.Adam(_Seen(seen))
     grad = np.ones(2, np.float32)
     two.run(lambda: opt.apply_gradients([(grad, v)]))
     opt.iterations.assign(100)
@@ -246,7 +257,7 @@ def test_a_step_count_held_elsewhere_is_read_each_time():
             return np.asarray(self.count, np.int64)
 
     seen = []
-    opt = gs.optimizers.SGD(lambda step: seen.append(step) or 0.1)
+    opt = gs.optimizers.SGD(_Seen(seen))
     held = object.__new__(Elsewhere)
     opt._iterations = held
     opt._remember_step(0)

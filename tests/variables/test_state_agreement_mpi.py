@@ -54,12 +54,12 @@ ONES = np.ones(3, np.float32)
 with s.scope():
     w = gs.Variable(np.zeros(3, np.float32), name="w")
     lr = gs.optimizers.SGD(0.2 if r == last else 0.1)
-    by_rank = gs.optimizers.SGD(lambda step: 0.1 * (1 + r))
+    by_rank = gs.optimizers.SGD(gs.optimizers.schedules.PiecewiseConstantDecay([1], [0.1 * (1 + r)] * 2))
     momentum = gs.optimizers.SGD(0.1, momentum=0.8 if r == last else 0.9)
     epsilon = gs.optimizers.Adam(0.1, epsilon=1e-6 if r == last else 1e-7)
     decay = gs.optimizers.AdamW(0.1, weight_decay=0.0 if r == last else 0.004)
     restored = gs.optimizers.SGD(0.1)
-    later = gs.optimizers.SGD(lambda step: 0.1 if step < 2 else 0.1 * (1 + r))
+    later = gs.optimizers.SGD(gs.optimizers.schedules.PiecewiseConstantDecay([1], [0.1, 0.1 * (1 + r)]))
     good = gs.optimizers.SGD(0.1, momentum=0.5)
 # A restore that reached some workers only (each component written directly).
 for c in s.experimental_local_results(restored.iterations):

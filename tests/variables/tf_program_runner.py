@@ -88,7 +88,7 @@ class Api:
             sched = _tf_schedule(self.keras)
         else:
             opt = self.gs.optimizers
-            sched = schedule
+            sched = gs_schedule(self.gs)
         return {"sgd": lambda: opt.SGD(lr),
                 "sgd_momentum": lambda: opt.SGD(lr, momentum=0.9),
                 "sgd_nesterov": lambda: opt.SGD(lr, momentum=0.5, nesterov=True),
@@ -101,6 +101,14 @@ class Api:
 def schedule(step):
     """A learning-rate schedule, ``0.2 * 0.5 ** step``."""
     return 0.2 * 0.5 ** step
+
+
+def gs_schedule(gs):
+    """:func:`schedule` as a gpustrat LearningRateSchedule."""
+    class Halving(gs.optimizers.schedules.LearningRateSchedule):
+        def __call__(self, step):
+            return schedule(step)
+    return Halving()
 
 
 def _tf_schedule(keras):

@@ -538,3 +538,20 @@ TF_OTHER = {'ON_WRITE/float32/NONE/trainable': True,
  'bad/float_into_int': 'ERR TypeError: Cannot convert [1.5, 2.5] to EagerTensor of dtype '
                        'int32',
  'bad/int_into_float': [[1.0, 2.0], [1.0, 2.0], [1, 2], [1, 2]]}
+
+# TensorFlow 2.21 (tensorflow-cpu) on the programs Keras users' loops run, as reported
+# beside the recordings above: a MirroredStrategy on 2 logical CPUs unless named.
+TF_LOOPS = {
+    # v = tf.Variable(10.0, aggregation=SUM) in the scope; strategy.run(lambda:
+    # v.assign_add(2.0)): the same Python value on every replica.
+    "mirrored/SUM/replica/assign_add(2.0)":
+        "ERR ValueError: A non-DistributedValues value 2.0 cannot be reduced with the "
+        "given reduce op ReduceOp.SUM.",
+    # OneDeviceStrategy("cpu:0"), v = tf.Variable(10.0) (aggregation NONE);
+    # strategy.run(lambda: v.assign_add(2.0)).
+    "one_device/NONE/replica/assign_add(2.0)": 12.0,
+    # tf.nn.compute_average_loss(tf.constant([1, 2, 3]), global_batch_size=4) and, inside
+    # strategy.run on 2 replicas, without global_batch_size: (dtype, value).
+    "compute_average_loss/int32/global_batch_size=4": ("float64", 1.5),
+    "compute_average_loss/int32/2 replicas": ("float64", 1.0),
+}

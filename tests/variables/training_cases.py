@@ -32,7 +32,7 @@ def decay(step):
 OPTIMIZERS = {
     "sgd_momentum": lambda: gs.optimizers.SGD(0.05, momentum=0.9),
     "sgd_nesterov": lambda: gs.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
-    "sgd_schedule": lambda: gs.optimizers.SGD(decay),
+    "sgd_schedule": lambda: gs.optimizers.SGD(gs.optimizers.schedules.ExponentialDecay(0.05, 1, 0.9)),
     "adam": lambda: gs.optimizers.Adam(0.05),
     "adam_amsgrad": lambda: gs.optimizers.Adam(0.05, amsgrad=True),
     "adamw": lambda: gs.optimizers.AdamW(0.05, weight_decay=0.1,

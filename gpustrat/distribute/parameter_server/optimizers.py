@@ -28,6 +28,7 @@ from gpustrat.distribute.parameter_server import wire
 from gpustrat.distribute.parameter_server.variables import (RemoteVariable,
                                                             ShardedVariable, request)
 from gpustrat.optimizers import checkpointing, clipping
+from gpustrat.optimizers.schedules import rate_at
 from gpustrat.optimizers.plan import check_trainable
 
 
@@ -116,9 +117,7 @@ def _apply(optimizer, grads: list, variables: list):
         _, (count,) = request(home, "assign_read", (iterations._vid, "assign_add"),
                               [np.ones((), np.int64)])
         step = int(count)
-        if callable(lr):
-            lr = lr(step - 1)
-    lr = float(to_host(lr)) if not isinstance(lr, (int, float)) else float(lr)
+    lr = rate_at(lr, None if step is None else step - 1)
     # The hyperparameters go with every step: a server holding the optimizer with
     # other values asks for it again, so a change between steps takes effect at once.
     settings = optimizer._settings()

@@ -1,24 +1,9 @@
-"""Metrics that accumulate over the steps of an epoch, on sync-on-read variables
-(``keras.metrics``).
-
-Made inside ``strategy.scope()``, a metric's state (a total, a count) is a sync-on-read
-variable with SUM aggregation: inside ``strategy.run`` each replica adds to its own
-component, with no communication; :meth:`Metric.result` in cross-replica context sums
-the components over every replica of every worker in one fused reduction (a collective:
-every worker must call it) and returns the metric's value. Inside ``run``, ``result()``
-is the replica's own. In cross-replica context ``update_state`` adds the value divided
-by the number of replicas in sync to every local replica's component: every worker runs
-that code, and the total grows by the value once (by the mean of the workers' values
-where they differ, as with Keras), spread evenly over the replicas as Keras 3 spreads
-it. Made outside any scope, a metric is plain.
-
-Under ``ParameterServerStrategy`` a metric made in the scope keeps its state on the
-parameter servers: every update (from any scheduled function, on any worker) is added
-there, one at a time, and :meth:`Metric.result` (on the coordinator, or inside a
-function) reads the total of every update so far.
-"""
+"""The base of the metrics: named state variables on sync-on-read variables, the
+cross-replica read, checkpointing (see :mod:`gpustrat.metrics`)."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 
@@ -30,21 +15,24 @@ from gpustrat.distribute.variables import (Variable, VariableAggregation,
                                            VariableSynchronization)
 from gpustrat.reduce_util import ReduceOp
 
-__all__ = ["Metric", "Mean", "Sum", "Accuracy", "SparseCategoricalAccuracy"]
-
-
 class Metric:
     """Base of the metrics: named state variables, ``update_state``, ``result``,
-    ``reset_state``.
+    ``reset_state`` (``keras.metrics.Metric``).
+
+    A metric of your own subclasses it as in Keras 3: make its state with
+    :meth:`add_variable` in ``__init__``, add to it in ``update_state`` (with the
+    variables' ``assign_add``/``assign``, inside ``strategy.run``: each replica adds to
+    its own component) and read it in ``result`` (in cross-replica context, each
+    variable's read aggregates its components over every replica of every worker).
 
     Args:
         name: the metric's name.
         dtype: the dtype of its state and result (default float32).
     """
 
-    def __init__(self, name: str | None = None, dtype=np.float32):
+    def __init__(self, name: str | None = None, dtype=None):
         self.name = name or _snake(type(self).__name__)
-        self.dtype = np.dtype(dtype)
+        self.dtype = np.dtype(np.float32 if dtype is None else dtype)
         if self.dtype.kind != "f":
             raise ValueError(f"metric {self.name!r}: dtype must be floating point, got "
                              f"{self.dtype}")
@@ -57,19 +45,49 @@ class Metric:
         self._resets = 0
         self._cross_updates = 0
 
-    def add_variable(self, name: str) -> Variable:
-        """A scalar state variable of zeros: sync-on-read (SUM) under a strategy."""
+    def add_variable(self, shape=(), initializer="zeros", dtype=None, aggregation="sum",
+                     name=None) -> Variable:
+        """A state variable (``keras.metrics.Metric.add_variable``): of ``shape``,
+        starting at ``initializer`` ("zeros", "ones", a number, an array or a callable
+        ``f(shape, dtype)``), of ``dtype`` (default the metric's); sync-on-read under a
+        strategy, its cross-replica read the ``aggregation`` of its components ("sum",
+        "mean", "only_first_replica"). :meth:`reset_state` sets it to zeros.
+
+        ``add_variable("total")`` (a name alone) makes a scalar of zeros."""
+        if isinstance(shape, str):   # add_variable(name): a scalar of zeros
+            shape, name = (), shape
+        shape = tuple(int(n) for n in np.atleast_1d(shape)) if np.ndim(shape) else             ((int(shape),) if shape != () else ())
+        dtype = self.dtype if dtype is None else np.dtype(dtype)
+        agg = _AGGREGATIONS.get(str(aggregation).lower())
+        if agg is None:
+            raise ValueError(f"metric {self.name!r}: aggregation {aggregation!r} is not one "
+                             f"of {sorted(_AGGREGATIONS)}")
+        value = _initial(initializer, shape, dtype, self.name)
         strategy, replica_ctx = context.current()
-        full = f"{self.name}/{name}"
-        if replica_ctx is not None:  # made inside run: a collective, like any variable
-            v = Variable(np.zeros((), self.dtype), trainable=False, name=full,
-                         synchronization=VariableSynchronization.ON_READ,
-                         aggregation=VariableAggregation.SUM)
+        full = f"{self.name}/{name or 'variable'}"
+        if replica_ctx is not None or strategy is None:
+            # Plain, or made inside run (a collective, like any variable).
+            v = Variable(value, trainable=False, name=full,
+                         synchronization=VariableSynchronization.ON_READ, aggregation=agg)
         else:
-            v = zeros(strategy, (), self.dtype, full, VariableSynchronization.ON_READ,
-                      VariableAggregation.SUM)
+            v = zeros(strategy, shape, dtype, full, VariableSynchronization.ON_READ, agg)
+            if value.any():
+                for c in _components(v):
+                    c._write("assign", value)
         self._variables.append(v)
         return v
+
+    def add_weight(self, name=None, shape=(), aggregation="sum", initializer="zeros",
+                   dtype=None) -> Variable:
+        """:meth:`add_variable` with Keras's ``add_weight`` argument order."""
+        return self.add_variable(shape, initializer, dtype, aggregation, name)
+
+    def get_config(self) -> dict:
+        return {"name": self.name, "dtype": str(self.dtype)}
+
+    @classmethod
+    def from_config(cls, config: dict):
+        return cls(**config)
 
     @property
     def variables(self) -> list:
@@ -97,7 +115,7 @@ class Metric:
         state with another's old one)."""
         for v in self._variables:
             for c in _components(v):
-                c._write("assign", np.zeros((), self.dtype))
+                c._write("assign", np.zeros(v.shape, v.dtype))
         self._restarted()
 
     def _restarted(self) -> None:
@@ -163,6 +181,8 @@ class Metric:
             return [v.read_value() for v in self._variables]
         if strategy is not None and strategy is not first.distribute_strategy:
             first.value()  # raises the error that names both strategies
+        if any(v.aggregation is not VariableAggregation.SUM for v in self._variables):
+            return [v.read_value() for v in self._variables]   # each by its aggregation
         # Cross-replica: every state variable in one fused reduction over all replicas.
         owner = first.distribute_strategy
         pairs = [(v, None) for v in self._variables]
@@ -200,11 +220,12 @@ class Metric:
                              "the same metric class")
         values = [np.asarray(value) for value in state]
         for v, value in zip(self._variables, values):
-            if value.dtype != self.dtype or value.shape != ():
+            if value.dtype != v.dtype or value.shape != tuple(v.shape):
                 raise ValueError(
                     f"metric {self.name!r}: the checkpoint's {v.name!r} is {value.dtype} "
-                    f"of shape {value.shape}, this metric keeps {self.dtype} of shape (): "
-                    f"restore into a metric made with dtype={str(value.dtype)!r}")
+                    f"of shape {value.shape}, this metric keeps {v.dtype} of shape "
+                    f"{tuple(v.shape)}: restore into a metric made with "
+                    f"dtype={str(value.dtype)!r} and the saved settings")
 
         def write() -> None:
             for v, value in zip(self._variables, values):
@@ -214,93 +235,6 @@ class Metric:
 
     def __repr__(self) -> str:
         return f"<gs.metrics.{type(self).__name__} {self.name!r}>"
-
-
-class Sum(Metric):
-    """The (weighted) sum of the values seen.
-
-    With ``sample_weight``, each value is multiplied by its weight first; weights
-    broadcast from the first axes of the values (one weight per example), and a
-    trailing axis of size 1 on either side is dropped or added to make the ranks
-    match, as Keras does.
-    """
-
-    def __init__(self, name: str = "sum", dtype=np.float32):
-        super().__init__(name, dtype)
-        self.total = self.add_variable("total")
-
-    def update_state(self, values, sample_weight=None) -> None:
-        total, _ = _samplewise(values, sample_weight, self.dtype, "sum")
-        self._add(total)
-
-    def _compute(self, total):
-        return _on_host_dtype(total, self.dtype)
-
-
-class Mean(Metric):
-    """The (weighted) mean of the examples seen (0 before any), as Keras 3's.
-
-    Each example (a row of the values: ``values[i]``) counts once, with its weight:
-    the result is ``sum(w[i] * mean(values[i])) / sum(w[i])`` over every example of
-    every update (a 0-d value is one example). Weights follow :class:`Sum`'s rules;
-    weights with an axis per value axis are averaged per example.
-    """
-
-    def __init__(self, name: str = "mean", dtype=np.float32):
-        super().__init__(name, dtype)
-        self.total = self.add_variable("total")
-        self.count = self.add_variable("count")
-
-    def update_state(self, values, sample_weight=None) -> None:
-        self._add(*_samplewise(values, sample_weight, self.dtype, "mean"))
-
-    def _compute(self, total, count):
-        # total / count, and 0 where count is 0, computed on the state's device: no host
-        # read of the count (a GPU result stays on the GPU until the caller reads it).
-        xp = array_module(total)
-        total, count = xp.asarray(total, self.dtype), xp.asarray(count, self.dtype)
-        empty = (count == 0).astype(self.dtype)
-        return xp.asarray(total / (count + empty) * (1 - empty), self.dtype)
-
-
-class Accuracy(Mean):
-    """How often ``y_pred`` equals ``y_true`` (element-wise, weighted)."""
-
-    def __init__(self, name: str = "accuracy", dtype=np.float32):
-        super().__init__(name, dtype)
-
-    def update_state(self, y_true, y_pred, sample_weight=None) -> None:
-        xp = array_module(y_pred)
-        y_true, y_pred = _same_rank(xp.asarray(y_true), xp.asarray(y_pred))
-        if y_true.shape != y_pred.shape:
-            raise ValueError(f"{self.name}: y_true has shape {tuple(y_true.shape)} but "
-                             f"y_pred has {tuple(y_pred.shape)}; they must match")
-        super().update_state((y_true == y_pred).astype(self.dtype), sample_weight)
-
-
-class SparseCategoricalAccuracy(Mean):
-    """How often the integer label ``y_true`` is the arg-max of the scores ``y_pred``
-    (``y_true``: shape ``(n,)`` or ``(n, 1)``; ``y_pred``: ``(n, classes)``)."""
-
-    def __init__(self, name: str = "sparse_categorical_accuracy", dtype=np.float32):
-        super().__init__(name, dtype)
-
-    def update_state(self, y_true, y_pred, sample_weight=None) -> None:
-        xp = array_module(y_pred)
-        y_true, y_pred = xp.asarray(y_true), xp.asarray(y_pred)
-        if y_pred.ndim < 1:
-            raise ValueError(f"{self.name}: y_pred must hold class scores along its "
-                             f"last axis, got a scalar")
-        if y_true.ndim == y_pred.ndim and y_true.shape[-1:] == (1,):
-            y_true = y_true[..., 0]
-        if y_true.shape != y_pred.shape[:-1]:
-            raise ValueError(f"{self.name}: y_true of shape {tuple(y_true.shape)} does not "
-                             f"match y_pred of shape {tuple(y_pred.shape)} (labels need "
-                             "the scores' shape without the class axis)")
-        if y_pred.shape[-1] == 0:
-            raise ValueError(f"{self.name}: y_pred has no classes (last axis of size 0)")
-        hits = y_pred.argmax(axis=-1) == y_true.astype(xp.int64)
-        super().update_state(hits.astype(self.dtype), sample_weight)
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -357,11 +291,35 @@ def _samplewise(values, sample_weight, dtype, reduce: str):
     return x.sum(dtype=dtype), count
 
 
+#: Keras's names of a metric variable's aggregations.
+_AGGREGATIONS = {"sum": VariableAggregation.SUM, "mean": VariableAggregation.MEAN,
+                 "only_first_replica": VariableAggregation.ONLY_FIRST_REPLICA}
+
+
+def _initial(initializer, shape: tuple, dtype, who: str) -> np.ndarray:
+    """A metric variable's starting value (host array of ``shape`` and ``dtype``)."""
+    if isinstance(initializer, str):
+        fill = {"zeros": 0, "ones": 1}.get(initializer.lower())
+        if fill is None:
+            raise ValueError(f"metric {who!r}: initializer {initializer!r} is not 'zeros' "
+                             "or 'ones'; pass a number, an array or f(shape, dtype)")
+        return np.full(shape, fill, dtype)
+    value = initializer(shape, dtype) if callable(initializer) else initializer
+    value = np.asarray(value, dtype)
+    try:
+        return np.array(np.broadcast_to(value, shape))
+    except ValueError:
+        raise ValueError(f"metric {who!r}: the initial value of shape {value.shape} does "
+                         f"not fit the variable's shape {shape}") from None
+
+
 def _on_host_dtype(x, dtype):
     xp = array_module(x)
     return xp.asarray(x, dtype)
 
 
 def _snake(name: str) -> str:
-    out = "".join("_" + c.lower() if c.isupper() else c for c in name)
-    return out.lstrip("_")
+    """Keras's ``to_snake_case``: "SparseCategoricalAccuracy" ->
+    "sparse_categorical_accuracy", "AUC" -> "auc"."""
+    name = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub(r"([a-z])([A-Z])", r"\1_\2", name).lower()
