@@ -121,8 +121,5 @@ def test_iterations_count_on_the_gpus_without_an_upload_per_step():
             for _ in range(3):
                 counter.assign_add(np.ones((), np.int64))
         assert c["copies"] == 0 and c["launches"] == 3 * 2
-        with san.measure() as c:
-            strategy.run(step)
-        assert c["copies"] == 0
         assert [int(c.numpy()) for c in counter.values] == [3, 3]
     assert not san.reports
