@@ -110,7 +110,11 @@ class FakeCupy:
         device = self.current_device() if device is None else device
         stream = stream or self.current_stream(device)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        mem = _Memory(self.san, self.san.alloc(device, nbytes, stream._s))
+        pool = self._pool_of_current_allocator()
+        blk = self.san.alloc(device, nbytes, stream._s, pool.id if pool is not None else 0)
+        if pool is not None:
+            pool._blocks.append(blk)
+        mem = _Memory(self.san, blk)
         return self.ndarray(mem, 0, shape, dtype)
 
     def _host_block(self, host: np.ndarray):
@@ -134,6 +138,12 @@ class FakeCupy:
         if found is None:
             if not staged:
                 self.san.synchronize_stream(s._s, f"pageable host-to-device copy ({what})")
+            elif s._s.capture is not None:
+                self.san.report(
+                    "capture", f"{what} of {host.nbytes} bytes captured in "
+                    f"{s._s.capture!r}: CuPy stages them through a pinned buffer that "
+                    "it hands to later copies, and a replay copies that buffer again; "
+                    "upload host data before the capture")
             data = host.copy()
             reads = []
         else:
