@@ -53,6 +53,7 @@ import numpy as np
 
 from gpustrat.collectives.base import (Communicator, LocalWorkerGroup, WorkerGroup,
                                        agree_layout_over)
+from gpustrat import devices
 from gpustrat.collectives.host import check_same_layout
 from gpustrat.devices import (Device, cupy, gpu_count, is_gpu_array, join_streams_into_current,
                               nccl_library, new_stream, to_device)
@@ -345,9 +346,22 @@ class NcclCommunicator(Communicator):
             nccl.groupEnd()
         events = join_streams_into_current(self.devices, self._streams,
                                            into_current_device=False)
+        capture = devices.capture_state
+        if capture is not None:
+            # Captured: these events are a graph's, which CUDA forbids querying; the
+            # graph holds the buffers, and each replay is watched (watch_replay).
+            capture.hold(keep)
+            return
         if self._watchdog is None:
             self._watchdog = _Watchdog(self)
         self._watchdog.watch(events, what, keep)
+
+    def watch_replay(self, events: list, what: Callable[[], str]) -> None:
+        """Give the watchdog a replayed graph's events (recorded after its launch):
+        the replay's collectives get the same deadline as eager ones."""
+        if self._watchdog is None:
+            self._watchdog = _Watchdog(self)
+        self._watchdog.watch([e for e in events if e is not None], what, ())
 
     def _post(self, outs: list, post: str | None) -> list:
         if post is None:

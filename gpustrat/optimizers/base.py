@@ -35,6 +35,7 @@ from typing import Iterable
 
 import numpy as np
 
+from gpustrat import devices as _devices
 from gpustrat.devices import on_device_of, to_host
 from gpustrat.distribute import context
 from gpustrat.distribute.distributed_variables import DistributedVariable, strategy_of, zeros
@@ -450,6 +451,8 @@ class Optimizer:
                 "for all replicas; make the variables inside strategy.scope()")
         lr = self.learning_rate
         step = self._step_count() + 1
+        if _devices.capture_state is not None:   # gs.function guards what a step read
+            _devices.capture_state.note_optimizer(self, lr, step)
         reduce = reduce and plan.owner is not None and plan.owner.num_replicas_in_sync > 1
         # Workers must train the same variables with gradients of the same shapes: that
         # agreement rides with the reduction's first collective.

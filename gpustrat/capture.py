@@ -1,0 +1,371 @@
+"""A training step captured as one CUDA graph per local GPU, and replayed: what
+``gs.function`` does on GPU strategies.
+
+Words:
+- *capture stream*: per local GPU, the stream the step's work is captured on and
+  replayed on: the strategy's replica stream of that GPU (a stream of its own for a
+  strategy that runs its one replica in the caller). While capturing, it is also the
+  calling thread's current stream of its GPU, so that every piece of gpustrat that
+  orders its work after "the current stream" (``strategy.run``'s joins,
+  ``strategy.reduce``, the NCCL communicator's fork onto its own streams and join
+  back) stays inside the capture.
+- *private pool*: a ``cupy.cuda.MemoryPool`` per set of graphs. Every allocation made
+  while capturing comes from it (it is the process's allocator during the capture),
+  and nothing else allocates from it afterwards, so the addresses the graphs use stay
+  theirs for as long as the graphs live, and replays reuse them.
+- *static inputs*: for every GPU array among the arguments (a distributed value's
+  components included), a buffer of the private pool that the captured step reads.
+  A replay copies the call's arrays into them on the capture streams (one
+  device-to-device copy each, ordered after the caller's streams), then launches.
+- *outputs*: what the step returned, captured in the private pool and overwritten by
+  each replay. Each replay copies them out (one copy per array, on the caller's
+  current stream of its device, after the replay): the caller may keep what a call
+  returned across later calls, as with an eager step.
+- *constants*: host data the step sends to a GPU while capturing (such as the ``1``
+  added to ``optimizer.iterations``) is uploaded once, outside the capture, into the
+  private pool, and the graph reads it: its value is the capture's.
+- *guards*: the Python values a captured step read that can change between calls
+  without the arguments changing: each optimizer's learning rate and settings, and
+  the step count for algorithms whose update reads it (all but plain SGD). A replay
+  first checks them; a changed one makes ``gs.function`` capture again (as
+  ``tf.function`` traces again), and a key whose guards change at every call runs
+  eagerly after a few captures (Adam's bias correction, a learning-rate schedule).
+  After a replay the optimizers' host step count advances, as an eager step's does.
+
+What the capture refuses (:class:`~gpustrat.function.CaptureError`, naming the
+operation and the user's line): a host synchronization, a host read of device data
+(``.get()``, ``.item()``, ``float()`` of a CuPy array), an allocation from another
+pool than the private one, a wait for work issued outside the capture, a step that
+returns a Python number or host array (a replay cannot compute it again), NumPy
+arrays as arguments (their values would be baked into the graph), several workers
+(the agreement between workers runs on the host each step), and a communicator whose
+watchdog found a failure. Replicas that issue different collectives raise as they do
+eagerly. The NCCL watchdog does not watch the captured collectives (it would query
+events recorded in a capture, which CUDA forbids); each replay hands it an event per
+GPU recorded after the launch, so a replay whose peer died still times out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import os
+import threading
+import traceback
+
+import numpy as np
+
+from gpustrat import devices, nest
+from gpustrat.devices import (Device, cupy, current_stream, is_gpu_array,
+                              join_streams_into_current, new_stream, wait_for_current)
+from gpustrat.function import _RECAPTURE, CaptureError, map_leaves
+from gpustrat.values import DistributedValues
+
+#: One capture at a time in a process (the private pool is the process's allocator).
+_capturing = threading.Lock()
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def unsupported(strategy) -> str | None:
+    """Why ``strategy``'s steps are not captured, or None where they may be."""
+    devs = list(strategy.local_devices)
+    cpus = [d.name for d in devs if not d.is_gpu]
+    if cpus:
+        return (f"the strategy's devices {cpus} are CPU devices: there is no CUDA graph "
+                "to capture (the step runs as Python, which is what a CPU step costs)")
+    if strategy.num_workers > 1:
+        return (f"the strategy has {strategy.num_workers} workers: the agreement between "
+                "workers runs on the host at each step, which a graph cannot replay; "
+                "steps run eagerly")
+    comm = strategy.communicator
+    if len(devs) > 1 and type(comm).__name__ != "NcclCommunicator":
+        return (f"the strategy's collectives go through {type(comm).__name__} (host "
+                "staged), which a graph cannot replay: capture needs NCCL")
+    return None
+
+
+class _Active:
+    """What the device layer, the NCCL communicator and the optimizers consult while a
+    step is captured (``gpustrat.devices.capture_state``)."""
+
+    def __init__(self, devs, streams, pool):
+        self.devices = {d.index: (d, s) for d, s in zip(devs, streams)}
+        self.pool = pool
+        self.held: list = []
+        self.constants: dict = {}
+        self.optimizers: dict = {}     # id -> (optimizer, lr, settings, step)
+        self.uploads: list = []        # (device index, event after the constant's upload)
+        self._side: dict = {}
+
+    def constant(self, host, device: Device):
+        """Host data a captured step sends to ``device``: uploaded now, outside the
+        capture (on a side stream the host waits for: not a capturing stream), once
+        per value; the graph reads the copy."""
+        a = np.ascontiguousarray(devices.to_host(host))
+        key = (device.index, a.dtype.str, a.shape, a.tobytes())
+        out = self.constants.get(key)
+        if out is None:
+            cp = cupy()
+            with cp.cuda.Device(device.index):
+                side = self._side.get(device.index)
+                if side is None:
+                    side = self._side[device.index] = cp.cuda.Stream(non_blocking=True)
+                with side:
+                    out = cp.asarray(a)
+                side.synchronize()
+                # The replays, queued later (perhaps by another thread), come after it.
+                self.uploads.append((device.index, side.record()))
+            self.constants[key] = out
+        return out
+
+    def hold(self, obj) -> None:
+        """Keep ``obj`` (a captured collective's buffers) alive with the graphs."""
+        self.held.append(obj)
+
+    def note_optimizer(self, opt, lr, step: int) -> None:
+        self.optimizers[id(opt)] = (opt, lr, opt._settings(), step)
+
+
+def _reads_step(opt) -> bool:
+    from gpustrat.optimizers.sgd import SGD  # noqa: PLC0415
+    return not (type(opt).update_step is SGD.update_step and
+                type(opt).update_replicas is SGD.update_replicas)
+
+
+class StepGraphs:
+    """The graphs of one trace key: their streams, pool, static inputs and outputs."""
+
+    @classmethod
+    def capture(cls, name: str, fn, strategy, args: tuple, kwargs: dict, state):
+        """Capture ``fn(*args, **kwargs)`` and run it once through the graphs; the
+        result is :attr:`first_result`."""
+        with _capturing:
+            self = cls(name, strategy, state)
+            self._capture(fn, args, kwargs)
+            self.first_result = self._launch()
+            return self
+
+    def __init__(self, name: str, strategy, state):
+        cp = cupy()
+        self.name = name
+        self.strategy = strategy
+        self.state = state
+        self.devices = list(strategy.local_devices)
+        runner = getattr(strategy, "_runner", None)
+        streams = getattr(runner, "_streams", None) if runner is not None else None
+        self.streams = list(streams) if streams else [new_stream(d) for d in self.devices]
+        self.pool = cp.cuda.MemoryPool()
+        self.position = {d.index: i for i, d in enumerate(self.devices)}
+        self.inputs: list = []        # (position, static buffer) in argument order
+        self.graphs: list = []
+        self.outputs = None
+        self.active: _Active | None = None
+
+    # --- capture ---------------------------------------------------------------------
+    def _static(self, leaf):
+        if isinstance(leaf, np.ndarray):
+            raise CaptureError(
+                f"gs.function({self.name}): an argument is a NumPy array of shape "
+                f"{leaf.shape}: its values would be baked into the graph; pass device "
+                "arrays or distributed values (experimental_distribute_dataset), or "
+                "capture=False")
+        if not is_gpu_array(leaf):
+            return leaf
+        i = self.position.get(int(leaf.device.id))
+        if i is None:
+            raise CaptureError(
+                f"gs.function({self.name}): an argument lives on gpu:{leaf.device.id}, "
+                f"which is not one of the strategy's devices "
+                f"{[d.name for d in self.devices]}")
+        cp = cupy()
+        d, s = self.devices[i], self.streams[i]
+        with cp.cuda.Device(d.index), cp.cuda.using_allocator(self.pool.malloc):
+            with s:
+                buf = cp.empty(leaf.shape, leaf.dtype)
+        self.inputs.append((i, buf))
+        return buf
+
+    def _capture(self, fn, args, kwargs) -> None:
+        cp = cupy()
+        static = map_leaves(self._static, (list(args), kwargs))
+        self._copy_inputs((list(args), kwargs))
+        self.active = _Active(self.devices, self.streams, self.pool)
+        previous = cp.cuda.get_allocator()
+        error = None
+        out = None
+        begun = []
+        with contextlib.ExitStack() as stack:
+            for d, s in zip(self.devices, self.streams):
+                stack.enter_context(current_stream(d, s))
+            cp.cuda.set_allocator(self.pool.malloc)
+            devices.capture_state = self.active
+            try:
+                for d, s in zip(self.devices, self.streams):
+                    with cp.cuda.Device(d.index):
+                        s.begin_capture()
+                    begun.append((d, s))
+                out = fn(*static[0], **static[1])
+            except BaseException as e:  # noqa: BLE001 - ended below, then raised
+                error = e
+            finally:
+                ends = []
+                for d, s in begun:
+                    with cp.cuda.Device(d.index):
+                        try:
+                            self.graphs.append(s.end_capture())
+                        except Exception as e:  # noqa: BLE001
+                            ends.append(e)
+                devices.capture_state = None
+                cp.cuda.set_allocator(previous)
+        if error is not None:
+            raise _explain(self.name, error) from error
+        if ends:
+            raise _explain(self.name, ends[0]) from ends[0]
+        for index, uploaded in self.active.uploads:
+            i = self.position[index]
+            with cp.cuda.Device(index):
+                self.streams[i].wait_event(uploaded)
+        self.outputs = map_leaves(self._check_output, out)
+
+    def _check_output(self, leaf):
+        if leaf is None or is_gpu_array(leaf):
+            return leaf
+        if isinstance(leaf, (bool, int, float, complex, np.number, np.ndarray)):
+            raise CaptureError(
+                f"gs.function({self.name}) returned a host value ({type(leaf).__name__} "
+                f"{leaf!r}) computed when the step was captured: a replay does not run "
+                "the Python that computed it. Return device arrays (strategy.reduce of "
+                "the replicas' device losses), or use capture=False")
+        return leaf
+
+    # --- replay ----------------------------------------------------------------------
+    def replay(self, args: tuple, kwargs: dict):
+        """Run the step through the graphs with these arguments; ``_RECAPTURE`` when
+        a guard changed."""
+        guards = self._guards()
+        if guards is _RECAPTURE:
+            return _RECAPTURE
+        self._copy_inputs((list(args), kwargs))
+        out = self._launch()
+        for opt, step in guards:
+            opt._remember_step(step)
+        return out
+
+    def _guards(self):
+        out = []
+        for opt, lr, settings, step in self.active.optimizers.values():
+            now = opt.learning_rate
+            if now != lr:
+                self.state.last_guard = (f"{opt.name}'s learning rate changed from "
+                                         f"{lr!r} to {now!r}")
+                return _RECAPTURE
+            if opt._settings() != settings:
+                self.state.last_guard = f"{opt.name}'s settings changed"
+                return _RECAPTURE
+            next_step = opt._step_count() + 1
+            if next_step != step and _reads_step(opt):
+                self.state.last_guard = (f"{type(opt).__name__} {opt.name!r} reads the "
+                                         f"step count, which is now {next_step}, not "
+                                         f"{step}")
+                return _RECAPTURE
+            out.append((opt, next_step))
+        return out
+
+    def _copy_inputs(self, given) -> None:
+        cp = cupy()
+        leaves = []
+        map_leaves(lambda v: leaves.append(v) if is_gpu_array(v) else None, given)
+        if len(leaves) != len(self.inputs):
+            raise CaptureError(f"gs.function({self.name}): {len(leaves)} device arrays "
+                               f"given where the capture had {len(self.inputs)}")
+        waited = set()
+        for (i, buf), src in zip(self.inputs, leaves):
+            if src is buf:
+                continue
+            d, s = self.devices[i], self.streams[i]
+            with cp.cuda.Device(d.index):
+                if i not in waited:
+                    wait_for_current(d, s)    # the arrays were written on the caller's
+                    waited.add(i)
+                with s:
+                    buf[...] = src
+
+    def _launch(self):
+        cp = cupy()
+        comm = self.strategy.communicator
+        dog = getattr(comm, "_watchdog", None)
+        failure = getattr(dog, "failure", None)
+        if failure is not None:
+            raise CaptureError(f"gs.function({self.name}): the NCCL watchdog found a "
+                               f"failure ({failure}); make a new strategy") from failure
+        for d, s, g in zip(self.devices, self.streams, self.graphs):
+            with cp.cuda.Device(d.index):
+                wait_for_current(d, s)
+                g.launch(s)
+        events = join_streams_into_current(self.devices, self.streams)
+        watch = getattr(comm, "watch_replay", None)
+        if watch is not None:
+            watch(events, lambda: f"a replay of gs.function({self.name})")
+        return map_leaves(self._copy_out, self.outputs)
+
+    def _copy_out(self, leaf):
+        if not is_gpu_array(leaf):
+            return leaf
+        cp = cupy()
+        with cp.cuda.Device(leaf.device.id):
+            return leaf.copy()
+
+
+def _explain(name: str, error: BaseException) -> BaseException:
+    """A capture's failure in the user's words: CUDA's capture errors become a
+    :class:`CaptureError` naming the operation and the user's line; others stay."""
+    text = str(error)
+    if isinstance(error, CaptureError):
+        return error
+    if "StreamCapture" not in text and "capturing" not in text:
+        if hasattr(error, "add_note"):
+            error.add_note(f"(raised while gs.function({name}) captured the step)")
+        return error
+    frames = traceback.extract_tb(error.__traceback__)
+    user = next((f for f in reversed(frames) if _is_user(f.filename)), None)
+    inner = next((f for f in reversed(frames) if not _is_user(f.filename)
+                  and "/testing/" not in f.filename), None)
+    op = _operation(text, frames)
+    where = (f"{os.path.basename(user.filename)}:{user.lineno} ({user.name}): "
+             f"{(user.line or linecache.getline(user.filename, user.lineno)).strip()}"
+             if user is not None else "an unknown line")
+    via = f" (through {inner.name})" if inner is not None else ""
+    status = text.split(":", 1)[0]
+    return CaptureError(
+        f"gs.function({name}) cannot capture the step: {op} at {where}{via}; CUDA "
+        f"refuses it while capturing ({status}). {_advice(op)}")
+
+
+def _is_user(filename: str) -> bool:
+    f = os.path.abspath(filename)
+    return not (f.startswith(_HERE + os.sep) or "/cupy" in f or "contextlib" in f
+                or "threading" in f or "/numba" in f)
+
+
+def _operation(text: str, frames) -> str:
+    names = {f.name for f in frames}
+    if names & {"get", "item", "__float__", "__int__", "__bool__", "asnumpy", "to_host"}:
+        return "a host read of device data (.get(), .item(), float())"
+    if "allocation" in text:
+        return "an allocation outside the capture's private memory pool"
+    if "Isolation" in text:
+        return "a wait for work issued outside the capture"
+    if "Implicit" in text:
+        return "work on the legacy default stream"
+    if "event" in text:
+        return "an event query or synchronization"
+    return "a host synchronization"
+
+
+def _advice(op: str) -> str:
+    if op.startswith("a host read"):
+        return ("Keep the value on the device inside the step (return it, and read it "
+                "after the call), or use capture=False.")
+    if op.startswith("an allocation"):
+        return "Let CuPy's current allocator allocate inside the step."
+    return "Move it out of the step, or use capture=False."
