@@ -157,8 +157,8 @@ def make_cuda(fake):
         """``cupy.cuda.MemoryPool``: a private pool (its blocks are reused only by
         allocations from it); pass ``pool.malloc`` to ``set_allocator``/``using_allocator``."""
 
-        def __init__(self, allocator=None):
-            self.id = next(_pool_ids)
+        def __init__(self, allocator=None, _default=False):
+            self.id = 0 if _default else next(_pool_ids)
             self._blocks: list = []
 
         def malloc(self, size):
@@ -197,7 +197,10 @@ def make_cuda(fake):
         """The private pool the current allocator draws from, or None (the default)."""
         a = get_allocator()
         owner = getattr(a, "__self__", None)
-        return owner if isinstance(owner, MemoryPool) else None
+        return owner if isinstance(owner, MemoryPool) and owner.id else None
+
+    default_pool = MemoryPool(_default=True)
+    fake.get_default_memory_pool = lambda: default_pool
 
     fake._pool_of_current_allocator = pool_of_current_allocator
 
