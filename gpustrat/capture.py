@@ -95,6 +95,7 @@ class _Active:
         self.constants: dict = {}
         self.optimizers: dict = {}     # id -> (optimizer, lr, settings, step)
         self.uploads: list = []        # (device index, event after the constant's upload)
+        self.host_steps: list = []     # (optimizer, its host step before the capture)
         self._side: dict = {}
 
     def constant(self, host, device: Device):
@@ -123,7 +124,15 @@ class _Active:
         self.held.append(obj)
 
     def note_optimizer(self, opt, lr, step: int) -> None:
+        if id(opt) not in self.optimizers:
+            self.host_steps.append((opt, opt._host_step))
         self.optimizers[id(opt)] = (opt, lr, opt._settings(), step)
+
+    def undo_host_steps(self) -> None:
+        """A capture that failed queued no device work: the optimizers' host step
+        counts go back to what they were (iterations was not incremented)."""
+        for opt, host_step in self.host_steps:
+            opt._host_step = host_step
 
 
 def _reads_step(opt) -> bool:
@@ -217,15 +226,19 @@ class StepGraphs:
                             ends.append(e)
                 devices.capture_state = None
                 cp.cuda.set_allocator(previous)
-        if error is not None:
-            raise _explain(self.name, error) from error
-        if ends:
-            raise _explain(self.name, ends[0]) from ends[0]
+        if error is not None or ends:
+            self.active.undo_host_steps()
+            cause = error if error is not None else ends[0]
+            raise _explain(self.name, cause) from cause
         for index, uploaded in self.active.uploads:
             i = self.position[index]
             with cp.cuda.Device(index):
                 self.streams[i].wait_event(uploaded)
-        self.outputs = map_leaves(self._check_output, out)
+        try:
+            self.outputs = map_leaves(self._check_output, out)
+        except CaptureError:
+            self.active.undo_host_steps()
+            raise
 
     def _check_output(self, leaf):
         if leaf is None or is_gpu_array(leaf):

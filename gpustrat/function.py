@@ -39,6 +39,7 @@ import numpy as np
 
 from gpustrat import nest
 from gpustrat.devices import is_gpu_array
+from gpustrat.distribute import context
 from gpustrat.values import DistributedValues
 
 __all__ = ["function", "Function", "CaptureError"]
@@ -202,6 +203,11 @@ class Function:
     def __call__(self, *args, **kwargs):
         if self._instance is not None:
             args = (self._instance,) + args
+        if context.current()[1] is not None:
+            # Called by strategy.run in a replica (a decorated replica function): the
+            # replicas' work is captured, if at all, by a gs.function around run.
+            # No lock is held: replicas call it at once and meet in its collectives.
+            return self.python_function(*args, **kwargs)
         with self._lock:
             key, exact = self._key(args, kwargs)
             state = self._traces.get(key)
@@ -229,16 +235,17 @@ class Function:
                 if graphs is not None:
                     state.graphs = graphs
                     return graphs.first_result
-            if state.strategies is None and self._capture is not False:
-                # A warm-up call: note which strategy the function runs.
-                seen: list = []
-                observed.stack.append(seen)
-                try:
-                    return self.python_function(*args, **kwargs)
-                finally:
-                    observed.stack.pop()
-                    state.strategies = seen
+            learn = state.strategies is None and self._capture is not False
+        if not learn:
             return self.python_function(*args, **kwargs)
+        # A warm-up call: note which strategy the function runs.
+        seen: list = []
+        observed.stack.append(seen)
+        try:
+            return self.python_function(*args, **kwargs)
+        finally:
+            observed.stack.pop()
+            state.strategies = seen
 
     def _try_capture(self, state, args, kwargs):
         """The key's graphs, or None where it runs eagerly (capture does not apply:

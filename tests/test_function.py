@@ -157,3 +157,18 @@ def test_the_readme_port_keeps_its_decorator():
         np.testing.assert_allclose(w.numpy(), [-0.4 - 0.4 * 1.9] * 2, rtol=1e-6)
     finally:
         s.close()
+
+
+def test_a_decorated_replica_function_runs_in_every_replica_and_meets_in_collectives():
+    s = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    try:
+        @gs.function
+        def replica_fn(v):
+            return gs.get_replica_context().all_reduce("sum", v)
+        for _ in range(4):
+            x = s.experimental_distribute_values_from_function(
+                lambda ctx: np.full(2, 1.0 + ctx.replica_id_in_sync_group) * 100)
+            out = s.run(replica_fn, args=(x,))
+            assert [list(c) for c in s.experimental_local_results(out)] == [[300.0] * 2] * 2
+    finally:
+        s.close()

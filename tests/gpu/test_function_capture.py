@@ -313,6 +313,29 @@ def test_auto_capture_warns_once_and_runs_an_uncapturable_step_eagerly():
             s.close()
 
 
+def test_a_refused_capture_leaves_the_optimizer_as_if_only_eager_steps_ran():
+    def train(capture):
+        with testing.sanitize(seed=0, check=False):
+            loop = _Loop(2, "adam", capture)
+            step = loop.train_step.python_function
+
+            def returns_a_number(inputs):
+                step(inputs)
+                return 1.0            # a host value: the capture is refused
+            f = gs.function(returns_a_number, capture=capture)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    for inputs in loop.batches():
+                        f(inputs)
+                return loop.weights(), int(loop.opt.iterations.numpy())
+            finally:
+                loop.close()
+    (we, ie), (wa, ia) = train(False), train("auto")
+    assert ie == ia == STEPS
+    assert all(np.array_equal(a, b) for a, b in zip(we, wa))
+
+
 def test_on_cpu_devices_auto_capture_calls_the_function_every_time():
     s = gs.MirroredStrategy(["cpu:0", "cpu:1"])
     try:
