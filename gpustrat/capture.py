@@ -199,7 +199,9 @@ class StepGraphs:
         static = map_leaves(self._static, (list(args), kwargs))
         self._copy_inputs((list(args), kwargs))
         self.active = _Active(self.devices, self.streams, self.pool)
-        previous = cp.cuda.get_allocator()
+        # (None where CuPy has not made its default pool yet; None given back to
+        # set_allocator would turn the pool off.)
+        previous = cp.cuda.get_allocator() or cp.get_default_memory_pool().malloc
         error = None
         out = None
         begun = []
