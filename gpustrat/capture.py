@@ -102,7 +102,7 @@ class _Active:
         """Host data a captured step sends to ``device``: uploaded now, outside the
         capture (on a side stream the host waits for: not a capturing stream), once
         per value; the graph reads the copy."""
-        a = np.ascontiguousarray(devices.to_host(host))
+        a = np.array(devices.to_host(host), order="C")   # (keeps a 0-d array 0-d)
         key = (device.index, a.dtype.str, a.shape, a.tobytes())
         out = self.constants.get(key)
         if out is None:
