@@ -197,7 +197,7 @@ class StepGraphs:
     def _capture(self, fn, args, kwargs) -> None:
         cp = cupy()
         static = map_leaves(self._static, (list(args), kwargs))
-        self._copy_inputs((list(args), kwargs))
+        self._copy_inputs((args, kwargs))
         self.active = _Active(self.devices, self.streams, self.pool)
         # (None where CuPy has not made its default pool yet; None given back to
         # set_allocator would turn the pool off.)
@@ -260,8 +260,12 @@ class StepGraphs:
         guards = self._guards()
         if guards is _RECAPTURE:
             return _RECAPTURE
-        self._copy_inputs((list(args), kwargs))
-        out = self._launch()
+        sources: list = []
+        _gpu_leaves((args, kwargs), sources)
+        if len(sources) != len(self.inputs):
+            raise CaptureError(f"gs.function({self.name}): {len(sources)} device arrays "
+                               f"given where the capture had {len(self.inputs)}")
+        out = self._launch(sources)
         for opt, step in guards:
             opt._remember_step(step)
         return out
@@ -287,41 +291,81 @@ class StepGraphs:
         return out
 
     def _copy_inputs(self, given) -> None:
+        """Fill the static inputs before the capture (on the capture streams)."""
         cp = cupy()
-        leaves = []
-        map_leaves(lambda v: leaves.append(v) if is_gpu_array(v) else None, given)
-        if len(leaves) != len(self.inputs):
-            raise CaptureError(f"gs.function({self.name}): {len(leaves)} device arrays "
-                               f"given where the capture had {len(self.inputs)}")
-        waited = set()
-        for (i, buf), src in zip(self.inputs, leaves):
-            if src is buf:
-                continue
+        sources: list = []
+        _gpu_leaves(given, sources)
+        for (i, buf), src in zip(self.inputs, sources):
             d, s = self.devices[i], self.streams[i]
             with cp.cuda.Device(d.index):
-                if i not in waited:
-                    wait_for_current(d, s)    # the arrays were written on the caller's
-                    waited.add(i)
+                wait_for_current(d, s)    # the arrays were written on the caller's
                 with s:
                     buf[...] = src
 
-    def _launch(self):
+    def _plan(self) -> list:
+        """Per device, once: its index, capture stream, graph, static inputs (by
+        position among the call's device arrays) and two timing-free events."""
+        cp = cupy()
+        plan = []
+        for i, (d, s, g) in enumerate(zip(self.devices, self.streams, self.graphs)):
+            with cp.cuda.Device(d.index):
+                plan.append((d.index, s, g,
+                             [(k, buf) for k, (j, buf) in enumerate(self.inputs) if j == i],
+                             cp.cuda.Event(disable_timing=True),
+                             cp.cuda.Event(disable_timing=True)))
+        return plan
+
+    def _launch(self, sources=None):
+        """Per device, in one visit: the capture stream waits for the caller's current
+        stream (where the arguments were written), the call's arrays are copied into
+        the static inputs, the graph is launched, and the caller's current stream
+        waits for it; then the current device's current stream waits for every
+        device (CuPy's ``get()`` copies there). Events only: no host wait."""
         cp = cupy()
         comm = self.strategy.communicator
-        dog = getattr(comm, "_watchdog", None)
-        failure = getattr(dog, "failure", None)
+        failure = getattr(getattr(comm, "_watchdog", None), "failure", None)
         if failure is not None:
             raise CaptureError(f"gs.function({self.name}): the NCCL watchdog found a "
                                f"failure ({failure}); make a new strategy") from failure
-        for d, s, g in zip(self.devices, self.streams, self.graphs):
-            with cp.cuda.Device(d.index):
-                wait_for_current(d, s)
-                g.launch(s)
-        events = join_streams_into_current(self.devices, self.streams)
+        plan = self.__dict__.get("_launch_plan")
+        if plan is None:
+            plan = self._launch_plan = self._plan()
+        here = int(cp.cuda.runtime.getDevice())
+        events = []
+        for index, s, graph, inputs, before, after in plan:
+            with cp.cuda.Device(index):
+                current = cp.cuda.get_current_stream()
+                other = current.ptr != s.ptr
+                if other:
+                    before.record(current)
+                    s.wait_event(before)
+                if sources is not None and inputs:
+                    with s:
+                        for k, buf in inputs:
+                            src = sources[k]
+                            if src is not buf:
+                                buf[...] = src
+                graph.launch(s)
+                after.record(s)
+                if other:
+                    current.wait_event(after)
+                events.append(after)
+        if len(plan) > 1:
+            current = cp.cuda.get_current_stream()
+            for (index, *_), ev in zip(plan, events):
+                if index != here:
+                    current.wait_event(ev)
         watch = getattr(comm, "watch_replay", None)
         if watch is not None:
-            watch(events, lambda: f"a replay of gs.function({self.name})")
-        return map_leaves(self._copy_out, self.outputs)
+            watch(events, self._what)
+        out = self.outputs
+        if is_gpu_array(out):
+            with cp.cuda.Device(out.device.id):
+                return out.copy()
+        return map_leaves(self._copy_out, out)
+
+    def _what(self) -> str:
+        return f"a replay of gs.function({self.name})"
 
     def _copy_out(self, leaf):
         if not is_gpu_array(leaf):
@@ -329,6 +373,27 @@ class StepGraphs:
         cp = cupy()
         with cp.cuda.Device(leaf.device.id):
             return leaf.copy()
+
+
+def _gpu_leaves(x, out: list) -> None:
+    """Append the GPU arrays of ``x`` (a distributed value's components included) to
+    ``out``, in the order :func:`~gpustrat.function.map_leaves` visits them."""
+    t = type(x)
+    if t is tuple or t is list:
+        for v in x:
+            _gpu_leaves(v, out)
+    elif isinstance(x, DistributedValues):
+        for v in x.values:
+            if is_gpu_array(v):
+                out.append(v)
+    elif isinstance(x, dict):
+        for k in sorted(x):
+            _gpu_leaves(x[k], out)
+    elif isinstance(x, tuple):        # a namedtuple
+        for v in x:
+            _gpu_leaves(v, out)
+    elif is_gpu_array(x):
+        out.append(x)
 
 
 def _explain(name: str, error: BaseException) -> BaseException:

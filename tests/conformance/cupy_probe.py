@@ -148,6 +148,17 @@ def _(cp, nccl, cuda):
     graph.launch(fake_stream(cp))
 
 
+@entry("cupy.cuda.runtime.getDevice")
+def _(cp, nccl, cuda):
+    return cp.cuda.runtime.getDevice()
+
+
+@entry("cupy.cuda.Event")
+def _(cp, nccl, cuda):
+    ev = cp.cuda.Event(disable_timing=True)       # made once per device, reused
+    ev.record(fake_stream(cp))
+
+
 @entry("cupy.cuda.MemoryPool")
 def _(cp, nccl, cuda):
     pool = cp.cuda.MemoryPool()
