@@ -407,14 +407,15 @@ def _explain(name: str, error: BaseException) -> BaseException:
             error.add_note(f"(raised while gs.function({name}) captured the step)")
         return error
     frames = traceback.extract_tb(error.__traceback__)
-    user = next((f for f in reversed(frames) if _is_user(f.filename)), None)
-    inner = next((f for f in reversed(frames) if not _is_user(f.filename)
-                  and "/testing/" not in f.filename), None)
+    last = max((k for k, f in enumerate(frames) if _is_user(f.filename)), default=None)
+    user = frames[last] if last is not None else None
+    inner = [f.name for f in frames[(last or 0) + 1:] if "/testing/" not in f.filename]
     op = _operation(text, frames)
     where = (f"{os.path.basename(user.filename)}:{user.lineno} ({user.name}): "
              f"{(user.line or linecache.getline(user.filename, user.lineno)).strip()}"
              if user is not None else "an unknown line")
-    via = f" (through {inner.name})" if inner is not None else ""
+    via = (f" (through {inner[0]}{' ... ' + inner[-1] if len(inner) > 1 else ''})"
+           if inner else "")
     status = text.split(":", 1)[0]
     return CaptureError(
         f"gs.function({name}) cannot capture the step: {op} at {where}{via}; CUDA "
@@ -422,7 +423,11 @@ def _explain(name: str, error: BaseException) -> BaseException:
 
 
 def _is_user(filename: str) -> bool:
+    """A frame of the user's code (the demo's counts as such), not of gpustrat's
+    runtime, CuPy, Numba or the standard library's plumbing."""
     f = os.path.abspath(filename)
+    if f == os.path.join(_HERE, "demo.py"):
+        return True
     return not (f.startswith(_HERE + os.sep) or "/cupy" in f or "contextlib" in f
                 or "threading" in f or "/numba" in f)
 

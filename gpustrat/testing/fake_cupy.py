@@ -240,6 +240,9 @@ class FakeCupy:
     def minimum(self, a, b, out=None):
         return _compute(self, "minimum", np.minimum, [a, b], out=out)
 
+    def tanh(self, a):
+        return _compute(self, "tanh", np.tanh, [a])
+
     def square(self, a):
         return _compute(self, "square", np.square, [a])
 
@@ -518,6 +521,8 @@ def _make_ndarray(fake: FakeCupy):
     for name, fn in (("eq", np.equal), ("ne", np.not_equal), ("lt", np.less),
                      ("le", np.less_equal), ("gt", np.greater), ("ge", np.greater_equal)):
         setattr(ndarray, f"__{name}__", binary(fn))
+    ndarray.__matmul__ = lambda self, other: _compute(fake, "matmul", np.matmul, [self, other])
+    ndarray.__rmatmul__ = lambda self, other: _compute(fake, "matmul", np.matmul, [other, self])
     ndarray.__neg__ = lambda self: _compute(fake, "negative", np.negative, [self])
     ndarray.__hash__ = object.__hash__
     # kernels/_launch.py and devices.py recognise CuPy arrays by their class's module.

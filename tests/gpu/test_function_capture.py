@@ -336,6 +336,34 @@ def test_a_refused_capture_leaves_the_optimizer_as_if_only_eager_steps_ran():
     assert all(np.array_equal(a, b) for a, b in zip(we, wa))
 
 
+def test_the_demos_step_under_auto_capture_trains_as_eagerly():
+    """Captured or (where its step reads device data on the host) refused and run
+    eagerly: the weights are the eager ones either way."""
+    from gpustrat import demo
+
+    def train(capture):
+        with testing.sanitize(seed=0):
+            s = gs.MirroredStrategy(["gpu:0", "gpu:1"])
+            try:
+                x, y = demo.make_dataset(320)
+                weights, opt, loss = demo.build_model(s, demo.init_weights(), 0.1)
+                step = demo.make_train_step(weights, opt, loss)
+                f = gs.function(lambda b: s.reduce("sum", s.run(step, args=(b,)), axis=None),
+                                capture=capture)
+                ds = Dataset.from_tensor_slices((x, y)).batch(32)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    for b in s.experimental_distribute_dataset(ds):
+                        f(b)
+                return {k: v.numpy() for k, v in weights.items()}, caught
+            finally:
+                s.close()
+    (eager, _), (auto, caught) = train(False), train("auto")
+    assert all(np.array_equal(eager[k], auto[k]) for k in eager)
+    for w in caught:     # a refusal names the demo's line
+        assert "demo.py" in str(w.message), str(w.message)
+
+
 def test_on_cpu_devices_auto_capture_calls_the_function_every_time():
     s = gs.MirroredStrategy(["cpu:0", "cpu:1"])
     try:
