@@ -24,13 +24,17 @@ Words:
 - *constants*: host data the step sends to a GPU while capturing (such as the ``1``
   added to ``optimizer.iterations``) is uploaded once, outside the capture, into the
   private pool, and the graph reads it: its value is the capture's.
+- *step scalars*: a 0-d device array of the graphs holding a value an optimizer
+  computes from the learning rate and the step count (Adam's step size), set before
+  each launch by a fill kernel that takes the value as its argument.
 - *guards*: the Python values a captured step read that can change between calls
   without the arguments changing: each optimizer's learning rate and settings, and
-  the step count for algorithms whose update reads it (all but plain SGD). A replay
-  first checks them; a changed one makes ``gs.function`` capture again (as
-  ``tf.function`` traces again), and a key whose guards change at every call runs
-  eagerly after a few captures (Adam's bias correction, a learning-rate schedule).
-  After a replay the optimizers' host step count advances, as an eager step's does.
+  the step count for algorithms whose update holds it as a host number (all but SGD
+  and Adam). A replay first checks them; a changed one makes ``gs.function`` capture
+  again (as ``tf.function`` traces again), and a key whose guards change at every
+  call runs eagerly after a few captures (a learning-rate schedule that changes every
+  step). After a replay the optimizers' host step count advances, as an eager step's
+  does.
 
 What the capture refuses (:class:`~gpustrat.function.CaptureError`, naming the
 operation and the user's line): a host synchronization, a host read of device data
@@ -96,6 +100,8 @@ class _Active:
         self.optimizers: dict = {}     # id -> (optimizer, lr, settings, step)
         self.uploads: list = []        # (device index, event after the constant's upload)
         self.host_steps: list = []     # (optimizer, its host step before the capture)
+        self.scalars: dict = {}        # (optimizer id, device, dtype) -> 0-d device array
+        self.scalar_fns: list = []     # (device index, that array, optimizer, fn(lr, step))
         self._side: dict = {}
 
     def constant(self, host, device: Device):
@@ -128,6 +134,20 @@ class _Active:
             self.host_steps.append((opt, opt._host_step))
         self.optimizers[id(opt)] = (opt, lr, opt._settings(), step)
 
+    def step_scalar(self, opt, like, fn):
+        """A 0-d device array on ``like``'s device, of its dtype, holding
+        ``fn(lr, step)`` of ``opt``'s next step: set before each launch of the graphs
+        (a fill, outside them), read by them. One per optimizer, device and dtype."""
+        key = (id(opt), int(like.device.id), like.dtype.str)
+        out = self.scalars.get(key)
+        if out is None:
+            cp = cupy()
+            with cp.cuda.Device(int(like.device.id)):
+                out = cp.empty((), like.dtype)
+            self.scalars[key] = out
+            self.scalar_fns.append((int(like.device.id), out, opt, fn))
+        return out
+
     def undo_host_steps(self) -> None:
         """A capture that failed queued no device work: the optimizers' host step
         counts go back to what they were (iterations was not incremented)."""
@@ -136,9 +156,17 @@ class _Active:
 
 
 def _reads_step(opt) -> bool:
+    """Whether a captured update of ``opt`` holds its step count as a host value (a
+    reason to capture again when it changes): not SGD's (it reads no step), nor
+    Adam's and AdamW's (a device scalar of the graph)."""
+    from gpustrat.optimizers.adam import Adam  # noqa: PLC0415
     from gpustrat.optimizers.sgd import SGD  # noqa: PLC0415
-    return not (type(opt).update_step is SGD.update_step and
-                type(opt).update_replicas is SGD.update_replicas)
+    t = type(opt)
+    for base in (SGD, Adam):
+        if isinstance(opt, base) and t.update_step is base.update_step and \
+                t.update_replicas is base.update_replicas:
+            return False
+    return True
 
 
 class StepGraphs:
@@ -265,8 +293,8 @@ class StepGraphs:
         if len(sources) != len(self.inputs):
             raise CaptureError(f"gs.function({self.name}): {len(sources)} device arrays "
                                f"given where the capture had {len(self.inputs)}")
-        out = self._launch(sources)
-        for opt, step in guards:
+        out = self._launch(sources, {id(opt): (lr, step) for opt, lr, step in guards})
+        for opt, _, step in guards:
             opt._remember_step(step)
         return out
 
@@ -287,7 +315,7 @@ class StepGraphs:
                                          f"step count, which is now {next_step}, not "
                                          f"{step}")
                 return _RECAPTURE
-            out.append((opt, next_step))
+            out.append((opt, now, next_step))
         return out
 
     def _copy_inputs(self, given) -> None:
@@ -311,11 +339,13 @@ class StepGraphs:
             with cp.cuda.Device(d.index):
                 plan.append((d.index, s, g,
                              [(k, buf) for k, (j, buf) in enumerate(self.inputs) if j == i],
+                             [(a, opt, fn) for index, a, opt, fn in self.active.scalar_fns
+                              if index == d.index],
                              cp.cuda.Event(disable_timing=True),
                              cp.cuda.Event(disable_timing=True)))
         return plan
 
-    def _launch(self, sources=None):
+    def _launch(self, sources=None, steps=None):
         """Per device, in one visit: the capture stream waits for the caller's current
         stream (where the arguments were written), the call's arrays are copied into
         the static inputs, the graph is launched, and the caller's current stream
@@ -332,19 +362,27 @@ class StepGraphs:
             plan = self._launch_plan = self._plan()
         here = int(cp.cuda.runtime.getDevice())
         events = []
-        for index, s, graph, inputs, before, after in plan:
+        if steps is None:     # the capture's own step
+            steps = {id(o): (lr, step) for o, lr, _, step in self.active.optimizers.values()}
+        values = {}
+        for index, s, graph, inputs, scalars, before, after in plan:
             with cp.cuda.Device(index):
                 current = cp.cuda.get_current_stream()
                 other = current.ptr != s.ptr
                 if other:
                     before.record(current)
                     s.wait_event(before)
-                if sources is not None and inputs:
+                if (sources is not None and inputs) or scalars:
                     with s:
-                        for k, buf in inputs:
+                        for k, buf in (inputs if sources is not None else ()):
                             src = sources[k]
                             if src is not buf:
                                 buf[...] = src
+                        for a, opt, fn in scalars:
+                            v = values.get((opt, fn))
+                            if v is None:
+                                v = values[(opt, fn)] = fn(*steps[id(opt)])
+                            a.fill(v)     # a kernel taking the value: no host buffer
                 graph.launch(s)
                 after.record(s)
                 if other:

@@ -443,6 +443,10 @@ def _make_ndarray(fake: FakeCupy):
                 raise ValueError(f"set: {arr.shape} {arr.dtype} into {self.shape} {self.dtype}")
             fake._from_host(self, arr, stream, False, "host-to-device copy (set)")
 
+        def fill(self, value):
+            dst = self._raw()
+            fake._issue("fill", lambda: dst().fill(value), writes=[self])
+
         def item(self):
             return self.get().item()
 
