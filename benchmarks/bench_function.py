@@ -1,9 +1,9 @@
 """Host cost of a gs.function step replayed as CUDA graphs, beside the same step eager,
 on the stand-in backend (no GPU needed).
 
-The step is the seeds' custom loop: ``strategy.run`` of a replica step that makes one
-gradient per variable and applies them (SGD with momentum: one fused reduction and
-update), then ``strategy.reduce`` of the replicas' device losses; its argument is a
+The step is TensorFlow's custom training loop: ``strategy.run`` of a replica step that
+makes one gradient per variable and applies them (SGD with momentum, or Adam: one fused
+reduction and update), then ``strategy.reduce`` of the replicas' device losses; its argument is a
 per-replica batch. Timed: the host CPU time of the process per call (every thread's)
 and wall-clock, median of the steady calls, both variants in the same run taking
 turns.
@@ -60,6 +60,7 @@ def resnet50_shapes() -> list[tuple]:
 MLP_SHAPES = [(784, 512), (512,), (512, 512), (512,), (512, 256), (256,), (256, 10), (10,)]
 
 RESNET_4 = "replayed step, ResNet-50 layout (161 tensors), 4 GPUs"
+RESNET_ADAM_4 = "replayed step (Adam), ResNet-50 layout, 4 GPUs"
 MLP_1 = "replayed step, small MLP (8 tensors), 1 GPU"
 MLP_4 = "replayed step, small MLP (8 tensors), 4 GPUs"
 #: case -> most host us per replayed step
@@ -105,11 +106,12 @@ def _add_capture(cp) -> None:
     cuda.using_allocator = lambda allocator=None: contextlib.nullcontext()
 
 
-def make_step(gs, cp, n_dev, shapes, capture):
+def make_step(gs, cp, n_dev, shapes, capture, optimizer="sgd"):
     strategy = gs.MirroredStrategy([f"gpu:{i}" for i in range(n_dev)])
     with strategy.scope():
         variables = [gs.Variable(np.zeros(s, F32), name=f"v{k}") for k, s in enumerate(shapes)]
-        opt = gs.optimizers.SGD(0.01, momentum=0.9)
+        opt = (gs.optimizers.SGD(0.01, momentum=0.9) if optimizer == "sgd"
+               else gs.optimizers.Adam(0.001))
 
     def replica_step(batch):
         grads = [cp.full(s, 1e-3, F32) for s in shapes]
@@ -151,10 +153,12 @@ def measure(quick: bool = False) -> dict:
     with testing.stand_in(num_devices=4) as gpus:
         cp = devices.cupy()
         _add_capture(cp)
-        for name, n_dev, shapes in ((RESNET_4, 4, resnet50_shapes()), (MLP_1, 1, MLP_SHAPES),
-                                    (MLP_4, 4, MLP_SHAPES)):
+        for name, n_dev, shapes, opt in ((RESNET_4, 4, resnet50_shapes(), "sgd"),
+                                         (RESNET_ADAM_4, 4, resnet50_shapes(), "adam"),
+                                         (MLP_1, 1, MLP_SHAPES, "sgd"),
+                                         (MLP_4, 4, MLP_SHAPES, "sgd")):
             targets.progress(name)
-            made = {k: make_step(gs, cp, n_dev, shapes, c)
+            made = {k: make_step(gs, cp, n_dev, shapes, c, opt)
                     for k, c in (("replayed", True), ("eager", False))}
             fns = {k: v[1] for k, v in made.items()}
             for _ in range(4):               # warm-up calls, then the capture

@@ -376,7 +376,11 @@ class StepGraphs:
                     with s:
                         for k, buf in (inputs if sources is not None else ()):
                             src = sources[k]
-                            if src is not buf:
+                            if src is buf:
+                                continue
+                            if src.flags.c_contiguous:      # (same shape and dtype)
+                                buf.data.copy_from_device_async(src.data, buf.nbytes, s)
+                            else:
                                 buf[...] = src
                         for a, opt, fn in scalars:
                             v = values.get((opt, fn))

@@ -349,33 +349,43 @@ def _describe(x) -> str:
         if shape is not None else repr(x)
 
 
+_SCALAR_TYPES = frozenset(_SCALARS)
+#: Marks an array's key: ``(_ARRAY, type, shape, dtype)`` (shape: its rank, for the
+#: structure of a relaxed key).
+_ARRAY = "array"
+
+
 def _key_of(x: Any, shapes: bool = True):
     """The trace key of one argument (see the module docstring)."""
-    if isinstance(x, _SCALARS):
-        return (type(x), x) if shapes else (type(x),)
-    if isinstance(x, np.ndarray) or is_gpu_array(x) or (
-            hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, type)):
-        kind = "gpu" if is_gpu_array(x) else type(x).__name__
-        return (kind, tuple(x.shape) if shapes else len(x.shape), str(x.dtype))
+    t = type(x)
+    if t in _SCALAR_TYPES:
+        return (t, x) if shapes else (t,)
+    if t is tuple or t is list:
+        return (t, tuple([_key_of(v, shapes) for v in x]))
     if isinstance(x, DistributedValues):
-        return (type(x).__name__, x.devices, tuple(_key_of(v, shapes) for v in x.values))
+        return (t, x.devices, tuple([_key_of(v, shapes) for v in x.values]))
+    if isinstance(x, np.generic):          # a NumPy scalar: by value, as a Python one
+        return (t, x.item()) if shapes else (t,)
+    shape = getattr(x, "shape", None)
+    if shape is not None and hasattr(x, "dtype") and not isinstance(x, type):
+        return (_ARRAY, t, tuple(shape) if shapes else len(shape), x.dtype)
     if isinstance(x, dict):
         return ("dict", tuple((k, _key_of(x[k], shapes)) for k in sorted(x, key=repr)))
     if isinstance(x, (tuple, list)):
-        return (type(x), tuple(_key_of(v, shapes) for v in x))
+        return (t, tuple(_key_of(v, shapes) for v in x))
     try:
         hash(x)
-        return ("object", type(x), x)
+        return ("object", t, x)
     except TypeError:
-        return ("id", type(x), id(x))
+        return ("id", t, id(x))
 
 
 def _relax(a, b):
     """A key matching both ``a`` and ``b``: shapes' differing dimensions become None."""
     if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
-        if len(a) == 3 and a[0] in ("gpu", "ndarray") and a[0] == b[0] and a[2] == b[2] \
-                and isinstance(a[1], tuple) and len(a[1]) == len(b[1]):
-            return (a[0], tuple(x if x == y else None for x, y in zip(a[1], b[1])), a[2])
+        if len(a) == 4 and a[0] == _ARRAY and b[0] == _ARRAY and a[1] is b[1] and \
+                a[3] == b[3] and len(a[2]) == len(b[2]):
+            return a[:2] + (tuple(x if x == y else None for x, y in zip(a[2], b[2])), a[3])
         return tuple(_relax(x, y) for x, y in zip(a, b))
     return a if a == b else None
 

@@ -59,6 +59,10 @@ def test_a_new_python_value_is_a_new_trace_and_arrays_are_keyed_by_shape_and_dty
     f([np.ones(4), 1.0])                # a new structure
     f([np.ones(4), 1.0])
     assert f.experimental_get_tracing_count() == 5
+    f(np.ones(4), k=np.float32(3))      # a NumPy scalar is a value, as a Python one
+    f(np.ones(4), k=np.float32(3))
+    f(np.ones(4), k=np.float32(4))
+    assert f.experimental_get_tracing_count() == 7
 
 
 def test_distributed_values_are_keyed_by_their_components_shapes_and_devices():
