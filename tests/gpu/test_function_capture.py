@@ -173,15 +173,20 @@ def test_a_schedule_reads_the_step_count_that_replays_advance():
             ref.close()
 
 
-def test_the_partial_last_batch_is_a_new_key_and_runs_eagerly():
+def test_the_partial_last_batch_runs_eagerly_then_is_captured_as_second_graphs():
     with testing.sanitize(seed=0):
         loop = _Loop(2, "sgd", True, extra=3)
         ref = _Loop(2, "sgd", False, extra=3)
         try:
-            for a, b in zip(loop.batches(), ref.batches()):
-                loop.train_step(a)
-                ref.train_step(b)
-            assert all(np.array_equal(p, q) for p, q in zip(loop.weights(), ref.weights()))
+            for epoch in range(4):
+                for a, b in zip(loop.batches(), ref.batches()):
+                    loop.train_step(a)
+                    ref.train_step(b)
+                assert all(np.array_equal(p, q) for p, q in zip(loop.weights(), ref.weights()))
+                captured = [st for st in loop.train_step._traces.values()
+                            if st.graphs is not None]
+                # The partial batch's third call (epoch 3) is captured.
+                assert len(captured) == (1 if epoch < 2 else 2)
             assert loop.train_step.experimental_get_tracing_count() == 2
         finally:
             loop.close()
