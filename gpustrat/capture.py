@@ -25,12 +25,14 @@ Words:
   added to ``optimizer.iterations``) is uploaded once, outside the capture, into the
   private pool, and the graph reads it: its value is the capture's.
 - *step scalars*: a 0-d device array of the graphs holding a value an optimizer
-  computes from the learning rate and the step count (Adam's step size), set before
-  each launch by a fill kernel that takes the value as its argument.
+  computes from the learning rate and the step count (SGD's learning rate, Adam's
+  step size), set before each launch by a fill kernel that takes the value as its
+  argument: a learning-rate schedule's next value reaches the graphs without a new
+  capture and without a host wait.
 - *guards*: the Python values a captured step read that can change between calls
-  without the arguments changing: each optimizer's learning rate and settings, and
-  the step count for algorithms whose update holds it as a host number (all but SGD
-  and Adam). A replay first checks them; a changed one makes ``gs.function`` capture
+  without the arguments changing: each optimizer's settings, its learning rate where
+  it is not a step scalar (weight decay, other algorithms), and the step count for
+  algorithms whose update holds it as a host number (all but SGD and Adam). A replay first checks them; a changed one makes ``gs.function`` capture
   again (as ``tf.function`` traces again), and a key whose guards change at every
   call runs eagerly after a few captures (a learning-rate schedule that changes every
   step). After a replay the optimizers' host step count advances, as an eager step's
@@ -95,6 +97,7 @@ class _Active:
     def __init__(self, devs, streams, pool):
         self.devices = {d.index: (d, s) for d, s in zip(devs, streams)}
         self.pool = pool
+        self.scalar_pool = cupy().cuda.MemoryPool()
         self.held: list = []
         self.constants: dict = {}
         self.optimizers: dict = {}     # id -> (optimizer, lr, settings, step)
@@ -142,7 +145,11 @@ class _Active:
         out = self.scalars.get(key)
         if out is None:
             cp = cupy()
-            with cp.cuda.Device(int(like.device.id)):
+            # From a pool of their own: a block the private pool hands out now may
+            # have held a temporary of the graph's earlier work, which each replay
+            # writes again, after the value was set.
+            with cp.cuda.Device(int(like.device.id)), \
+                    cp.cuda.using_allocator(self.scalar_pool.malloc):
                 out = cp.empty((), like.dtype)
             self.scalars[key] = out
             self.scalar_fns.append((int(like.device.id), out, opt, fn))
@@ -153,6 +160,13 @@ class _Active:
         counts go back to what they were (iterations was not incremented)."""
         for opt, host_step in self.host_steps:
             opt._host_step = host_step
+
+
+def _lr_on_device(opt) -> bool:
+    """Whether a captured update of ``opt`` reads its learning rate only from a step
+    scalar (SGD's and Adam's, without weight decay, which multiplies by it on the
+    host)."""
+    return not _reads_step(opt) and not opt.weight_decay
 
 
 def _reads_step(opt) -> bool:
@@ -302,7 +316,7 @@ class StepGraphs:
         out = []
         for opt, lr, settings, step in self.active.optimizers.values():
             now = opt.learning_rate
-            if now != lr:
+            if now != lr and not _lr_on_device(opt):
                 self.state.last_guard = (f"{opt.name}'s learning rate changed from "
                                          f"{lr!r} to {now!r}")
                 return _RECAPTURE

@@ -137,40 +137,50 @@ def test_an_optimizer_whose_update_holds_the_step_as_a_host_value_ends_in_eager_
     assert any("reads the step count" in str(w.message) for w in caught)
 
 
-def test_a_changed_learning_rate_is_a_new_capture_as_in_tf_function():
-    with testing.sanitize(seed=0) as san:
-        loop = _Loop(2, "sgd", True)
-        ref = _Loop(2, "sgd", False)
-        try:
-            for k, (a, b) in enumerate(zip(loop.batches(), ref.batches())):
-                if k == 6:
-                    loop.opt.learning_rate = ref.opt.learning_rate = 0.05
-                loop.train_step(a)
-                ref.train_step(b)
-            assert all(np.array_equal(p, q) for p, q in zip(loop.weights(), ref.weights()))
-            assert loop.train_step.experimental_get_tracing_count() == 2
-        finally:
-            loop.close()
-            ref.close()
-    assert not san.reports
-
-
-def test_a_schedule_reads_the_step_count_that_replays_advance():
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_a_changed_learning_rate_and_a_schedule_reach_the_replays_without_a_capture(kind):
     def schedule(step):
-        return 0.1 if step < 6 else 0.05
-    with testing.sanitize(seed=0):
-        loop = _Loop(2, "sgd", True, lr=schedule)
-        ref = _Loop(2, "sgd", False, lr=schedule)
+        return 0.02 if step < 6 else 0.01
+    for lr, change in ((None, True), (schedule, False)):
+        with testing.sanitize(seed=0) as san:
+            loop = _Loop(2, kind, True, lr=lr)
+            ref = _Loop(2, kind, False, lr=lr)
+            try:
+                for k, (a, b) in enumerate(zip(loop.batches(), ref.batches())):
+                    if k == 6 and change:
+                        loop.opt.learning_rate = ref.opt.learning_rate = 0.005
+                    loop.train_step(a)
+                    ref.train_step(b)
+                assert all(np.array_equal(p, q)
+                           for p, q in zip(loop.weights(), ref.weights()))
+                # The rate is a device scalar the replays set: captured once.
+                assert loop.train_step.experimental_get_tracing_count() == 1
+            finally:
+                loop.close()
+                ref.close()
+        assert not san.reports
+
+
+def test_with_weight_decay_a_changed_learning_rate_is_a_new_capture_as_in_tf_function():
+    with testing.sanitize(seed=0) as san:
+        loops = [_Loop(2, "sgd", c) for c in (True, False)]
         try:
-            for a, b in zip(loop.batches(), ref.batches()):
-                loop.train_step(a)
-                ref.train_step(b)
-            assert all(np.array_equal(p, q) for p, q in zip(loop.weights(), ref.weights()))
-            # Captured at step 3, replayed, captured again when the rate fell at step 7.
-            assert loop.train_step.experimental_get_tracing_count() == 2
+            for loop in loops:
+                with loop.s.scope():
+                    loop.opt = gs.optimizers.SGD(0.1, momentum=0.9, weight_decay=0.01)
+            for k, (a, b) in enumerate(zip(*(loop.batches() for loop in loops))):
+                if k == 6:
+                    for loop in loops:
+                        loop.opt.learning_rate = 0.05
+                loops[0].train_step(a)
+                loops[1].train_step(b)
+            assert all(np.array_equal(p, q)
+                       for p, q in zip(loops[0].weights(), loops[1].weights()))
+            assert loops[0].train_step.experimental_get_tracing_count() == 2
         finally:
-            loop.close()
-            ref.close()
+            for loop in loops:
+                loop.close()
+    assert not san.reports
 
 
 def test_the_partial_last_batch_runs_eagerly_then_is_captured_as_second_graphs():
