@@ -51,9 +51,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from gpustrat import devices
 from gpustrat.collectives.base import (Communicator, LocalWorkerGroup, WorkerGroup,
                                        agree_layout_over)
-from gpustrat import devices
 from gpustrat.collectives.host import check_same_layout
 from gpustrat.devices import (Device, cupy, gpu_count, is_gpu_array, join_streams_into_current,
                               nccl_library, new_stream, to_device)
