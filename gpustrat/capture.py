@@ -105,6 +105,7 @@ class _Active:
         self.host_steps: list = []     # (optimizer, its host step before the capture)
         self.scalars: dict = {}        # (optimizer id, device, dtype) -> 0-d device array
         self.scalar_fns: list = []     # (device index, that array, optimizer, fn(lr, step))
+        self.scalar_owners: set = set()  # ids of the optimizers that made one
         self._side: dict = {}
 
     def constant(self, host, device: Device):
@@ -153,6 +154,7 @@ class _Active:
                 out = cp.empty((), like.dtype)
             self.scalars[key] = out
             self.scalar_fns.append((int(like.device.id), out, opt, fn))
+            self.scalar_owners.add(id(opt))
         return out
 
     def undo_host_steps(self) -> None:
@@ -162,25 +164,30 @@ class _Active:
             opt._host_step = host_step
 
 
-def _lr_on_device(opt) -> bool:
-    """Whether a captured update of ``opt`` reads its learning rate only from a step
-    scalar (SGD's and Adam's, without weight decay, which multiplies by it on the
-    host)."""
-    return not _reads_step(opt) and not opt.weight_decay
+def _lr_on_device(opt, scalars: set) -> bool:
+    """Whether the captured update of ``opt`` read its learning rate only through a
+    step scalar: one was made for it in this capture (SGD's and Adam's updates make
+    one), and no weight decay multiplies by the rate on the host."""
+    return id(opt) in scalars and _plain(opt) and not opt.weight_decay
 
 
-def _reads_step(opt) -> bool:
-    """Whether a captured update of ``opt`` holds its step count as a host value (a
-    reason to capture again when it changes): not SGD's (it reads no step), nor
-    Adam's and AdamW's (a device scalar of the graph)."""
+def _reads_step(opt, scalars: set) -> bool:
+    """Whether the captured update of ``opt`` holds its step count as a host value
+    (a reason to capture again when it changes): not SGD's (it reads no step), nor
+    Adam's and AdamW's where their step size was a step scalar of this capture."""
+    from gpustrat.optimizers.sgd import SGD  # noqa: PLC0415
+    if not _plain(opt):
+        return True
+    return not (isinstance(opt, SGD) or id(opt) in scalars)
+
+
+def _plain(opt) -> bool:
+    """SGD or Adam (AdamW) with their own update, not a subclass's."""
     from gpustrat.optimizers.adam import Adam  # noqa: PLC0415
     from gpustrat.optimizers.sgd import SGD  # noqa: PLC0415
     t = type(opt)
-    for base in (SGD, Adam):
-        if isinstance(opt, base) and t.update_step is base.update_step and \
-                t.update_replicas is base.update_replicas:
-            return False
-    return True
+    return any(isinstance(opt, base) and t.update_step is base.update_step and
+               t.update_replicas is base.update_replicas for base in (SGD, Adam))
 
 
 class StepGraphs:
@@ -314,9 +321,10 @@ class StepGraphs:
 
     def _guards(self):
         out = []
+        scalars = self.active.scalar_owners
         for opt, lr, settings, step in self.active.optimizers.values():
             now = opt.learning_rate
-            if now != lr and not _lr_on_device(opt):
+            if now != lr and not _lr_on_device(opt, scalars):
                 self.state.last_guard = (f"{opt.name}'s learning rate changed from "
                                          f"{lr!r} to {now!r}")
                 return _RECAPTURE
@@ -324,7 +332,7 @@ class StepGraphs:
                 self.state.last_guard = f"{opt.name}'s settings changed"
                 return _RECAPTURE
             next_step = opt._step_count() + 1
-            if next_step != step and _reads_step(opt):
+            if next_step != step and _reads_step(opt, scalars):
                 self.state.last_guard = (f"{type(opt).__name__} {opt.name!r} reads the "
                                          f"step count, which is now {next_step}, not "
                                          f"{step}")
