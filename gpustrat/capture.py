@@ -382,6 +382,10 @@ class StepGraphs:
         plan = self.__dict__.get("_launch_plan")
         if plan is None:
             plan = self._launch_plan = self._plan()
+            # The capture streams in the communicator's device order, for its watchdog.
+            by_index = {d.index: s for d, s in zip(self.devices, self.streams)}
+            self._comm_streams = [by_index.get(d.index) for d in
+                                  getattr(comm, "devices", self.devices)]
         here = int(cp.cuda.runtime.getDevice())
         events = []
         if steps is None:     # the capture's own step
@@ -421,7 +425,7 @@ class StepGraphs:
                     current.wait_event(ev)
         watch = getattr(comm, "watch_replay", None)
         if watch is not None:
-            watch(events, self._what)
+            watch(self._comm_streams, self._what)
         out = self.outputs
         if is_gpu_array(out):
             with cp.cuda.Device(out.device.id):

@@ -356,12 +356,19 @@ class NcclCommunicator(Communicator):
             self._watchdog = _Watchdog(self)
         self._watchdog.watch(events, what, keep)
 
-    def watch_replay(self, events: list, what: Callable[[], str]) -> None:
-        """Give the watchdog a replayed graph's events (recorded after its launch):
-        the replay's collectives get the same deadline as eager ones."""
+    def watch_replay(self, streams: list, what: Callable[[], str]) -> None:
+        """Watch a replayed graph: an event recorded on each local device's stream
+        after its launch (one per device, in ``streams``, this communicator's device
+        order) is handed to the watchdog, so the replay's collectives get the same
+        deadline as eager ones. No host wait."""
+        cp = cupy()
+        events = []
+        for d, s in zip(self.devices, streams):
+            with cp.cuda.Device(d.index):
+                events.append(s.record())
         if self._watchdog is None:
             self._watchdog = _Watchdog(self)
-        self._watchdog.watch([e for e in events if e is not None], what, ())
+        self._watchdog.watch(events, what, ())
 
     def _post(self, outs: list, post: str | None) -> list:
         if post is None:
