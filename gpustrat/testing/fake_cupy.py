@@ -139,8 +139,9 @@ class FakeCupy:
             if not staged:
                 self.san.synchronize_stream(s._s, f"pageable host-to-device copy ({what})")
             elif s._s.capture is not None:
+                from gpustrat.testing.sanitizer import _site  # noqa: PLC0415
                 self.san.report(
-                    "capture", f"{what} of {host.nbytes} bytes captured in "
+                    "capture", f"{what} of {host.nbytes} bytes at {_site()} captured in "
                     f"{s._s.capture!r}: CuPy stages them through a pinned buffer that "
                     "it hands to later copies, and a replay copies that buffer again; "
                     "upload host data before the capture")
