@@ -18,8 +18,9 @@ Words:
   A replay copies the call's arrays into them on the capture streams (one
   device-to-device copy each, ordered after the caller's streams), then launches.
 - *outputs*: what the step returned, captured in the private pool and overwritten by
-  each replay. Each replay copies them out (one copy per array, on the caller's
-  current stream of its device, after the replay): the caller may keep what a call
+  each replay. Each replay copies them out (one copy per array, on its device's
+  capture stream right after the graph, so that the join that orders the caller's
+  streams after the replay covers the copies): the caller may keep what a call
   returned across later calls, as with an eager step.
 - *constants*: host data the step sends to a GPU while capturing (such as the ``1``
   added to ``optimizer.iterations``) is uploaded once, outside the capture, into the
@@ -354,15 +355,19 @@ class StepGraphs:
 
     def _plan(self) -> list:
         """Per device, once: its index, capture stream, graph, static inputs (by
-        position among the call's device arrays) and two timing-free events."""
+        position among the call's device arrays), step scalars, outputs and two
+        timing-free events."""
         cp = cupy()
         plan = []
+        outputs: list = []
+        map_leaves(lambda v: outputs.append(v) if is_gpu_array(v) else None, self.outputs)
         for i, (d, s, g) in enumerate(zip(self.devices, self.streams, self.graphs)):
             with cp.cuda.Device(d.index):
                 plan.append((d.index, s, g,
                              [(k, buf) for k, (j, buf) in enumerate(self.inputs) if j == i],
                              [(a, opt, fn) for index, a, opt, fn in self.active.scalar_fns
                               if index == d.index],
+                             [leaf for leaf in outputs if int(leaf.device.id) == d.index],
                              cp.cuda.Event(disable_timing=True),
                              cp.cuda.Event(disable_timing=True)))
         return plan
@@ -370,9 +375,10 @@ class StepGraphs:
     def _launch(self, sources=None, steps=None):
         """Per device, in one visit: the capture stream waits for the caller's current
         stream (where the arguments were written), the call's arrays are copied into
-        the static inputs, the graph is launched, and the caller's current stream
-        waits for it; then the current device's current stream waits for every
-        device (CuPy's ``get()`` copies there). Events only: no host wait."""
+        the static inputs and the step scalars set, the graph is launched, its outputs
+        on that device are copied out, and the caller's current stream waits for all
+        that; then the current device's current stream waits for every device (CuPy's
+        ``get()`` copies there). Events only: no host wait."""
         cp = cupy()
         comm = self.strategy.communicator
         failure = getattr(getattr(comm, "_watchdog", None), "failure", None)
@@ -391,7 +397,8 @@ class StepGraphs:
         if steps is None:     # the capture's own step
             steps = {id(o): (lr, step) for o, lr, _, step in self.active.optimizers.values()}
         values = {}
-        for index, s, graph, inputs, scalars, before, after in plan:
+        copies: dict = {}
+        for index, s, graph, inputs, scalars, outputs, before, after in plan:
             with cp.cuda.Device(index):
                 current = cp.cuda.get_current_stream()
                 other = current.ptr != s.ptr
@@ -414,6 +421,10 @@ class StepGraphs:
                                 v = values[(opt, fn)] = fn(*steps[id(opt)])
                             a.fill(v)     # a kernel taking the value: no host buffer
                 graph.launch(s)
+                if outputs:
+                    with s:   # copied out before the join, so the caller reads in order
+                        for leaf in outputs:
+                            copies[id(leaf)] = leaf.copy()
                 after.record(s)
                 if other:
                     current.wait_event(after)
@@ -428,19 +439,11 @@ class StepGraphs:
             watch(self._comm_streams, self._what)
         out = self.outputs
         if is_gpu_array(out):
-            with cp.cuda.Device(out.device.id):
-                return out.copy()
-        return map_leaves(self._copy_out, out)
+            return copies[id(out)]
+        return map_leaves(lambda leaf: copies.get(id(leaf), leaf), out)
 
     def _what(self) -> str:
         return f"a replay of gs.function({self.name})"
-
-    def _copy_out(self, leaf):
-        if not is_gpu_array(leaf):
-            return leaf
-        cp = cupy()
-        with cp.cuda.Device(leaf.device.id):
-            return leaf.copy()
 
 
 def _gpu_leaves(x, out: list) -> None:

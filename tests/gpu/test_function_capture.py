@@ -229,6 +229,35 @@ def test_a_checkpoint_of_a_captured_loop_restores_into_an_eager_one_and_back(tmp
                 loop.close()
 
 
+def test_a_fused_all_reduce_of_fresh_gradients_captures_its_launch_tables_outside():
+    """Fresh arrays each step: the fusion kernels' pointer tables are new at the capture,
+    and uploaded outside it (the sanitizer reports an upload captured from CuPy's
+    staging buffers)."""
+    def step(v):
+        ctx = gs.get_replica_context()
+        grads = [v * 2, v[:3] + 1, (v * v).sum(axis=0, keepdims=True)]
+        return ctx.all_reduce("sum", grads)
+
+    def train(capture):
+        with testing.sanitize(seed=0) as san:
+            s = gs.MirroredStrategy(["gpu:0", "gpu:1"])
+            try:
+                f = gs.function(lambda v: s.run(step, args=(v,)), capture=capture)
+                outs = []
+                for k in range(5):
+                    x = s.experimental_distribute_values_from_function(
+                        lambda ctx: np.arange(8, dtype=np.float32) + k +
+                        ctx.replica_id_in_sync_group)
+                    outs.append([[c.get() for c in r] for r in s.experimental_local_results(f(x))])
+                return outs, f.experimental_get_tracing_count(), list(san.reports)
+            finally:
+                s.close()
+    (eager, _, _), (captured, traces, reports) = train(False), train(True)
+    assert traces == 1 and not reports
+    assert all(np.array_equal(a, b) for e, c in zip(eager, captured)
+               for ra, rb in zip(e, c) for a, b in zip(ra, rb))
+
+
 # --- refusals ----------------------------------------------------------------------------
 
 def _refused(body, n=2, match=None, returns=False):
