@@ -230,9 +230,10 @@ def test_a_checkpoint_of_a_captured_loop_restores_into_an_eager_one_and_back(tmp
 
 
 def test_a_fused_all_reduce_of_fresh_gradients_captures_its_launch_tables_outside():
-    """Fresh arrays each step: the fusion kernels' pointer tables are new at the capture,
-    and uploaded outside it (the sanitizer reports an upload captured from CuPy's
-    staging buffers)."""
+    """Fresh arrays each step, reduced in one fused all_reduce: captured once, replayed
+    with the eager results, nothing reported (a launch table first needed inside the
+    capture is uploaded outside it; an upload captured from CuPy's staging buffers
+    would be reported)."""
     def step(v):
         ctx = gs.get_replica_context()
         grads = [v * 2, v[:3] + 1, (v * v).sum(axis=0, keepdims=True)]
