@@ -259,6 +259,31 @@ def test_a_fused_all_reduce_of_fresh_gradients_captures_its_launch_tables_outsid
                for ra, rb in zip(e, c) for a, b in zip(ra, rb))
 
 
+def test_a_kernels_launch_table_first_needed_in_a_capture_is_uploaded_outside_it():
+    from gpustrat.kernels.pack import pack
+
+    def step(v):
+        return pack([v * 2, v[:3] + 1, v * v], scale=0.5)
+
+    def train(capture):
+        with testing.sanitize(seed=0) as san:        # raises on a captured upload
+            s = gs.OneDeviceStrategy("gpu:1")
+            try:
+                f = gs.function(lambda v: s.run(step, args=(v,)), capture=capture)
+                cp = devices.cupy()
+                outs = []
+                for k in range(5):
+                    with cp.cuda.Device(1):
+                        x = cp.asarray(np.arange(6, dtype=np.float32) + k)
+                    outs.append(devices.to_host(f(x)))
+                return outs, f.experimental_get_tracing_count(), list(san.reports)
+            finally:
+                s.close()
+    (eager, _, _), (captured, traces, reports) = train(False), train(True)
+    assert traces == 1 and not reports
+    assert all(np.array_equal(a, b) for a, b in zip(eager, captured))
+
+
 # --- refusals ----------------------------------------------------------------------------
 
 def _refused(body, n=2, match=None, returns=False):
