@@ -122,8 +122,10 @@ def _(cp, nccl, cuda):
 
 def fake_stream(cp):
     """A ``cupy.cuda.Stream`` holding a handle that is never dereferenced (creating a
-    real one needs a device)."""
-    return cp.cuda.ExternalStream(0x5000, 0)
+    real one needs a device): ``ExternalStream`` or, where CuPy deprecates it,
+    ``Stream.from_external``."""
+    from gpustrat.kernels._launch import external_cupy_stream
+    return external_cupy_stream(cp, 0x5000)
 
 
 @entry("cupy.cuda.Stream.begin_capture")
