@@ -126,6 +126,10 @@ def function(fn: Callable | None = None, *, input_signature=None, autograph: boo
     return decorate if fn is None else decorate(fn)
 
 
+#: ``gs.function.CaptureError``: the error a refused capture raises.
+function.CaptureError = CaptureError
+
+
 def _signature(sig):
     if sig is None:
         return None

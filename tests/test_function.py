@@ -124,6 +124,7 @@ def test_methods_get_a_function_and_a_trace_cache_per_instance():
 
 
 def test_capture_true_on_cpu_devices_or_without_a_strategy_is_refused():
+    assert gs.function.CaptureError is CaptureError
     f = gs.function(lambda x: x + 1, capture=True)
     f(1)
     f(1)
