@@ -456,6 +456,30 @@ def test_the_demos_step_under_auto_capture_trains_as_eagerly():
         assert "demo.py" in str(w.message), str(w.message)
 
 
+def test_a_function_looping_over_a_dataset_is_refused_once_and_runs_every_batch_eagerly():
+    with testing.sanitize(seed=0):
+        s = gs.MirroredStrategy(["gpu:0", "gpu:1"])
+        try:
+            x = np.arange(48, dtype=np.float32).reshape(16, 3)
+            dist = s.experimental_distribute_dataset(Dataset.from_tensor_slices(x).batch(4))
+
+            @gs.function
+            def epoch(ds):
+                total = None
+                for b in ds:
+                    r = s.reduce("sum", s.run(lambda v: v.sum(), args=(b,)), axis=None)
+                    total = r if total is None else total + r
+                return total
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                totals = [float(devices.to_host(epoch(dist))) for _ in range(4)]
+            assert totals == [float(x.sum())] * 4
+            msgs = [str(w.message) for w in caught if "runs eagerly" in str(w.message)]
+            assert len(msgs) == 1 and "outside the capture" in msgs[0]
+        finally:
+            s.close()
+
+
 def test_on_cpu_devices_auto_capture_calls_the_function_every_time():
     s = gs.MirroredStrategy(["cpu:0", "cpu:1"])
     try:
