@@ -371,9 +371,15 @@ def main(argv=None) -> dict:
         for r in colls:
             print(f"{r['op']:<15} {r['size']:>12} {r['count']:>11} {r['dtype']:>8} "
                   f"{r['time_us']:>10.1f} {r['algbw']:>8.2f} {r['busbw']:>8.2f}")
+    try:
+        from benchmarks import bench_function  # gs.function's rows: captured and eager
+    except ImportError:
+        import bench_function
+    function_rows, function_verdicts = bench_function.gpu_rows(cp, args.quick)
+    verdicts += function_verdicts
     print_step_counts(counts)
     result = {"suite": "gpu", "kernels": kernels, "collectives": colls, "verdicts": verdicts,
-              "step_counts": counts}
+              "step_counts": counts, "function": function_rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -16,6 +16,7 @@ from gpustrat.distribute.replica_context import ReplicaContext, ValueContext
 from gpustrat.distribute.strategy import Strategy
 from gpustrat.distribute.variables import (Variable, VariableAggregation,
                                            VariableSynchronization)
+from gpustrat.function import function
 from gpustrat.reduce_util import ReduceOp
 from gpustrat.values import DistributedValues, Mirrored, PerReplica
 
@@ -25,7 +26,7 @@ __all__ = [
     "DistributedValues", "ReplicaContext", "ValueContext", "InputContext", "InputOptions",
     "get_strategy", "has_strategy", "get_replica_context", "get_cross_replica_context",
     "in_cross_replica_context", "data", "distribute", "Variable", "VariableSynchronization",
-    "VariableAggregation", "optimizers", "metrics", "nn", "train", "TensorSpec", "timeline",
+    "VariableAggregation", "optimizers", "metrics", "nn", "train", "TensorSpec", "timeline", "function",
 ]
 
 

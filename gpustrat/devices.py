@@ -101,6 +101,11 @@ class Backend:
 
 _backend: Backend | None = None
 
+#: While ``gs.function`` captures a step as CUDA graphs: what the capture offers the
+#: layers that send host data to a GPU or watch device work (see
+#: :mod:`gpustrat.capture`); None otherwise.
+capture_state = None
+
 
 @contextlib.contextmanager
 def use_backend(backend: Backend):
@@ -324,6 +329,10 @@ def to_device(x, device: Device, stream=None, copy: bool = False):
         out = to_host(x)
         return out.copy() if copy and out is x else out
     cp = cupy()
+    if capture_state is not None and not is_gpu_array(x) and \
+            not hasattr(x, "__cuda_array_interface__"):
+        # Host data in a captured step: a constant of the graphs, uploaded outside it.
+        return capture_state.constant(x, device)
     if is_gpu_array(x) and x.device.id != device.index:
         return _peer_copy(cp, x, device, stream)
     with cp.cuda.Device(device.index):
@@ -477,7 +486,9 @@ def join_streams_into_current(devices, streams, into_current_device: bool = True
                 current = cp.cuda.get_current_stream()
                 if current.ptr != s.ptr:
                     current.wait_event(events[i])
-    if into_current_device:
+    if into_current_device and capture_state is None:
+        # (Not while capturing: one graph per device has no edge to another device;
+        # the replay joins the devices after its launch.)
         here = int(cp.cuda.Device().id)
         current = cp.cuda.get_current_stream()
         for d, ev in zip(devices, events):

@@ -528,8 +528,14 @@ def to_kernel_array(host: np.ndarray, like, stream=None):
         if view is not None:
             _tables.move_to_end(key)
     if view is None:
-        with device.activate(), cupy_stream(cp, stream):
-            table = cp.asarray(host)
+        from gpustrat import devices as _devices  # noqa: PLC0415
+        if _devices.capture_state is not None:
+            # In a step gs.function captures: uploaded outside the capture (an upload
+            # inside would be replayed from CuPy's reused staging buffer).
+            table = _devices.capture_state.constant(host, device)
+        else:
+            with device.activate(), cupy_stream(cp, stream):
+                table = cp.asarray(host)
         # Uploaded on the launch stream: ordered before the kernel, no host wait needed.
         # The view owns the table: a launch holding it keeps the memory even when the
         # cache drops the table meanwhile (another thread's launches on a shared stream

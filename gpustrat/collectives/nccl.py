@@ -52,6 +52,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from gpustrat import devices
 from gpustrat.collectives.base import (Communicator, LocalWorkerGroup, WorkerGroup,
                                        agree_layout_over)
 from gpustrat.collectives.host import check_same_layout
@@ -352,10 +353,31 @@ class NcclCommunicator(Communicator):
         finally:
             nccl.groupEnd()
         events = join_streams_into_current(self.devices, self._streams,
-                                           into_current_device=False, keep=True)
+                                           into_current_device=False,
+                                           keep=devices.capture_state is None)
+        capture = devices.capture_state
+        if capture is not None:
+            # Captured: these events are a graph's, which CUDA forbids querying; the
+            # graph holds the buffers, and each replay is watched (watch_replay).
+            capture.hold(keep)
+            return
         if self._watchdog is None:
             self._watchdog = _Watchdog(self)
         self._watchdog.watch(events, what, keep)
+
+    def watch_replay(self, streams: list, what: Callable[[], str]) -> None:
+        """Watch a replayed graph: an event recorded on each local device's stream
+        after its launch (one per device, in ``streams``, this communicator's device
+        order) is handed to the watchdog, so the replay's collectives get the same
+        deadline as eager ones. No host wait."""
+        cp = cupy()
+        events = []
+        for d, s in zip(self.devices, streams):
+            with cp.cuda.Device(d.index):
+                events.append(devices.kept_event(s, d.index))
+        if self._watchdog is None:
+            self._watchdog = _Watchdog(self)
+        self._watchdog.watch(events, what, ())
 
     def _post(self, outs: list, post: str | None) -> list:
         if post is None:

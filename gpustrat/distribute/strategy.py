@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Sequence
 
-from gpustrat import nest
+from gpustrat import function as _function, nest
 from gpustrat import timeline as _tl
 from gpustrat.collectives.base import Communicator, LocalWorkerGroup, WorkerGroup
 from gpustrat.devices import Device, gpu_array_type, is_gpu_array, to_device
@@ -130,6 +130,8 @@ class Strategy:
             The first replica's exception, with a note naming the replica.
         """
         kwargs = kwargs or {}
+        if _function.observed.stack:   # a gs.function's warm-up call: it learns who runs
+            _function.note_run(self)
         if in_merge_call():
             raise RuntimeError("strategy.run was called inside a merge_call function "
                                "(cross-replica context within run); return from the "

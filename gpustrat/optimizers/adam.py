@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
+from gpustrat import devices as _devices
 from gpustrat.devices import array_module
 from gpustrat.optimizers.base import Optimizer
 
@@ -41,9 +44,19 @@ class Adam(Optimizer):
             ("momentum", "velocity")
         super().__init__(learning_rate, name, compression, **common)
 
+    def step_size(self, lr: float, step: int) -> float:
+        """``lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)``: what step ``t`` scales ``m`` by."""
+        return lr * math.sqrt(1.0 - self.beta_2 ** step) / (1.0 - self.beta_1 ** step)
+
     def update_step(self, param, grad, slots, lr, step, name):
         xp = array_module(param)
-        alpha = lr * math.sqrt(1.0 - self.beta_2 ** step) / (1.0 - self.beta_1 ** step)
+        capture = _devices.capture_state
+        if capture is not None and xp is not np:
+            # Captured by gs.function: the step size is a device scalar of the
+            # graph, set to this formula's value before each replay.
+            alpha = capture.step_scalar(self, param, self.step_size)
+        else:
+            alpha = self.step_size(lr, step)
         m, v = slots["momentum"], slots["velocity"]
         m += (grad - m) * (1.0 - self.beta_1)
         v += (grad * grad - v) * (1.0 - self.beta_2)

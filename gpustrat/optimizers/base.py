@@ -36,6 +36,7 @@ from typing import Iterable
 import numpy as np
 
 from gpustrat import timeline as _tl
+from gpustrat import devices as _devices
 from gpustrat.devices import on_device_of, to_host
 from gpustrat.distribute import context
 from gpustrat.distribute.distributed_variables import DistributedVariable, strategy_of, zeros
@@ -512,6 +513,8 @@ class Optimizer:
                 "for all replicas; make the variables inside strategy.scope()")
         lr = self.learning_rate
         step = self._step_count() + 1
+        if _devices.capture_state is not None:   # gs.function guards what a step read
+            _devices.capture_state.note_optimizer(self, lr, step)
         accumulating = self.gradient_accumulation_steps
         # The update's step number (from 1): with accumulation, the applied steps'
         # (Keras's iterations), which a schedule and bias corrections see.

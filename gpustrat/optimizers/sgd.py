@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
+
+from gpustrat import devices as _devices
 from gpustrat.optimizers.base import Optimizer
 
 
@@ -48,6 +51,11 @@ class SGD(Optimizer):
             self.slot_names = ("momentum",) if value else ()
 
     def update_step(self, param, grad, slots, lr, step, name):
+        capture = _devices.capture_state
+        if capture is not None and not isinstance(param, np.ndarray):
+            # Captured by gs.function: the learning rate is a device scalar of the
+            # graph, set before each replay (a schedule's next value included).
+            lr = capture.step_scalar(self, param, _learning_rate)
         self._descend(param, slots, lr * grad)
 
     def update_replicas(self, params, grad, slots, lr, step):
@@ -73,3 +81,7 @@ class SGD(Optimizer):
 
     def get_config(self) -> dict:
         return {**super().get_config(), "momentum": self.momentum, "nesterov": self.nesterov}
+
+
+def _learning_rate(lr: float, step: int) -> float:
+    return lr

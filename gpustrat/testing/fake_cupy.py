@@ -117,7 +117,11 @@ class FakeCupy:
         device = self.current_device() if device is None else device
         stream = stream or self.current_stream(device)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        mem = _Memory(self.san, self.san.alloc(device, nbytes, stream._s))
+        pool = self._pool_of_current_allocator()
+        blk = self.san.alloc(device, nbytes, stream._s, pool.id if pool is not None else 0)
+        if pool is not None:
+            pool._blocks.append(blk)
+        mem = _Memory(self.san, blk)
         return self.ndarray(mem, 0, shape, dtype)
 
     def _host_block(self, host: np.ndarray):
@@ -141,6 +145,13 @@ class FakeCupy:
         if found is None:
             if not staged:
                 self.san.synchronize_stream(s._s, f"pageable host-to-device copy ({what})")
+            elif s._s.capture is not None:
+                from gpustrat.testing.sanitizer import _site  # noqa: PLC0415
+                self.san.report(
+                    "capture", f"{what} of {host.nbytes} bytes at {_site()} captured in "
+                    f"{s._s.capture!r}: CuPy stages them through a pinned buffer that "
+                    "it hands to later copies, and a replay copies that buffer again; "
+                    "upload host data before the capture")
             data = host.copy()
             reads = []
         else:
@@ -236,6 +247,9 @@ class FakeCupy:
 
     def minimum(self, a, b, out=None):
         return _compute(self, "minimum", np.minimum, [a, b], out=out)
+
+    def tanh(self, a):
+        return _compute(self, "tanh", np.tanh, [a])
 
     def square(self, a):
         return _compute(self, "square", np.square, [a])
@@ -473,6 +487,10 @@ def _make_ndarray(fake: FakeCupy):
                 raise ValueError(f"set: {arr.shape} {arr.dtype} into {self.shape} {self.dtype}")
             fake._from_host(self, arr, stream, False, "host-to-device copy (set)")
 
+        def fill(self, value):
+            dst = self._raw()
+            fake._issue("fill", lambda: dst().fill(value), writes=[self])
+
         def item(self):
             return self.get().item()
 
@@ -557,6 +575,8 @@ def _make_ndarray(fake: FakeCupy):
     for name, fn in (("eq", np.equal), ("ne", np.not_equal), ("lt", np.less),
                      ("le", np.less_equal), ("gt", np.greater), ("ge", np.greater_equal)):
         setattr(ndarray, f"__{name}__", binary(fn))
+    ndarray.__matmul__ = lambda self, other: _compute(fake, "matmul", np.matmul, [self, other])
+    ndarray.__rmatmul__ = lambda self, other: _compute(fake, "matmul", np.matmul, [other, self])
     ndarray.__neg__ = lambda self: _compute(fake, "negative", np.negative, [self])
     ndarray.__hash__ = object.__hash__
     # kernels/_launch.py and devices.py recognise CuPy arrays by their class's module.

@@ -69,6 +69,7 @@ class FakeNccl:
                 writes = [(b, o, o + rbytes) for b, o in writes]
                 op = san.enqueue(s, f"NCCL {kind}", None, reads, writes, group=call,
                                  count="nccl_calls")
+                san.note_group_rank(s, self.rank)   # recorded in a capture: its rank
                 call.add(self.rank, op, reads, writes, params)
 
             def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
@@ -139,9 +140,27 @@ class _Collective:
     def __init__(self, n: int, kind: str, clique: dict):
         self.n, self.kind, self.clique = n, kind, clique
         self.parts: dict = {}
+        # A call recorded in a capture: each rank's k-th replay meets the other ranks'
+        # k-th replay in a call of its own.
+        self._replays: dict = {}
+        self._replayed: dict = {}
 
     def add(self, rank, op, reads, writes, params):
         self.parts[rank] = (op, reads, writes, params)
+
+    def replayed(self, rank: int) -> "_Collective":
+        """The call that the next replay of ``rank``'s recorded part joins."""
+        k = self._replayed.get(rank, 0)
+        self._replayed[rank] = k + 1
+        call = self._replays.get(k)
+        if call is None:
+            call = self._replays[k] = _Collective(self.n, self.kind, self.clique)
+            call._done = lambda: self._replays.pop(k, None)
+        return call
+
+    def add_replayed(self, rank: int, op, template: "_Collective") -> None:
+        _, reads, writes, params = template.parts[rank]
+        self.add(rank, op, reads, writes, params)
 
     def ready(self) -> bool:
         return ((len(self.parts) == self.n or self.clique.get("aborted")) and
@@ -191,3 +210,6 @@ class _Collective:
             for r in ranks:
                 recv[r][...] = gathered
         self.parts.clear()
+        done = getattr(self, "_done", None)
+        if done is not None:
+            done()

@@ -136,6 +136,62 @@ def _(cp, nccl, cuda):
     cp.cuda.nvtx.RangePop()
 
 
+# --- CuPy: stream capture and private pools (gpustrat/capture.py) ------------------------
+
+def fake_stream(cp):
+    """A ``cupy.cuda.Stream`` holding a handle that is never dereferenced (creating a
+    real one needs a device): ``ExternalStream`` or, where CuPy deprecates it,
+    ``Stream.from_external``."""
+    from gpustrat.kernels._launch import external_cupy_stream
+    return external_cupy_stream(cp, 0x5000)
+
+
+@entry("cupy.cuda.Stream.begin_capture")
+def _(cp, nccl, cuda):
+    fake_stream(cp).begin_capture()               # relaxed mode, CuPy's default
+
+
+@entry("cupy.cuda.Stream.end_capture")
+def _(cp, nccl, cuda):
+    return fake_stream(cp).end_capture()
+
+
+@entry("cupy.cuda.Stream.is_capturing")
+def _(cp, nccl, cuda):
+    return fake_stream(cp).is_capturing()
+
+
+@entry("cupy.cuda.graph.Graph.launch")
+def _(cp, nccl, cuda):
+    # A Graph is only made by end_capture; its launch takes the stream positionally.
+    graph = cp.cuda.graph.Graph.__new__(cp.cuda.graph.Graph)
+    graph.launch(fake_stream(cp))
+
+
+@entry("cupy.cuda.runtime.getDevice")
+def _(cp, nccl, cuda):
+    return cp.cuda.runtime.getDevice()
+
+
+@entry("cupy.cuda.MemoryPool")
+def _(cp, nccl, cuda):
+    pool = cp.cuda.MemoryPool()
+    pool.malloc(1024)                             # capture.py's allocator
+
+
+@entry("cupy.cuda.get_allocator", "cupy.cuda.set_allocator", "cupy.get_default_memory_pool")
+def _(cp, nccl, cuda):
+    previous = cp.cuda.get_allocator() or cp.get_default_memory_pool().malloc
+    cp.cuda.set_allocator(cp.cuda.MemoryPool().malloc)
+    cp.cuda.set_allocator(previous)
+
+
+@entry("cupy.cuda.using_allocator")
+def _(cp, nccl, cuda):
+    with cp.cuda.using_allocator(cp.cuda.MemoryPool().malloc):
+        cp.empty((3,), np.float32)
+
+
 # --- CuPy: arrays ---------------------------------------------------------------------------
 
 @entry("cupy.empty")
