@@ -93,6 +93,9 @@ def test_info_json_matches_and_reports_the_simulator():
     else:
         assert info["mpi4py"] == mpi4py.__version__
         assert info["mpi library"] and not info["mpi library"].startswith("error")
+        # Before any strategy: what a new channel's headers try first.
+        assert info["mpi headers"].startswith(("persistent MPI_Allgather_init where it "
+                                               "passes a check", "MPI_Iallgather (MPI ")), info
 
 
 # --- demo -------------------------------------------------------------------------------

@@ -1,0 +1,113 @@
+"""What differs between the MPI libraries a cluster has (MPICH, Open MPI, Intel MPI),
+under ``mpiexec -n 2/4``: a persistent Allgather that is missing (MPI before 4.0) or
+returns stale data (Intel MPI 2021.13 to 2021.18) is replaced by ``MPI_Iallgather``;
+the abort-on-error hooks follow a strategy's life; thread levels; calls after
+``MPI.Finalize()``. The libraries' faults are simulated with a communicator subclass
+(mpi4py keeps the subclass through ``Dup``/``Idup``), so that every library runs them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for mpi_util
+from mpi_util import assert_mpi_ok, format_result, run_mpi  # noqa: E402
+
+pytestmark = pytest.mark.mpi
+
+# A communicator whose Allgather_init is missing ("missing"), returns the previous
+# round's data on ranks other than 0 ("stale", as Intel MPI 2021.18 does), or is the
+# library's own ("real").
+FAULTY = r"""
+import sys
+import warnings
+import numpy as np
+from mpi4py import MPI
+import gpustrat as gs
+from gpustrat.collectives.mpi import header
+
+case = sys.argv[1]
+
+
+class StaleRequest:
+    # A persistent Allgather whose ranks other than 0 get the previous round's data.
+    def __init__(self, comm, send, recv):
+        self.comm, self.send, self.recv = comm, send[0], recv[0]
+        self.prev, self.req = None, None
+
+    def Start(self):
+        self.scratch = np.empty_like(self.recv)
+        self.req = self.comm.Iallgather([self.send.copy(), MPI.INT64_T],
+                                        [self.scratch, MPI.INT64_T])
+
+    def Test(self, status=None):
+        if self.req is None:
+            return True
+        if not self.req.Test():
+            return False
+        self.req = None
+        stale = self.comm.Get_rank() > 0 and self.prev is not None
+        self.recv[...] = self.prev if stale else self.scratch
+        self.prev = self.scratch
+        return True
+
+    def Free(self):
+        pass
+
+
+class Faulty(MPI.Intracomm):
+    def Allgather_init(self, send, recv):
+        if case == "missing":
+            raise NotImplementedError
+        return StaleRequest(self, send, recv)
+
+
+comm = MPI.COMM_WORLD if case == "real" else Faulty(MPI.COMM_WORLD)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    s = gs.MultiWorkerMirroredStrategy(communicator=comm)
+r, W = s.worker_index, s.num_workers
+for step in range(20):
+    x = np.full((3,), r + step, np.float32)
+    got = s.reduce("sum", x, axis=None)
+    want = np.full((3,), sum(range(W)) + W * step, np.float32)
+    assert np.array_equal(got, want), (step, got, want)
+    loss = s.reduce("mean", np.float32(r * step), axis=None)
+    assert float(loss) == step * (W - 1) / 2, (step, loss)
+    rows = s.gather(np.full((step % 3 + 1, 2), r, np.int64), axis=0)
+    assert rows.shape == (W * (step % 3 + 1), 2) and (rows[:, 0] == np.repeat(
+        np.arange(W), step % 3 + 1)).all(), rows
+path = header.header_path()
+from gpustrat.cli import _mpi_info  # what `python -m gpustrat info` reports
+assert _mpi_info()["mpi headers"] == path, (_mpi_info(), path)
+warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+s.close()
+print("OK", r, path, "| warned:", warned, flush=True)
+"""
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("case", ["missing", "stale", "real"])
+def test_headers_fall_back_to_iallgather_where_the_persistent_one_is_missing_or_wrong(
+        n, case):
+    out = assert_mpi_ok(n, FAULTY, timeout=90, args=[case], expect_lines=n)
+    lines = [line for line in out.splitlines() if line.startswith("OK")]
+    for line in lines:
+        path = line.split(" ", 2)[2]
+        if case == "missing":
+            assert path.startswith("MPI_Iallgather (this MPI library") and \
+                "has no MPI_Allgather_init" in path, line
+        elif case == "stale":
+            assert path.startswith("MPI_Iallgather (MPI_Allgather_init gave other data "
+                                   f"than was sent on ranks {list(range(1, n))}"), line
+        else:  # the library's own: either path, the same on every rank
+            assert path.split(" |")[0] == lines[0].split(" ", 2)[2].split(" |")[0], lines
+    rank0 = next(line for line in lines if line.startswith("OK 0 "))
+    if case == "stale":  # told once, on rank 0
+        assert "RuntimeWarning" not in rank0 and "every header uses MPI_Iallgather" in \
+            rank0, rank0
+        assert all("warned: []" in line for line in lines if line is not rank0), lines
+    if case == "missing":  # an MPI without it is not a fault: nothing to warn of
+        assert all("warned: []" in line for line in lines), lines
