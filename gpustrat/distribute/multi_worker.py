@@ -95,7 +95,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         no_counterpart("MultiWorkerMirroredStrategy", cluster_resolver=cluster_resolver,
                         communication_options=communication_options)
         from gpustrat.collectives.mpi import MpiWorkerGroup  # noqa: PLC0415 - inits MPI
-        from gpustrat.distribute.failures import install_abort_on_error  # noqa: PLC0415
+        from gpustrat.distribute.failures import (  # noqa: PLC0415
+            install_abort_on_error, uninstall_abort_on_error)
         workers = MpiWorkerGroup(communicator)
         problem = None
         if devices is None:
@@ -114,9 +115,13 @@ class MultiWorkerMirroredStrategy(Strategy):
         if len(set(counts)) != 1:
             raise ValueError(f"workers hold different numbers of devices ({counts}, by rank); "
                              "every worker must hold the same number of local replicas")
-        install_abort_on_error(workers)
-        comm = collectives or make_communicator(devs, workers)
-        super().__init__(devs, comm, workers)
+        install_abort_on_error(workers)  # until close()
+        try:
+            comm = collectives or make_communicator(devs, workers)
+            super().__init__(devs, comm, workers)
+        except BaseException:
+            uninstall_abort_on_error(workers)
+            raise
         # One CPU replica per worker, several workers: a reduce or gather of one host
         # array goes straight to the communicator (see reduce).
         self._one_host = len(devs) == 1 and not devs[0].is_gpu and workers.size > 1
@@ -178,5 +183,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         return reduction.gather_components(self._communicator, comps, axis)
 
     def close(self) -> None:
+        from gpustrat.distribute.failures import uninstall_abort_on_error  # noqa: PLC0415
+        uninstall_abort_on_error(self.workers)
         super().close()
         self.workers.close()

@@ -111,3 +111,78 @@ def test_headers_fall_back_to_iallgather_where_the_persistent_one_is_missing_or_
         assert all("warned: []" in line for line in lines if line is not rank0), lines
     if case == "missing":  # an MPI without it is not a fault: nothing to warn of
         assert all("warned: []" in line for line in lines), lines
+
+
+# --- the abort-on-error hooks follow a strategy's life ---------------------------------
+
+HOOKS = r"""
+import sys
+import threading
+import numpy as np
+import gpustrat as gs
+
+case = sys.argv[1]
+
+
+def app_hook(t, e, tb):
+    print("APP HOOK", type(e).__name__, flush=True)
+
+
+def app_thread_hook(args):
+    print("APP THREAD HOOK", args.exc_type.__name__, flush=True)
+
+
+sys.excepthook, threading.excepthook = app_hook, app_thread_hook
+
+
+def fail_in_a_thread():
+    def boom():
+        raise KeyError("lost in a thread")
+    t = threading.Thread(target=boom, name="worker-thread")
+    t.start()
+    t.join()
+
+
+first = gs.MultiWorkerMirroredStrategy()
+r = first.worker_index
+assert sys.excepthook is not app_hook  # the strategy's hooks, while it is open
+if case == "after_close":
+    first.close()
+    # Given back: the application's own errors reach the application's hooks.
+    assert sys.excepthook is app_hook and threading.excepthook is app_thread_hook
+    if r == 1:
+        fail_in_a_thread()
+    again = gs.MultiWorkerMirroredStrategy()
+    assert float(again.reduce("sum", np.float32(1), axis=None)) == again.num_workers
+    again.close()
+    assert sys.excepthook is app_hook
+    print("OK", r, flush=True)
+else:  # two strategies, the first closed: an error aborts through the second
+    second = gs.MultiWorkerMirroredStrategy()
+    first.close()
+    assert sys.excepthook is not app_hook
+    if r == 1:
+        fail_in_a_thread()
+    second.reduce("sum", np.float32(1), axis=None)  # rank 0 waits here until the abort
+    print("NOT ABORTED", r, flush=True)
+"""
+
+
+def test_hooks_are_given_back_to_the_application_when_its_strategies_close():
+    rc, out, err = run_mpi(2, HOOKS, timeout=60, args=["after_close"])
+    report = format_result(rc, out, err)
+    assert rc == 0 and sum(line.startswith("OK ") for line in out.splitlines()) == 2, report
+    assert "APP THREAD HOOK KeyError" in out and "aborting every rank" not in err, report
+
+
+def test_an_error_aborts_through_the_strategy_still_open():
+    rc, out, err = run_mpi(2, HOOKS, timeout=60, args=["two"])
+    report = format_result(rc, out, err)
+    assert rc != 0 and "[run_mpi] timed out" not in err and "NOT ABORTED" not in out, \
+        report
+    assert err.count("[gpustrat] rank 1 of 2: uncaught exception in thread "
+                     "'worker-thread'; aborting every rank") == 1, report
+    # The application's own hook is told first; then MPI_Abort itself ends the job (the
+    # library reports it: MPICH and Intel MPI "MPI_Abort", Open MPI "MPI_ABORT").
+    assert "APP THREAD HOOK KeyError" in out, report
+    assert "MPI_Abort" in out + err or "MPI_ABORT" in out + err, report

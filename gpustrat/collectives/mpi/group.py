@@ -108,6 +108,9 @@ class MpiWorkerGroup(WorkerGroup):
 
     def abort(self, code: int = 1) -> None:
         """``MPI_Abort``: the MPI launcher ends every rank of the job."""
+        if self.comm is None:  # its communicator is freed: MPI_Abort on it is an error
+            raise RuntimeError("cannot abort through a closed worker group: its "
+                               "communicator was freed")
         self.comm.Abort(code)
 
     def concurrent_collectives(self) -> bool:
