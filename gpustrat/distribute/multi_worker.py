@@ -105,6 +105,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             devs = devs or [Device("cpu", 0)]
         else:
             devs = resolve_devices(devices)
+        problem = problem or workers.thread_problem(len(devs))
         # One collective tells every worker both the device counts and any worker's
         # problem, so that all raise together.
         found = workers.allgather((len(devs), problem))

@@ -186,3 +186,51 @@ def test_an_error_aborts_through_the_strategy_still_open():
     # library reports it: MPICH and Intel MPI "MPI_Abort", Open MPI "MPI_ABORT").
     assert "APP THREAD HOOK KeyError" in out, report
     assert "MPI_Abort" in out + err or "MPI_ABORT" in out + err, report
+
+
+# --- thread levels -------------------------------------------------------------------
+
+THREADS = r"""
+import sys
+import mpi4py
+mpi4py.rc.thread_level = sys.argv[1]
+from mpi4py import MPI
+import numpy as np
+import gpustrat as gs
+
+level = MPI.Query_thread()
+for local in (1, 2):
+    try:
+        s = gs.MultiWorkerMirroredStrategy(devices=[f"cpu:{i}" for i in range(local)])
+    except ValueError as e:
+        assert local > 1 and level < MPI.THREAD_SERIALIZED, (local, level, e)
+        print("REFUSED", local, e, flush=True)
+        continue
+    assert local == 1 or level >= MPI.THREAD_SERIALIZED, (local, level)
+    x = s.experimental_distribute_values_from_function(
+        lambda ctx: np.float32(ctx.replica_id_in_sync_group))
+    got = s.run(lambda v: gs.get_replica_context().all_reduce("sum", v), args=(x,))
+    n = s.num_replicas_in_sync
+    assert float(s.experimental_local_results(got)[0]) == n * (n - 1) / 2
+    s.close()
+    print("RAN", local, flush=True)
+print("OK", MPI.COMM_WORLD.Get_rank(), int(level >= MPI.THREAD_SERIALIZED), flush=True)
+"""
+
+
+@pytest.mark.parametrize("level", ["funneled", "serialized", "multiple"])
+def test_several_local_replicas_need_a_thread_level_that_allows_their_threads(level):
+    out = assert_mpi_ok(2, THREADS, timeout=60, args=[level], expect_lines=2)
+    assert out.count("RAN 1") == 2, out  # one replica: MPI calls on the main thread
+    serialized = {line.split()[2] for line in out.splitlines() if line.startswith("OK ")}
+    if level == "funneled":  # what MPICH, Open MPI and Intel MPI give when asked
+        assert serialized == {"0"}, out
+    if serialized == {"0"}:
+        refused = [line for line in out.splitlines() if line.startswith("REFUSED 2")]
+        assert len(refused) == 2, out
+        assert ("worker 0: 2 local replicas make MPI calls from their own threads, which "
+                "needs MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE, but MPI was "
+                "initialised with MPI_THREAD_") in refused[0], out
+        assert "mpi4py.rc.thread_level = 'multiple'" in refused[0], out
+    else:
+        assert out.count("RAN 2") == 2, out

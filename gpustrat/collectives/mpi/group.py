@@ -113,6 +113,25 @@ class MpiWorkerGroup(WorkerGroup):
                                "communicator was freed")
         self.comm.Abort(code)
 
+    def thread_problem(self, num_local: int) -> "str | None":
+        """Why this process's MPI thread level cannot serve ``num_local`` local replicas,
+        or None. Several local replicas run in threads of their own, and the one that
+        arrives last at a collective makes its MPI call: MPI allows that from threads
+        other than the one that initialised MPI only at ``MPI_THREAD_SERIALIZED`` or
+        above (calls one at a time)."""
+        MPI = mpi()
+        level = MPI.Query_thread()
+        if num_local <= 1 or level >= MPI.THREAD_SERIALIZED:
+            return None
+        names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE",
+                 MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED"}
+        return (f"{num_local} local replicas make MPI calls from their own threads, which "
+                "needs MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE, but MPI was "
+                f"initialised with {names.get(level, level)}: set mpi4py.rc.thread_level "
+                "= 'multiple' (mpi4py's default) before the first 'from mpi4py import "
+                "MPI' (or initialise MPI with MPI.Init_thread(MPI.THREAD_MULTIPLE)), or "
+                "use one device per worker and launch more ranks")
+
     def concurrent_collectives(self) -> bool:
         MPI = mpi()
         return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
