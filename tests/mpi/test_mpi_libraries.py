@@ -234,3 +234,37 @@ def test_several_local_replicas_need_a_thread_level_that_allows_their_threads(le
         assert "mpi4py.rc.thread_level = 'multiple'" in refused[0], out
     else:
         assert out.count("RAN 2") == 2, out
+
+
+# --- calls after MPI.Finalize() -------------------------------------------------------
+
+AFTER_FINALIZE = r"""
+import numpy as np
+from mpi4py import MPI
+import gpustrat as gs
+
+s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"])
+x = s.experimental_distribute_values_from_function(lambda ctx: np.ones(2, np.float32))
+assert (s.reduce("sum", x, axis=None) == s.num_replicas_in_sync).all()
+MPI.Finalize()
+calls = {
+    "strategy.reduce": lambda: s.reduce("mean", np.ones(3, np.float32), axis=None),
+    "strategy.gather": lambda: s.gather(x, axis=0),
+    "all_reduce in strategy.run": lambda: s.run(
+        lambda v: gs.get_replica_context().all_reduce("sum", v), args=(x,)),
+    "creating a strategy": lambda: gs.MultiWorkerMirroredStrategy(),
+}
+for name, call in calls.items():
+    try:
+        call()
+    except RuntimeError as e:
+        assert str(e).startswith(f"{name} cannot run: MPI has been finalized"), (name, e)
+    else:
+        raise AssertionError(f"{name} ran after MPI.Finalize()")
+s.close()  # nothing left to free: no error, no MPI call
+print("OK", flush=True)
+"""
+
+
+def test_calls_after_finalize_raise_an_error_naming_the_call():
+    assert_mpi_ok(2, AFTER_FINALIZE, timeout=60, expect_lines=2)

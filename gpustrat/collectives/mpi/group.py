@@ -8,9 +8,9 @@ import numpy as np
 
 from gpustrat.collectives.base import WorkerGroup, layout_code
 from gpustrat.collectives.mpi.exits import _ExitWatch, exits_of
-from gpustrat.collectives.mpi.header import _INLINE, _Channel
-from gpustrat.collectives.mpi.waits import (_NP_OPS, _OPS, _describe, mpi,
-                                            timeout_from_env, wait)
+from gpustrat.collectives.mpi.header import _INLINE, _caller, _Channel
+from gpustrat.collectives.mpi.waits import (_NP_OPS, _OPS, _describe, finalized_error,
+                                            mpi, timeout_from_env, wait)
 from gpustrat.reduce_util import ReduceOp
 
 # --- workers ------------------------------------------------------------------------
@@ -25,6 +25,9 @@ class MpiWorkerGroup(WorkerGroup):
 
     def __init__(self, comm=None):
         MPI = mpi()
+        error = finalized_error(_caller()[0] or "creating a worker group")
+        if error is not None:
+            raise error
         base = MPI.COMM_WORLD if comm is None else comm
         timeout = timeout_from_env()
         dup, req = base.Idup()
@@ -59,6 +62,8 @@ class MpiWorkerGroup(WorkerGroup):
 
     def dup_comm(self):
         """A new duplicate of this group's communicator (collective; deadline-bounded)."""
+        if self._ch.broken is not None or self.comm is None:
+            self._ch._check_usable("duplicating the worker communicator (MPI Idup)")
         dup, req = self.comm.Idup()
         self._ch.wait(req, "duplicating the worker communicator (MPI Idup)")
         return dup
@@ -111,6 +116,9 @@ class MpiWorkerGroup(WorkerGroup):
         if self.comm is None:  # its communicator is freed: MPI_Abort on it is an error
             raise RuntimeError("cannot abort through a closed worker group: its "
                                "communicator was freed")
+        error = finalized_error("MPI_Abort")
+        if error is not None:
+            raise error
         self.comm.Abort(code)
 
     def thread_problem(self, num_local: int) -> "str | None":
@@ -145,7 +153,9 @@ class MpiWorkerGroup(WorkerGroup):
         if self.exits is not None:
             self.exits.close()
             self.exits = None
-        for c in (self.node_comm, self.comm):
-            if c is not None and c != mpi().COMM_NULL:
-                c.Free()
+        if self.node_comm is not None and not mpi().Is_finalized():
+            self.node_comm.Free()
+        # The channel frees its header request and the duplicate (nothing once MPI
+        # is finalized: MPI has freed everything).
+        self._ch.close()
         self.node_comm = self.comm = None

@@ -7,6 +7,7 @@ import os
 import pickle
 import struct
 import sys
+import weakref
 import zlib
 from typing import Any
 
@@ -168,12 +169,27 @@ def _fold_message(folds: list) -> str:
     return f"{what}: the workers disagree: {held}" + (f". {hint}" if hint else "")
 
 
+_open_channels: "weakref.WeakSet" = weakref.WeakSet()
+_FINALIZED = "MPI has been finalized"
+
+
+def _on_finalize() -> None:
+    # Every open channel refuses its next collective (the check costs nothing: it is
+    # the one for a channel left broken by a timeout).
+    for ch in list(_open_channels):
+        if ch.broken is None:
+            ch.broken = _FINALIZED
+
+
+_waits.on_finalize.append(_on_finalize)
+
+
 class _Channel:
     """One MPI communicator with deadline waits and the header agreement."""
 
     __slots__ = ("comm", "rank", "size", "timeout", "debug", "calls", "exits", "pending",
                  "fold", "steps", "broken", "_send", "_recv", "_sendb", "_offsets", "_req",
-                 "_views", "_counts", "_persistent", "_spec")
+                 "_views", "_counts", "_persistent", "_spec", "__weakref__")
 
     def __init__(self, comm, exits: "_ExitWatch | None" = None):
         self.comm = comm
@@ -206,6 +222,7 @@ class _Channel:
         self._persistent = False
         self._spec = None
         self._views: dict = {}
+        _open_channels.add(self)
         # Slot 3 of every rank's record, read straight from the received headers.
         self._counts = struct.Struct("=" + "24xq32x" * self.size).unpack_from
 
@@ -223,6 +240,9 @@ class _Channel:
             self.broken = str(error).split(". ", 1)[0]
 
     def _check_usable(self, what) -> None:
+        error = _waits.finalized_error(_caller()[0] or _name(what))
+        if error is not None:
+            raise error
         if self.comm is None:
             raise RuntimeError(f"{_name(what)}: this strategy (or worker group) was closed; "
                                "make a new one to run collectives again")
@@ -469,6 +489,8 @@ class _Channel:
     def allgather_raw(self, obj: Any, what) -> list:
         """Every rank's picklable ``obj``: sizes, then the pickles in one Iallgatherv
         (no header: for explaining a disagreement that every rank has seen)."""
+        if self.broken is not None or self.comm is None:
+            self._check_usable(what)
         MPI = mpi()
         data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
         sizes = np.empty(self.size, np.int64)
@@ -497,6 +519,10 @@ class _Channel:
         return self._gatherv(np.frombuffer(data, np.uint8), sizes, kind)
 
     def close(self) -> None:
+        _open_channels.discard(self)
+        if _waits._MPI is not None and _waits._MPI.Is_finalized():
+            self._req = self.comm = None  # MPI has freed everything
+            return
         if self._req is not None and not self._req.Test():
             # A header allgather left waiting (another rank failed or left): MPI
             # forbids freeing it or its communicator, so both are left as they are.
