@@ -21,6 +21,29 @@ from gpustrat.reduce_util import OPS_BY_KEY, ReduceOp
 from gpustrat.values import PerReplica
 
 _NUMERIC = "biufc"  # NumPy dtype kinds that take the short path
+# Numbers reduced as 0-d arrays on the short path (booleans and complex numbers take the
+# general one, which names them in its errors).
+_NUMBERS = frozenset((int, float, np.float16, np.float32, np.float64, np.longdouble,
+                      np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+                      np.uint32, np.uint64))
+
+
+def _one_number(value, t):
+    """The host array of real numbers that ``value`` is for one CPU replica: a
+    Python or NumPy number as a 0-d array, or a one-replica PerReplica's array or
+    number; None for anything else (the general path)."""
+    if t is PerReplica:
+        comps = value.values
+        if len(comps) != 1:
+            return None
+        value = comps[0]
+        t = type(value)
+        if t is np.ndarray:
+            return value if value.dtype.kind in "iuf" else None
+    if t in _NUMBERS:
+        x = np.asarray(value)
+        return x if x.dtype.kind in "iuf" else None  # a huge int is an object array
+    return None
 
 
 def default_worker_devices(n_gpus: int, local_rank: int, local_size: int
@@ -160,13 +183,22 @@ class MultiWorkerMirroredStrategy(Strategy):
             OPS_BY_KEY.get(reduce_op) if t is str else None
         if op is None:
             return super().reduce(reduce_op, value, axis)
-        if self._one_host and type(value) is np.ndarray and value.dtype.kind in _NUMERIC \
-                and context.current()[1] is None:
-            # The call every loop makes: one host array of numbers, one replica here.
-            if axis is None and value.dtype.kind != "b":
-                return self._communicator.reduce_named(
-                    value, op, reduction.NAMES_AXIS_NONE[id(op)], reduction.HINT_AXIS_NONE)
-            return reduction.reduce_host_array(self._communicator, op, value, axis)
+        if self._one_host and context.current()[1] is None:
+            t = type(value)
+            if t is np.ndarray and value.dtype.kind in _NUMERIC:
+                # The call every loop makes: one host array of numbers, one replica here.
+                if axis is None and value.dtype.kind != "b":
+                    return self._communicator.reduce_named(
+                        value, op, reduction.NAMES_AXIS_NONE[id(op)],
+                        reduction.HINT_AXIS_NONE)
+                return reduction.reduce_host_array(self._communicator, op, value, axis)
+            if axis is None and t is not np.ndarray:
+                # The loss: a NumPy scalar (what run returns for a 0-d result), a
+                # Python number, or either (or an array) in a one-replica PerReplica.
+                x = _one_number(value, t)
+                if x is not None:
+                    return self._communicator.reduce_named(
+                        x, op, reduction.NAMES_AXIS_NONE[id(op)], reduction.HINT_AXIS_NONE)
         comps = self._one_leaf(value)
         if comps is None:
             return super().reduce(reduce_op, value, axis)
