@@ -268,3 +268,121 @@ print("OK", flush=True)
 
 def test_calls_after_finalize_raise_an_error_naming_the_call():
     assert_mpi_ok(2, AFTER_FINALIZE, timeout=60, expect_lines=2)
+
+
+# --- agreements found by the key a plan keeps ------------------------------------------
+
+AGREEMENTS = r"""
+import numpy as np
+from gpustrat.collectives.mpi import MpiCommunicator, MpiWorkerGroup
+from gpustrat.devices import resolve_devices
+from gpustrat.errors import LayoutMismatch
+
+g = MpiWorkerGroup()
+c = MpiCommunicator(resolve_devices(["cpu:0"]), g)
+r = g.rank
+one = np.ones(2)
+kept = ("4x3:float32", "scalar:float64")  # one plan's key, the same object every step
+for step in range(3):
+    with c.agreeing(kept, "step"):
+        assert (c.reduce([one], "sum") == g.size).all()
+for what in ("SGD.apply_gradients", "Adam.apply_gradients"):
+    # The same key object under other words, and keys made anew each time (ids reused
+    # once they are dropped): each disagreement names this call's words and keys.
+    for attempt, other in enumerate(["float32", "float64", "int8"]):
+        key = kept if r == 0 else tuple(["4x3:float32", f"scalar:{other}"])
+        try:
+            with c.agreeing(key, what, "every worker must reduce the same values"):
+                c.reduce([one], "sum")
+        except LayoutMismatch as e:
+            assert other != "float64", "rank 1's key is rank 0's by value"
+            want = (f"{what}: the workers disagree: rank 0: (4x3:float32, scalar:float64); "
+                    f"rank 1: (4x3:float32, scalar:{other}). every worker must reduce the "
+                    "same values")
+            assert str(e) == want, (str(e), want)
+        else:
+            assert other == "float64", (what, other)
+with c.agreeing(kept, "step"):
+    assert (c.reduce([one], "sum") == g.size).all()
+c.close()
+g.close()
+print("OK", r, flush=True)
+"""
+
+
+def test_agreements_found_by_identity_still_compare_words_and_values():
+    assert_mpi_ok(2, AGREEMENTS, timeout=60, expect_lines=2)
+
+
+# --- embedded in an HPC code: sub-communicators ----------------------------------------
+
+EMBEDDED = r"""
+import os
+import sys
+import threading
+import numpy as np
+from mpi4py import MPI
+import gpustrat as gs
+
+case = sys.argv[1]
+world = MPI.COMM_WORLD
+rank = world.Get_rank()
+assert world.allreduce(1) == world.Get_size()  # the application's own traffic before
+color = rank % 2
+sub = world.Split(color, key=rank)
+trains = case == "both" or color == 0
+if trains:
+    s = gs.MultiWorkerMirroredStrategy(communicator=sub)
+    assert s.num_workers == sub.Get_size() and s.worker_index == sub.Get_rank()
+    w = np.zeros(3)
+    for step in range(20):
+        g = s.reduce("mean", np.full(3, s.worker_index + step + 10 * color), axis=None)
+        w -= 0.1 * g
+    want = -0.1 * sum(np.full(3, (sub.Get_size() - 1) / 2 + step + 10 * color)
+                      for step in range(20))
+    assert np.allclose(w, want), (w, want)
+    s.close()
+else:  # the simulation ranks: MPI work of their own while the others train
+    total = 0
+    for step in range(200):
+        total += sub.allreduce(step)
+    assert total == sub.Get_size() * sum(range(200))
+if case == "abort":  # an error on a training rank ends the whole job
+    import time
+    if color == 0:
+        s = gs.MultiWorkerMirroredStrategy(communicator=sub)
+        if s.worker_index == 1:
+            raise KeyError("lost on a training rank")
+        s.reduce("sum", np.float32(1), axis=None)  # waits until the abort
+    while True:  # the simulation ranks go on with their own work
+        sub.allreduce(1)
+        time.sleep(0.01)
+assert world.allreduce(rank) == sum(range(world.Get_size()))  # and after
+if case == "cycles":
+    # Strategies made and closed again and again leave nothing behind.
+    def held():
+        return len(os.listdir("/proc/self/fd")), threading.active_count()
+    for _ in range(5):
+        gs.MultiWorkerMirroredStrategy(communicator=sub).close()
+    before = held()
+    for _ in range(100):
+        s = gs.MultiWorkerMirroredStrategy(communicator=sub)
+        assert float(s.reduce("sum", np.float32(1), axis=None)) == sub.Get_size()
+        s.close()
+    assert held() == before, (held(), before)
+sub.Free()
+print("OK", rank, flush=True)
+"""
+
+
+@pytest.mark.parametrize("case", ["one", "both", "cycles"])
+def test_a_strategy_on_a_sub_communicator_lives_beside_the_applications_mpi(case):
+    assert_mpi_ok(4, EMBEDDED, timeout=100, args=[case], expect_lines=4)
+
+
+def test_an_error_on_a_training_rank_ends_the_whole_job_simulation_ranks_included():
+    rc, out, err = run_mpi(4, EMBEDDED, timeout=60, args=["abort"])
+    report = format_result(rc, out, err)
+    assert rc != 0 and "[run_mpi] timed out" not in err, report
+    assert err.count("[gpustrat] rank 1 of 2: uncaught exception; aborting every "
+                     "rank") == 1 and "KeyError: 'lost on a training rank'" in err, report
