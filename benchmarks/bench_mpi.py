@@ -10,7 +10,11 @@ Measured, interleaved in rounds so that every row sees the same machine load, on
 - against the bare mpi4py call on the same buffer: ``Allreduce`` (or ``Allgather``) into
   a preallocated output;
 - for a 4 MiB float32 buffer (bandwidth ratio, target >= 0.9 of bare) and one float
-  (latency, target at most 3 us over bare).
+  (latency, target at most 3 us over bare);
+- the loss a loop reduces, ``strategy.reduce("sum", loss, axis=None)``, as each form it
+  takes: the NumPy scalar ``run`` returns for a 0-d result, a 0-d array, a
+  ``PerReplica`` from ``experimental_distribute_values_from_function`` and a Python
+  float (targets: at most 3 us over bare, and at most 1 us over the ``(1,)`` array).
 
 A collective inside ``run`` is timed as ``(run of a function making K of them - run of
 the same function making none) / K``, so that the thread hand-off of ``run`` itself is
@@ -36,6 +40,7 @@ except ImportError:
 
 BIG_TARGET = 0.9  # public bandwidth / bare bandwidth, at least
 ONE_TARGET_US = 3.0  # public latency - bare latency, at most
+LOSS_TARGET_US = 1.0  # a loss's form - the (1,) array's latency, at most
 
 
 def _time_per_call(fn, calls: int, barrier) -> float:
@@ -87,6 +92,15 @@ def main(argv=None) -> dict:
     one = np.ones(1, np.float32)
     one_out = np.empty_like(one)
     one_all = np.empty(W, np.float32)
+    # The forms of the loss a loop reduces (each a single float32 or float64).
+    losses = {
+        "a NumPy scalar from run": s.run(lambda: np.ones(4, np.float32).mean()),
+        "a 0-d array": np.ones((), np.float32),
+        "a PerReplica": s.experimental_distribute_values_from_function(
+            lambda ctx: np.float32(1)),
+        "a Python float": 1.0,
+    }
+    assert isinstance(losses["a NumPy scalar from run"], np.float32)
     big_calls = 3 if args.quick else 8
     small_calls = 300 if args.quick else 1000
     k_big, k_small = 4, (100 if args.quick else 200)
@@ -128,6 +142,8 @@ def main(argv=None) -> dict:
         "one run all_reduce": (in_run(ar, one, k_small), small_calls // k_small, k_small),
         "one run all_gather": (in_run(ag, one, k_small), small_calls // k_small, k_small),
         "one run empty": (in_run(nothing, one, k_small), small_calls // k_small, k_small),
+        **{f"loss {form}": ((lambda v: lambda: s.reduce("sum", v, axis=None))(v),
+                            small_calls, 1) for form, v in losses.items()},
         "one MpiCommunicator.reduce": (lambda: internal.reduce([one], "sum"),
                                        small_calls, 1),
         "one MpiCommunicator.reduce debug": (lambda: debug.reduce([one], "sum"),
@@ -140,6 +156,8 @@ def main(argv=None) -> dict:
     bare.Allgather(big, big_all)
     np.testing.assert_array_equal(s.gather(big, 0), big_all)
     np.testing.assert_allclose(s.run(ar, args=(big,)), big_out, rtol=1e-6)
+    for v in losses.values():
+        assert float(s.reduce("sum", v, axis=None)) == W
     for fn, calls, _ in cases.values():
         _time_per_call(fn, max(1, calls // 5), barrier)
     samples: dict[str, list] = {k: [] for k in cases}
@@ -178,6 +196,20 @@ def main(argv=None) -> dict:
         verdicts.append(targets.check(f"one float {name} over bare {base}", over,
                                       ONE_TARGET_US, "us", higher_is_better=False,
                                       echo=group.rank == 0))
+    for form in losses:
+        b, a, g = (med["one bare Allreduce"], med["one strategy.reduce axis=None"],
+                   med[f"loss {form}"])
+        over, vs_array = (g - b) * 1e6, (g - a) * 1e6
+        best = (low[f"loss {form}"] - low["one bare Allreduce"]) * 1e6
+        rows.append((f"loss: {form}", "public", "Allreduce", b * 1e6, g * 1e6,
+                     f"{over:+.2f} us [{best:+.2f}], (1,){vs_array:+.2f}",
+                     over <= ONE_TARGET_US and vs_array <= LOSS_TARGET_US))
+        verdicts.append(targets.check(f"the loss as {form} over bare Allreduce", over,
+                                      ONE_TARGET_US, "us", higher_is_better=False,
+                                      echo=group.rank == 0))
+        verdicts.append(targets.check(f"the loss as {form} over the (1,) array", vs_array,
+                                      LOSS_TARGET_US, "us", higher_is_better=False,
+                                      echo=group.rank == 0))
     b, g = med["big bare Allreduce"], med["big MpiCommunicator.reduce"]
     best = low["big bare Allreduce"] / low["big MpiCommunicator.reduce"]
     rows.append((f"{args.mib:g} MiB MpiCommunicator.reduce", "internal", "Allreduce",
@@ -199,6 +231,9 @@ def main(argv=None) -> dict:
         for case, kind, base, bv, gv, result, ok in rows:
             if ok is None:
                 verdict = "(internal, no target)"
+            elif case.startswith("loss"):
+                verdict = (f"target <= +{ONE_TARGET_US:g} us, (1,)+{LOSS_TARGET_US:g}: "
+                           f"{'met' if ok else 'NOT MET'}")
             elif case.startswith("one"):
                 verdict = f"target <= +{ONE_TARGET_US:g} us: {'met' if ok else 'NOT MET'}"
             else:

@@ -109,9 +109,23 @@ def _mpi_info() -> dict:
         # The first line names the library and version; MPICH adds a page of build flags.
         lib = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
         major, minor = MPI.Get_version()
-        return {"mpi library": lib, "mpi standard": f"{major}.{minor}"}
+        return {"mpi library": lib, "mpi standard": f"{major}.{minor}",
+                "mpi headers": _header_path(major, minor)}
     except Exception as e:  # a broken MPI install is worth reporting, not dying on
         return {"mpi library": f"error: {type(e).__name__}: {e}"}
+
+
+def _header_path(major: int, minor: int) -> str:
+    """How the header of every collective between workers travels: this process's
+    channels' path once one has run, else what a new channel tries first."""
+    from gpustrat.collectives.mpi.header import _CHECK_ROUNDS, header_path  # noqa: PLC0415
+    path = header_path()
+    if path is not None:
+        return path
+    if major < 4:
+        return f"MPI_Iallgather (MPI {major}.{minor} has no MPI_Allgather_init)"
+    return (f"persistent MPI_Allgather_init where it passes a check of {_CHECK_ROUNDS} "
+            "rounds when a strategy is made, else MPI_Iallgather")
 
 
 def _mpiexec() -> str:

@@ -310,7 +310,8 @@ def main(argv=None, prog: str | None = None) -> dict:
     try:
         strategy = make_strategy(args.devices, multi_worker)
     except (ValueError, RuntimeError, TypeError) as e:
-        parser.error(f"argument --devices: {e}" if args.devices else str(e))
+        text = str(e) or type(e).__name__  # an error without a message is named
+        parser.error(f"argument --devices: {text}" if args.devices else text)
     try:
         if strategy.worker_index == 0:
             if args.multi_worker is None and multi_worker:

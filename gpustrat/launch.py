@@ -8,7 +8,8 @@ Words:
         say).
 
 Launchers and the variables they set (each names all three where it can):
-    MPICH / Hydra, Intel MPI: ``PMI_SIZE``, ``PMI_RANK``, ``MPI_LOCALRANKID``
+    MPICH / Hydra, Intel MPI: ``PMI_SIZE``, ``PMI_RANK``, ``MPI_LOCALRANKID`` (Intel's
+        ``mpiexec.hydra`` is told apart by the ``I_MPI_HYDRA_UUID`` it sets)
     Open MPI: ``OMPI_COMM_WORLD_SIZE``, ``OMPI_COMM_WORLD_RANK``,
         ``OMPI_COMM_WORLD_LOCAL_RANK``
     MVAPICH: ``MV2_COMM_WORLD_SIZE``, ``MV2_COMM_WORLD_RANK``, ``MV2_COMM_WORLD_LOCAL_RANK``
@@ -68,6 +69,8 @@ def detect_launch(env: Mapping[str, str] | None = None) -> Launch | None:
     for launcher, size_var, rank_var, local_var in _LAUNCHERS:
         size, rank = _int(env, size_var), _int(env, rank_var)
         if size is not None and rank is not None and 0 <= rank < size:
+            if size_var == "PMI_SIZE" and "I_MPI_HYDRA_UUID" in env:
+                launcher = "Intel MPI (mpiexec.hydra)"
             return Launch(launcher, size, rank, _int(env, local_var))
     return None
 
@@ -85,8 +88,8 @@ def find_mpiexec() -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def mpiexec_flavour(exe: str) -> str:
-    """``"openmpi"``, ``"mpich"`` or ``"unknown"``: the launcher ``exe`` is, from its
-    ``--version``."""
+    """``"openmpi"``, ``"mpich"``, ``"intel"`` or ``"unknown"``: the launcher ``exe``
+    is, from its ``--version``."""
     try:
         out = subprocess.run([exe, "--version"], capture_output=True, text=True,
                              timeout=30).stdout.lower()
@@ -94,6 +97,8 @@ def mpiexec_flavour(exe: str) -> str:
         return "unknown"
     if "open mpi" in out or "open-mpi" in out or "openrte" in out:
         return "openmpi"
+    if "intel(r) mpi" in out or "intel mpi" in out:
+        return "intel"
     if "hydra" in out or "mpich" in out:
         return "mpich"
     return "unknown"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -114,3 +115,9 @@ def assert_mpi_ok(n: int, script: str, timeout: float = 120, env: dict | None = 
             raise AssertionError(f"expected {expect_lines} lines starting with {marker!r}, "
                                  f"got {got}\n" + format_result(rc, out, err))
     return out
+
+
+def killed_by_signal_9(text: str) -> bool:
+    """Whether a launcher's report says a rank was killed by SIGKILL: MPICH and Open MPI
+    write ``signal 9``, Intel MPI ``KILLED BY SIGNAL: 9``."""
+    return re.search(r"signal:? 9\b", text, re.IGNORECASE) is not None

@@ -93,6 +93,9 @@ def test_info_json_matches_and_reports_the_simulator():
     else:
         assert info["mpi4py"] == mpi4py.__version__
         assert info["mpi library"] and not info["mpi library"].startswith("error")
+        # Before any strategy: what a new channel's headers try first.
+        assert info["mpi headers"].startswith(("persistent MPI_Allgather_init where it "
+                                               "passes a check", "MPI_Iallgather (MPI ")), info
 
 
 # --- demo -------------------------------------------------------------------------------
@@ -213,6 +216,8 @@ def test_help_shows_every_default(command):
 
 @pytest.mark.parametrize("env, want", [
     ({"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1"}, Launch("MPICH/Hydra", 4, 1, 1)),
+    ({"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0", "I_MPI_HYDRA_UUID": "b2"},
+     Launch("Intel MPI (mpiexec.hydra)", 2, 0, 0)),
     ({"OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_RANK": "2",
       "OMPI_COMM_WORLD_LOCAL_RANK": "0"}, Launch("Open MPI", 3, 2, 0)),
     ({"MV2_COMM_WORLD_SIZE": "2", "MV2_COMM_WORLD_RANK": "0"}, Launch("MVAPICH", 2, 0, None)),
@@ -226,7 +231,7 @@ def test_help_shows_every_default(command):
     ({"PMI_SIZE": "two", "PMI_RANK": "0"}, None),
     ({"PMI_SIZE": "2", "PMI_RANK": "2"}, None),
     ({}, None),
-], ids=["mpich", "openmpi", "mvapich", "srun", "mpiexec-in-slurm", "sbatch", "garbage",
+], ids=["mpich", "intel", "openmpi", "mvapich", "srun", "mpiexec-in-slurm", "sbatch", "garbage",
         "rank-out-of-range", "none"])
 def test_detect_launch(env, want):
     assert detect_launch(env) == want
@@ -490,3 +495,12 @@ def test_demo_shows_progress_within_a_long_epoch():
     lines.clear()
     demo.train(strategy, epochs=1, n_samples=1000, global_batch=256, log=lines.append)
     assert not [line for line in lines if line.startswith("  epoch")], lines  # a short epoch
+
+
+def test_a_kill_by_signal_9_is_recognised_in_every_launcher_report():
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from mpi_util import killed_by_signal_9  # noqa: PLC0415
+    assert killed_by_signal_9("mpiexec noticed that process rank 1 exited on signal 9")
+    assert killed_by_signal_9("=   KILLED BY SIGNAL: 9 (Killed)")  # Intel MPI's Hydra
+    assert not killed_by_signal_9("exited on signal 15") and not killed_by_signal_9(
+        "KILLED BY SIGNAL: 91")

@@ -21,6 +21,29 @@ from gpustrat.reduce_util import OPS_BY_KEY, ReduceOp
 from gpustrat.values import PerReplica
 
 _NUMERIC = "biufc"  # NumPy dtype kinds that take the short path
+# Numbers reduced as 0-d arrays on the short path (booleans and complex numbers take the
+# general one, which names them in its errors).
+_NUMBERS = frozenset((int, float, np.float16, np.float32, np.float64, np.longdouble,
+                      np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+                      np.uint32, np.uint64))
+
+
+def _one_number(value, t):
+    """The host array of real numbers that ``value`` is for one CPU replica: a
+    Python or NumPy number as a 0-d array, or a one-replica PerReplica's array or
+    number; None for anything else (the general path)."""
+    if t is PerReplica:
+        comps = value.values
+        if len(comps) != 1:
+            return None
+        value = comps[0]
+        t = type(value)
+        if t is np.ndarray:
+            return value if value.dtype.kind in "iuf" else None
+    if t in _NUMBERS:
+        x = np.asarray(value)
+        return x if x.dtype.kind in "iuf" else None  # a huge int is an object array
+    return None
 
 
 def default_worker_devices(n_gpus: int, local_rank: int, local_size: int
@@ -95,7 +118,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         no_counterpart("MultiWorkerMirroredStrategy", cluster_resolver=cluster_resolver,
                         communication_options=communication_options)
         from gpustrat.collectives.mpi import MpiWorkerGroup  # noqa: PLC0415 - inits MPI
-        from gpustrat.distribute.failures import install_abort_on_error  # noqa: PLC0415
+        from gpustrat.distribute.failures import (  # noqa: PLC0415
+            install_abort_on_error, uninstall_abort_on_error)
         workers = MpiWorkerGroup(communicator)
         problem = None
         if devices is None:
@@ -104,6 +128,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             devs = devs or [Device("cpu", 0)]
         else:
             devs = resolve_devices(devices)
+        problem = problem or workers.thread_problem(len(devs))
         # One collective tells every worker both the device counts and any worker's
         # problem, so that all raise together.
         found = workers.allgather((len(devs), problem))
@@ -114,9 +139,13 @@ class MultiWorkerMirroredStrategy(Strategy):
         if len(set(counts)) != 1:
             raise ValueError(f"workers hold different numbers of devices ({counts}, by rank); "
                              "every worker must hold the same number of local replicas")
-        install_abort_on_error(workers)
-        comm = collectives or make_communicator(devs, workers)
-        super().__init__(devs, comm, workers)
+        install_abort_on_error(workers)  # until close()
+        try:
+            comm = collectives or make_communicator(devs, workers)
+            super().__init__(devs, comm, workers)
+        except BaseException:
+            uninstall_abort_on_error(workers)
+            raise
         # One CPU replica per worker, several workers: a reduce or gather of one host
         # array goes straight to the communicator (see reduce).
         self._one_host = len(devs) == 1 and not devs[0].is_gpu and workers.size > 1
@@ -154,13 +183,22 @@ class MultiWorkerMirroredStrategy(Strategy):
             OPS_BY_KEY.get(reduce_op) if t is str else None
         if op is None:
             return super().reduce(reduce_op, value, axis)
-        if self._one_host and type(value) is np.ndarray and value.dtype.kind in _NUMERIC \
-                and context.current()[1] is None:
-            # The call every loop makes: one host array of numbers, one replica here.
-            if axis is None and value.dtype.kind != "b":
-                return self._communicator.reduce_named(
-                    value, op, reduction.NAMES_AXIS_NONE[id(op)], reduction.HINT_AXIS_NONE)
-            return reduction.reduce_host_array(self._communicator, op, value, axis)
+        if self._one_host and context.current()[1] is None:
+            t = type(value)
+            if t is np.ndarray and value.dtype.kind in _NUMERIC:
+                # The call every loop makes: one host array of numbers, one replica here.
+                if axis is None and value.dtype.kind != "b":
+                    return self._communicator.reduce_named(
+                        value, op, reduction.NAMES_AXIS_NONE[id(op)],
+                        reduction.HINT_AXIS_NONE)
+                return reduction.reduce_host_array(self._communicator, op, value, axis)
+            if axis is None and t is not np.ndarray:
+                # The loss: a NumPy scalar (what run returns for a 0-d result), a
+                # Python number, or either (or an array) in a one-replica PerReplica.
+                x = _one_number(value, t)
+                if x is not None:
+                    return self._communicator.reduce_named(
+                        x, op, reduction.NAMES_AXIS_NONE[id(op)], reduction.HINT_AXIS_NONE)
         comps = self._one_leaf(value)
         if comps is None:
             return super().reduce(reduce_op, value, axis)
@@ -178,5 +216,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         return reduction.gather_components(self._communicator, comps, axis)
 
     def close(self) -> None:
+        from gpustrat.distribute.failures import uninstall_abort_on_error  # noqa: PLC0415
+        uninstall_abort_on_error(self.workers)
         super().close()
         self.workers.close()

@@ -528,3 +528,6 @@ def test_bench_mpi_prints_public_rows_with_verdicts():
         assert len(rows) == 2, out  # the large buffer and one float
         assert all(ln.endswith((": met", ": NOT MET")) for ln in rows), out
     assert out.count("(internal, no target)") == 3, out
+    for form in ("a NumPy scalar from run", "a 0-d array", "a PerReplica", "a Python float"):
+        rows = [ln for ln in out.splitlines() if ln.startswith(f"loss: {form} ")]
+        assert len(rows) == 1 and rows[0].endswith((": met", ": NOT MET")), out

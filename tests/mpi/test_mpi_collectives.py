@@ -528,10 +528,15 @@ one = Group(); one.size = 1
 assert install_abort_on_error(one) is False
 g = Group()
 assert install_abort_on_error(g) and install_abort_on_error(g)
-assert not install_abort_on_error(Group())  # one group's hooks at a time
+other = Group(); other.rank = 0
+assert install_abort_on_error(other)  # the newest open group aborts
+uninstall_abort_on_error(other)
+assert sys.excepthook is not sys.__excepthook__  # g is still open
 uninstall_abort_on_error()
 assert sys.excepthook is sys.__excepthook__
-assert install_abort_on_error(g)
+assert threading.excepthook is threading.__excepthook__
+assert install_abort_on_error(other) and install_abort_on_error(g)
+uninstall_abort_on_error(other)
 raise KeyError("lost key")
 """
 

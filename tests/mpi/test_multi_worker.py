@@ -608,3 +608,60 @@ print(f"OK {s.worker_index}", flush=True)
 
 def test_cluster_resolver_names_the_worker_and_tf_arguments_are_refused():
     assert_mpi_ok(3, RESOLVER, timeout=60, expect_lines=3)
+
+
+LOSS_FORMS = r"""
+import numpy as np
+import gpustrat as gs
+from gpustrat.distribute.strategy import Strategy
+s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+r, W = s.worker_index, s.num_workers
+comm = s._communicator
+taken = []
+named = comm.reduce_named
+comm.reduce_named = lambda *a, **k: (taken.append(1), named(*a, **k))[1]
+values = {
+    "run": s.run(lambda: np.ones(4, np.float32).mean() * (r + 1)),
+    "np64": np.float64(r + 0.5), "i32": np.int32(r + 3), "f16": np.float16(r),
+    "float": r + 1.5, "int": r + 2, "0d": np.full((), r, np.float32),
+    "pr": s.experimental_distribute_values_from_function(lambda ctx: np.float32(r)),
+    "pr_float": s.experimental_distribute_values_from_function(lambda ctx: r + 0.25),
+    "pr_arr": s.experimental_distribute_values_from_function(
+        lambda ctx: np.full(2, r, np.int64)),
+    # The general path: booleans and complex numbers (named in its errors).
+    "bool": True, "npbool": np.bool_(r == 0), "c64": np.complex64(1 + r * 1j),
+}
+assert type(values["run"]) is np.float32 and type(values["pr"]).__name__ == "PerReplica"
+fast = {"run", "np64", "i32", "f16", "float", "int", "0d", "pr", "pr_float", "pr_arr"}
+
+
+def outcome(fn):
+    try:
+        got = fn()
+    except Exception as e:
+        return ("error", type(e).__name__, str(e))
+    return (type(got).__name__, str(got.dtype), got.shape, got.tolist())
+
+
+for name, v in values.items():
+    for op in ("sum", "mean", "max", "min"):
+        del taken[:]
+        mine = outcome(lambda: s.reduce(op, v, axis=None))
+        assert bool(taken) == (name in fast and mine[0] != "error"), (name, op, taken)
+        general = outcome(lambda: Strategy.reduce(s, op, v, axis=None))
+        assert mine == general, (name, op, mine, general)
+# A loss whose form differs between workers: the same error on every worker.
+try:
+    s.reduce("sum", np.float32(1) if r == 0 else 1.0, axis=None)
+except ValueError as e:
+    assert "rank 0: () float32; rank 1: () float64" in str(e), e
+else:
+    raise AssertionError("no error")
+assert float(s.reduce("sum", 1.0, axis=None)) == W  # the job goes on
+print("OK", r, flush=True)
+"""
+
+
+@pytest.mark.timeout(100)
+def test_the_loss_in_every_form_takes_the_one_array_path_with_the_general_paths_result():
+    assert_mpi_ok(2, LOSS_FORMS, timeout=90, expect_lines=2)

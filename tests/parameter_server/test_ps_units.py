@@ -427,6 +427,7 @@ def test_a_worker_bound_to_one_cpu_is_told_how_to_give_it_two():
     text = one_cpu_warning(1, 3, cpus={5}, cpu_count=16)
     assert text.startswith("gpustrat: worker 1 (rank 3) may run on CPU 5 only")
     assert "srun -c 2" in text and "-bind-to none" in text
+    assert "I_MPI_PIN=0" in text and "I_MPI_PIN_DOMAIN=2" in text  # Intel MPI pins by default
     assert one_cpu_warning(1, 3, cpus={4, 5}, cpu_count=16) is None
     assert one_cpu_warning(1, 3, cpus={0}, cpu_count=1) is None  # a one-CPU machine
 

@@ -153,12 +153,21 @@ class MpiCommunicator(HostCommunicator):
 
     def agreeing(self, key, what, hint="", also=None):
         # Rides in the header of the first collective inside: no collective of its own.
-        fold = self._folds.get(key)
-        # (Compared by value: callers often build the same text anew for each call.)
-        if fold is None or fold[2] != what or fold[3] != hint:
-            if len(self._folds) >= 256:
-                self._folds.clear()
-            fold = self._folds[key] = (fold_code(key), key, what, hint)
+        # A step's agreement is one code in the header, worked out once per key; its
+        # words (key, what, hint) are only read to explain a disagreement. The key a
+        # plan keeps (the same tuple every step) is found by identity, without hashing
+        # or comparing its strings.
+        fold = self._folds.get(id(key))
+        if fold is None or fold[1] is not key or fold[2] is not what or \
+                fold[3] is not hint:
+            fold = self._folds.get(key)
+            # (Compared by value: callers often build the same text anew for each call.)
+            if fold is None or fold[2] != what or fold[3] != hint:
+                if len(self._folds) >= 512:
+                    self._folds.clear()
+                fold = self._folds[key] = (fold_code(key), key, what, hint)
+            # The entry holds the key, so its id is not reused while the entry lives.
+            self._folds[id(key)] = fold
         if also is not None:  # its checksum mixed in; described only on a disagreement
             fold = (fold[0] ^ ((also[0] & _STEP_MASK) << 32), key, what, hint, also[1])
         return _Folded(self._ch, fold)

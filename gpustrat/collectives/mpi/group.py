@@ -9,9 +9,9 @@ import numpy as np
 from gpustrat.collectives.base import WorkerGroup, layout_code
 from gpustrat.collectives.mpi import stall
 from gpustrat.collectives.mpi.exits import _ExitWatch, exits_of
-from gpustrat.collectives.mpi.header import _INLINE, _Channel
-from gpustrat.collectives.mpi.waits import (_NP_OPS, _OPS, _describe, mpi,
-                                            timeout_from_env, wait)
+from gpustrat.collectives.mpi.header import _INLINE, _caller, _Channel
+from gpustrat.collectives.mpi.waits import (_NP_OPS, _OPS, _describe, finalized_error,
+                                            mpi, timeout_from_env, wait)
 from gpustrat.reduce_util import ReduceOp
 
 # --- workers ------------------------------------------------------------------------
@@ -26,6 +26,9 @@ class MpiWorkerGroup(WorkerGroup):
 
     def __init__(self, comm=None):
         MPI = mpi()
+        error = finalized_error(_caller()[0] or "creating a worker group")
+        if error is not None:
+            raise error
         base = MPI.COMM_WORLD if comm is None else comm
         timeout = timeout_from_env()
         dup, req = base.Idup()
@@ -62,6 +65,8 @@ class MpiWorkerGroup(WorkerGroup):
 
     def dup_comm(self):
         """A new duplicate of this group's communicator (collective; deadline-bounded)."""
+        if self._ch.broken is not None or self.comm is None:
+            self._ch._check_usable("duplicating the worker communicator (MPI Idup)")
         dup, req = self.comm.Idup()
         self._ch.wait(req, "duplicating the worker communicator (MPI Idup)")
         return dup
@@ -111,7 +116,32 @@ class MpiWorkerGroup(WorkerGroup):
 
     def abort(self, code: int = 1) -> None:
         """``MPI_Abort``: the MPI launcher ends every rank of the job."""
+        if self.comm is None:  # its communicator is freed: MPI_Abort on it is an error
+            raise RuntimeError("cannot abort through a closed worker group: its "
+                               "communicator was freed")
+        error = finalized_error("MPI_Abort")
+        if error is not None:
+            raise error
         self.comm.Abort(code)
+
+    def thread_problem(self, num_local: int) -> "str | None":
+        """Why this process's MPI thread level cannot serve ``num_local`` local replicas,
+        or None. Several local replicas run in threads of their own, and the one that
+        arrives last at a collective makes its MPI call: MPI allows that from threads
+        other than the one that initialised MPI only at ``MPI_THREAD_SERIALIZED`` or
+        above (calls one at a time)."""
+        MPI = mpi()
+        level = MPI.Query_thread()
+        if num_local <= 1 or level >= MPI.THREAD_SERIALIZED:
+            return None
+        names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE",
+                 MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED"}
+        return (f"{num_local} local replicas make MPI calls from their own threads, which "
+                "needs MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE, but MPI was "
+                f"initialised with {names.get(level, level)}: set mpi4py.rc.thread_level "
+                "= 'multiple' (mpi4py's default) before the first 'from mpi4py import "
+                "MPI' (or initialise MPI with MPI.Init_thread(MPI.THREAD_MULTIPLE)), or "
+                "use one device per worker and launch more ranks")
 
     def concurrent_collectives(self) -> bool:
         MPI = mpi()
@@ -128,7 +158,9 @@ class MpiWorkerGroup(WorkerGroup):
                 self.exits.inspector.close()
             self.exits.close()
             self.exits = None
-        for c in (self.node_comm, self.comm):
-            if c is not None and c != mpi().COMM_NULL:
-                c.Free()
+        if self.node_comm is not None and not mpi().Is_finalized():
+            self.node_comm.Free()
+        # The channel frees its header request and the duplicate (nothing once MPI
+        # is finalized: MPI has freed everything).
+        self._ch.close()
         self.node_comm = self.comm = None

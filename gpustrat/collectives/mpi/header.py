@@ -7,6 +7,7 @@ import os
 import pickle
 import struct
 import sys
+import weakref
 import zlib
 from typing import Any
 
@@ -23,7 +24,8 @@ from gpustrat.errors import (CollectiveMismatch, CollectiveTimeout, LayoutMismat
 # --- the header every collective starts with ----------------------------------------
 
 # Every collective between workers starts with one Allgather of a fixed 64-byte record
-# per rank (a persistent request: starting it is one MPI call), eight int64 slots:
+# per rank (a persistent request where the MPI library has a correct one: starting it is
+# one MPI call; else MPI_Iallgather, see _Channel._open), eight int64 slots:
 #   0     the kind of collective: a checksum of its name, e.g. "all_reduce(SUM)"
 #   1     low 32 bits: a checksum of the layout (shape and dtype; "*" where sizes may
 #         differ); high 32 bits: a checksum of an agreement folded into this collective
@@ -47,6 +49,26 @@ _PACK = struct.Struct("=4q").pack_into
 _PACK_PAYLOAD = struct.Struct(f"=4q{_INLINE}s").pack_into
 _STEP_MASK = 0x7FFFFFFF  # the input step travels modulo 2**31 in slot 2's high half
 _QUICK = range(64)  # Tests before a header's wait is handed to waits.wait
+
+
+# Rounds in which a new channel's persistent Allgather is checked before it is trusted
+# (Intel MPI 2021.13 to 2021.18 return the previous round's data on ranks other than 0).
+_CHECK_ROUNDS = 4
+
+#: How this process's channels exchange their headers: ``(path, why)`` of the last
+#: channel that made its first collective, or None before any (see :func:`header_path`).
+_path: "tuple | None" = None
+_warned = False
+
+
+def header_path() -> "str | None":
+    """How the headers of this process's last channel travel: the persistent
+    ``MPI_Allgather_init`` (checked against ``MPI_Iallgather`` when the channel was
+    made), or ``MPI_Iallgather`` and why; None before any channel has run a collective."""
+    if _path is None:
+        return None
+    path, why = _path
+    return path if not why else f"{path} ({why})"
 
 
 #: How the header of :meth:`MpiCommunicator.share_error` names itself: a worker that
@@ -148,12 +170,27 @@ def _fold_message(folds: list) -> str:
     return f"{what}: the workers disagree: {held}" + (f". {hint}" if hint else "")
 
 
+_open_channels: "weakref.WeakSet" = weakref.WeakSet()
+_FINALIZED = "MPI has been finalized"
+
+
+def _on_finalize() -> None:
+    # Every open channel refuses its next collective (the check costs nothing: it is
+    # the one for a channel left broken by a timeout).
+    for ch in list(_open_channels):
+        if ch.broken is None:
+            ch.broken = _FINALIZED
+
+
+_waits.on_finalize.append(_on_finalize)
+
+
 class _Channel:
     """One MPI communicator with deadline waits and the header agreement."""
 
     __slots__ = ("comm", "rank", "size", "timeout", "debug", "calls", "exits", "pending",
                  "fold", "steps", "broken", "_send", "_recv", "_sendb", "_offsets", "_req",
-                 "_views", "_counts")
+                 "_views", "_counts", "_persistent", "_spec", "__weakref__")
 
     def __init__(self, comm, exits: "_ExitWatch | None" = None):
         self.comm = comm
@@ -181,7 +218,12 @@ class _Channel:
         rec = 8 * _SLOTS
         self._offsets = range(rec, rec * self.size, rec)
         self._req = None
+        # Whether _req is a persistent Allgather (else each header is an Iallgather of
+        # the buffers in _spec); settled by _open at the first collective.
+        self._persistent = False
+        self._spec = None
         self._views: dict = {}
+        _open_channels.add(self)
         # Slot 3 of every rank's record, read straight from the received headers.
         self._counts = struct.Struct("=" + "24xq32x" * self.size).unpack_from
 
@@ -199,6 +241,9 @@ class _Channel:
             self.broken = str(error).split(". ", 1)[0]
 
     def _check_usable(self, what) -> None:
+        error = _waits.finalized_error(_caller()[0] or _name(what))
+        if error is not None:
+            raise error
         if self.comm is None:
             raise RuntimeError(f"{_name(what)}: this strategy (or worker group) was closed; "
                                "make a new one to run collectives again")
@@ -252,9 +297,11 @@ class _Channel:
         req = self._req
         if req is None or self.broken is not None:
             self._check_usable(what)
-            req = self._req = self.comm.Allgather_init([self._send, _waits._MPI.INT64_T],
-                                                       [self._recv, _waits._MPI.INT64_T])
-        req.Start()
+            req = self._open(what)
+        if self._persistent:
+            req.Start()
+        else:
+            req = self._req = self.comm.Iallgather(*self._spec)
         test = req.Test
         for _ in _QUICK:  # a peer already there is met without a call into wait
             if test():
@@ -275,6 +322,64 @@ class _Channel:
             if raw[off:off + _AGREE] != ref:
                 return False
         return True
+
+    def _open(self, what):
+        """The first collective of this channel: make its persistent header Allgather,
+        and check it in a few rounds against the known values (rank by rank); where it
+        is missing (MPI before 4.0: Open MPI 4, Intel MPI 2021.10) or gives other data on
+        any rank, every rank uses ``MPI_Iallgather`` instead. Collective: every rank
+        takes the same path. Returns the persistent request, or None."""
+        global _path, _warned
+        MPI = _waits._MPI
+        self._spec = ([self._send, MPI.INT64_T], [self._recv, MPI.INT64_T])
+        why = ""
+        try:
+            req = self.comm.Allgather_init(*self._spec)
+        except NotImplementedError:
+            req, why = None, (f"this MPI library ({MPI.Get_version()[0]}."
+                              f"{MPI.Get_version()[1]}) has no MPI_Allgather_init")
+        if self.size > 1:
+            packed = self._send.copy()  # the header this first collective sends
+            # One plain collective tells whether every rank has it, and then whether
+            # every rank got the right data in every round.
+            mine = np.zeros(1, np.int64)
+            every = np.zeros(self.size, np.int64)
+            mine[0] = req is None
+            self.wait(self.comm.Iallgather([mine, MPI.INT64_T], [every, MPI.INT64_T]), what)
+            if req is not None and every.any():
+                req.Free()
+                req, why = None, "MPI_Allgather_init is missing on some ranks"
+            if req is not None:
+                ranks = np.arange(1, self.size + 1, dtype=np.int64)
+                for round_ in range(1, _CHECK_ROUNDS + 1):
+                    self._send[:] = round_
+                    self._send[0] = self.rank + 1
+                    self._recv[:] = 0
+                    req.Start()
+                    self.wait(req, what)
+                    good = (self._recv[:, 0] == ranks).all() and \
+                        (self._recv[:, 1:] == round_).all()
+                    mine[0] += not good
+                self.wait(self.comm.Iallgather([mine, MPI.INT64_T],
+                                               [every, MPI.INT64_T]), what)
+                if every.any():
+                    req.Free()
+                    bad = [r for r in range(self.size) if every[r]]
+                    req, why = None, (f"MPI_Allgather_init gave other data than was sent on "
+                                      f"ranks {bad} in a check of {_CHECK_ROUNDS} rounds")
+                    if self.rank == 0 and not _warned:
+                        _warned = True
+                        import warnings  # noqa: PLC0415
+                        lib = MPI.Get_library_version().splitlines()[0].strip()
+                        warnings.warn(f"gpustrat: {why} ({lib}); every header uses "
+                                      "MPI_Iallgather instead, which is correct and about a "
+                                      "microsecond slower", RuntimeWarning, stacklevel=2)
+            self._send[:] = packed
+        self._persistent = req is not None
+        self._req = req
+        _path = (("persistent MPI_Allgather_init, checked against the values sent"
+                  if req is not None else "MPI_Iallgather"), why)
+        return req
 
     def counts(self) -> tuple:
         """Every rank's slot 3 (the size that may differ) in the last headers."""
@@ -388,6 +493,8 @@ class _Channel:
     def allgather_raw(self, obj: Any, what) -> list:
         """Every rank's picklable ``obj``: sizes, then the pickles in one Iallgatherv
         (no header: for explaining a disagreement that every rank has seen)."""
+        if self.broken is not None or self.comm is None:
+            self._check_usable(what)
         MPI = mpi()
         data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
         sizes = np.empty(self.size, np.int64)
@@ -416,14 +523,18 @@ class _Channel:
         return self._gatherv(np.frombuffer(data, np.uint8), sizes, kind)
 
     def close(self) -> None:
+        _open_channels.discard(self)
+        if _waits._MPI is not None and _waits._MPI.Is_finalized():
+            self._req = self.comm = None  # MPI has freed everything
+            return
         if self._req is not None and not self._req.Test():
             # A header allgather left waiting (another rank failed or left): MPI
             # forbids freeing it or its communicator, so both are left as they are.
             self._req = self.comm = None
             return
-        if self._req is not None:
+        if self._req is not None and self._persistent:
             self._req.Free()
-            self._req = None
+        self._req = None
         if self.comm is not None:
             self.comm.Free()
             self.comm = None

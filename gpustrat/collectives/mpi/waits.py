@@ -35,8 +35,33 @@ def mpi():
     global _MPI
     if _MPI is None:
         from mpi4py import MPI  # noqa: PLC0415 - importing initialises MPI
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            # MPI_Finalize deletes COMM_SELF's attributes first: the open channels learn
+            # of it there, and refuse collectives with an error naming the call.
+            keyval = MPI.Comm.Create_keyval(delete_fn=lambda *_: _finalized())
+            MPI.COMM_SELF.Set_attr(keyval, True)
         _MPI = MPI
     return _MPI
+
+
+#: Called (with no argument) when MPI is finalized: set by the header module.
+on_finalize: "list[Callable[[], None]]" = []
+
+
+def _finalized() -> None:
+    for fn in on_finalize:
+        fn()
+
+
+def finalized_error(call: str) -> "RuntimeError | None":
+    """The error for ``call`` made after ``MPI.Finalize()``, or None while MPI runs."""
+    if _MPI is None or not _MPI.Is_finalized():
+        return None
+    return RuntimeError(f"{call} cannot run: MPI has been finalized (MPI.Finalize() was "
+                        "called, or Python is exiting), and no MPI call can be made after "
+                        "it. Make every gpustrat call (collectives, creating and closing "
+                        "strategies) before MPI.Finalize(), or let mpi4py finalize MPI at "
+                        "exit")
 
 
 def mpi_world():

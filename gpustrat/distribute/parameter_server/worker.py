@@ -53,8 +53,9 @@ def one_cpu_warning(index: int, rank: int, cpus=None, cpu_count=None) -> str | N
     return (f"gpustrat: worker {index} (rank {rank}) may run on CPU {min(cpus)} only, and "
             "its function process, where the scheduled functions run, shares that CPU "
             "with it. Give each worker rank two CPUs (srun -c 2; MPICH: mpiexec -bind-to "
-            "core:2; Open MPI: mpirun --map-by slot:PE=2), or launch without binding "
-            "(srun --cpu-bind=none; mpiexec -bind-to none)")
+            "core:2; Open MPI: mpirun --map-by slot:PE=2; Intel MPI: I_MPI_PIN_DOMAIN=2), "
+            "or launch without binding (srun --cpu-bind=none; mpiexec -bind-to none; "
+            "Intel MPI, which pins every rank by default: I_MPI_PIN=0)")
 
 
 class FunctionProcess:
