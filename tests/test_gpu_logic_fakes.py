@@ -467,7 +467,7 @@ def test_split_makes_a_strided_batch_contiguous_on_the_launch_stream(fake_cupy):
         explicit = cp.Stream("sx", 1)
         # Launching on another stream: the copy goes on that stream too, so the kernel
         # runs after it and the copy's memory is reused only after the kernel.
-        out = split_mod._prepare(batch, None, True, explicit)
+        out, _ = split_mod._prepare(batch, None, True, explicit)
         assert out.device.id == 1 and out is not batch
         # Launching on the current stream: nothing to switch.
         split_mod._prepare(batch, None, True, current)
