@@ -596,11 +596,22 @@ def clear_table_cache() -> None:
         _ptx.clear()
 
 
-def upload(cp, host: np.ndarray):
-    """A small host table as a device array, copied on CuPy's current stream (the launch
-    stream: ordered before the kernels that read it, its memory reused only after
-    them); CuPy stages the bytes, so no host wait."""
-    return cp.asarray(np.ascontiguousarray(host))
+#: Device tables by content, device and stream: layouts that differ only by where
+#: their tensors start (the same sizes, the same gaps) share one table.
+_tables = Plans()
+
+
+def upload(cp, host: np.ndarray, device: int, handle: int):
+    """A small host table as a device array on ``device``, copied on CuPy's current
+    stream, whose handle is ``handle`` (the launch stream: ordered before the kernels
+    that read it, its memory reused only after them); CuPy stages the bytes, so no
+    host wait. A table of the same content uploaded on that stream before is reused."""
+    host = np.ascontiguousarray(host)
+    key = (device, handle, host.dtype.str, host.shape, host.tobytes())
+    table = _tables.get(key)
+    if table is None:
+        table = _tables.put(key, cp.asarray(host))
+    return table
 
 
 def launch_stream(cp, stream):

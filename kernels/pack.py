@@ -320,7 +320,8 @@ def _plan(cp, name, described, dtype, device, buffer, scale, threads) -> _Plan:
     if not total:
         return _Plan(device, dtype, 0, None, (), (), (), 0, None)
     base, n, offsets = _launch.window_extent(described, dtype)
-    table = _launch.upload(cp, np.stack([offsets, sizes, starts]))
+    table = _launch.upload(cp, np.stack([offsets, sizes, starts]), device,
+                           _launch.stream_handle(cp.cuda.get_current_stream()))
     kernel = _kernels.specialise(name, *signature(name, dtype))
     buf = buffer if buffer is not None else (0, (total,))
     win, tab = (base, (n,)), (int(table.data.ptr), table.shape)

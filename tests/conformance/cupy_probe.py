@@ -185,12 +185,6 @@ def _(cp, nccl, cuda):
     assert not x.T.flags.c_contiguous
 
 
-@entry("cupy.ndarray.__cuda_array_interface__")
-def _(cp, nccl, cuda):
-    cai = fake_array(cp).__cuda_array_interface__
-    assert cai["version"] >= 3 and "stream" in cai and cai["data"][0] == 0x10000
-
-
 @entry("cupy.ndarray.get", "cupy.ndarray.set")
 def _(cp, nccl, cuda):
     x = fake_array(cp)
