@@ -554,6 +554,13 @@ class Kernel:
         self._functions.clear()
 
 
+def dtype_key(dtype):
+    """``dtype`` in a plan's key: its type number for NumPy's built-in types (hashing a
+    dtype costs more than a dict lookup), else the dtype itself (records of one size
+    differ by their fields)."""
+    return dtype.num if dtype.isbuiltin == 1 else dtype
+
+
 class Plans:
     """A launcher's launch plans, by layout key; past ``size`` plans the least recently
     used is dropped (with the device tables it owns, which go back to the pool arena of

@@ -381,7 +381,8 @@ def pack(tensors, out=None, scale=None, stream=None, threads=None):
         out = _launch.as_cupy(_launch.check_kernel_input(out, "out"))
     out_key = None if out is None else (out.data.ptr, out.shape, out.strides, out.dtype)
     key = (device, _launch.launch_handle(cp, stream, device), tuple(map(_PTR, tensors)),
-           tuple(map(_SIZE, tensors)), first.dtype, scale, threads, out_key)
+           tuple(map(_SIZE, tensors)), _launch.dtype_key(first.dtype), scale, threads,
+           out_key)
     plan = _pack_plans.get(key)
     if plan is not None and not _same_kind(cp, tensors):
         plan = None
@@ -457,7 +458,8 @@ def unpack(buffer, shapes, out=None, scale=None, stream=None, threads=None):
     if buffer.ndim != 1 or not buffer.flags.c_contiguous:
         raise ValueError(f"buffer must be a contiguous 1-D array, got shape "
                          f"{tuple(buffer.shape)} strides {buffer.strides}")
-    key = (device, _launch.launch_handle(cp, stream, device), int(buffer.shape[0]), dtype, tuple(map(_PTR, out)),
+    key = (device, _launch.launch_handle(cp, stream, device), int(buffer.shape[0]),
+           _launch.dtype_key(dtype), tuple(map(_PTR, out)),
            tuple(map(_SIZE, out)), scale, threads)
     plan = _unpack_plans.get(key)
     if plan is not None and not _same_kind(cp, out):

@@ -320,6 +320,12 @@ def _gather_planned(cp, plan: _Plan, index, stream, check_index: bool) -> Split:
     with _on_device(cp, plan.device), _launch.launch_stream(cp, stream):
         if check_index:
             _check_index_range(index, plan.rows)
+        if plan.dtype.isbuiltin:
+            # The buffer as the pieces' dtype and shape at once (the kernel only takes
+            # its address): no views of a word buffer to make.
+            full = cp.empty(plan.full_shape, plan.dtype)
+            _launch_gather(cp, plan, full)
+            return _cut(full, plan.full_shape[1], plan.sizes, plan.padded)
         out = cp.empty(plan.out_shape, plan.word)
         _launch_gather(cp, plan, out)
     return _pieces(out, plan.dtype, plan.full_shape, plan.sizes, plan.padded)
@@ -328,8 +334,12 @@ def _gather_planned(cp, plan: _Plan, index, stream, check_index: bool) -> Split:
 def _pieces(out, dtype, full_shape, sizes, padded: bool) -> Split:
     # One view of the whole buffer, then a piece per replica: indexing a device array
     # costs microseconds of Python per call.
-    full = out.view(np.uint8).view(dtype).reshape(full_shape)
-    rows_out = full_shape[1]
+    return _cut(out.view(np.uint8).view(dtype).reshape(full_shape), full_shape[1], sizes,
+                padded)
+
+
+def _cut(full, rows_out: int, sizes, padded: bool) -> Split:
+    """The pieces of ``full`` (``(pieces, rows_out, *trailing)``)."""
     return Split([full[p] if padded or count == rows_out else full[p][:count]
                   for p, count in enumerate(sizes)], list(sizes))
 
@@ -370,8 +380,9 @@ def split(batch, num_replicas: int, index=None, pad_to: int | None = None,
         cp = _devices.cupy()
         device = batch.data.device_id
         key = (device, _launch.launch_handle(cp, stream, device), batch.data.ptr,
-               batch.shape, batch.strides, batch.dtype, index.data.ptr, index.shape,
-               index.strides, index.dtype, num_replicas, pad_to, threads)
+               batch.shape, batch.strides, _launch.dtype_key(batch.dtype), index.data.ptr,
+               index.shape, index.strides, _launch.dtype_key(index.dtype), num_replicas,
+               pad_to, threads)
         plan = _plans.get(key)
         if plan is not None:
             return _gather_planned(cp, plan, index, stream, check_index)
