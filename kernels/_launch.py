@@ -621,6 +621,14 @@ def upload(cp, host: np.ndarray, device: int, handle: int):
     return table
 
 
+def on_device(cp, device: int):
+    """A context making CuPy's device ``device`` current, where it is not already
+    (CuPy launches on the current device, and loads modules into its context)."""
+    if cp.cuda.runtime.getDevice() == device:
+        return contextlib.nullcontext()
+    return cp.cuda.Device(device)
+
+
 def launch_stream(cp, stream):
     """A context for a launch on ``stream`` (a CuPy or Numba stream, or a raw handle):
     None is CuPy's current stream, as it is; another stream first waits (an event, no

@@ -29,7 +29,6 @@ multiprocessor). Unpack is the same walk with source and destination exchanged.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import operator
 from typing import NamedTuple
@@ -335,13 +334,6 @@ def _plan(cp, name, described, dtype, device, buffer, scale, threads) -> _Plan:
                  (block, 1, 1), args, slot, table)
 
 
-def _on_device(cp, device: int):
-    """CuPy's device ``device`` made current, where it is not already."""
-    if cp.cuda.runtime.getDevice() == device:
-        return contextlib.nullcontext()
-    return cp.cuda.Device(device)
-
-
 def _launch_plan(cp, plan: _Plan, buffer) -> None:
     args = plan.args
     if buffer is not None:
@@ -386,7 +378,7 @@ def pack(tensors, out=None, scale=None, stream=None, threads=None):
     plan = _pack_plans.get(key)
     if plan is not None and not _same_kind(cp, tensors):
         plan = None
-    with _on_device(cp, device), _launch.launch_stream(cp, stream):
+    with _launch.on_device(cp, device), _launch.launch_stream(cp, stream):
         if plan is None:
             plan = _pack_plans.put(key, _pack_plan(cp, tensors, out, scale, threads, device))
         if out is None:
@@ -444,7 +436,7 @@ def unpack(buffer, shapes, out=None, scale=None, stream=None, threads=None):
     dtype, device = np.dtype(buffer.dtype), buffer.data.device_id
     if out is None:
         shapes = [tuple(map(operator.index, s)) for s in shapes]
-        with _on_device(cp, device), _launch.launch_stream(cp, stream):
+        with _launch.on_device(cp, device), _launch.launch_stream(cp, stream):
             out = [cp.empty(shape, dtype) for shape in shapes]
     else:
         if len(set(map(type, out))) != 1 or not _launch._is_cupy(out[0]):
@@ -464,7 +456,7 @@ def unpack(buffer, shapes, out=None, scale=None, stream=None, threads=None):
     plan = _unpack_plans.get(key)
     if plan is not None and not _same_kind(cp, out):
         plan = None
-    with _on_device(cp, device), _launch.launch_stream(cp, stream):
+    with _launch.on_device(cp, device), _launch.launch_stream(cp, stream):
         if plan is None:
             plan = _unpack_plans.put(key, _unpack_plan(cp, buffer, out, scale, threads,
                                                        device))

@@ -317,7 +317,7 @@ def _launch_gather(cp, plan: _Plan, out) -> None:
 
 def _gather_planned(cp, plan: _Plan, index, stream, check_index: bool) -> Split:
     """A gather whose layout was launched before: no checks but the index range."""
-    with _on_device(cp, plan.device), _launch.launch_stream(cp, stream):
+    with _launch.on_device(cp, plan.device), _launch.launch_stream(cp, stream):
         if check_index:
             _check_index_range(index, plan.rows)
         if plan.dtype.isbuiltin:
@@ -406,7 +406,7 @@ def split(batch, num_replicas: int, index=None, pad_to: int | None = None,
             raise ValueError(f"one launch reads and writes one device, but the batch is on "
                              f"gpu:{device} and the index on gpu:{index.data.device_id}: "
                              "copy them to one device first")
-        with _on_device(cp, device), _launch.launch_stream(cp, stream):
+        with _launch.on_device(cp, device), _launch.launch_stream(cp, stream):
             given_batch, given_index = batch, index
             batch, index = _prepare(batch, index, check_index, None)
             if batch is not given_batch or index is not given_index:
@@ -427,13 +427,6 @@ def split(batch, num_replicas: int, index=None, pad_to: int | None = None,
                          pad_to is not None))
     return _pieces(out, dtype, (num_replicas, rows_out) + trailing, sizes,
                    pad_to is not None)
-
-
-def _on_device(cp, device: int):
-    """CuPy's device ``device`` made current, where it is not already."""
-    if cp.cuda.runtime.getDevice() == device:
-        return contextlib.nullcontext()
-    return cp.cuda.Device(device)
 
 
 def _split_simulated(batch, index, check_index, sizes, chunk, n, rows_out, num_replicas,
