@@ -375,8 +375,14 @@ def _(cp, nccl, cuda):
 @entry("numba.cuda.compile_ptx")
 def _(cp, nccl, cuda):
     # A launch's compilation (_launch.Kernel.ptx), with the real numba-cuda: the PTX
-    # of a pack kernel for sm_90 (no device needed).
+    # of a pack kernel for sm_90 (no device needed, but libNVVM: without it
+    # tests/kernels/test_kernels_ptx.py skips too, and says why).
+    from numba.cuda.cudadrv import nvvm
     from gpustrat.kernels import pack
+    try:
+        nvvm.NVVM()
+    except Exception as e:  # NvvmSupportError: no CUDA toolkit here
+        return f"not compiled: no libNVVM ({type(e).__name__})"
     ptx, entry = pack.specialisations()[0].ptx((9, 0))
     assert ".target sm_90" in ptx and f".entry {entry}(" in ptx
     return entry
@@ -394,11 +400,13 @@ def _(cp, nccl, cuda):
 
 @entry("cupy.RawModule", "cupy.RawModule.get_function")
 def _(cp, nccl, cuda):
-    # A launch's module: Numba's PTX from a file (_launch.Kernel.function); loading it
-    # is what needs a device.
-    from gpustrat.kernels import _launch, pack
-    ptx, entry = pack.specialisations()[0].ptx((9, 0))
-    return cp.RawModule(path=_launch._ptx_file(ptx)).get_function(entry)
+    # A launch's module: PTX from a file (_launch.Kernel.function; a kernel of the
+    # same form as Numba's, written here so that no libNVVM is needed); loading it is
+    # what needs a device.
+    from gpustrat.kernels import _launch
+    ptx = (".version 7.0\n.target sm_80\n.address_size 64\n\n"
+           ".visible .entry probe(\n\t.param .u64 probe_param_0\n)\n{\n\tret;\n}\n")
+    return cp.RawModule(path=_launch._ptx_file(ptx)).get_function("probe")
 
 
 @entry("cupy.cuda.function", "cupy.cuda.function.CIntptr",
