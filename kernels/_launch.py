@@ -483,9 +483,29 @@ def compute_capability(cp, device_id: int) -> tuple[int, int]:
     return int(cc[:-1]), int(cc[-1])
 
 
-def _ptx_file(ptx: str) -> str:
-    """A file holding ``ptx`` (CuPy's RawModule loads modules from files), in a
-    directory of this process removed at exit."""
+def image(cuda, ptx: str, cc: tuple[int, int]) -> tuple[object, str]:
+    """``(image, kind)``: what CuPy loads for ``ptx`` on compute capability ``cc``. The
+    cubin Numba's own linker makes of it, as for Numba's own launches (with nvJitLink
+    where it is installed, no driver compiles the PTX, so a driver older than the
+    NVVM that wrote it still runs it), else the PTX itself, which the driver compiles
+    when the module is loaded."""
+    if getattr(cuda, "is_fake", False):
+        return ptx, "ptx"
+    import warnings  # noqa: PLC0415
+    try:
+        from numba.cuda.cudadrv import driver  # noqa: PLC0415
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # "nvjitlink is not available": the driver
+            linker = driver._Linker(cc=tuple(cc), lto=False)
+            linker.add_ptx(ptx.encode())
+            return bytes(linker.complete()), "cubin"
+    except Exception:  # no nvJitLink and no driver to link with: the PTX as it is
+        return ptx, "ptx"
+
+
+def _ptx_file(ptx, kind: str = "ptx") -> str:
+    """A file holding a module image (``ptx`` text, or cubin bytes; CuPy's RawModule
+    loads modules from files), in a directory of this process removed at exit."""
     import atexit  # noqa: PLC0415
     import hashlib  # noqa: PLC0415
     import shutil  # noqa: PLC0415
@@ -494,10 +514,11 @@ def _ptx_file(ptx: str) -> str:
         path = tempfile.mkdtemp(prefix="gpustrat-ptx-")
         atexit.register(shutil.rmtree, path, True)
         _ptx_dir.append(path)
-    name = os.path.join(_ptx_dir[0], hashlib.sha1(ptx.encode()).hexdigest()[:20] + ".ptx")
+    data = ptx.encode() if isinstance(ptx, str) else bytes(ptx)
+    name = os.path.join(_ptx_dir[0], f"{hashlib.sha1(data).hexdigest()[:20]}.{kind}")
     if not os.path.exists(name):
-        with open(name + ".tmp", "w") as f:
-            f.write(ptx)
+        with open(name + ".tmp", "wb") as f:
+            f.write(data)
         os.replace(name + ".tmp", name)
     return name
 
@@ -507,7 +528,8 @@ class Kernel:
     ``signature`` (a tuple of :class:`Arg`), launched through CuPy.
 
     ``function(cp, device)`` gives CuPy's ``RawKernel`` of it, compiled to PTX by Numba
-    once per process and compute capability and loaded once per device; a launch is
+    once per process and compute capability, linked to a cubin as Numba links its
+    own kernels (:func:`image`) and loaded once per device; a launch is
     ``function(grid, block, args)`` on CuPy's current stream, ``args`` the parameters
     :func:`flatten` lays out, as :func:`cupy_args` makes them.
     """
@@ -545,8 +567,10 @@ class Kernel:
         key = (cp, device_id)
         fn = self._functions.get(key)
         if fn is None:
-            ptx, entry = self.ptx(compute_capability(cp, device_id))
-            fn = self._functions[key] = cp.RawModule(path=_ptx_file(ptx)).get_function(entry)
+            cc = compute_capability(cp, device_id)
+            ptx, entry = self.ptx(cc)
+            path = _ptx_file(*image(self.kernels.bind(), ptx, cc))
+            fn = self._functions[key] = cp.RawModule(path=path).get_function(entry)
             _caches.add(self)
         return fn
 

@@ -156,3 +156,25 @@ def test_a_gather_plan_is_kept_only_for_arrays_used_as_they_are():
         assert len(split_mod._plans) == 1
         got = [p.get() for p in res.pieces]
     assert [g.ravel().tolist() for g in got] == [[10, 11, 8, 9, 6, 7], [4, 5, 2, 3, 0, 1]]
+
+
+def test_a_module_image_is_numbas_cubin_or_else_the_ptx():
+    # What CuPy loads: the cubin Numba's linker makes (nvJitLink needs no device),
+    # or, where it cannot link here, the PTX for the driver to compile.
+    cuda = pytest.importorskip("numba.cuda")
+    from numba.cuda.cudadrv import nvvm
+    try:
+        nvvm.NVVM()
+    except Exception as e:
+        pytest.skip(f"no libNVVM to compile with ({type(e).__name__})")
+    ptx, entry = pack_mod.specialisations()[0].ptx((9, 0))
+    data, kind = _launch.image(cuda, ptx, (9, 0))
+    assert kind in ("cubin", "ptx")
+    if kind == "cubin":
+        assert data[:4] == b"\x7fELF"
+    else:
+        assert data == ptx and f".entry {entry}(" in ptx
+    path = _launch._ptx_file(data, kind)
+    assert path.endswith("." + kind)
+    with open(path, "rb") as f:
+        assert f.read() == (data.encode() if kind == "ptx" else data)
