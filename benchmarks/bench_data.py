@@ -9,6 +9,21 @@ streaming memory.
    ``.npy`` file in 64 MiB batches (prefetch 2, every batch read), in MiB (target:
    < 512). The file is written to a temporary directory and removed afterwards.
 
+4. ``processes``: ``map(..., use_processes=True)`` (worker processes):
+
+   - a Python function that holds the GIL for about 5 ms per element (calibrated in
+     this run), on 2 processes versus serial (target: >= 1.8x), with the thread pool's
+     speed beside it (the GIL's ceiling, which TensorFlow's ``py_function`` shares);
+     the same against TensorFlow's ``map(py_function, num_parallel_calls=AUTOTUNE)``
+     (>= 1.8x) and PyTorch's ``DataLoader(num_workers=2)`` (>= 1.0x) when they import;
+   - the per-element cost of a trivial function (target: <= 50 us);
+   - 1 MiB NumPy output per element, in GB/s delivered to the consumer (>= 1 GB/s).
+
+   Speeds are the steady state, the fastest of 3 epochs: the clock starts after the
+   first element, once the pool's processes have started (their start, once per
+   epoch, is reported apart).
+   The load average is printed with them: on a shared machine they are noisy.
+
 ``--quick`` uses small sizes (a few seconds in all). If TensorFlow imports, tf.data's
 numbers for the same pipelines are printed beside ours. ``main(argv)`` returns the
 results as a dict, for ``python -m gpustrat bench``.
@@ -134,6 +149,181 @@ def bench_npy_rss(file_bytes: int, batch_bytes: int) -> dict:
             "target_peak_rss_mib": 512}
 
 
+def _python_work(x, loops: int):
+    """Pure Python arithmetic: holds the GIL for the whole call."""
+    s = 0
+    for k in range(loops):
+        s += (k * 7 + x) % 13
+    return s
+
+
+def _gil_bound(x, loops: int):
+    return np.int64(_python_work(int(x), loops))
+
+
+def _best_call(fn, repeats: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _calibrate(seconds: float) -> int:
+    """Loops of :func:`_python_work` that take about ``seconds`` here (the fastest of
+    a few timings: on a loaded machine the others include waits for a core)."""
+    loops = 10_000
+    while True:
+        spent = _best_call(lambda: _python_work(1, loops))
+        if spent > 0.02:
+            return max(1, int(loops * seconds / spent))
+        loops *= 4
+
+
+def _steady(ds, elements: int, repeats: int = 1) -> tuple[float, float]:
+    """(seconds to the first element, seconds for the rest) of an epoch of ``ds``: the
+    fastest of ``repeats`` epochs (a shared machine slows some of them)."""
+    first = rest = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        it = iter(ds)
+        next(it)
+        t1 = time.perf_counter()
+        n = 1 + sum(1 for _ in it)
+        t2 = time.perf_counter()
+        assert n == elements, (n, elements)
+        first, rest = min(first, t1 - t0), min(rest, t2 - t1)
+    return first, rest
+
+
+def _trivial(x):
+    return x
+
+
+def _one_mib(x):
+    return np.full(MIB // 8, x, np.int64)
+
+
+def bench_processes(elements: int, trivial: int, big: int, repeats: int) -> dict:
+    """Worker-process ``map`` against serial, threads and the peers that import (each
+    the fastest of ``repeats`` epochs)."""
+    import functools  # noqa: PLC0415
+
+    from gpustrat.data import Dataset  # noqa: PLC0415
+    loops = _calibrate(0.005)
+    fn = functools.partial(_gil_bound, loops=loops)
+    base = Dataset.range(elements)
+    r = repeats
+    c0 = time.process_time()
+    _, serial = _steady(base.map(fn), elements, r)
+    serial_cpu = (time.process_time() - c0) / (r * elements) * 1e3
+    _, threads = _steady(base.map(fn, num_parallel_calls=2), elements, r)
+    start, procs = _steady(base.map(fn, num_parallel_calls=2, use_processes=True),
+                           elements, r)
+    n = elements - 1
+    out = {"elements": elements, "call_ms": serial / (elements - 1) * 1e3, "serial_s": serial,
+           "threads_s": threads, "processes_s": procs, "pool_start_s": start,
+           "speedup": serial / procs, "threads_speedup": serial / threads,
+           "per_element_ms": {"serial": serial / n * 1e3, "processes": procs / n * 1e3}}
+    consumer, workers = _cpu_per_element(
+        base.map(fn, num_parallel_calls=2, use_processes=True), elements)
+    out["cpu_ms_per_element"] = {"serial": serial_cpu, "consumer": consumer,
+                                 "workers": workers}
+    tf = _tensorflow()
+    if tf is not None:
+        def tf_fn(x):
+            return tf.py_function(fn, [x], tf.int64)
+        tds = tf.data.Dataset.range(elements).map(tf_fn, num_parallel_calls=tf.data.AUTOTUNE)
+        _, out["tf_s"] = _steady(tds, elements, r)
+        out["vs_tf"] = out["tf_s"] / procs
+    torch_out = _torch_loader(fn, elements)
+    if torch_out is not None:
+        out["torch_s"] = torch_out
+        out["vs_torch"] = torch_out / procs
+    # The per-element cost of a trivial function: processes against iterating the
+    # source alone, in the same run.
+    src = Dataset.range(trivial)
+    _, bare = _steady(src, trivial, r)
+    _, small = _steady(src.map(_trivial, num_parallel_calls=2, use_processes=True),
+                       trivial, r)
+    out["trivial_elements"] = trivial
+    out["overhead_us"] = max(0.0, small - bare) / (trivial - 1) * 1e6
+    # 1 MiB outputs: what the consumer receives per second (the first element,
+    # waiting for the pool, left out).
+    _, spent = _steady(Dataset.range(big).map(_one_mib, num_parallel_calls=2,
+                                              use_processes=True), big, r)
+    out["big_elements"] = big
+    out["big_gb_per_s"] = (big - 1) * MIB / spent / 1e9
+    out.update(_cpu_per_mib(Dataset.range(big).map(_one_mib, num_parallel_calls=2,
+                                                   use_processes=True), big))
+    out["loadavg"] = list(os.getloadavg())
+    return out
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_per_element(ds, elements: int) -> tuple[float, float]:
+    """Processor time per element (ms) of a map on processes, in the consumer and in
+    its workers together (what a loaded machine changes little, unlike wall time)."""
+    it = iter(ds)
+    next(it)
+    workers = [w.proc.pid for w in it._state._run.pool.workers]
+    c0, w0 = time.process_time(), sum(_cpu_seconds(p) for p in workers)
+    for _ in range(elements - 2):
+        next(it)
+    c1, w1 = time.process_time(), sum(_cpu_seconds(p) for p in workers)
+    it.close()
+    n = elements - 2
+    return (c1 - c0) / n * 1e3, (w1 - w0) / n * 1e3
+
+
+def _cpu_per_mib(ds, elements: int) -> dict:
+    """Processor time per MiB delivered, in the consumer and in the workers: the rate
+    two free cores would give is 2 / (their sum) per millisecond."""
+    consumer, worker = _cpu_per_element(ds, elements)
+    return {"big_consumer_cpu_ms_per_mib": consumer, "big_workers_cpu_ms_per_mib": worker,
+            "big_gb_per_s_on_2_free_cores": 2 * MIB / ((consumer + worker) * 1e-3) / 1e9
+            if consumer + worker > 0 else float("inf")}
+
+
+def _torch_loader(fn, elements: int) -> float | None:
+    """Steady-state seconds of a PyTorch ``DataLoader(num_workers=2)`` over ``fn``;
+    None when torch does not import."""
+    try:
+        import peers  # noqa: PLC0415
+    except ImportError:
+        from benchmarks import peers  # noqa: PLC0415
+    t = peers.torch()
+    if t is None:
+        return None
+
+    class Items(t.utils.data.Dataset):
+        def __len__(self):
+            return elements
+
+        def __getitem__(self, i):
+            return fn(i)
+
+    loader = t.utils.data.DataLoader(Items(), batch_size=None, num_workers=2)
+    t0 = time.perf_counter()
+    it = iter(loader)
+    next(it)
+    t1 = time.perf_counter()
+    n = 1 + sum(1 for _ in it)
+    assert n == elements
+    return time.perf_counter() - t1
+
+
+def _peer_missing(name: str) -> str:
+    return (f"{name} is not installed here (not a dependency; the comparison runs when it "
+            "imports)")
+
+
 def _tensorflow():
     try:
         import tensorflow as tf  # noqa: PLC0415 - optional comparison only
@@ -153,11 +343,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         results = {"slices": bench_slices(20_000, 3),
                    "parallel_map": bench_parallel_map(160),
-                   "npy_rss": bench_npy_rss(256 * MIB, 16 * MIB)}
+                   "npy_rss": bench_npy_rss(256 * MIB, 16 * MIB),
+                   "processes": bench_processes(80, 5000, 100, 2)}
     else:
         results = {"slices": bench_slices(20_000, 20),
                    "parallel_map": bench_parallel_map(1000),
-                   "npy_rss": bench_npy_rss(2048 * MIB, 64 * MIB)}
+                   "npy_rss": bench_npy_rss(2048 * MIB, 64 * MIB),
+                   "processes": bench_processes(400, 50_000, 1000, 3)}
     table = args.json != "-"
     if table:
         s, m, r = results["slices"], results["parallel_map"], results["npy_rss"]
@@ -169,6 +361,20 @@ def main(argv: list[str] | None = None) -> dict:
               f"serial ({m['serial_s']:.2f} s -> {m['parallel_s']:.2f} s){tf_m}")
         print(f".npy {r['file_mib']:.0f} MiB in {r['batch_mib']:.0f} MiB batches: peak RSS "
               f"{r['peak_rss_mib']:.0f} MiB (before iterating {r['baseline_rss_mib']:.0f} MiB)")
+        p = results["processes"]
+        print(f"map of a {p['call_ms']:.1f} ms GIL-bound function, {p['elements']} elements: "
+              f"serial {p['serial_s']:.2f} s, 2 threads {p['threads_s']:.2f} s "
+              f"({p['threads_speedup']:.2f}x), 2 processes {p['processes_s']:.2f} s "
+              f"({p['speedup']:.2f}x; pool start {p['pool_start_s']:.2f} s); processor time "
+              f"per element: serial {p['cpu_ms_per_element']['serial']:.2f} ms, processes "
+              f"{p['cpu_ms_per_element']['workers']:.2f} ms in workers + "
+              f"{p['cpu_ms_per_element']['consumer']:.3f} ms here")
+        print(f"map on processes: trivial function {p['overhead_us']:.1f} us/element; "
+              f"1 MiB outputs {p['big_gb_per_s']:.2f} GB/s (processor time per MiB: "
+              f"consumer {p['big_consumer_cpu_ms_per_mib']:.2f} ms, workers "
+              f"{p['big_workers_cpu_ms_per_mib']:.2f} ms: "
+              f"{p['big_gb_per_s_on_2_free_cores']:.1f} GB/s on 2 free cores); load average "
+              + " ".join(f"{v:.2f}" for v in p["loadavg"]))
     results["verdicts"] = [
         targets.check("from_tensor_slices batches/s", results["slices"]["batches_per_s"],
                       50_000, echo=table),
@@ -176,6 +382,23 @@ def main(argv: list[str] | None = None) -> dict:
                       echo=table),
         targets.check(f".npy {results['npy_rss']['file_mib']:.0f} MiB peak RSS",
                       results["npy_rss"]["peak_rss_mib"], 512, "MiB", higher_is_better=False,
+                      echo=table)]
+    p = results["processes"]
+    results["verdicts"] += [
+        targets.check("GIL-bound 5 ms map, 2 processes vs serial", p["speedup"], 1.8, "x",
+                      echo=table),
+        targets.check("GIL-bound 5 ms map, 2 processes vs tf.data py_function AUTOTUNE",
+                      p["vs_tf"], 1.8, "x", echo=table) if "vs_tf" in p else
+        targets.not_measured("GIL-bound 5 ms map, 2 processes vs tf.data py_function "
+                             "AUTOTUNE", 1.8, _peer_missing("TensorFlow"), "x", echo=table),
+        targets.check("GIL-bound 5 ms map, 2 processes vs torch DataLoader(num_workers=2)",
+                      p["vs_torch"], 1.0, "x", echo=table) if "vs_torch" in p else
+        targets.not_measured("GIL-bound 5 ms map, 2 processes vs torch DataLoader"
+                             "(num_workers=2)", 1.0, _peer_missing("PyTorch"), "x",
+                             echo=table),
+        targets.check("map on processes, trivial function overhead", p["overhead_us"], 50,
+                      "us", higher_is_better=False, echo=table),
+        targets.check("map on processes, 1 MiB outputs", p["big_gb_per_s"], 1.0, "GB/s",
                       echo=table)]
     if args.json and args.json != "-":
         with open(args.json, "w") as f:

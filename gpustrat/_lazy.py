@@ -29,7 +29,8 @@ def attach(module_name: str, names: dict[str, str], submodules: tuple[str, ...] 
             where, _, attr = names[name].partition(":")
             value = getattr(importlib.import_module(where), attr or name)
         else:
-            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+            from gpustrat._porting import attribute_error  # noqa: PLC0415
+            raise attribute_error(module_name, name)
         setattr(sys.modules[module_name], name, value)  # later reads skip this hook
         return value
 

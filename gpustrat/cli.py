@@ -3,6 +3,7 @@
     python -m gpustrat demo [--devices cpu:0 cpu:1] [--epochs N] [--quick] [--[no-]multi-worker]
     python -m gpustrat info [--json]
     python -m gpustrat bench [NAME ...] [--quick] [--json FILE] [--plot FILE.png]
+    python -m gpustrat timeline summary FILE [--json] [--plot OUT.png] | merge PATH
 
 Importing this module does nothing; each command imports what it needs when it runs.
 """
@@ -31,6 +32,8 @@ commands:
   info    versions, MPI, NCCL, devices and CUDA simulator state, for bug reports
           (--json for JSON)
   bench   run the benchmark suites of a source checkout's benchmarks/ folder
+  timeline  summarize a timeline (GPUSTRAT_TIMELINE=PATH): step times, waits, the
+          rank the others waited for, bytes/s, a Gantt chart; or merge its rank files
 
 `python -m gpustrat COMMAND --help` tells more about each.
 """
@@ -46,7 +49,8 @@ def main(argv=None) -> int:
         from gpustrat import __version__  # noqa: PLC0415
         print(f"gpustrat {__version__}")
         return 0
-    commands = {"demo": cmd_demo, "info": cmd_info, "bench": cmd_bench}
+    commands = {"demo": cmd_demo, "info": cmd_info, "bench": cmd_bench,
+                "timeline": cmd_timeline}
     if argv[0] not in commands:
         print(f"gpustrat: unknown command {argv[0]!r}; choose one of "
               f"{', '.join(commands)}\n\n{USAGE}", end="", file=sys.stderr)
@@ -60,6 +64,11 @@ def cmd_demo(argv) -> int:
     from gpustrat import demo  # noqa: PLC0415
     demo.main(argv, prog="python -m gpustrat demo")
     return 0
+
+
+def cmd_timeline(argv) -> int:
+    from gpustrat.timeline import summary  # noqa: PLC0415
+    return summary.main(argv)
 
 
 # --- info ---------------------------------------------------------------------------------
@@ -179,6 +188,9 @@ def collect_info() -> dict:
     info.update(_nccl_info())
     info["gpu count"] = devices.gpu_count()
     info["default devices"] = ", ".join(d.name for d in devices.default_devices())
+    # The demo shows distribution even without a GPU: two CPU replicas, not one.
+    from gpustrat.demo import default_devices as demo_devices  # noqa: PLC0415
+    info["demo devices"] = ", ".join(demo_devices())
     info["cuda simulator"] = ("on (NUMBA_ENABLE_CUDASIM=1)"
                               if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else "off")
     return info
@@ -214,7 +226,9 @@ PyTorch imports, suites print their numbers beside gpustrat's (not with --quick)
 A suite's output is relayed as it comes; after --heartbeat seconds of silence a line
 says it still runs. Each target is printed with its verdict beside it (met, NOT met,
 or not measured and why; suites make them with benchmarks/targets.py), and all verdicts
-are listed again under "== targets ==" at the end.
+are listed again under "== targets ==" at the end. A --quick run (small sizes) judges no
+target: each shows its figure and "not judged (quick)". --list says what each suite
+measures.
 """
 
 # Runs inside the suite's process: load the module from its file, call main(argv) and
@@ -266,6 +280,13 @@ def mpi_ranks(path: Path) -> int:
     return int(m.group(1)) if m else 0
 
 
+def suite_summary(path: Path) -> str:
+    """What a suite measures: the first sentence of its docstring (read, not imported)."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    first = " ".join(doc.strip().split("\n\n")[0].split()).replace("``", "")
+    return first.split(". ")[0].rstrip(".:") or "(no docstring)"
+
+
 def _child_env(repo: Path) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH", "")) if p)
@@ -306,7 +327,11 @@ def run_suite(name: str, path: Path, quick: bool, timeout: float, ranks: int,
         out = Path(tmp) / "result.json"
         cmd += [str(path), str(out)] + (["--quick"] if quick else [])
         sys.stdout.flush()
-        proc = subprocess.Popen(cmd, env=_child_env(path.parent.parent), cwd=tmp,
+        env = _child_env(path.parent.parent)
+        env.pop("GPUSTRAT_BENCH_QUICK", None)
+        if quick:  # benchmarks/targets.py judges no target of a quick run
+            env["GPUSTRAT_BENCH_QUICK"] = "1"
+        proc = subprocess.Popen(cmd, env=env, cwd=tmp,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
         start = time.monotonic()
@@ -336,11 +361,19 @@ def run_suite(name: str, path: Path, quick: bool, timeout: float, ranks: int,
         return json.loads(out.read_text())
 
 
+#: The reason of a verdict that a quick run does not judge (its sizes are too small).
+QUICK = "quick"
+
+
 def format_verdict(v: dict) -> str:
     """A suite's verdict on one target (``benchmarks/targets.py`` makes them):
-    ``NAME: VALUE (goal OP GOAL): met | NOT met``, or ``... not measured (why)``."""
+    ``NAME: VALUE (goal OP GOAL): met | NOT met``, ``... not judged (quick)`` or
+    ``... not measured (why)``."""
     unit = f" {v['unit']}" if v.get("unit") else ""
     goal = f"goal {v.get('op', '>=')} {_num(v['goal'])}{unit}"
+    if v.get("met") is None and v.get("reason") == QUICK:
+        value = f": {_num(v['value'])}{unit}" if v.get("value") is not None else ""
+        return f"{v['name']}{value} ({goal}): not judged (quick)"
     if v.get("met") is None:
         return f"{v['name']} ({goal}): not measured ({v.get('reason', 'no value')})"
     return f"{v['name']}: {_num(v['value'])}{unit} ({goal}): {'met' if v['met'] else 'NOT met'}"
@@ -363,8 +396,10 @@ def print_verdicts(report: dict) -> None:
 
 
 def _count_verdicts(verdicts: list) -> str:
-    counts = [(sum(v.get("met") is want for v in verdicts), label)
+    judged = [v for v in verdicts if v.get("reason") != QUICK]
+    counts = [(sum(v.get("met") is want for v in judged), label)
               for want, label in ((True, "met"), (False, "not met"), (None, "not measured"))]
+    counts.append((len(verdicts) - len(judged), "not judged (quick)"))
     return ", ".join(f"{n} target(s) {label}" if i == 0 else f"{n} {label}"
                      for i, (n, label) in enumerate(counts) if n or i == 0)
 
@@ -418,7 +453,8 @@ def cmd_bench(argv) -> int:
     if args.list:
         for name, path in suites.items():
             ranks = mpi_ranks(path)
-            print(f"{name}: {path}" + (f" (mpiexec -n {ranks})" if ranks else ""))
+            print(f"{name}: {suite_summary(path)} ({path.name}"
+                  + (f", mpiexec -n {ranks})" if ranks else ")"))
         return 0
     names = list(dict.fromkeys(args.names or suites))
     unknown = [n for n in names if n not in suites]
@@ -467,6 +503,10 @@ def cmd_bench(argv) -> int:
         elif "error" in result:
             print(f"FAILED: suite {name} {result['error']}")
             failed.append(name)
+        if args.quick:  # also a suite's verdict made without benchmarks/targets.py
+            for v in result.get("verdicts") or []:
+                if v.get("met") is not None:
+                    v.update(met=None, reason=QUICK)
         report["suites"][name] = result
         summary = _count_verdicts(result.get("verdicts") or []) or "no targets"
         print(f"-- {name}: {seconds:.1f} s, {summary}\n", flush=True)

@@ -109,11 +109,15 @@ def use_backend(backend: Backend):
     previous = _backend
     _backend = backend
     gpu_count.cache_clear()
+    _marks.clear()            # events belong to the GPU libraries that made them
+    _free_events.clear()
     try:
         yield backend
     finally:
         _backend = previous
         gpu_count.cache_clear()
+        _marks.clear()
+        _free_events.clear()
 
 
 def cupy():
@@ -356,14 +360,14 @@ def _peer_copy(cp, x, device: Device, stream):
     with cp.cuda.Device(src_dev):
         src_stream = cp.cuda.get_current_stream()
         src = x if x.flags.c_contiguous else cp.ascontiguousarray(x)
-        ready = src_stream.record()
+        ready = mark(src_stream, src_dev)
     with cp.cuda.Device(device.index):
         dst_stream = stream if stream is not None else cp.cuda.get_current_stream()
         with stream if stream is not None else contextlib.nullcontext():
             out = cp.empty(x.shape, x.dtype)
         dst_stream.wait_event(ready)
         out.data.copy_from_device_async(src.data, src.nbytes, dst_stream)
-        copied = dst_stream.record()
+        copied = mark(dst_stream, device.index)
     with cp.cuda.Device(src_dev):
         src_stream.wait_event(copied)
     return out
@@ -373,9 +377,10 @@ def _current_waits_for(stream) -> None:
     """Make the current stream of the current device wait for the work queued so far on
     ``stream`` (a stream of that device): memory of the current stream's pool that
     ``stream`` reads is then reused only after the read."""
-    current = cupy().cuda.get_current_stream()
+    cp = cupy()
+    current = cp.cuda.get_current_stream()
     if current.ptr != stream.ptr:
-        current.wait_event(stream.record())
+        current.wait_event(mark(stream, int(cp.cuda.Device().id)))
 
 
 def _dlpack_on_gpu(x) -> bool:
@@ -384,6 +389,47 @@ def _dlpack_on_gpu(x) -> bool:
     except Exception:
         return False
     return int(dev_type) in (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+
+
+# --- events: timing-free, made once ------------------------------------------------------
+#
+# A stream that waits for another's work so far needs an event recorded there and
+# waited for at once: CUDA's wait takes the event's state at the moment of the wait, so
+# one event per stream, recorded again each time, serves every such wait. An event
+# polled later (the NCCL watchdog's) is one of its own, taken from a free list and given
+# back once it was seen complete. None of them keeps timing (cudaEventDisableTiming).
+
+_marks: dict = {}          # (device id, stream handle) -> the stream's reused event
+_free_events: dict = {}    # device id -> events seen complete, to record again
+
+
+def mark(stream, device_id: int):
+    """``stream``'s work so far, as its reused timing-free event (to be waited for now,
+    not kept). ``device_id``: the stream's device, which must be current."""
+    key = (device_id, stream.ptr)
+    ev = _marks.get(key)
+    if ev is None:
+        ev = _marks[key] = cupy().cuda.Event(disable_timing=True)
+    stream.record(ev)
+    return ev
+
+
+def kept_event(stream, device_id: int):
+    """A timing-free event recorded on ``stream`` now, to keep and poll; give it back
+    with :func:`release_events` once it was seen complete."""
+    free = _free_events.get(device_id)
+    ev = free.pop() if free else cupy().cuda.Event(disable_timing=True)
+    stream.record(ev)
+    return ev
+
+
+def release_events(events, device_ids) -> None:
+    """Give back events of :func:`kept_event` that completed (None entries skipped)."""
+    for ev, dev in zip(events, device_ids):
+        if ev is not None:
+            free = _free_events.setdefault(dev, [])
+            if len(free) < 64:
+                free.append(ev)
 
 
 def new_stream(device: Device):
@@ -405,26 +451,29 @@ def wait_for_current(device: Device, stream) -> None:
     with cp.cuda.Device(device.index):
         current = cp.cuda.get_current_stream()
         if current.ptr != stream.ptr:
-            stream.wait_event(current.record())
+            stream.wait_event(mark(current, device.index))
 
 
-def join_streams_into_current(devices, streams, into_current_device: bool = True) -> list:
+def join_streams_into_current(devices, streams, into_current_device: bool = True,
+                              keep: bool = False) -> list | None:
     """Make the calling thread's current stream of each GPU ``devices[i]`` wait for
     ``streams[i]``, and (``into_current_device``) its current stream of the current
     device wait for all of them: CuPy's ``get()`` copies on the current device's stream,
     whichever device the array is on. Events only: no host wait.
 
     Returns:
-        The event recorded on each stream (None for CPU devices).
+        With ``keep``, the event recorded on each stream, to poll (None for CPU
+        devices; see :func:`kept_event`); else None.
     """
-    events: list = [None] * len(devices)
+    n = len(devices)
     if not any(d.is_gpu and s is not None for d, s in zip(devices, streams)):
-        return events
+        return [None] * n if keep else None
     cp = cupy()
+    events: list = [None] * n
     for i, (d, s) in enumerate(zip(devices, streams)):
         if d.is_gpu and s is not None:
             with cp.cuda.Device(d.index):
-                events[i] = s.record()
+                events[i] = kept_event(s, d.index) if keep else mark(s, d.index)
                 current = cp.cuda.get_current_stream()
                 if current.ptr != s.ptr:
                     current.wait_event(events[i])
@@ -434,7 +483,7 @@ def join_streams_into_current(devices, streams, into_current_device: bool = True
         for d, ev in zip(devices, events):
             if ev is not None and d.index != here:
                 current.wait_event(ev)
-    return events
+    return events if keep else None
 
 
 @contextlib.contextmanager
@@ -464,3 +513,52 @@ def synchronize(device: Device, stream=None) -> None:
 def pinned_empty(shape, dtype) -> np.ndarray:
     """A page-locked host array (for fast asynchronous host-to-device copies)."""
     return cupyx().empty_pinned(shape, dtype)
+
+
+# --- the timeline's device times and NVTX ranges (gpustrat.timeline) ----------------------
+
+def timing_events(devices) -> list:
+    """One CUDA event recorded on the calling thread's current stream of each GPU in
+    ``devices`` (None for CPU devices): a timestamp in stream order, no host wait."""
+    cp = _loaded_cupy()
+    out: list = []
+    for d in devices:
+        if not d.is_gpu or cp is None:
+            out.append(None)
+            continue
+        with cp.cuda.Device(d.index):
+            out.append(cp.cuda.get_current_stream().record())
+    return out
+
+
+def elapsed_ms(start, end, wait: bool = False) -> float | None:
+    """Milliseconds of device time between two :func:`timing_events`, or None while
+    ``end`` has not completed (a query: no host wait) unless ``wait`` (then the host
+    waits for it: only when a trace is written)."""
+    if start is None or end is None:
+        return None
+    if not end.done:
+        if not wait:
+            return None
+        end.synchronize()
+    return float(_loaded_cupy().cuda.get_elapsed_time(start, end))
+
+
+def nvtx_push(name: str) -> bool:
+    """Open an NVTX range named ``name`` on this thread (Nsight Systems shows it), where
+    CuPy is in use; whether one was opened."""
+    cp = _loaded_cupy()
+    if cp is None:
+        return False
+    try:
+        cp.cuda.nvtx.RangePush(name)
+    except AttributeError:  # a CuPy built without NVTX
+        return False
+    return True
+
+
+def nvtx_pop() -> None:
+    """Close this thread's innermost NVTX range (opened by :func:`nvtx_push`)."""
+    cp = _loaded_cupy()
+    if cp is not None:
+        cp.cuda.nvtx.RangePop()

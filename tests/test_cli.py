@@ -312,6 +312,13 @@ def test_bench_finds_the_suites_and_their_launchers():
     proc = gpustrat_cmd("bench", "--list", timeout=60)
     assert proc.returncode == 0
     assert {line.split(":")[0] for line in proc.stdout.splitlines()} == set(SUITES)
+    # Each line says what the suite measures, from its docstring's first sentence.
+    for line in proc.stdout.splitlines():
+        name, _, rest = line.partition(": ")
+        assert rest.endswith(")") and f"(bench_{name}.py" in rest, line
+        assert len(rest.split(f" (bench_{name}.py")[0].split()) >= 3, line
+    assert "stall: The stall inspector's cost: a training step's time with it on " \
+           "against off, same run (bench_stall.py, mpiexec -n 2)" in proc.stdout
 
 
 @pytest.mark.parametrize("name", sorted(SUITES))
@@ -331,7 +338,8 @@ def test_bench_suite_quick_writes_json(name, tmp_path):
         for v in result["verdicts"]:
             line = cli.format_verdict(v)
             assert f"target {line}" in proc.stdout and line in proc.stdout.split("== targets ==")[1]
-            assert line.endswith((": met", ": NOT met")) or "not measured (" in line
+            # A quick run judges no target: its figure, then "not judged (quick)".
+            assert line.endswith(": not judged (quick)") or "not measured (" in line, line
     if "skipped" in result:
         pytest.skip(result["skipped"])
     assert isinstance(result, dict) and result and "error" not in result, result
@@ -394,6 +402,21 @@ def test_bench_prints_progress_and_a_verdict_beside_every_target(tmp_path):
     assert summary[4] == "1 target(s) met, 1 not met, 1 not measured"
 
 
+def test_bench_quick_judges_no_target_and_says_so(tmp_path):
+    (tmp_path / "bench_fake.py").write_text(FAKE_SUITE.replace("time.sleep(2.5)", "")
+                                            .replace("no GPU here", "--quick is too short"))
+    proc = gpustrat_cmd("bench", "fake", "--quick", timeout=60,
+                        env={"GPUSTRAT_BENCHMARKS": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "target fast enough: 7 x (goal >= 5 x): not judged (quick)" in out
+    assert "target small enough: 7 us (goal <= 5 us): not judged (quick)" in out
+    assert "target on a GPU (goal >= 85 %): not judged (quick)" in out
+    assert "NOT met" not in out and ": met" not in out
+    assert out.split("== targets ==")[1].splitlines()[4] == \
+        "0 target(s) met, 3 not judged (quick)"
+
+
 def test_bench_output_files_and_times_are_checked_before_any_suite_runs(tmp_path):
     # --json into a folder that did not exist used to fail after every suite had run,
     # losing the results.
@@ -413,3 +436,57 @@ def test_bench_output_files_and_times_are_checked_before_any_suite_runs(tmp_path
         proc = gpustrat_cmd("bench", "fake", *args, timeout=60, env=env)
         assert proc.returncode == 2 and words in proc.stderr, (args, proc.stderr)
         assert "measured" not in proc.stdout, args  # nothing ran
+
+
+# --- defaults that agree, and what the demo says while it trains --------------------------
+
+def test_info_names_the_demos_devices_beside_the_strategies_default():
+    proc = gpustrat_cmd("info", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    pairs = dict(line.split(": ", 1) for line in proc.stdout.splitlines())
+    from gpustrat.demo import default_devices  # noqa: PLC0415
+    assert pairs["demo devices"] == ", ".join(default_devices())
+    if pairs["gpu count"] == "0":
+        assert pairs["default devices"] == "cpu:0" and pairs["demo devices"] == "cpu:0, cpu:1"
+
+
+def test_demo_says_when_its_options_do_not_do_what_they_seem_to():
+    proc = gpustrat_cmd("demo", "--samples", "10", "--batch", "256", "--epochs", "1",
+                        timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert ("note: --samples 10 is less than --batch 256: each epoch is one partial batch "
+            "of 10 examples") in proc.stdout
+    proc = gpustrat_cmd("demo", "--samples", "512", "--batch", "256", "--epochs", "1",
+                        timeout=120)
+    assert "note:" not in proc.stdout
+    proc = gpustrat_cmd("demo", "--multi-worker", "--quick", "--epochs", "1", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "--multi-worker without an MPI launcher: one worker, on cpu:0 (launch W workers " \
+           "with mpiexec -n W python -m gpustrat demo" in proc.stdout, proc.stdout
+    assert "1 worker(s) x 1 replica(s)" in proc.stdout
+
+
+def test_demo_says_what_loss_to_expect_and_it_falls_between_those_bounds():
+    proc = gpustrat_cmd("demo", "--quick", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    m = re.search(r"predicting the mean scores (\d\.\d+) and the noise alone (\d\.\d+)",
+                  proc.stdout)
+    assert m, proc.stdout
+    top, floor = float(m.group(1)), float(m.group(2))
+    losses = [e[2] for e in epoch_lines(proc.stdout)]
+    assert floor < losses[-1] < losses[0] < top, (losses, top, floor)
+
+
+def test_demo_shows_progress_within_a_long_epoch():
+    from gpustrat import demo  # noqa: PLC0415
+    import gpustrat as gs  # noqa: PLC0415
+    lines = []
+    strategy = gs.MirroredStrategy(["cpu:0", "cpu:1"])
+    demo.train(strategy, epochs=1, n_samples=1000, global_batch=256, log=lines.append,
+               progress_every=1e-9)  # every step counts as "a few seconds" here
+    notes = [line for line in lines if line.startswith("  epoch 1/1: ")]
+    assert [n.split(": ")[1].split(" examples")[0] for n in notes] == \
+        ["256/1,000", "512/1,000", "768/1,000", "1,000/1,000"], lines
+    lines.clear()
+    demo.train(strategy, epochs=1, n_samples=1000, global_batch=256, log=lines.append)
+    assert not [line for line in lines if line.startswith("  epoch")], lines  # a short epoch

@@ -66,3 +66,25 @@ def test_examples_default_to_two_cpu_replicas_without_a_gpu():
                        "--epochs", "5")
     assert proc.returncode == 0, proc.stderr
     assert "epoch   5  loss" in proc.stdout and "(array([8]), array([], dtype=int64))" in proc.stdout
+
+
+def test_generator_processes_maps_an_index_generator_on_worker_processes():
+    proc = run_example("examples/generator_processes.py", "--records", "48", "--batch", "8")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "threads  : 6 batches, x (8, 64, 64, 3) uint8, y (8, 10) float32" in out, out
+    assert "processes: 6 batches, x (8, 64, 64, 3) uint8, y (8, 10) float32" in out, out
+    assert "same batches: True" in out, out
+
+
+def test_generator_processes_decodes_every_record():
+    example = load("generator_processes")
+    records = example.make_training_set(10)
+    batches, _ = example.main(records=10, batch=4, compare=False)
+    xs = np.concatenate([x for x, _ in batches])
+    ys = np.concatenate([y for _, y in batches])
+    assert xs.shape == (10, 64, 64, 3) and ys.shape == (10, 10)
+    for i, record in enumerate(records):
+        x, y = example.your_processing_function(record)
+        np.testing.assert_array_equal(xs[i], x)
+        assert ys[i].argmax() == record[0]

@@ -60,7 +60,7 @@ class FakeCupy:
                                  stream.name, fake.current_device()))
 
         class Event:
-            def __init__(self, name):
+            def __init__(self, name=None, disable_timing=False):
                 self.name = name
 
         class Stream:
@@ -73,9 +73,11 @@ class FakeCupy:
                 self.name, self.ptr = name, hash(name) & 0xffff
                 self.dev = fake.current_device() if dev is None else dev
 
-            def record(self):
+            def record(self, event=None):
                 fake.log.append(("record", self.name, fake.current_device()))
-                return Event(f"ev:{self.name}")
+                event = event or Event()
+                event.name = f"ev:{self.name}"
+                return event
 
             def wait_event(self, event):
                 fake.log.append(("wait", self.name, event.name, fake.current_device()))
@@ -134,7 +136,7 @@ class FakeCupy:
         self.asarray = asarray
         self.exported_stream = "current"   # or a fixed value / None for the CAI "stream"
         self.cuda = types.SimpleNamespace(
-            Device=DeviceCtx, Stream=Stream, get_current_stream=get_current_stream,
+            Device=DeviceCtx, Stream=Stream, Event=Event, get_current_stream=get_current_stream,
             ExternalStream=ExternalStream,
             runtime=types.SimpleNamespace(getDeviceCount=lambda: 4))
 

@@ -161,6 +161,27 @@ class Communicator(abc.ABC):
         self.agree(key, what, hint)
         return _NOTHING
 
+    def reduce_numbers(self, numbers: Sequence[Any], op: ReduceOp):
+        """Python numbers (ints, or floats), one per local replica, reduced over every
+        replica in sync on the host, with no device involved: the number the all-reduce
+        of their 0-d NumPy arrays would hold (int64 or float64 arithmetic; MEAN is a
+        true division). Combined here first, then over the workers
+        (:meth:`number_group`), in rank order, so every worker gets the same number."""
+        a = np.asarray(numbers)
+        mean = op is ReduceOp.MEAN
+        local = a.max() if op is ReduceOp.MAX else a.min() if op is ReduceOp.MIN else a.sum()
+        if self.num_workers > 1:
+            parts = np.asarray(self.number_group().allgather(local))
+            local = parts.max() if op is ReduceOp.MAX else \
+                parts.min() if op is ReduceOp.MIN else parts.sum()
+        return (np.true_divide(local, self.num_replicas) if mean else local).item()
+
+    def number_group(self):
+        """The :class:`WorkerGroup` :meth:`reduce_numbers` gathers over (backends
+        between workers name theirs)."""
+        raise NotImplementedError(f"{type(self).__name__} has no worker group for host "
+                                  "numbers")
+
     def reduce(self, buffers: Sequence[Any], op: ReduceOp):
         """The all-reduce result on local replica 0's device only (what
         ``strategy.reduce`` returns). Backends may override to do less work."""

@@ -230,6 +230,32 @@ def fused_all_reduce_flat(comm: Communicator, tensors: Sequence[Sequence], op,
                                                        layout, shared=shared)]
 
 
+def fused_all_reduce_columns(comm: Communicator, columns: Sequence, op,
+                             layout: "FusionLayout", into=None) -> tuple[list, list | None]:
+    """All-reduce ``columns[i][j]``, tensor ``j`` of local replica ``i`` (shapes and
+    dtypes those of ``layout``, checked by the caller), one collective per bucket.
+
+    Args:
+        into: the buffers this returned for the same layout before, to pack into again
+            (the caller knows nothing refers to them any more), or None.
+    Returns:
+        ``(buffers, results)``: ``buffers[k][i]``, bucket k's reduced fusion buffer on
+        replica i, and ``results[i]``, replica i's list of reduced tensors (views of
+        the buffers); results is None when the reduction is in ``into`` itself (whose
+        views the caller kept).
+    """
+    done = list(_reduced_buckets(comm, None, op, None, layout, columns=columns, into=into))
+    buffers = [reduced for _, _, reduced in done]
+    if into is not None and all(all(map(operator.is_, b, held))
+                                for b, held in zip(buffers, into)):
+        return buffers, None
+    results = [[None] * len(layout.shapes) for _ in columns]
+    for bucket, runs, reduced in done:
+        for i, r in enumerate(reduced):
+            _place(results[i], bucket, _unpack_views(r, runs))
+    return buffers, results
+
+
 def all_reduce_arenas(comm: Communicator, arenas: Sequence, op,
                       layout: "FusionLayout") -> list[tuple[list, list]]:
     """Reduce tensors that already sit in fusion buffers, in place: no packing.
@@ -293,10 +319,11 @@ def check_layout(comm: Communicator, tensors: Sequence[Sequence],
 
 
 def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout, arenas=None,
-                     shared: bool = False, columns=None):
+                     shared: bool = False, columns=None, into=None):
     """Yield ``(bucket, how to cut it into tensors, reduced buffers)`` for each bucket:
     ``tensors`` (or ``columns``, ``columns[i][j]`` being tensor j of local replica i,
-    with ``layout`` given) packed into fusion buffers, or the buckets' slices of
+    with ``layout`` given) packed into fusion buffers (GPU tensors: into ``into[k][i]``
+    for bucket k and replica i when given, else new ones), or the buckets' slices of
     ``arenas`` (one per local replica) reduced in place; ``shared``: the packed
     buffers' reduction may be one read-only array for every local replica."""
     if type(op) is not ReduceOp:
@@ -308,7 +335,8 @@ def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout, aren
             tensors, layout = check_layout(comm, tensors, bucket_bytes)
     n_local = comm.num_local
     pool: dict = {}
-    for bucket, lo, hi, start, total, dtype, arena_total, runs in layout.buckets:
+    for k, (bucket, lo, hi, start, total, dtype, arena_total, runs) in \
+            enumerate(layout.buckets):
         if arenas is not None:
             if arenas[0].dtype != dtype or arenas[0].size != arena_total:
                 raise ValueError(f"the arenas hold {arenas[0].size} values of dtype "
@@ -327,7 +355,7 @@ def _reduced_buckets(comm: Communicator, tensors, op, bucket_bytes, layout, aren
                     parts = list(map(_ITEMS[i], rows)) if i < len(_ITEMS) else \
                         [row[i] for row in rows]
                 if is_gpu_array(parts[0]):
-                    buffers.append(_pack_gpu(parts))
+                    buffers.append(_pack_gpu(parts, None if into is None else into[k][i]))
                     continue
                 arena = pool.get((dtype, i))
                 if arena is None:
@@ -496,9 +524,9 @@ def _unpack_views(buffer, runs) -> list:
 
 # --- GPU: the pack kernels ----------------------------------------------------------------
 
-def _pack_gpu(tensors):
+def _pack_gpu(tensors, out=None):
     from gpustrat.kernels import _launch  # noqa: PLC0415
-    from gpustrat.kernels.pack import pack  # noqa: PLC0415
+    from gpustrat.kernels.pack import pack  # noqa: PLC0415 - imports Numba
     if not _launch.all_c_contiguous(tensors):
         xp = array_module(tensors[0])
         with device_of(tensors[0]).activate():
@@ -506,5 +534,5 @@ def _pack_gpu(tensors):
                        for t in tensors]
     # pack launches on the tensors' device and its current stream, its plan kept by
     # the layout: a steady step's pack is one pass over the addresses and one launch.
-    return pack(tensors)
+    return pack(tensors, out=out)
 

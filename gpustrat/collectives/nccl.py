@@ -43,6 +43,7 @@ raises.
 
 from __future__ import annotations
 
+import operator
 import queue
 import threading
 import time
@@ -55,9 +56,12 @@ from gpustrat.collectives.base import (Communicator, LocalWorkerGroup, WorkerGro
                                        agree_layout_over)
 from gpustrat.collectives.host import check_same_layout
 from gpustrat.devices import (Device, cupy, gpu_count, is_gpu_array, join_streams_into_current,
-                              nccl_library, new_stream, to_device)
+                              mark, nccl_library, new_stream, release_events, to_device)
 from gpustrat.errors import CollectiveTimeout
 from gpustrat.reduce_util import ReduceOp
+
+_DEVICE_ID = operator.attrgetter("device.id")
+_CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
 
 ENV_TIMEOUT = "GPUSTRAT_TIMEOUT"
 
@@ -239,6 +243,7 @@ class NcclCommunicator(Communicator):
                 nccl.groupEnd()
             self._comms = comms
         self._streams = [new_stream(d) for d in self.devices]
+        self._device_ids = [d.index for d in self.devices]
         self._watchdog: _Watchdog | None = None
 
     # --- plumbing ---------------------------------------------------------------------
@@ -311,6 +316,10 @@ class NcclCommunicator(Communicator):
         if len(buffers) != self.num_local:
             raise ValueError(f"{what}: got {len(buffers)} buffers for {self.num_local} local "
                              "replicas")
+        if set(map(type, buffers)) == {cupy().ndarray} and \
+                list(map(_DEVICE_ID, buffers)) == self._device_ids and \
+                all(map(_CONTIGUOUS, buffers)):
+            return buffers     # contiguous arrays on their devices: the common case
         cp = cupy()
         out = []
         for b, d in zip(buffers, self.devices):
@@ -333,18 +342,17 @@ class NcclCommunicator(Communicator):
         ``keep``, the buffers) to the watchdog. No host wait."""
         cp = cupy()
         nccl = self._nccl
-        for i, d in enumerate(self.devices):
-            with cp.cuda.Device(d.index):
-                self._streams[i].wait_event(cp.cuda.get_current_stream().record())
         nccl.groupStart()
         try:
             for i, (comm, d) in enumerate(zip(self._comms, self.devices)):
                 with cp.cuda.Device(d.index):
-                    issue(i, comm, self._streams[i].ptr)
+                    stream = self._streams[i]
+                    stream.wait_event(mark(cp.cuda.get_current_stream(), d.index))
+                    issue(i, comm, stream.ptr)
         finally:
             nccl.groupEnd()
         events = join_streams_into_current(self.devices, self._streams,
-                                           into_current_device=False)
+                                           into_current_device=False, keep=True)
         if self._watchdog is None:
             self._watchdog = _Watchdog(self)
         self._watchdog.watch(events, what, keep)
@@ -396,6 +404,27 @@ class NcclCommunicator(Communicator):
                     b[...] = o
             outs = bufs
         return self._post(outs, post)
+
+    def reduce(self, buffers, op):
+        """The reduction on local replica 0's device only, with one ``ncclReduce`` to
+        that replica (the other devices receive nothing, and nothing is allocated
+        there). Dtypes NCCL reduces through another dtype take the all-reduce path."""
+        op = ReduceOp.from_value(op)
+        bufs = self._prepare(buffers, f"reduce({op.name})")
+        check_same_layout(bufs, f"reduce({op.name})")
+        dtype = bufs[0].dtype
+        wire, dt, nop, post = self._reduce_args(dtype, op)
+        if wire is not None and wire[0] != "view":
+            return self._all_reduce(bufs, op, inplace=False)[0]
+        root = self.global_replica_id(0) if self.worker_index == 0 else 0
+        out = self._empty(0, bufs[0].shape, dtype)
+        count = int(bufs[0].nbytes) // _wire_itemsize(wire, dtype)
+        if count:
+            root_ptrs = [out.data.ptr] + [b.data.ptr for b in bufs[1:]]
+            self._run(lambda: f"NCCL reduce({op.name}) of {bufs[0].shape} {dtype}",
+                      lambda i, c, s: c.reduce(bufs[i].data.ptr, root_ptrs[i], count, dt,
+                                               nop, root, s), (bufs, out))
+        return self._post([out], post)[0]
 
     def reduce_scatter(self, buffers, op):
         op = ReduceOp.from_value(op)
@@ -502,6 +531,9 @@ class NcclCommunicator(Communicator):
             except Exception:  # an abort must reach every communicator
                 pass
 
+    def number_group(self):
+        return self._control
+
     def agree_layout(self, shape, dtype, what, hint=""):
         agree_layout_over(self._control, shape, dtype, what, hint)
 
@@ -532,6 +564,7 @@ class _Watchdog:
         self._queue: queue.Queue = queue.Queue()
         self._timeout = comm.timeout
         self._comms = list(comm._comms)
+        self._device_ids = [d.index for d in comm.devices]
         self._abort_method = weakref.WeakMethod(comm.abort)
         self._thread = threading.Thread(target=self._loop, name="gpustrat-nccl-watchdog",
                                         daemon=True)
@@ -575,4 +608,6 @@ class _Watchdog:
                          check=self._check, started=issued)
             except BaseException as e:  # raised by the communicator's next call
                 self.failure = e
+            else:
+                release_events(events, self._device_ids)
             del item, events, keep, what   # the buffers may be reused from here on

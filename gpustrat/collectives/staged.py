@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
 from gpustrat.collectives.base import Communicator
 from gpustrat.devices import Device, to_device, to_host
 
@@ -71,6 +73,10 @@ class StagedCommunicator(Communicator):
     def agreeing(self, key, what, hint="", also=None):
         # The host collective of the staged call made inside carries it.
         return self.host.agreeing(key, what, hint, also)
+
+    def reduce_numbers(self, numbers, op):
+        # The host communicator's own all-reduce, with its checks between workers.
+        return self.host.all_reduce([np.asarray(x) for x in numbers], op)[0].item()
 
     def reduce(self, buffers, op):
         return to_device(self.host.reduce(self._down(buffers), op), self.devices[0])

@@ -7,7 +7,9 @@ from gpustrat.data.dataset import (AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDI
                                    Dataset, DatasetIterator)
 from gpustrat.data.files import TextLineDataset
 from gpustrat.data.npy import NpyDataset
-from gpustrat.data.options import AutoShardPolicy, DistributeOptions, Options
+from gpustrat.data.options import AutoShardPolicy, DistributeOptions, Options, ProcessingOptions
+from gpustrat.data.processes import WorkerDiedError
+from gpustrat.data.sources import SequenceGenerator
 from gpustrat.data.spec import STRING, TensorSpec
 from gpustrat.data.tfrecord import DataLossError, TFRecordDataset, TFRecordWriter
 from gpustrat.data.windowing import DatasetSpec
@@ -21,4 +23,11 @@ __all__ = [
     "AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset", "DatasetIterator",
     "TextLineDataset", "TFRecordDataset", "TFRecordWriter", "DataLossError", "NpyDataset",
     "Options", "AutoShardPolicy", "DistributeOptions", "TensorSpec", "STRING", "experimental",
+    "SequenceGenerator", "ProcessingOptions", "WorkerDiedError",
 ]
+
+
+def __getattr__(name):
+    # A TensorFlow name gpustrat has elsewhere, or not at all, says so.
+    from gpustrat._porting import attribute_error  # noqa: PLC0415
+    raise attribute_error(__name__, name)

@@ -54,10 +54,19 @@ def autotune_parallelism() -> int:
 class _IterContext:
     """What a node's ``_iter`` needs to know about the iteration it is part of."""
 
-    __slots__ = ("peek",)
+    __slots__ = ("peek", "root", "_options")
 
-    def __init__(self, peek: bool = False):
+    def __init__(self, peek: bool = False, root: "Dataset | None" = None):
         self.peek = peek
+        self.root = root
+        self._options = None
+
+    def options(self, node: "Dataset") -> Options:
+        """The options of the whole pipeline iterated (those set downstream of ``node``
+        too, as tf.data applies options to the whole pipeline), else ``node``'s."""
+        if self._options is None:
+            self._options = (self.root if self.root is not None else node).options()
+        return self._options
 
 
 # What an ended or failed iterator's ``next`` reads: raises StopIteration.
@@ -131,7 +140,7 @@ class DatasetIterator:
         if "seeds" in state:  # before any node's iterator reads its seed
             for node, seed in zip(drawn_seed_nodes(self._dataset), state["seeds"]):
                 set_drawn_seed(node, seed)
-        fresh = self._dataset._state_iter(_IterContext())
+        fresh = self._dataset._state_iter(_IterContext(root=self._dataset))
         fresh.restore(state["position"])
         if "epochs" in state:  # the counters as at the save (making fresh moved them)
             set_epoch_counts(self._dataset, state["epochs"])
@@ -140,6 +149,13 @@ class DatasetIterator:
 
     _checkpoint_state = get_state
     _restore_checkpoint_state = set_state
+
+    def _position_unsaveable(self) -> str | None:
+        """Why this iterator cannot save its position (None: it can)."""
+        if self._state is not None:
+            return None
+        return "; ".join(unsupported_nodes(self._dataset)
+                         or ["this iterator was not made by iter()"])
 
     def __iter__(self) -> "DatasetIterator":
         return self
@@ -290,9 +306,9 @@ class Dataset(abc.ABC):
         if saveable is None or saveable[0] != id(self):
             saveable = self.__dict__["_saveable"] = (id(self), not unsupported_nodes(self))
         if saveable[1]:
-            state = self._state_iter(_IterContext())
+            state = self._state_iter(_IterContext(root=self))
             return DatasetIterator(self, state.fast_iter(), state)
-        return DatasetIterator(self, self._iter(_IterContext()))
+        return DatasetIterator(self, self._iter(_IterContext(root=self)))
 
     @property
     def element_spec(self) -> Any:
@@ -450,14 +466,18 @@ class Dataset(abc.ABC):
         return UnbatchDataset(self)
 
     def map(self, map_func: Callable, num_parallel_calls: int | None = None,
-            deterministic: bool | None = None, name: str | None = None) -> "Dataset":
+            deterministic: bool | None = None, name: str | None = None,
+            use_processes: bool | None = None) -> "Dataset":
         """Apply ``map_func`` to every element (tuples are unpacked into arguments).
 
         With ``num_parallel_calls`` (an int or AUTOTUNE) the calls run in a thread pool;
-        results keep the input order unless ``deterministic`` is False.
+        results keep the input order unless ``deterministic`` is False. With
+        ``use_processes=True`` (or the options' ``experimental_processing.use_processes``)
+        they run in that many worker processes instead (AUTOTUNE: one per core this
+        process may use): Python code that holds the GIL then scales with the cores.
         """
         from gpustrat.data.mapping import MapDataset
-        return MapDataset(self, map_func, num_parallel_calls, deterministic)
+        return MapDataset(self, map_func, num_parallel_calls, deterministic, use_processes)
 
     def filter(self, predicate: Callable) -> "Dataset":
         """Keep the elements for which ``predicate`` returns a true scalar."""
@@ -502,12 +522,17 @@ class Dataset(abc.ABC):
 
     def interleave(self, map_func: Callable, cycle_length: int | None = None,
                    block_length: int | None = None, num_parallel_calls: int | None = None,
-                   deterministic: bool | None = None) -> "Dataset":
+                   deterministic: bool | None = None,
+                   use_processes: bool | None = None) -> "Dataset":
         """Map elements to datasets and interleave them: ``cycle_length`` open at once,
-        ``block_length`` consecutive elements from each (tf.data's order)."""
+        ``block_length`` consecutive elements from each (tf.data's order).
+
+        With ``num_parallel_calls`` each open dataset is read ahead by a thread; with
+        ``use_processes=True`` (or the options' ``experimental_processing``) the
+        datasets are made and iterated in ``num_parallel_calls`` worker processes."""
         from gpustrat.data.interleave import InterleaveDataset
         return InterleaveDataset(self, map_func, cycle_length, block_length,
-                                 num_parallel_calls, deterministic)
+                                 num_parallel_calls, deterministic, use_processes)
 
     def flat_map(self, map_func: Callable) -> "Dataset":
         """Map elements to datasets and concatenate them in order."""

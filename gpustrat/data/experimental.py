@@ -15,6 +15,7 @@ _NAMES = {
     "UNKNOWN_CARDINALITY": "gpustrat.data.dataset",
     "AutoShardPolicy": "gpustrat.data.options",
     "DistributeOptions": "gpustrat.data.options",
+    "ProcessingOptions": "gpustrat.data.options",
     "TFRecordWriter": "gpustrat.data.tfrecord",
     "Optional": "gpustrat.distribute.input_lib",
     "cardinality": "gpustrat.data.experimental_ops",

@@ -254,6 +254,7 @@ def _resilient(dataset: Dataset, warn: bool) -> Dataset:
                 new = copy.copy(new)
                 new.__dict__.pop("_spec_cache", None)
                 new._call = _guarded(node._call, _FAILED, warn)
+                new._drop_errors = (_FAILED, warn)   # for a map on processes
                 new = _DropFailed(new, node)
             elif isinstance(node, FilterDataset):
                 new = copy.copy(new)

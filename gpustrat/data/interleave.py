@@ -28,7 +28,9 @@ from gpustrat.data.iterator_state import (PrefetchIterator, StateIterator,
                                           load_element, save_element, state_iter_of)
 from gpustrat.data.dataset import (AUTOTUNE, UNKNOWN_CARDINALITY, Dataset, _check_positive,
                                    _IterContext)
-from gpustrat.data.mapping import _function_spec, _resolve_parallelism
+from gpustrat.data.mapping import (_function_spec, _resolve_parallelism, check_use_processes,
+                                   processes_for)
+from gpustrat.data.process_stages import InterleavePool
 from gpustrat.data.unary import UnaryDataset, _close
 
 
@@ -40,7 +42,8 @@ class InterleaveDataset(UnaryDataset):
     """``interleave(map_func, cycle_length, block_length, num_parallel_calls, deterministic)``."""
 
     def __init__(self, input_dataset: Dataset, map_func: Callable, cycle_length=None,
-                 block_length=None, num_parallel_calls=None, deterministic=None):
+                 block_length=None, num_parallel_calls=None, deterministic=None,
+                 use_processes=None):
         super().__init__(input_dataset)
         if not callable(map_func):
             raise TypeError(f"interleave: map_func must be callable, got "
@@ -61,6 +64,9 @@ class InterleaveDataset(UnaryDataset):
                 f"fixed cycle_length {cycle_length}; give at most {cycle_length}, or "
                 "AUTOTUNE")
         self._deterministic = deterministic
+        self._autotune = num_parallel_calls == AUTOTUNE
+        self._use_processes = check_use_processes(use_processes, num_parallel_calls,
+                                                  "interleave")
         # The datasets map_func returns may shuffle without a seed. Distributing under
         # the DATA policy gives this node a seed agreed by every worker (_with_seed),
         # from which their shuffles are seeded alike on every worker; until then they
@@ -79,7 +85,18 @@ class InterleaveDataset(UnaryDataset):
         new._epochs = itertools.count()
         return new
 
-    def _open(self, element, ctx: _IterContext, key: tuple | None = None):
+    def _pool(self, ctx) -> "InterleavePool | None":
+        """The worker processes of one iteration (None: the datasets are made here)."""
+        if ctx.peek:
+            return None
+        n = processes_for(self._parallelism, self._autotune, self._use_processes,
+                          ctx.options(self))
+        return None if n is None else InterleavePool(self._fn, n, max(2, self._block),
+                                                     "interleave")
+
+    def _open(self, element, ctx: _IterContext, key: tuple | None = None, pool=None):
+        if pool is not None:
+            return pool.open(element, key).start()
         ds = st.call_with_element(self._fn, element)
         if not isinstance(ds, Dataset):
             raise TypeError(f"interleave: map_func must return a Dataset, got "
@@ -102,6 +119,7 @@ class InterleaveDataset(UnaryDataset):
         opened = 0      # datasets opened so far this epoch
         agreed = self._agreed_seed
         epoch = None if agreed is None else (0 if ctx.peek else next(self._epochs))
+        pool = self._pool(ctx)
         try:
             while not end_of_input or num_open > 0:
                 it = slots[index]
@@ -125,7 +143,7 @@ class InterleaveDataset(UnaryDataset):
                         end_of_input = True
                         continue
                     slots[index] = self._open(
-                        x, ctx, None if agreed is None else (agreed, epoch, opened))
+                        x, ctx, None if agreed is None else (agreed, epoch, opened), pool)
                     opened += 1
                     num_open += 1
                 else:
@@ -134,16 +152,21 @@ class InterleaveDataset(UnaryDataset):
             for it in slots:
                 if it is not None:
                     _close(it)
+            if pool is not None:
+                pool.close()
             _close(source)
 
     def _state_iter(self, ctx):
         return _InterleaveIterator(self, ctx)
 
     def _open_state(self, element, ctx: _IterContext, key: tuple | None,
-                    state: dict | None = None):
+                    state: dict | None = None, pool=None):
         """The state iterator of the dataset ``map_func`` returns for ``element`` (a
         plain one whose ``save`` raises, naming the node, when that dataset cannot
         save its position: iteration goes on, only saving is refused)."""
+        if pool is not None:
+            return pool.open(element, key, state, True,
+                             "interleave: a dataset that map_func returned").start()
         ds = st.call_with_element(self._fn, element)
         if not isinstance(ds, Dataset):
             raise TypeError(f"interleave: map_func must return a Dataset, got "
@@ -187,6 +210,7 @@ class _InterleaveIterator(StateIterator):
         self._index = self._taken = self._opened = 0
         agreed = node._agreed_seed
         self._epoch = None if agreed is None else next(node._epochs)
+        self._pool = node._pool(ctx)
 
     @property
     def _inputs(self):
@@ -220,7 +244,7 @@ class _InterleaveIterator(StateIterator):
                     continue
                 key = self._key(self._opened)
                 self._slots[self._index] = (x, self._opened, self._node._open_state(
-                    x, self._ctx, key))
+                    x, self._ctx, key, None, self._pool))
                 self._opened += 1
             else:
                 self._index, self._taken = (self._index + 1) % cycle, 0
@@ -244,11 +268,13 @@ class _InterleaveIterator(StateIterator):
                 continue
             element = load_element(saved["element"])
             it = self._node._open_state(element, self._ctx, self._key(int(saved["opened"])),
-                                        saved["state"])
+                                        saved["state"], self._pool)
             self._slots[i] = (element, int(saved["opened"]), it)
 
     def close(self):
         for s in self._slots:
             if s is not None:
                 s[2].close()
+        if self._pool is not None:
+            self._pool.close()
         self._source.close()

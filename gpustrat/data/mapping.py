@@ -15,6 +15,7 @@ from gpustrat.data import structure as st
 from gpustrat.data.dataset import (AUTOTUNE, UNKNOWN_CARDINALITY, Dataset, _check_positive,
                                    _IterContext, autotune_parallelism)
 from gpustrat.data.iterator_state import FunctionIterator, ParallelMapIterator
+from gpustrat.data.process_stages import ProcessMapIterator, process_map
 from gpustrat.data.spec import merge_specs, spec_of, zeros_like_spec
 from gpustrat.data.unary import _MISSING, UnaryDataset, _close
 
@@ -90,31 +91,81 @@ def _resolve_parallelism(num_parallel_calls, what: str) -> int | None:
 _STRUCTURES = (tuple, dict)
 
 
+def map_output(fn: Callable, element):
+    """``fn(element)`` (a tuple unpacked into arguments) as a dataset element."""
+    out = st.call_with_element(fn, element)
+    if type(out) is np.ndarray:
+        return out
+    if type(out) is list:
+        # As tf.data: a returned list is a tuple of components (often the result of a
+        # function giving several arrays), not one array stacked from them.
+        out = tuple(out)
+    out = st.normalize(out)
+    if isinstance(out, _STRUCTURES) and not (
+            type(out) is tuple and out and not isinstance(out[0], _STRUCTURES)):
+        # (A tuple led by a leaf, the common structure, has a component.)
+        st.check_has_component(out, "map's function")
+    return out
+
+
+def check_use_processes(use_processes, num_parallel_calls, what: str):
+    """``use_processes`` checked: None (the pipeline's options decide), True or False."""
+    if use_processes is not None and not isinstance(use_processes, bool):
+        raise TypeError(f"{what}: use_processes must be True, False or None, got "
+                        f"{type(use_processes).__name__} {use_processes!r}")
+    if use_processes and num_parallel_calls is None:
+        raise ValueError(f"{what}: use_processes=True runs the calls in "
+                         "num_parallel_calls worker processes, but num_parallel_calls is "
+                         "None (calls in this process, one at a time): give "
+                         "num_parallel_calls (an int, or AUTOTUNE for one process per core)")
+    return use_processes
+
+
+def processes_for(parallelism, autotune: bool, use_processes, options) -> int | None:
+    """Worker processes for a parallel stage (None: threads, or no parallelism): when
+    ``use_processes`` is True, or None and the options' ``experimental_processing``
+    asks for them; AUTOTUNE gives one per core this process may use, at most
+    ``max_processes``."""
+    if parallelism is None:
+        return None
+    if use_processes is None:
+        use_processes = bool(options.experimental_processing.use_processes)
+    if not use_processes:
+        return None
+    if not autotune:
+        return parallelism
+    from gpustrat.data.processes import process_count  # noqa: PLC0415
+    n = process_count()
+    cap = options.experimental_processing.max_processes
+    return n if cap is None else max(1, min(n, cap))
+
+
 class MapDataset(UnaryDataset):
     """``map(fn, num_parallel_calls, deterministic)``."""
 
-    def __init__(self, input_dataset, map_func: Callable, num_parallel_calls, deterministic):
+    def __init__(self, input_dataset, map_func: Callable, num_parallel_calls, deterministic,
+                 use_processes=None):
         super().__init__(input_dataset)
         if not callable(map_func):
             raise TypeError(f"map: map_func must be callable, got {type(map_func).__name__}")
         self._fn = map_func
         self._parallelism = _resolve_parallelism(num_parallel_calls, "map")
+        self._autotune = num_parallel_calls == AUTOTUNE
         self._deterministic = deterministic
+        self._use_processes = check_use_processes(use_processes, num_parallel_calls, "map")
 
     def _call(self, element):
-        out = st.call_with_element(self._fn, element)
-        if type(out) is np.ndarray:
-            return out
-        if type(out) is list:
-            # As tf.data: a returned list is a tuple of components (often the result of a
-            # function giving several arrays), not one array stacked from them.
-            out = tuple(out)
-        out = st.normalize(out)
-        if isinstance(out, _STRUCTURES) and not (
-                type(out) is tuple and out and not isinstance(out[0], _STRUCTURES)):
-            # (A tuple led by a leaf, the common structure, has a component.)
-            st.check_has_component(out, "map's function")
-        return out
+        return map_output(self._fn, element)
+
+    def _processes(self, ctx=None) -> int | None:
+        """The number of worker processes this map's calls run in (None: threads, or
+        inline)."""
+        return processes_for(self._parallelism, self._autotune, self._use_processes,
+                             self.options() if ctx is None else ctx.options(self))
+
+    def _on_error(self):
+        # ignore_errors gives its maps (failed value, warn): see filtering._resilient.
+        return self.__dict__.get("_drop_errors")
 
     def _in_order(self) -> "MapDataset | None":
         """This map keeping the input order, or None when it already does (a parallel
@@ -129,7 +180,8 @@ class MapDataset(UnaryDataset):
     def _iter(self, ctx):
         it = self._input._iter(ctx)
         call = self._call
-        if self._parallelism is None or self._parallelism == 1 or ctx.peek:
+        if self._parallelism is None or ctx.peek or (
+                self._parallelism == 1 and self._processes(ctx) is None):
             try:
                 for element in it:
                     yield call(element)
@@ -139,16 +191,26 @@ class MapDataset(UnaryDataset):
         deterministic = self._deterministic
         if deterministic is None:
             deterministic = self.options().deterministic is not False
+        processes = self._processes(ctx)
+        if processes is not None:
+            yield from process_map(it, self._fn, processes, deterministic, "map",
+                                   self._on_error())
+            return
         yield from parallel.parallel_map(it, call, self._parallelism, deterministic)
 
     def _state_iter(self, ctx):
         source = self._input._state_iter(ctx)
         call = self._call
-        if self._parallelism is None or self._parallelism == 1:
+        if self._parallelism is None or (self._parallelism == 1 and
+                                         self._processes(ctx) is None):
             return FunctionIterator((source,), lambda it: call(next(it._inputs[0])))
         deterministic = self._deterministic
         if deterministic is None:
             deterministic = self.options().deterministic is not False
+        processes = self._processes(ctx)
+        if processes is not None:
+            return ProcessMapIterator(source, self._fn, processes, deterministic, "map",
+                                      self._on_error())
         return ParallelMapIterator(source, call, self._parallelism, deterministic)
 
     def _compute_spec(self):

@@ -129,24 +129,52 @@ class DistributeOptions(_OptionsBase):
         super().__setattr__(name, value)
 
 
+class ProcessingOptions(_OptionsBase):
+    """Worker processes for a whole pipeline (``options.experimental_processing``).
+
+    Fields:
+        use_processes: True runs the calls of every ``map`` and ``interleave`` given
+            ``num_parallel_calls`` in worker processes rather than threads, unless the
+            call says ``use_processes=False`` (default None: threads).
+        max_processes: the most processes ``num_parallel_calls=AUTOTUNE`` gives a
+            stage on processes (default None: one per core this process may use).
+    """
+
+    _defaults = {"use_processes": None, "max_processes": None}
+
+    def _check(self, name, value):
+        if name == "use_processes" and value is not None and not isinstance(value, bool):
+            raise TypeError(f"use_processes must be True, False or None, got "
+                            f"{type(value).__name__} {value!r}")
+        if name == "max_processes" and value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"max_processes must be a positive int or None, got {value!r}")
+
+
 class Options(_OptionsBase):
     """Options for a dataset, as ``tf.data.Options``.
 
     Fields:
         experimental_distribute: :class:`DistributeOptions`.
+        experimental_processing: :class:`ProcessingOptions` (worker processes for
+            ``map`` and ``interleave``; tf.data has no such options).
         deterministic: default for ``map``/``interleave`` calls whose ``deterministic``
             is None (default True: keep the order).
         experimental_deterministic: alias kept for code written for older ``tf.data``.
     """
 
     _defaults = {"experimental_distribute": DistributeOptions,
+                 "experimental_processing": ProcessingOptions,
                  "deterministic": None}
+    _sub = {"experimental_distribute": DistributeOptions,
+            "experimental_processing": ProcessingOptions}
 
     def __getattr__(self, name):
-        if name == "experimental_distribute" and name not in self._set:
+        sub = type(self)._sub.get(name)
+        if sub is not None and name not in self._set:
             # Hand out a stored object so that `opts.experimental_distribute.x = ...`
             # sticks, as in tf.data.
-            value = DistributeOptions()
+            value = sub()
             self._set[name] = value
             return value
         if name == "experimental_deterministic":
@@ -156,9 +184,9 @@ class Options(_OptionsBase):
     def __setattr__(self, name, value):
         if name == "experimental_deterministic":
             name = "deterministic"
-        if name == "experimental_distribute" and not isinstance(value, DistributeOptions):
-            raise TypeError(f"experimental_distribute must be a DistributeOptions, "
-                            f"got {type(value).__name__}")
+        sub = type(self)._sub.get(name)
+        if sub is not None and not isinstance(value, sub):
+            raise TypeError(f"{name} must be a {sub.__name__}, got {type(value).__name__}")
         super().__setattr__(name, value)
 
     def merge(self, options: "Options") -> "Options":

@@ -311,6 +311,8 @@ class GeneratorDataset(Dataset):
     def _has_state_methods(self) -> bool:
         """Whether ``generator`` declares that its objects save their position: it has
         callable ``get_state`` and ``set_state`` attributes (a class defining them)."""
+        if getattr(self._generator, "_saves_position", False):  # a SequenceGenerator
+            return True
         return callable(getattr(self._generator, "get_state", None)) and \
             callable(getattr(self._generator, "set_state", None))
 
@@ -320,8 +322,10 @@ class GeneratorDataset(Dataset):
         return (f"from_generator({self._name()}) cannot save its position: a Python "
                 "generator's state cannot be saved; build the source from range, "
                 "from_tensor_slices or files, make the generator's input an index dataset "
-                "(range(n).map(load_item)), or pass as generator a class whose objects are "
-                "iterators with get_state() and set_state(state) methods")
+                "(range(n).map(load_item)), iterate a sequence with "
+                "from_generator(gs.data.SequenceGenerator(items)), or pass as generator "
+                "a class whose objects are iterators with get_state() and "
+                "set_state(state) methods")
 
     def _checker(self):
         """``check(element, index)``: the element conformed to the signature."""
@@ -400,6 +404,60 @@ class _GeneratorIterator(StateIterator):
         close = getattr(self._it, "close", None)
         if close is not None:
             close()
+
+
+class SequenceGenerator:
+    """A ``from_generator`` generator over a re-iterable sequence (a list, tuple,
+    ``range`` or array of items: indices, file names, records) whose position is saved
+    as an index, so that a restored pipeline resumes exactly at the next item.
+
+    ``Dataset.from_generator(SequenceGenerator(items), output_signature=...)`` yields
+    ``items[0], items[1], ...`` each epoch, as a generator function looping over
+    ``items`` would, and saves its position (a Python generator cannot). The sequence
+    must hold the same items when the job is restored (its length is checked).
+    """
+
+    _saves_position = True
+
+    def __init__(self, sequence):
+        if not hasattr(sequence, "__len__") or not hasattr(sequence, "__getitem__") or \
+                isinstance(sequence, (str, bytes, dict)):
+            raise TypeError(f"SequenceGenerator needs a sequence with len() and indexing "
+                            f"(a list, tuple, range or array), got {type(sequence).__name__}; "
+                            "for an iterator, make a list of it first")
+        self.sequence = sequence
+        self.__name__ = f"SequenceGenerator of {len(sequence)} items"
+
+    def __call__(self) -> "_SequenceIterator":
+        return _SequenceIterator(self.sequence)
+
+
+class _SequenceIterator:
+    """One epoch of a :class:`SequenceGenerator`: its position is the next index."""
+
+    def __init__(self, sequence):
+        self._sequence = sequence
+        self._index = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        i = self._index
+        if i >= len(self._sequence):
+            raise StopIteration
+        self._index = i + 1
+        return self._sequence[i]
+
+    def get_state(self) -> dict:
+        return {"index": self._index, "length": len(self._sequence)}
+
+    def set_state(self, state: dict) -> None:
+        if int(state["length"]) != len(self._sequence):
+            raise ValueError(f"SequenceGenerator: the position was saved over a sequence "
+                             f"of {int(state['length'])} items, but this one holds "
+                             f"{len(self._sequence)}; restore with the same items")
+        self._index = int(state["index"])
 
 
 def _flatten_up_to(sig, element, path: str = "") -> list:

@@ -22,6 +22,7 @@ import logging
 from typing import Any, Callable
 
 from gpustrat import nest
+from gpustrat import timeline as _tl
 from gpustrat.distribute import context, end_of_data, input_position
 from gpustrat.distribute.placement import Placer
 from gpustrat.distribute.splitting import Splitter, deal_steps
@@ -532,7 +533,8 @@ class DistributedIterator:
                 "take a whole step (every replica's batch), and steps would go "
                 f"{self._strategy.num_replicas_in_sync} times as fast. Take the step "
                 "outside and pass it in: strategy.run(fn, args=(next(iterator),))")
-        step = self._placer.next()  # raises StopIteration at the end
+        # (raises StopIteration at the end)
+        step = _tl.timed("get_next", self._placer.next) if _tl.ON else self._placer.next()
         self._returned += 1
         # Every worker hands out the same steps (the end-of-data agreement pads the
         # shorter ones), so collectives between workers compare this count.
@@ -610,6 +612,11 @@ class DistributedIterator:
 
     _checkpoint_state = get_state
     _restore_checkpoint_state = set_state
+
+    def _position_unsaveable(self) -> str | None:
+        """Why this iterator cannot save its position (None: it can)."""
+        return f"its pipeline cannot save its position: {self._start}" \
+            if isinstance(self._start, str) else None
 
     def get_next(self):
         """The next step; raises :class:`gpustrat.errors.OutOfRangeError` at the end."""

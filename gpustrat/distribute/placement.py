@@ -37,6 +37,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from gpustrat import nest
+from gpustrat import timeline as _tl
 from gpustrat.devices import Device, cupy, is_gpu_array, new_stream, pinned_empty, to_device, \
     to_host
 
@@ -176,7 +177,8 @@ class Placer:
         staging = _Staging(self._devices, self._buffer_size)
         try:
             for step in self._steps:
-                placed = staging.place(step, self._release)
+                placed = _tl.timed("place", staging.place, step, self._release) if _tl.ON \
+                    else staging.place(step, self._release)
                 if not self._put(placed):
                     _retire(placed[1], placed[0])
                     return

@@ -22,7 +22,7 @@ import numpy as np
 
 from gpustrat import nest
 from gpustrat.collectives.base import Communicator
-from gpustrat.devices import array_module as _xp, on_device_of
+from gpustrat.devices import array_module as _xp, gpu_array_type, on_device_of
 from gpustrat.distribute.collective_ops import as_array
 from gpustrat.reduce_util import ReduceOp
 
@@ -40,6 +40,7 @@ _NUMBER_NAMES = frozenset(
 #: Those that MAX and MIN take: numbers with an order (no complex).
 _REAL_NAMES = frozenset(n for n in _NUMBER_NAMES if "complex" not in n)
 _ORDERED = (ReduceOp.MAX, ReduceOp.MIN)
+_DEVICE_ID = operator.attrgetter("device.id")
 
 
 def check_leaf(x: Any, op: ReduceOp | None, what: str, where: str) -> None:
@@ -169,9 +170,20 @@ def _arrays(comps: Sequence[Any], devices) -> list:
     return [as_array(c, d) for c, d in zip(comps, devices)]
 
 
+def _on_their_gpus(comps: Sequence[Any], devices) -> bool:
+    """Whether ``comps`` are CuPy arrays of numbers (integer or floating), each on its
+    replica's GPU: nothing to check or move, found with C-level passes."""
+    array = gpu_array_type()
+    return (array is not None and devices[0].is_gpu and set(map(type, comps)) == {array}
+            and list(map(_DEVICE_ID, comps)) == [d.index for d in devices]
+            and all(c.dtype.kind in "iuf" for c in comps))
+
+
 def reduce_components(comm: Communicator, op: ReduceOp, comps: Sequence[Any],
                       axis: int | None) -> Any:
     """Reduce one leaf given as one component per local replica."""
+    if _on_their_gpus(comps, comm.devices):
+        return _reduce_arrays(comm, op, list(comps), axis)
     for i, c in enumerate(comps):
         if type(c) is not np.ndarray or c.dtype.kind not in "iuf":  # else nothing to check
             check_leaf(c, op, "strategy.reduce", f"component {i}")

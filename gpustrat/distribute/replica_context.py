@@ -10,6 +10,7 @@ import numpy as np
 from gpustrat.distribute import collective_ops, context, reduction
 from gpustrat.reduce_util import OPS_BY_KEY, ReduceOp
 from gpustrat import nest
+from gpustrat.devices import gpu_array_type
 from gpustrat.values import PerReplica, regroup, select_replica
 
 _merge = threading.local()
@@ -44,6 +45,10 @@ class ReplicaContext:
         self._communicator = strategy._communicator
         self._alone = rv.n == 1 and rv.streams is None and \
             not strategy.local_devices[local_index].is_gpu
+        # The only replica in sync, on a GPU: a flat list of float arrays has nothing
+        # to be combined with, and is returned as it is (no copy, no launch).
+        self._only_gpu = strategy.num_replicas_in_sync == 1 and \
+            strategy.local_devices[local_index].is_gpu
 
     @property
     def strategy(self):
@@ -71,7 +76,15 @@ class ReplicaContext:
 
     def all_reduce(self, reduce_op, value: Any) -> Any:
         """Reduce ``value`` (any nested structure) over every replica in sync; every
-        replica receives the same result. ``reduce_op`` is a ReduceOp or its name."""
+        replica receives the same result. ``reduce_op`` is a ReduceOp or its name.
+
+        A list or tuple of arrays (a model's gradients) is reduced with one fused
+        collective per bucket, planned once per layout; its results are views of the
+        fusion buffers, which the next call with the same layout fills again unless
+        something still refers to one of them. On a GPU that is the only replica in
+        sync, such a list of floating-point arrays comes back as it is: a new list of
+        the same arrays (nothing to combine, nothing copied). Python numbers are
+        reduced on the host."""
         if self._alone and type(value) is np.ndarray and value.dtype.kind in "iufc":
             t = type(reduce_op)
             op = OPS_BY_KEY.get(id(reduce_op)) if t is ReduceOp else \
@@ -84,7 +97,22 @@ class ReplicaContext:
                     self._communicator.reduce_named, value, op, _KINDS[id(op)])
         op = ReduceOp.from_value(reduce_op)
         comm = self._strategy.communicator
-        sig = collective_ops.leaf_signature("all_reduce", _OP_NAMES[id(op)], value)
+        name = _OP_NAMES[id(op)]
+        device = self._strategy.local_devices[self._local_index]
+        if device.is_gpu:
+            flat = collective_ops.flat_layout(value, gpu_array_type(), device.index, name)
+        else:
+            flat = collective_ops.flat_layout(value, np.ndarray, None, name)
+        if flat is not None and self._only_gpu and self._rendezvous.returned is None and \
+                (op is not ReduceOp.MEAN or all(d.kind in "fc" for d in set(flat.dtypes))):
+            return list(value) if flat.kind is list else value
+        if flat is not None:
+            # A flat list of arrays (a model's gradients): its layout is the signature,
+            # compared whole, and the reduction is planned once per layout.
+            return self._exchange(
+                ("all_reduce", name, flat),
+                value, lambda vals: collective_ops.all_reduce_flat(comm, vals, op, flat))
+        sig = collective_ops.leaf_signature("all_reduce", name, value)
         reduction.check_leaves(sig, value, op, "all_reduce", self._replica_id)
         return self._exchange(
             sig, value, lambda vals: collective_ops.all_reduce_structures(comm, vals, op))

@@ -14,6 +14,9 @@ scheduler picks an idle vCPU, so a call decides per step how to run:
    their threads, in parallel, when it was long enough for parallelism to pay
    (``INLINE_STEP_LIMIT_S``). A collective in such a replica is a mismatch and raises
    at once, where TensorFlow would hang.
+4. When replica 0 ran that long before its first collective (or to its end), the next
+   call starts every replica at once, replica 0 in the caller and the others in their
+   threads, so that none waits for replica 0's work before starting its own.
 
 Collectives meet in a :class:`Rendezvous`: the last replica to arrive computes the
 collective for everybody. On GPUs it does so with every device's replica stream made
@@ -39,13 +42,13 @@ from __future__ import annotations
 
 import _thread
 import contextlib
-import functools
 import threading
 import time
 import weakref
 from typing import Any, Callable, Sequence
 
-from gpustrat.devices import (Device, current_stream, join_streams_into_current, new_stream,
+from gpustrat import timeline as _tl
+from gpustrat.devices import (Device, cupy, join_streams_into_current, new_stream,
                               wait_for_current)
 from gpustrat.errors import CollectiveMismatch, CollectiveTimeout
 
@@ -100,9 +103,10 @@ class Rendezvous:
                  combine: Callable[[list], list]) -> Any:
         if self.returned is not None:
             raise self._unmatched(index, signature)
-        if self.n == 1 and self.streams is None:
+        if self.n == 1:
             # One replica: nobody to meet or wake, and no signatures to compare; the
-            # lock still orders collectives from threads the function started.
+            # lock still orders collectives from threads the function started. Its
+            # stream is already current (this is its own thread, under its context).
             with self._cond:
                 if self._broken is not None:
                     raise ReplicaAborted("another replica failed") from self._broken
@@ -141,9 +145,12 @@ class Rendezvous:
                 self._generation += 1
                 self._cond.notify_all()
             else:
+                t0 = _tl.now() if _tl.ON else 0
                 while (self._generation == gen and self._broken is None
                        and self.returned is None):
                     self._cond.wait()
+                if t0:
+                    _tl.replica_wait(t0, signature)
                 if self._generation == gen:
                     if self._broken is not None:
                         raise ReplicaAborted("another replica failed") from self._broken
@@ -283,25 +290,65 @@ class _ReplicaThread(threading.Thread):
         return step
 
 
+_NO_CONTEXT = contextlib.nullcontext()
+
+
 def _replica_context(device: Device, stream):
     """Make a replica's device and stream current (nothing for CPUs)."""
     if not device.is_gpu:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(device.activate())
-    stack.enter_context(stream)
-    return stack
+        return _NO_CONTEXT
+    return _DeviceAndStream(cupy().cuda.Device(device.index), stream)
 
 
-@contextlib.contextmanager
-def _replica_streams(devices, streams):
-    # CuPy's current stream is per thread and per device: the combining thread makes
-    # each replica's stream its current stream of that replica's device.
-    with contextlib.ExitStack() as stack:
-        for d, s in zip(devices, streams):
-            if s is not None:
-                stack.enter_context(current_stream(d, s))
-        yield
+class _DeviceAndStream:
+    """``with device: with stream:`` as one context manager (no ExitStack)."""
+
+    __slots__ = ("device", "stream")
+
+    def __init__(self, device, stream):
+        self.device, self.stream = device, stream
+
+    def __enter__(self):
+        self.device.__enter__()
+        try:
+            self.stream.__enter__()
+        except BaseException:
+            self.device.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.stream.__exit__(*exc)
+        finally:
+            self.device.__exit__(*exc)
+
+
+class _replica_streams:
+    """CuPy's current stream is per thread and per device: the combining thread makes
+    each replica's stream its current stream of that replica's device (entered and
+    left in loops: no context manager per device)."""
+
+    __slots__ = ("pairs",)
+
+    def __init__(self, devices, streams):
+        self.pairs = [(d.index, s) for d, s in zip(devices, streams) if s is not None]
+
+    def __call__(self):
+        return self
+
+    def __enter__(self):
+        cp = cupy()
+        for index, s in self.pairs:
+            with cp.cuda.Device(index):
+                s.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        cp = cupy()
+        for index, s in self.pairs:
+            with cp.cuda.Device(index):
+                s.__exit__(None, None, None)
 
 
 class ReplicaRunner:
@@ -315,8 +362,7 @@ class ReplicaRunner:
         self._streams = [new_stream(d) for d in self.devices]
         if any(s is not None for s in self._streams):
             # Not a bound method: the threads reach the rendezvous, not the runner.
-            self.rendezvous.streams = functools.partial(_replica_streams, self.devices,
-                                                        self._streams)
+            self.rendezvous.streams = _replica_streams(self.devices, self._streams)
         self._threads = [_ReplicaThread(self.rendezvous, i, d, st) for i, (d, st)
                          in enumerate(zip(self.devices, self._streams))][1:]
         self._call_lock = threading.Lock()
@@ -327,11 +373,21 @@ class ReplicaRunner:
         #: step must finish before the next one starts. Also set by close().
         self._unclean: str | None = None
         self._task: tuple | None = None
+        #: Start every replica at once (the last step was long: see call()).
+        self._together = False
+        self._lead: float | None = None
+        self._t0 = 0.0
         self._finalizer = weakref.finalize(self, _stop_threads, self._threads)
 
     def replica_context_manager(self, index: int):
         """Make replica ``index``'s device and stream current (nothing for CPUs)."""
         return _replica_context(self.devices[index], self._streams[index])
+
+    def _first_wait(self) -> None:
+        # A replica is about to wait in the step's first collective.
+        if self._lead is None:
+            self._lead = time.perf_counter() - self._t0
+        self._dispatch_rest()
 
     def _dispatch_rest(self) -> None:
         # Start replicas 1..n-1 in their threads (once per call).
@@ -406,12 +462,15 @@ class ReplicaRunner:
             self._dispatched = False
             results: list = [None] * n
             errors: dict[int, BaseException] = {}
-            rv.on_wait = self._dispatch_rest
+            rv.on_wait = self._first_wait
             # The arguments were written on the caller's streams; the replica streams
             # are non-blocking, so they wait for those first (no host wait).
             for d, s in zip(self.devices, self._streams):
                 wait_for_current(d, s)
-            t0 = time.perf_counter()
+            self._lead = None
+            t0 = self._t0 = time.perf_counter()
+            if self._together and n > 1:
+                self._dispatch_rest()
             try:
                 results[0] = self._run_inline(0, fn, per_replica_args[0],
                                               per_replica_kwargs[0], enter, leave)
@@ -419,6 +478,10 @@ class ReplicaRunner:
                 errors[0] = e
                 rv.abort(e)
             rv.on_wait = None
+            # Replicas start together in the next call when this one ran long before
+            # its first collective (or had none): replica 0 alone would delay the rest.
+            lead = self._lead if self._lead is not None else time.perf_counter() - t0
+            self._together = lead >= INLINE_STEP_LIMIT_S
             if not errors and n > 1:
                 if self._dispatched:
                     rv.leave(0)

@@ -11,6 +11,7 @@ import contextlib
 from typing import Any, Callable, Sequence
 
 from gpustrat import nest
+from gpustrat import timeline as _tl
 from gpustrat.collectives.base import Communicator, LocalWorkerGroup, WorkerGroup
 from gpustrat.devices import Device, gpu_array_type, is_gpu_array, to_device
 from gpustrat.distribute import collective_ops, context, reduction
@@ -45,6 +46,7 @@ class Strategy:
         self._replica_contexts = [ReplicaContext(self, i, first + i)
                                   for i in range(len(self._devices))]
         self._enter = self._enter_replica  # bound once: run() is a hot path
+        _tl.attach(communicator)  # its collectives are timed while a timeline records
 
     # --- what the strategy is --------------------------------------------------------
     @property
@@ -139,6 +141,8 @@ class Strategy:
         if not isinstance(args, (tuple, list)):
             args = (args,)
         per_args, per_kwargs = _split_arguments(args, kwargs, self._devices)
+        if _tl.ON:
+            fn = _tl.replica_fn(fn)
         if self._runner is None:
             with self._devices[0].activate():
                 self._enter(0)

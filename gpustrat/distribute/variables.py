@@ -286,7 +286,11 @@ class Variable:
         self._writes += 1
         self._written_at = next(_clock)
         with self._device.activate():
-            if self._device.is_gpu or is_gpu_array(value):
+            if self._device.is_gpu and type(value) is np.ndarray and value.ndim == 0:
+                # A number (optimizer.iterations += 1): a scalar argument of the
+                # kernel, not an upload.
+                value = value[()]
+            elif self._device.is_gpu or is_gpu_array(value):
                 value = to_device(value, self._device)
             if op == "assign":
                 a[...] = value

@@ -35,6 +35,7 @@ from typing import Iterable
 
 import numpy as np
 
+from gpustrat import timeline as _tl
 from gpustrat.devices import on_device_of, to_host
 from gpustrat.distribute import context
 from gpustrat.distribute.distributed_variables import DistributedVariable, strategy_of, zeros
@@ -375,7 +376,8 @@ class Optimizer:
         if replica_ctx is not None and strategy is not None:
             # One leaf per replica: the merge hands over the replicas' lists as they are
             # (a PerReplica of them), without walking a hundred gradients.
-            replica_ctx.merge_call(self._apply_merged,
+            replica_ctx.merge_call(_tl.merged("apply_gradients", self._apply_merged)
+                                   if _tl.ON else self._apply_merged,
                                    args=(_StepArgs(grads, variables),
                                          not skip_gradients_aggregation))
         else:

@@ -33,7 +33,7 @@ import sys
 import numpy as np
 
 from gpustrat.collectives.fusion import pack_host
-from gpustrat.devices import on_device_of
+from gpustrat.devices import gpu_array_type, on_device_of
 from gpustrat.distribute.collective_ops import as_array
 from gpustrat.distribute.distributed_variables import DistributedVariable, strategy_of
 from gpustrat.distribute.extended import describe_shapes
@@ -42,6 +42,7 @@ from gpustrat.values import DistributedValues, PerReplica
 _NO_CONTEXT = contextlib.nullcontext()
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
+_DEVICE_ID = operator.attrgetter("device.id")
 _ITEM = [operator.itemgetter(i) for i in range(64)]
 
 
@@ -75,6 +76,10 @@ class StepPlan:
         self.agreement = None
         #: The gradients' layout for the fused reduction (what gradients() checks).
         self._host_types = [np.ndarray] * len(variables)
+        #: Per local replica: its device index when all its variables are on that one
+        #: GPU (then a column of CuPy arrays there is checked in C), else None.
+        self._gpu_index = [row[0].index if row[0].is_gpu and len(set(row)) == 1 else None
+                           for row in self.devices]
         self.flat = FlatArenas.adopt(self, optimizer)
         self.indices = list(range(len(variables)))
         sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
@@ -133,11 +138,22 @@ class StepPlan:
                 and list(map(_SHAPE, column)) == self.shapes
                 and list(map(_DTYPE, column)) == self.dtypes)
 
+    def _gpu_column_ok(self, column: list, i: int) -> bool:
+        """Whether replica i's gradients are CuPy arrays of the variables' shapes and
+        dtypes on the replica's one GPU (whole-list compares, in C)."""
+        index = self._gpu_index[i]
+        return (index is not None and len(column) == len(self.shapes)
+                and set(map(type, column)) == {gpu_array_type()}
+                and list(map(_SHAPE, column)) == self.shapes
+                and list(map(_DTYPE, column)) == self.dtypes
+                and set(map(_DEVICE_ID, column)) == {index})
+
     def gradients_by_replica(self, columns: list) -> list:
         """:meth:`gradients` of ``columns[i]``, replica i's list of gradients (one per
         variable), as every replica passes them inside ``strategy.run``."""
-        if not self.gpu and len(columns) == self.n_local and \
-                all(map(self._host_column_ok, columns)):
+        if len(columns) == self.n_local and (
+                all(map(self._gpu_column_ok, columns, range(self.n_local))) if self.gpu
+                else all(map(self._host_column_ok, columns))):
             return list(zip(*columns))
         return self.gradients(list(zip(*columns)), per_replica=True)
 
@@ -147,8 +163,9 @@ class StepPlan:
         ``grads[j]`` is variable j's gradient: a per-replica value, or one value for
         every replica; with ``per_replica``, a sequence of one value per replica."""
         n = self.n_local
-        if n == 1 and not per_replica and not self.gpu and self._host_column_ok(grads):
-            return list(zip(grads))   # one replica's host arrays (no PerReplica among them)
+        if n == 1 and not per_replica and (self._gpu_column_ok(grads, 0) if self.gpu
+                                           else self._host_column_ok(grads)):
+            return list(zip(grads))   # one replica's arrays (no PerReplica among them)
         if not self.gpu and n <= len(_ITEM):
             # The common step: host arrays of the right shapes and dtypes, checked with
             # whole-list compares (in C) instead of one by one.

@@ -126,8 +126,19 @@ def make_cuda(fake):
         getDevice=fake.current_device,
         getDeviceProperties=lambda i: {"name": b"gpustrat sanitizer (no device)"},
         deviceSynchronize=lambda: san.synchronize_device(fake.current_device()))
+    def range_push(message, id_color=-1):
+        with san.lock:
+            san.counters["nvtx_ranges"] += 1
+        fake._nvtx().append(message)
+
+    def range_pop():
+        if not fake._nvtx():
+            raise RuntimeError("nvtx.RangePop without a range open on this thread")
+        fake._nvtx().pop()
+
+    nvtx = types.SimpleNamespace(RangePush=range_push, RangePop=range_pop)
     return types.SimpleNamespace(
-        Device=Device, Stream=Stream, ExternalStream=ExternalStream, Event=Event,
+        Device=Device, Stream=Stream, ExternalStream=ExternalStream, Event=Event, nvtx=nvtx,
         get_current_stream=get_current_stream, runtime=runtime,
         get_elapsed_time=lambda start, stop: 0.0,
         is_available=lambda: True)

@@ -70,6 +70,13 @@ class FakeCupy:
             d = self._tls.devs = [0]
         return d
 
+    def _nvtx(self) -> list:
+        """This thread's open NVTX ranges (``cuda.nvtx.RangePush``), innermost last."""
+        r = getattr(self._tls, "nvtx", None)
+        if r is None:
+            r = self._tls.nvtx = []
+        return r
+
     def _stacks(self) -> dict:
         s = getattr(self._tls, "streams", None)
         if s is None:

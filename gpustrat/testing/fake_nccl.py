@@ -75,6 +75,12 @@ class FakeNccl:
                 nb = count * np.dtype(nccl._DTYPES[datatype]).itemsize
                 self._call("allReduce", sendbuf, nb, recvbuf, nb, stream, dtype=datatype, op=op)
 
+            def reduce(self, sendbuf, recvbuf, count, datatype, op, root, stream):
+                # Only the root's receive buffer is written (NCCL ignores the others').
+                nb = count * np.dtype(nccl._DTYPES[datatype]).itemsize
+                self._call("reduce", sendbuf, nb, recvbuf, nb if self.rank == root else 0,
+                           stream, dtype=datatype, op=op, root=root)
+
             def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):
                 nb = recvcount * np.dtype(nccl._DTYPES[datatype]).itemsize
                 self._call("reduceScatter", sendbuf, nb * self.n, recvbuf, nb, stream,
@@ -153,8 +159,8 @@ class _Collective:
         p0 = self.parts[ranks[0]][3]
         dtype = np.dtype(FakeNccl._DTYPES[p0["dtype"]])
         send = {r: flat_view(*self.parts[r][1][0], dtype) for r in ranks if self.parts[r][1]}
-        recv = {r: flat_view(*self.parts[r][2][0], dtype) for r in ranks}
-        if self.kind in ("allReduce", "reduceScatter"):
+        recv = {r: flat_view(*self.parts[r][2][0], dtype) for r in ranks if self.parts[r][2]}
+        if self.kind in ("allReduce", "reduceScatter", "reduce"):
             stack = np.stack([send[r] for r in ranks])
             op = p0["op"]
             if op in (FakeNccl.NCCL_SUM, FakeNccl.NCCL_AVG):
@@ -168,7 +174,10 @@ class _Collective:
             else:
                 total = (stack.max(axis=0) if op == FakeNccl.NCCL_MAX else stack.min(axis=0))
             for r in ranks:
-                if self.kind == "allReduce":
+                if self.kind == "reduce":
+                    if r == p0["root"]:
+                        recv[r][...] = total
+                elif self.kind == "allReduce":
                     recv[r][...] = total
                 else:
                     m = recv[r].size

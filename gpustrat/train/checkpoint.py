@@ -14,6 +14,7 @@ decides.
 from __future__ import annotations
 
 import os
+import warnings
 
 from gpustrat.train import format as fmt
 from gpustrat.train import graph, restoring, saving
@@ -39,6 +40,7 @@ class Checkpoint:
     def __init__(self, **objects):
         for name, obj in objects.items():
             graph.check_entry(name, obj)
+            graph.check_positions(name, obj)
         object.__setattr__(self, "_objects", dict(objects))
         object.__setattr__(self, "save_counter", 0)
         object.__setattr__(self, "_background", saving.Background())
@@ -55,6 +57,7 @@ class Checkpoint:
             object.__setattr__(self, name, value)
             return
         graph.check_entry(name, value)
+        graph.check_positions(name, value)
         self._objects[name] = value
 
     def _graph(self, restoring: bool = False) -> list:
@@ -98,6 +101,7 @@ class Checkpoint:
         self._walk_pending()
         entries = self._graph()
         workers = restoring.workers_of(entries)
+        self._warn_without_input(entries, workers)
         background = self._background
         if options.enable_async:
             # Collective the first time: the commit group is a duplicate of the workers.
@@ -111,6 +115,25 @@ class Checkpoint:
         job.write()
         job.commit(workers)
         return path
+
+    def _warn_without_input(self, entries: list, workers) -> None:
+        """Warn once (on worker 0) when this checkpoint holds trained state but no
+        iterator while steps were taken from distributed iterators: a restored job
+        would start the input from the beginning of the epoch."""
+        if self.__dict__.get("_warned_input") or workers.input_steps == 0 or \
+                workers.rank != 0:
+            return
+        if any(e.kind == "per_worker" for e in entries) or \
+                not any(e.kind in ("variable", "shared") for e in entries):
+            return
+        object.__setattr__(self, "_warned_input", True)
+        warnings.warn(
+            "Checkpoint holds variables trained from a distributed iterator but not the "
+            f"iterator ({workers.input_steps} steps taken so far): a job restored from it "
+            "starts its input from the beginning of the epoch (an unseeded shuffle in a "
+            "new order), not where the saved job was. Add the iterator to the Checkpoint "
+            "(Checkpoint(..., iterator=iterator)) to resume exactly; see "
+            "docs/checkpoint.md", UserWarning, stacklevel=4)
 
     def sync(self) -> None:
         """Wait until the asynchronous save in flight (if any) is written and committed;

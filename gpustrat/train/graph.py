@@ -132,6 +132,22 @@ def check_entry(name: str, obj) -> None:
                     "tuples and plain objects whose items or attributes are those")
 
 
+def check_positions(name: str, obj) -> None:
+    """Raise ValueError when an iterator reachable from the entry ``name`` cannot save
+    its position (a ``from_generator`` pipeline): at the moment it is given to the
+    ``Checkpoint``, not at the first save after an epoch of training."""
+    for e in walk({name: obj}, None, allow_empty=True):
+        why = getattr(e.obj, "_position_unsaveable", None)
+        why = why() if why is not None else None
+        if why:
+            raise ValueError(
+                f"Checkpoint: cannot save {e.key}={type(e.obj).__name__}: {why}. Leave "
+                "the iterator out of the Checkpoint to save the rest (a restored job "
+                "then starts its input from the beginning of the epoch, in a new "
+                "shuffle order: see docs/checkpoint.md), or build the pipeline from "
+                "sources that save their position")
+
+
 def escape(name) -> str:
     return str(name).replace("%", "%25").replace("/", "%2F")
 

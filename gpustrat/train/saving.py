@@ -35,6 +35,7 @@ from typing import Callable
 
 import numpy as np
 
+from gpustrat import timeline as _tl
 from gpustrat.devices import to_host, to_host_async
 from gpustrat.distribute.variables import Variable
 from gpustrat.train import format as fmt
@@ -117,6 +118,7 @@ class Snapshot:
         self.written: list[str] = []
 
 
+@_tl.traced("checkpoint snapshot")
 def take(entries: list, workers, path: str, save_counter: int,
          buffers: dict | None = None) -> Snapshot:
     """Read every entry into a :class:`Snapshot` (a collective: reading a sync-on-read
@@ -201,6 +203,7 @@ class Job:
         self.on_commit, self.after_commit = on_commit, after_commit
         self.write_error: str | None = None
 
+    @_tl.traced("checkpoint write")
     def write(self) -> None:
         """Write this worker's files under temporary names, flushed to disk (errors are
         kept for the commit's agreement)."""
@@ -228,6 +231,7 @@ class Job:
         except Exception as e:  # noqa: BLE001 - agreed in commit()
             self.write_error = describe(e)
 
+    @_tl.traced("checkpoint commit")
     def commit(self, group) -> None:
         """Agree that every worker wrote its files, rename them into place (worker 0),
         and tell every worker the outcome. Collective over ``group``.
@@ -327,6 +331,7 @@ class Background:
     def pending(self) -> bool:
         return self._job is not None
 
+    @_tl.traced("checkpoint wait")
     def wait(self) -> None:
         """Wait for the save in flight; commit it here where the thread could not;
         raise its error. Collective where the commit is done here."""

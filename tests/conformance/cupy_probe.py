@@ -113,9 +113,27 @@ def _(cp, nccl, cuda):
     cp.cuda.Stream.null.synchronize()
 
 
+@entry("cupy.cuda.Event")
+def _(cp, nccl, cuda):
+    # devices.mark and kept_event: timing-free events, recorded again and again.
+    ev = cp.cuda.Event(disable_timing=True)
+    cp.cuda.Stream.null.record(ev)
+
+
 @entry("cupy.cuda.Event.done")
 def _(cp, nccl, cuda):
     return fake_event(cp).done
+
+
+@entry("cupy.cuda.get_elapsed_time")
+def _(cp, nccl, cuda):
+    return cp.cuda.get_elapsed_time(fake_event(cp), fake_event(cp))
+
+
+@entry("cupy.cuda.nvtx.RangePush", "cupy.cuda.nvtx.RangePop")
+def _(cp, nccl, cuda):
+    cp.cuda.nvtx.RangePush("gpustrat probe")
+    cp.cuda.nvtx.RangePop()
 
 
 # --- CuPy: arrays ---------------------------------------------------------------------------
@@ -340,6 +358,13 @@ def _(cp, nccl, cuda):
     # nccl.py: c.allReduce(send.data.ptr, recv.data.ptr, count, dt, op, stream.ptr)
     null_comm(nccl).allReduce(0x10000, 0x20000, 4, int(nccl.NCCL_FLOAT32),
                               int(nccl.NCCL_SUM), 0)
+
+
+@entry("cupy.cuda.nccl.NcclCommunicator.reduce")
+def _(cp, nccl, cuda):
+    # nccl.py (strategy.reduce): c.reduce(send, recv, count, dt, op, root, stream.ptr)
+    null_comm(nccl).reduce(0x10000, 0x20000, 4, int(nccl.NCCL_FLOAT32),
+                           int(nccl.NCCL_SUM), 0, 0)
 
 
 @entry("cupy.cuda.nccl.NcclCommunicator.reduceScatter")

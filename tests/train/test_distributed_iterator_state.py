@@ -150,8 +150,9 @@ def test_unsaveable_pipeline_names_the_transformation(tmp_path):
     it = iter(s.experimental_distribute_dataset(Dataset.from_generator(
         gen, output_signature=gs.data.TensorSpec((), np.int64)).batch(4)))
     next(it)
-    with pytest.raises(RuntimeError, match=r"cannot save the position.*from_generator\(gen\)"):
-        gs.train.Checkpoint(input=it).save(str(tmp_path / "ck"))
+    # At the moment it is given to the Checkpoint, not at the first save.
+    with pytest.raises(ValueError, match=r"cannot save the position.*from_generator\(gen\)"):
+        gs.train.Checkpoint(input=it)
 
 
 MPI_RESUME = r"""

@@ -29,7 +29,8 @@ Words:
 
 Modules: :mod:`.waits` (mpi4py on first use, the deadline for every wait, the dtype
 and op table), :mod:`.header` (the channel and the header agreement), :mod:`.exits`
-(ranks that exit early), :mod:`.group` (:class:`MpiWorkerGroup`) and
+(ranks that exit early), :mod:`.stall` (where every rank is when a wait lasts
+``GPUSTRAT_STALL_WARNING`` seconds), :mod:`.group` (:class:`MpiWorkerGroup`) and
 :mod:`.communicator` (:class:`MpiCommunicator`, the data plane).
 
 Arrays travel through mpi4py's buffer interface (upper-case calls), never pickled.

@@ -7,6 +7,7 @@ import pickle
 import numpy as np
 
 from gpustrat.collectives.base import WorkerGroup, layout_code
+from gpustrat.collectives.mpi import stall
 from gpustrat.collectives.mpi.exits import _ExitWatch, exits_of
 from gpustrat.collectives.mpi.header import _INLINE, _Channel
 from gpustrat.collectives.mpi.waits import (_NP_OPS, _OPS, _describe, mpi,
@@ -32,6 +33,8 @@ class MpiWorkerGroup(WorkerGroup):
              exits_of(base))
         self.comm = dup
         self.exits = _ExitWatch(dup, timeout) if dup.Get_size() > 1 else None
+        if self.exits is not None:  # waits of this group survey every rank when stalled
+            self.exits.inspector = stall.start(dup, timeout, self.exits)
         self._ch = _Channel(dup, self.exits)
         self.size = self._ch.size
         self.rank = self._ch.rank
@@ -121,6 +124,8 @@ class MpiWorkerGroup(WorkerGroup):
     def close(self) -> None:
         """Free the duplicated communicators (collective over the group)."""
         if self.exits is not None:
+            if self.exits.inspector is not None:
+                self.exits.inspector.close()
             self.exits.close()
             self.exits = None
         for c in (self.node_comm, self.comm):

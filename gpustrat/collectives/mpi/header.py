@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from gpustrat import timeline as _tl
 from gpustrat.collectives.mpi import waits as _waits
 from gpustrat.collectives.mpi.waits import (ENV_DEBUG, ENV_INPUT_STEPS, _describe, _name,
                                             _shown, debug_from_env, mpi, timeout_from_env,
@@ -247,6 +248,7 @@ class _Channel:
         leading slots equal this rank's. ``what`` names the collective if the wait times
         out (see :func:`waits.wait`)."""
         self.calls += 1
+        t0 = _tl.now() if _tl.ON else 0  # the wait for every rank's header
         req = self._req
         if req is None or self.broken is not None:
             self._check_usable(what)
@@ -263,6 +265,8 @@ class _Channel:
             except CollectiveTimeout as e:
                 self._abandon(e)
                 raise
+        if t0:
+            _tl.peer_wait(t0, what)
         raw = self._recv.tobytes()
         ref = raw[:_AGREE]
         if self.size == 2:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Callable
 
@@ -156,8 +157,22 @@ def wait(request, what: "str | Callable[[], str] | tuple", rank: int, timeout: f
     yield_until = start + _YIELD_S
     delay = 1e-5
     gone = None
+    # The stall inspector (stall.py) of the group, when it has one: after its delay,
+    # this rank asks every rank where it is and prints the answers.
+    inspector = getattr(exits, "inspector", None)
+    warn_at = start + inspector.delay if inspector is not None else float("inf")
+    survey = None
     while True:
         now = time.monotonic()
+        if now >= warn_at:
+            if survey is None:
+                survey = inspector.stalled(start, now)
+                if survey is None:
+                    warn_at = float("inf")
+            elif survey.poll():
+                sys.stderr.write(survey.warning(now - start))
+                sys.stderr.flush()
+                survey, warn_at = None, float("inf")
         if exits is not None and gone is None:
             gone = exits.poll()
             if gone is not None:
@@ -179,7 +194,7 @@ def wait(request, what: "str | Callable[[], str] | tuple", rank: int, timeout: f
                 "must make the same collective calls in the same order). Check the other "
                 f"ranks' output; raise {ENV_TIMEOUT} (seconds) if the work between "
                 f"collectives legitimately takes longer; {ENV_DEBUG}=1 names ranks "
-                "that call different collectives")
+                "that call different collectives" + _where_every_rank_is(exits))
         if now < yield_until:
             # sched_yield, not sleep(0): a zero sleep still costs the kernel's timer
             # slack (about 50 us), which a peer spinning on us would wait out.
@@ -192,6 +207,11 @@ def wait(request, what: "str | Callable[[], str] | tuple", rank: int, timeout: f
             delay = min(2 * delay, _MAX_SLEEP_S)
             if test():
                 return
+
+
+def _where_every_rank_is(exits) -> str:
+    from gpustrat.collectives.mpi.stall import report_at_deadline  # noqa: PLC0415
+    return report_at_deadline(exits)
 
 
 def _name(what) -> str:

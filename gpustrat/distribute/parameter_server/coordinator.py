@@ -26,6 +26,7 @@ import threading
 import time
 
 from gpustrat import nest
+from gpustrat import timeline as _tl
 from gpustrat.distribute.parameter_server import doorbell, wire
 from gpustrat.distribute.parameter_server.channel import (TAG_RESULT, TAG_RESULT_DATA,
                                                            ServerLostError)
@@ -112,6 +113,7 @@ class ClusterCoordinator:
         self._thread.start()
 
     # --- scheduling -------------------------------------------------------------------
+    @_tl.traced("ps schedule")
     def schedule(self, fn, args=None, kwargs=None) -> RemoteValue:
         """Queue ``fn(*args, **kwargs)`` to run on some worker; returns its RemoteValue.
 
@@ -145,6 +147,7 @@ class ClusterCoordinator:
         # It may sleep on its doorbell (waiting for results), not on the condition.
         self._ch.ring(self._ch.rank, doorbell.RESULTS)
 
+    @_tl.traced("ps join")
     def join(self) -> None:
         """Wait until every scheduled function has finished; raise the first error of
         one (once)."""
@@ -454,12 +457,16 @@ class ClusterCoordinator:
                     continue
                 self._queue.remove(pick)
                 self._busy[w].append(pick)
+                if _tl.ON:
+                    _tl.ps_sent(w, pick)
                 sends.append((w, pick))
         return sends
 
     def _answered(self, w: int, task: int) -> _Closure:
         busy = self._busy[w]
         c = busy.popleft()
+        if _tl.ON:
+            _tl.ps_answered(w, c)
         if c.id != task:  # a worker answers in order; anything else is a bug here
             raise RuntimeError(f"worker {w} answered function #{task} but #{c.id} was "
                                "its oldest")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 
+from gpustrat import timeline as _tl
 from gpustrat.distribute.parameter_server.wire import Unsendable
 
 
@@ -45,6 +46,7 @@ class RemoteValue:
         self._error = error
         self._event.set()
 
+    @_tl.traced("ps fetch")
     def fetch(self):
         """Wait for the function and return its result (NumPy values), or raise its
         error."""
