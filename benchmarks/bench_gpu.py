@@ -1,6 +1,6 @@
 """Check and time the GPU paths end to end: kernels, NCCL collectives, fusion.
 
-1. Kernels (split, gather+split, fixed-shape split, pack, unpack, sum of K buffers):
+1. Kernels (split, gather+split, fixed-shape split, pack, unpack):
    each result is checked against its NumPy reference, then timed with CUDA events
    and reported as effective bandwidth (bytes read + written per second) next to a
    device-to-device copy of the same bytes. Target: split and pack at least 85% of
@@ -11,8 +11,9 @@
    2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast 1).
 
 Each kernel row has a CuPy-native row beside it (``cupy: ...``): the one CuPy call
-that does the same (fancy indexing, ``concatenate``, a sum), so a kernel is kept only
-where it wins.
+that does the same (fancy indexing, ``concatenate``), so a kernel is kept only where
+it wins (the sum of K buffers did not, and is CuPy's ``a + b + ...`` now). The host
+cost of a launch alone, without a GPU, is ``benchmarks/bench_launch.py``.
 
 3. Per training step (distributed input, ``run`` with an all-reduce of gradients,
    ``reduce`` of the loss), the stream-ordering sanitizer's counts: host
@@ -100,32 +101,22 @@ def _check(name, got, want):
             raise AssertionError(f"{name}: the GPU result differs from the NumPy reference")
 
 
-def _numba_view(x):
-    """``x`` as a Numba device array (None on the sanitizer's fake GPUs)."""
-    from gpustrat.devices import numba_cuda
-    cuda = numba_cuda()
-    if getattr(cuda, "is_fake", False):
-        return None
-    return cuda.as_cuda_array(x)
-
-
-def _launch_only(kernel_name, module, like, args_fn):
-    """A call that launches ``module``'s kernel ``kernel_name`` with arguments prepared
-    once by ``args_fn(nstream)`` -> ``(grid, block, args)``: the kernel's own speed,
-    without its launcher's Python (None on the sanitizer's fake GPUs)."""
+def _launch_only(cp, plans, out=None):
+    """A call that launches the kernel of the newest plan in ``plans`` (a launcher's
+    ``_launch.Plans``) again, writing ``out`` where the plan takes its output at each
+    launch: the kernel's own speed, without its launcher's Python."""
     from gpustrat.kernels import _launch
-    if _numba_view(like) is None:
-        return None
-    nstream = _launch.launch_stream(None, like=like)
-    grid, block, args = args_fn(nstream)
-    kernel = module._kernels[kernel_name]
-    return lambda: kernel[grid, block, nstream](*args)
+    plan = next(reversed(plans._plans.values()))
+    args = plan.args
+    if out is not None:
+        args = args[:plan.slot] + (_launch.word(cp, out.data.ptr),) + args[plan.slot + 1:]
+    return lambda: plan.function(plan.grid, plan.block, args)
 
 
 def bench_kernels(cp, nbytes: int, repeats: int) -> list[dict]:
     from gpustrat.kernels.pack import pack, pack_reference, unpack, unpack_reference
+    from gpustrat.kernels import pack as pack_mod, split as split_mod
     from gpustrat.kernels.split import split, split_reference
-    from gpustrat.kernels.sum_buffers import sum_buffers, sum_buffers_reference
     rows = []
     rng = np.random.default_rng(0)
     n_rows, width = nbytes // (4 * 256), 256
@@ -150,14 +141,6 @@ def bench_kernels(cp, nbytes: int, repeats: int) -> list[dict]:
     res = split(batch, replicas)
     _check("split", res.pieces, split_reference(host, replicas).pieces)
     row("split", time_kernel(cp, lambda: split(batch, replicas), repeats), 2 * batch.nbytes)
-    # A Numba array takes the kernel (a CuPy batch without a gather is split with
-    # device copies and memsets).
-    kernel_batch = _numba_view(batch)
-    if kernel_batch is not None:
-        _check("split kernel", [cp.asarray(p) for p in split(kernel_batch, replicas).pieces],
-               split_reference(host, replicas).pieces)
-        row("split (Numba array in)", time_kernel(cp, lambda: split(kernel_batch, replicas), repeats),
-            2 * batch.nbytes)
     row("cupy: split = views + copy", time_kernel(cp, lambda: [
         batch[a:a + c].copy() for a, c in zip(
             np.cumsum([0] + split_reference(host[:, :1], replicas).counts[:-1]),
@@ -170,23 +153,11 @@ def bench_kernels(cp, nbytes: int, repeats: int) -> list[dict]:
                                                    check_index=False), repeats),
         2 * batch.nbytes)
     row("cupy: batch[index]", time_kernel(cp, lambda: batch[index], repeats), 2 * batch.nbytes)
-    from gpustrat.kernels import _launch, split as split_mod
-
-    def gather_args(nstream):
-        chunk = split_mod.split_sizes(n_rows, replicas)[0]
-        word = _launch.word_dtype(width * 4, batch.data.ptr)
-        words = width * 4 // word.itemsize
-        out = cp.empty((replicas * chunk, words), word)
-        keep.append(out)
-        grid, block = split_mod.launch_config(replicas, chunk, words)
-        return grid, block, (_launch.kernel_arg(batch.view(word), nstream),
-                             _launch.kernel_arg(index, nstream),
-                             _launch.kernel_arg(out, nstream), chunk, chunk, n_rows,
-                             word.type(0))
-    keep = []
-    only = _launch_only("_gather_split_rows", split_mod, batch, gather_args)
-    if only is not None:
-        row("split+gather kernel alone", time_kernel(cp, only, repeats), 2 * batch.nbytes)
+    chunk = split_mod.split_sizes(n_rows, replicas)[0]
+    gathered = cp.empty((replicas, chunk, width), np.float32)
+    row("split+gather kernel alone", time_kernel(cp, _launch_only(cp, split_mod._plans,
+                                                                  gathered), repeats),
+        2 * batch.nbytes)
     pad = -(-n_rows // replicas) + 1
     _check("fixed-shape split", split(batch, replicas, pad_to=pad).pieces,
            split_reference(host, replicas, pad_to=pad).pieces)
@@ -202,19 +173,8 @@ def bench_kernels(cp, nbytes: int, repeats: int) -> list[dict]:
     out = cp.empty_like(buf)
     row("pack (1000 tensors)", time_kernel(cp, lambda: pack(tensors, out=out), repeats),
         2 * buf.nbytes)
-    from gpustrat.kernels import pack as pack_mod
-
-    def pack_args(nstream):
-        win, offsets = _launch.window(tensors, np.float32)
-        sizes, starts, total = pack_mod._layout_sizes(
-            np.array([t.size for t in tensors], np.int64))
-        table = _launch.to_kernel_array(np.stack([offsets, sizes, starts]), tensors[0],
-                                        nstream)
-        grid, block, chunk = pack_mod.launch_config(total)
-        return grid, block, (win, table, _launch.kernel_arg(out, nstream), chunk)
-    only = _launch_only("_pack_copy", pack_mod, tensors[0], pack_args)
-    if only is not None:
-        row("pack kernel alone", time_kernel(cp, only, repeats), 2 * buf.nbytes)
+    row("pack kernel alone", time_kernel(cp, _launch_only(cp, pack_mod._pack_plans),
+                                         repeats), 2 * buf.nbytes)
     row("cupy: concatenate", time_kernel(cp, lambda: cp.concatenate(
         [t.ravel() for t in tensors]), repeats), 2 * buf.nbytes)
     shapes = [t.shape for t in tensors_h]
@@ -222,15 +182,6 @@ def bench_kernels(cp, nbytes: int, repeats: int) -> list[dict]:
     _check("unpack", unpack(buf, shapes), unpack_reference(pack_reference(tensors_h), shapes))
     row("unpack (1000 tensors)", time_kernel(cp, lambda: unpack(buf, shapes, out=outs),
                                           repeats), 2 * buf.nbytes)
-    k = 4
-    parts_h = [rng.standard_normal(batch.size // k).astype(np.float32) for _ in range(k)]
-    parts = [cp.asarray(p) for p in parts_h]
-    total = cp.empty_like(parts[0])
-    _check("sum_buffers", sum_buffers(parts), sum_buffers_reference(parts_h))
-    row(f"sum of {k} buffers", time_kernel(cp, lambda: sum_buffers(parts, out=total), repeats),
-        (k + 1) * parts[0].nbytes)
-    row("cupy: a + b + ...", time_kernel(cp, lambda: sum(parts[1:], parts[0]), repeats),
-        (k + 1) * parts[0].nbytes)
     return rows
 
 

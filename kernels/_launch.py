@@ -1,27 +1,45 @@
-"""Launch plumbing shared by the kernels: grid and block shapes, streams, arrays.
+"""Launch plumbing shared by the kernels: compiled kernels, launch plans, grids, streams.
 
 Words:
-- *launch config*: ``(grid, block)``: 2-D for split (pieces x rows by words), 1-D for
-  pack, unpack and sum (elements). Every kernel walks its problem with grid-stride
-  loops, so any grid is correct and the grid only decides the speed.
-- *window*: one 1-D device array whose extent covers several separate allocations of
-  the same dtype on one device, so that a single launch can read or write many tensors
-  through a table of element offsets (the way NCCL-style fusion kernels take a pointer
-  table; Numba has no kernel argument type for a table of pointers).
+- *launch config*: ``(grid, block)``: 3-D for split (words x rows x pieces), 1-D for
+  pack and unpack (chunks of the buffer).
+- *window*: the 1-D extent ``base .. base + n`` elements that covers several separate
+  allocations of one dtype on one device, so that a single launch can read or write
+  many tensors through a table of element offsets from ``base`` (the way NCCL-style
+  fusion kernels take a pointer table; Numba has no kernel argument type for a table
+  of pointers).
+- *specialisation* (:class:`Kernel`): one ``@cuda.jit`` kernel for one signature (its
+  arguments' dtypes and ranks). On a GPU it is compiled once per process and compute
+  capability to PTX by Numba (``numba.cuda.compile_ptx``), loaded by CuPy
+  (``cupy.RawModule``) and launched through CuPy's ``RawKernel``, its arguments laid
+  out as Numba's kernel ABI takes them: an array is the words ``meminfo, parent,
+  nitems, itemsize, data, shape..., strides...``, a scalar its value. Numba's
+  dispatcher (argument typing, device-array wrappers, ctypes) is not on the path.
+- *plan* (:class:`Plans`): what the launches of one layout need, built once: the
+  grid, the kernel's arguments as CuPy's argument objects, the tables uploaded to
+  the device. A launcher keeps its plans keyed by the layout (addresses, sizes,
+  dtype, device, stream) and on a hit skips every check: a training step launches
+  the same layouts every step, and CuPy's pool hands the same addresses back.
 
-Numba is imported inside functions only, so that ``import gpustrat.kernels`` and the
-pure helpers of the kernel modules work where Numba is not installed.
+Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the launchers call the
+kernels through Numba's dispatcher on NumPy arrays instead (the simulator runs Python,
+not PTX). Numba is imported inside functions only, so that ``import gpustrat.kernels``
+and the pure helpers of the kernel modules work where Numba is not installed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
+import re
 import threading
 from collections import OrderedDict
 from typing import NamedTuple
 
 import numpy as np
+
+from gpustrat import devices as _devices
 
 #: Threads per block unless a launcher is told otherwise; a multiple of the warp
 #: size, small enough that every SM holds several blocks.
@@ -52,8 +70,22 @@ class LazyKernels:
 
     def __init__(self, module_globals: dict, device_functions: tuple = ()):
         self._globals = module_globals
+        self.module = module_globals["__name__"]
         self._device_functions = tuple(device_functions)
         self._jitted: dict = {}
+        self._specialised: dict = {}
+
+    def python_function(self, name: str):
+        """The kernel ``name`` as written (what Numba compiles)."""
+        return self._globals[name]
+
+    def specialise(self, name: str, *signature: Arg) -> "Kernel":
+        """The :class:`Kernel` of ``name`` for ``signature`` (made once)."""
+        key = (name, signature)
+        kernel = self._specialised.get(key)
+        if kernel is None:
+            kernel = self._specialised[key] = Kernel(self, name, signature)
+        return kernel
 
     def bind(self):
         """``numba.cuda`` (or the test backend's), bound to the module's ``cuda`` name
@@ -82,8 +114,7 @@ def _cuda():
 
 def simulating() -> bool:
     """True when Numba runs kernels in its CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``)."""
-    from gpustrat.devices import kernels_simulated  # noqa: PLC0415
-    return kernels_simulated()
+    return _devices.kernels_simulated()
 
 
 def next_pow2(n: int) -> int:
@@ -111,52 +142,6 @@ def launch_config_2d(rows: int, cols: int, threads: int = DEFAULT_THREADS):
     return (gx, gy), (bx, by)
 
 
-def launch_config_1d(n: int, threads: int = DEFAULT_THREADS):
-    """Grid and block for ``n`` independent elements walked with a grid-stride loop."""
-    if threads < 1 or threads > 1024:
-        raise ValueError(f"threads per block must be in 1..1024, got {threads}")
-    return min(-(-max(int(n), 1) // threads), MAX_USEFUL_GRID_X), threads
-
-
-def numba_stream(stream=None, like=None):
-    """The Numba stream to launch on.
-
-    Args:
-        stream: None (the current CuPy stream when ``like`` is a CuPy array, else
-            Numba's default stream), a Numba stream, a CuPy stream (anything with a
-            ``.ptr``), or a raw ``cudaStream_t`` integer.
-        like: an array of the launch, to find the current CuPy stream.
-    """
-    cuda = _cuda()
-    if simulating():
-        # The simulator runs launches synchronously and has no external streams.
-        return stream if _is_numba_stream(stream) else cuda.default_stream()
-    if stream is None:
-        xp = _cupy_of(like)
-        if xp is None:
-            return cuda.default_stream()
-        stream = xp.cuda.get_current_stream()
-    if _is_numba_stream(stream):
-        return stream
-    ptr = int(stream.ptr) if hasattr(stream, "ptr") else int(stream)
-    # CuPy's null stream (ptr 0) is the legacy default stream, which is Numba's default
-    # stream only while NUMBA_CUDA_PER_THREAD_DEFAULT_STREAM is off: name it exactly.
-    if ptr == 0:
-        return cuda.legacy_default_stream()
-    if getattr(cuda, "is_fake", False):
-        return cuda.external_stream(ptr)
-    # A wrapper names the handle only: one per handle serves every launch on it.
-    nstream = _external_streams.get(ptr)
-    if nstream is None:
-        if len(_external_streams) >= 64:
-            _external_streams.clear()
-        nstream = _external_streams[ptr] = cuda.external_stream(ptr)
-    return nstream
-
-
-_external_streams: dict = {}
-
-
 def _is_numba_stream(stream) -> bool:
     if stream is None:
         return False
@@ -167,38 +152,6 @@ def _is_numba_stream(stream) -> bool:
 def _cupy_of(x):
     from gpustrat.devices import array_module, is_gpu_array  # noqa: PLC0415
     return array_module(x) if x is not None and is_gpu_array(x) else None
-
-
-def device_context(*arrays, devices=()):
-    """Numba's context, and CuPy's current device, for the device holding ``arrays``
-    (all on one device; ``devices``: the device ids of more CuPy arrays, as
-    :func:`describe` gives them).
-
-    CuPy and Numba share the primary context, but Numba launches on *its* current
-    device, so a launch for ``gpu:3`` must be made inside ``cuda.gpus[3]``; and CuPy's
-    current stream, which a launch with ``stream=None`` uses, is ``gpu:3``'s only while
-    ``gpu:3`` is CuPy's current device.
-    """
-    from gpustrat.devices import Device  # noqa: PLC0415
-    # The device of a CuPy array is its memory's (an int: cheaper than ``x.device``
-    # for the hundreds of tensors of a fusion bucket).
-    ids = set(devices)
-    ids.update(a.data.device_id for a in arrays if _is_cupy(a))
-    if len(ids) > 1:
-        raise ValueError(f"one launch reads and writes one device, but the arrays are on "
-                         f"{sorted(f'gpu:{i}' for i in ids)}: copy them to one device "
-                         "first")
-    if not ids or simulating():
-        return contextlib.nullcontext()
-    cuda = _cuda()
-    device = Device("gpu", int(ids.pop()))
-    stack = contextlib.ExitStack()
-    stack.enter_context(cuda.gpus[device.index])
-    # CuPy's current stream is per device: the launch stream (numba_stream), the
-    # stream the arguments export (kernel_arg) and the table upload must be this
-    # device's, not those of whichever device the caller had current.
-    stack.enter_context(device.activate())
-    return stack
 
 
 def check_kernel_input(x, what: str):
@@ -214,22 +167,13 @@ def check_kernel_input(x, what: str):
         "gpustrat.devices.to_device, or use the module's *_reference function on host data")
 
 
-def empty(like, shape, dtype, stream=None):
-    """An uninitialised array of the same kind and device as ``like``, for a launch on
-    ``stream`` (any kind :func:`numba_stream` takes). CuPy arrays come from the pool
-    arena of the launch stream: CuPy hands a freed block out again only to work on the
-    stream it was allocated for, which then runs after the launch that wrote it."""
-    shape = tuple(int(s) for s in shape)
-    cp = _cupy_of(like)
-    if cp is not None:
-        from gpustrat.devices import device_of  # noqa: PLC0415
-        with device_of(like).activate(), _pool_stream(cp, stream):
-            return cp.empty(shape, dtype)
-    if isinstance(like, np.ndarray):
-        return np.empty(shape, dtype)
-    cuda = _cuda()
-    return cuda.device_array(shape, dtype,
-                             stream=stream if _is_numba_stream(stream) else 0)
+def as_cupy(x):
+    """``x`` as a CuPy array: itself, or a view of another ``__cuda_array_interface__``
+    exporter (a Numba device array), which CuPy imports without copying. GPU launches
+    go through CuPy, and their outputs are CuPy arrays."""
+    if _is_cupy(x):
+        return x
+    return _devices.cupy().asarray(x)
 
 
 def _pool_stream(cp, stream):
@@ -280,6 +224,17 @@ def is_c_contiguous(x) -> bool:
                     else flags.c_contiguous)
     cai = x.__cuda_array_interface__
     return cai.get("strides") is None
+
+
+_C_CONTIGUOUS = operator.attrgetter("_c_contiguous")
+
+
+def all_c_contiguous(arrays) -> bool:
+    """Every array of a list of one type is C-contiguous; CuPy's arrays answer from the
+    flag that ``flags`` copies (building a ``flags`` object per array costs more)."""
+    if arrays and hasattr(arrays[0], "_c_contiguous"):
+        return all(map(_C_CONTIGUOUS, arrays))
+    return all(is_c_contiguous(a) for a in arrays)
 
 
 def word_dtype(row_bytes: int, *ptrs: int) -> np.dtype:
@@ -374,44 +329,28 @@ def _check_aligned(ptrs: np.ndarray, dtype: np.dtype, what: str) -> None:
                          f"item size {dtype.itemsize}")
 
 
-def window(arrays, dtype, described: Described | None = None):
-    """A 1-D array of ``dtype`` spanning every array in ``arrays``, and the element
-    offset of each array in it.
-
-    All arrays must be C-contiguous, of ``dtype``, on one device, and aligned to the
-    item size (every allocator does so; :func:`describe` checks, unless its answer
-    for these arrays is passed as ``described``). The window is only a descriptor: the
-    kernels touch the ranges of the arrays themselves, never the gaps between
-    allocations. The caller keeps ``arrays`` alive while the window is in use.
-
-    Returns:
-        ``(window_array, offsets)`` with ``offsets`` a host int64 array.
-    """
+def window_extent(described: Described, dtype) -> tuple[int, int, np.ndarray]:
+    """``(base, n, offsets)``: the window over the arrays :func:`describe` read (their
+    lowest address, the elements up to the end of the highest, each array's element
+    offset from ``base``). All arrays must be of ``dtype`` and aligned to its item
+    size (:func:`describe` checks). The kernels touch the ranges of the arrays
+    themselves, never the gaps between allocations; the caller keeps the arrays
+    alive while a launch over the window may run."""
     dtype = np.dtype(dtype)
-    d = described if described is not None else describe(arrays, dtype)
-    ptrs, sizes = d.ptrs, d.sizes
+    ptrs, sizes = described.ptrs, described.sizes
     base = int(ptrs.min()) if len(ptrs) else 0
     end = int((ptrs + sizes * dtype.itemsize).max()) if len(ptrs) else 0
-    n = max((end - base) // dtype.itemsize, 1)
-    offsets = (ptrs - base) // dtype.itemsize
-    if d.all_host:
-        win = np.asarray(_HostInterface(base, n, dtype))
-        if simulating():
-            # The simulator copies NumPy arguments in and back out around a launch,
-            # which for a window would write stale bytes over the gaps between
-            # allocations: hand it a wrapper it treats as device memory instead.
-            from numba.cuda.simulator.cudadrv.devicearray import (  # noqa: PLC0415
-                FakeCUDAArray)
-            win = FakeCUDAArray(win)
-    else:
-        desc = {"shape": (n,), "strides": None, "typestr": dtype.str,
-                "data": (base, False), "version": 3}
-        first = arrays[0]
-        if _is_cupy(first):
-            win = _numba_view(first.data.device_id, desc)
-        else:
-            win = _cuda().from_cuda_array_interface(desc, owner=None, sync=False)
-    return win, offsets
+    return base, max((end - base) // dtype.itemsize, 1), (ptrs - base) // dtype.itemsize
+
+
+def host_window(base: int, n: int, dtype):
+    """The window over host (NumPy) arrays as an argument of a simulated launch."""
+    win = np.asarray(_HostInterface(base, n, np.dtype(dtype)))
+    # The simulator copies NumPy arguments in and back out around a launch, which for
+    # a window would write stale bytes over the gaps between allocations: hand it a
+    # wrapper it treats as device memory instead.
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray  # noqa: PLC0415
+    return FakeCUDAArray(win)
 
 
 def stream_handle(stream) -> int:
@@ -421,132 +360,6 @@ def stream_handle(stream) -> int:
         return int(stream)  # Numba: the handle; CU_STREAM_LEGACY is 1
     ptr = int(stream.ptr) if hasattr(stream, "ptr") else int(stream)
     return ptr if ptr else 1  # CuPy's null stream is the legacy default stream
-
-
-#: Numba views of recent device ranges, by (device, address, shape, strides, dtype):
-#: building one costs more than a kernel launch, and a training step passes the same
-#: ranges every step (CuPy's pool hands the same addresses back). A view owns nothing:
-#: the caller's array keeps the memory alive, as with a fresh view.
-VIEW_CACHE_SIZE = 256
-_views: OrderedDict = OrderedDict()
-_views_lock = threading.Lock()
-
-
-def _numba_view(device_id: int, desc: dict, owner=None):
-    """A Numba device array over the range ``desc`` (a CUDA Array Interface dict)
-    describes, imported without synchronising, from the cache when the same range was
-    viewed before. ``owner`` keeps the memory alive for an uncached view (the
-    sanitizer's, which tracks each view's memory)."""
-    cuda = _cuda()
-    if getattr(cuda, "is_fake", False):
-        return cuda.from_cuda_array_interface(desc, owner=owner, sync=False)
-    key = (device_id, desc["data"][0], tuple(desc["shape"]),
-           None if desc.get("strides") is None else tuple(desc["strides"]), desc["typestr"])
-    with _views_lock:
-        view = _views.get(key)
-        if view is not None:
-            _views.move_to_end(key)
-            return view
-    view = cuda.from_cuda_array_interface(desc, owner=None, sync=False)
-    with _views_lock:
-        _views[key] = view
-        while len(_views) > VIEW_CACHE_SIZE:
-            _views.popitem(last=False)
-    return view
-
-
-def kernel_arg(x, nstream):
-    """``x`` as an argument of a launch on the Numba stream ``nstream``.
-
-    Numba imports a CuPy (``__cuda_array_interface__``) argument with
-    ``from_cuda_array_interface(sync=True)``: under version 3 of the interface it then
-    synchronizes the stream the exporter names, CuPy's current stream, so the host
-    would wait for the GPU at every launch, once per array argument. The launchers
-    order the launch stream after that stream with an event instead
-    (:func:`launch_stream`), so arguments are imported without the wait.
-    """
-    if not _is_cupy(x) or simulating():
-        return x
-    return _numba_view(x.data.device_id, x.__cuda_array_interface__, owner=x)
-
-
-def launch_stream(stream=None, like=None):
-    """The Numba stream to launch on (:func:`numba_stream`), ordered after CuPy's current
-    stream where ``like`` is a CuPy array: that is where a launch's CuPy inputs were
-    written, and what a synchronizing import would have waited for."""
-    nstream = numba_stream(stream, like)
-    cp = _cupy_of(like)
-    if cp is not None and not simulating():
-        order_after_current(cp, nstream)
-    return nstream
-
-
-#: Device copies of recent host tables, by (device, stream, dtype, shape, bytes): a
-#: training step launches the same layouts every step, and CuPy's memory pool hands
-#: the same addresses back, so in a warm step no table is uploaded. A table is only
-#: used on the stream it was uploaded on: CuPy's pool reuses a freed (evicted) block
-#: for that stream's later work only, which runs after every kernel that read it.
-TABLE_CACHE_SIZE = 64
-_tables: OrderedDict = OrderedDict()
-_tables_lock = threading.Lock()
-
-
-def clear_table_cache() -> None:
-    """Forget the cached tables and views (a new backend, or memory given back)."""
-    with _tables_lock:
-        _tables.clear()
-    with _views_lock:
-        _views.clear()
-
-
-def to_kernel_array(host: np.ndarray, like, stream=None):
-    """A small host table (offsets, sizes) as an argument of a launch next to ``like``.
-
-    Args:
-        host: the table.
-        like: an array of the launch (its kind and device decide where the table goes).
-        stream: the launch's Numba stream (:func:`numba_stream`).
-
-    CuPy launches get the table from CuPy's memory pool, uploaded on the launch stream
-    (so it is ordered before the kernel and its memory is reused only after it), and
-    cached: see ``TABLE_CACHE_SIZE``. Numba's ``to_device`` would allocate with
-    ``cuMemAlloc`` per launch and free with ``cuMemFree``, which synchronizes the device.
-    """
-    if isinstance(like, np.ndarray) or simulating():
-        return host
-    cp = _cupy_of(like)
-    if cp is None:
-        cuda = _cuda()
-        return cuda.to_device(host, stream=stream if stream is not None else 0)
-    from gpustrat.devices import device_of  # noqa: PLC0415
-    device = device_of(like)
-    host = np.ascontiguousarray(host)
-    key = (device.index, None if stream is None else stream_handle(stream),
-           host.dtype.str, host.shape, host.tobytes())
-    with _tables_lock:
-        view = _tables.get(key)
-        if view is not None:
-            _tables.move_to_end(key)
-    if view is None:
-        from gpustrat import devices as _devices  # noqa: PLC0415
-        if _devices.capture_state is not None:
-            # In a step gs.function captures: uploaded outside the capture (an upload
-            # inside would be replayed from CuPy's reused staging buffer).
-            table = _devices.capture_state.constant(host, device)
-        else:
-            with device.activate(), cupy_stream(cp, stream):
-                table = cp.asarray(host)
-        # Uploaded on the launch stream: ordered before the kernel, no host wait needed.
-        # The view owns the table: a launch holding it keeps the memory even when the
-        # cache drops the table meanwhile (another thread's launches on a shared stream
-        # could otherwise be given that memory before this kernel is queued).
-        view = _cuda().from_cuda_array_interface(table.__cuda_array_interface__,
-                                                 owner=table, sync=False)
-        with _tables_lock:
-            _tables[key] = view
-            while len(_tables) > TABLE_CACHE_SIZE:
-                _tables.popitem(last=False)
-    return view
 
 
 def cupy_stream(cp, nstream):
@@ -593,3 +406,271 @@ def env_threads(default: int = DEFAULT_THREADS) -> int:
     if not 1 <= value <= 1024:
         raise ValueError(f"GPUSTRAT_KERNEL_THREADS={value} is out of range 1..1024")
     return value
+
+
+# --- compiled kernels, launched through CuPy ---------------------------------------------
+
+class Arg(NamedTuple):
+    """One argument of a kernel's signature: an array of ``dtype`` with ``ndim``
+    dimensions (C-contiguous), or a scalar of ``dtype`` when ``ndim`` is 0."""
+
+    dtype: np.dtype
+    ndim: int = 0
+
+
+def flatten(signature, values) -> list:
+    """The kernel parameters of a launch, in order, as NumPy scalars of their sizes.
+
+    ``values`` follow ``signature`` (a tuple of :class:`Arg`): an array is given as
+    ``(ptr, shape)`` and becomes the ``5 + 2 * ndim`` int64 words of Numba's array ABI
+    (meminfo and parent 0, the element count, the item size, the address, the shape,
+    the C strides in bytes); a scalar becomes its value in the signature's dtype (a
+    float16 as its two bytes, as Numba passes it).
+    """
+    if len(values) != len(signature):
+        raise TypeError(f"the kernel takes {len(signature)} arguments, got {len(values)}")
+    out: list = []
+    for arg, value in zip(signature, values):
+        if not arg.ndim:
+            out.append(arg.dtype.type(value))
+            continue
+        ptr, shape = value
+        shape = tuple(int(n) for n in shape)
+        if len(shape) != arg.ndim:
+            raise ValueError(f"an argument of rank {arg.ndim} got shape {shape}")
+        strides, acc = [], arg.dtype.itemsize
+        for n in reversed(shape):
+            strides.append(acc)
+            acc *= max(n, 1)
+        size = int(np.prod(shape, dtype=np.int64))
+        out.extend(np.int64(v) for v in (0, 0, size, arg.dtype.itemsize, int(ptr), *shape,
+                                         *reversed(strides)))
+    return out
+
+
+def cupy_args(cp, params) -> tuple:
+    """``params`` (:func:`flatten`) as CuPy's kernel-argument objects, made once per plan:
+    CuPy hands each to the driver as it is (an int64 word as ``CIntptr``, any other
+    scalar as ``CNumpyArray`` over its bytes), where a NumPy scalar would be converted
+    again at every launch."""
+    fn = cp.cuda.function
+    return tuple(fn.CIntptr(int(p)) if p.dtype == np.int64 else fn.CNumpyArray(np.array(p))
+                 for p in params)
+
+
+def word(cp, value: int):
+    """One int64 kernel parameter (an address that changes between launches)."""
+    return cp.cuda.function.CIntptr(int(value))
+
+
+def data_slot(signature, k: int) -> int:
+    """The index, among the flattened parameters, of array argument ``k``'s address."""
+    slot = 0
+    for arg in signature[:k]:
+        slot += 5 + 2 * arg.ndim if arg.ndim else 1
+    return slot + 4
+
+
+_compile_lock = threading.Lock()
+_ptx: dict = {}             # (backend, module, kernel, signature, cc) -> (ptx, entry)
+_ptx_dir: list = []         # this process's directory of PTX files for CuPy to load
+_ENTRY = re.compile(r"\.entry\s+([\w$]+)\s*\(")
+
+
+def compute_capability(cp, device_id: int) -> tuple[int, int]:
+    """The compute capability of CuPy's ``device_id``, as ``(major, minor)``."""
+    cc = str(cp.cuda.Device(device_id).compute_capability)      # e.g. "90"
+    return int(cc[:-1]), int(cc[-1])
+
+
+def image(cuda, ptx: str, cc: tuple[int, int]) -> tuple[object, str]:
+    """``(image, kind)``: what CuPy loads for ``ptx`` on compute capability ``cc``. The
+    cubin Numba's own linker makes of it, as for Numba's own launches (with nvJitLink
+    where it is installed, no driver compiles the PTX, so a driver older than the
+    NVVM that wrote it still runs it), else the PTX itself, which the driver compiles
+    when the module is loaded."""
+    if getattr(cuda, "is_fake", False):
+        return ptx, "ptx"
+    import warnings  # noqa: PLC0415
+    try:
+        from numba.cuda.cudadrv import driver  # noqa: PLC0415
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # "nvjitlink is not available": the driver
+            linker = driver._Linker(cc=tuple(cc), lto=False)
+            linker.add_ptx(ptx.encode())
+            return bytes(linker.complete()), "cubin"
+    except Exception:  # no nvJitLink and no driver to link with: the PTX as it is
+        return ptx, "ptx"
+
+
+def _ptx_file(ptx, kind: str = "ptx") -> str:
+    """A file holding a module image (``ptx`` text, or cubin bytes; CuPy's RawModule
+    loads modules from files), in a directory of this process removed at exit."""
+    import atexit  # noqa: PLC0415
+    import hashlib  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+    if not _ptx_dir:
+        path = tempfile.mkdtemp(prefix="gpustrat-ptx-")
+        atexit.register(shutil.rmtree, path, True)
+        _ptx_dir.append(path)
+    data = ptx.encode() if isinstance(ptx, str) else bytes(ptx)
+    name = os.path.join(_ptx_dir[0], f"{hashlib.sha1(data).hexdigest()[:20]}.{kind}")
+    if not os.path.exists(name):
+        with open(name + ".tmp", "wb") as f:
+            f.write(data)
+        os.replace(name + ".tmp", name)
+    return name
+
+
+class Kernel:
+    """One specialisation of a kernel module's ``@cuda.jit`` kernel ``name`` for
+    ``signature`` (a tuple of :class:`Arg`), launched through CuPy.
+
+    ``function(cp, device)`` gives CuPy's ``RawKernel`` of it, compiled to PTX by Numba
+    once per process and compute capability, linked to a cubin as Numba links its
+    own kernels (:func:`image`) and loaded once per device; a launch is
+    ``function(grid, block, args)`` on CuPy's current stream, ``args`` the parameters
+    :func:`flatten` lays out, as :func:`cupy_args` makes them.
+    """
+
+    def __init__(self, kernels: "LazyKernels", name: str, signature):
+        self.kernels, self.name, self.signature = kernels, name, tuple(signature)
+        self._functions: dict = {}
+
+    def numba_signature(self) -> tuple:
+        from numba import from_dtype, types  # noqa: PLC0415
+        return tuple(types.Array(from_dtype(a.dtype), a.ndim, "C") if a.ndim
+                     else from_dtype(a.dtype) for a in self.signature)
+
+    def ptx(self, cc: tuple[int, int]) -> tuple[str, str]:
+        """``(ptx, entry name)`` of this specialisation for compute capability ``cc``."""
+        cuda = self.kernels.bind()
+        key = (cuda, self.kernels.module, self.name, self.signature, tuple(cc))
+        with _compile_lock:
+            got = _ptx.get(key)
+            if got is None:
+                # The sanitizer's stand-in (no Numba needed) takes the signature as is.
+                sig = self.signature if getattr(cuda, "is_fake", False) else \
+                    self.numba_signature()
+                ptx, _ = cuda.compile_ptx(self.kernels.python_function(self.name), sig,
+                                          cc=tuple(cc))
+                found = _ENTRY.search(ptx)
+                if found is None:
+                    raise RuntimeError(f"Numba's PTX for {self.name} has no kernel entry")
+                got = _ptx[key] = (ptx, found.group(1))
+        return got
+
+    def function(self, cp, device_id: int):
+        """CuPy's ``RawKernel`` of this specialisation on ``device_id``, which must be
+        CuPy's current device (CuPy loads a module into the current device's context)."""
+        key = (cp, device_id)
+        fn = self._functions.get(key)
+        if fn is None:
+            cc = compute_capability(cp, device_id)
+            ptx, entry = self.ptx(cc)
+            path = _ptx_file(*image(self.kernels.bind(), ptx, cc))
+            fn = self._functions[key] = cp.RawModule(path=path).get_function(entry)
+            _caches.add(self)
+        return fn
+
+    def clear(self) -> None:
+        self._functions.clear()
+
+
+def dtype_key(dtype):
+    """``dtype`` in a plan's key: its type number for NumPy's built-in types (hashing a
+    dtype costs more than a dict lookup), else the dtype itself (records of one size
+    differ by their fields)."""
+    return dtype.num if dtype.isbuiltin == 1 else dtype
+
+
+class Plans:
+    """A launcher's launch plans, by layout key; past ``size`` plans the least recently
+    used is dropped (with the device tables it owns, which go back to the pool arena of
+    the stream they were uploaded on, for that stream's later work only)."""
+
+    def __init__(self, size: int = 64):
+        self.size = size
+        self._plans: OrderedDict = OrderedDict()
+        _caches.add(self)
+
+    def get(self, key):
+        plan = self._plans.get(key)
+        if plan is not None:
+            with contextlib.suppress(KeyError):   # dropped meanwhile by another thread
+                self._plans.move_to_end(key)
+        return plan
+
+    def put(self, key, plan):
+        self._plans[key] = plan
+        while len(self._plans) > self.size:
+            with contextlib.suppress(KeyError):
+                self._plans.popitem(last=False)
+        return plan
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+
+_caches: set = set()
+
+
+def clear_table_cache() -> None:
+    """Forget every launch plan and loaded kernel (a new backend, or memory given back)."""
+    for cache in list(_caches):
+        cache.clear()
+    with _compile_lock:
+        _ptx.clear()
+
+
+#: Device tables by content, device and stream: layouts that differ only by where
+#: their tensors start (the same sizes, the same gaps) share one table.
+_tables = Plans()
+
+
+def upload(cp, host: np.ndarray, device: int, handle: int):
+    """A small host table as a device array on ``device``, copied on CuPy's current
+    stream, whose handle is ``handle`` (the launch stream: ordered before the kernels
+    that read it, its memory reused only after them); CuPy stages the bytes, so no
+    host wait. A table of the same content uploaded on that stream before is reused."""
+    host = np.ascontiguousarray(host)
+    key = (device, handle, host.dtype.str, host.shape, host.tobytes())
+    table = _tables.get(key)
+    if table is None:
+        from gpustrat import devices as _devices  # noqa: PLC0415
+        if _devices.capture_state is not None:
+            # In a step gs.function captures: uploaded outside the capture (an upload
+            # inside would be replayed from CuPy's reused staging buffer), and kept
+            # with the graphs rather than here.
+            return _devices.capture_state.constant(host, _devices.Device("gpu", device))
+        table = _tables.put(key, cp.asarray(host))
+    return table
+
+
+def on_device(cp, device: int):
+    """A context making CuPy's device ``device`` current, where it is not already
+    (CuPy launches on the current device, and loads modules into its context)."""
+    if cp.cuda.runtime.getDevice() == device:
+        return contextlib.nullcontext()
+    return cp.cuda.Device(device)
+
+
+def launch_stream(cp, stream):
+    """A context for a launch on ``stream`` (a CuPy or Numba stream, or a raw handle):
+    None is CuPy's current stream, as it is; another stream first waits (an event, no
+    host wait) for the current one, where the launch's inputs were written, then is
+    made CuPy's current stream, so the launch and its outputs' memory belong to it."""
+    if stream is None:
+        return contextlib.nullcontext()
+    order_after_current(cp, stream)
+    return _pool_stream(cp, stream)
+
+
+def launch_handle(cp, stream, device: int) -> int:
+    """The handle of the stream a launch on ``device`` uses: ``stream``'s, or (None)
+    that of CuPy's current stream of ``device``."""
+    return stream_handle(cp.cuda.get_current_stream(device) if stream is None else stream)

@@ -31,8 +31,11 @@ from __future__ import annotations
 
 import math
 import operator
+from typing import NamedTuple
 
 import numpy as np
+
+from gpustrat import devices as _devices
 
 from . import _launch
 
@@ -215,21 +218,25 @@ def launch_config(total: int, threads: int | None = None):
     return max(-(-int(total) // chunk), 1), block, chunk
 
 
+def signature(name: str, dtype) -> tuple:
+    """The arguments of kernel ``name`` for tensors of ``dtype`` (:class:`_launch.Arg`)."""
+    t, table = np.dtype(dtype), _launch.Arg(np.dtype(np.int64), 2)
+    arr, chunk = _launch.Arg(t, 1), _launch.Arg(np.dtype(np.int64))
+    return (arr, table, arr, chunk) + ((_launch.Arg(t),) if "scaled" in name else ())
+
+
+def specialisations() -> list:
+    """Every kernel specialisation the launchers use (:class:`_launch.Kernel`)."""
+    return [_kernels.specialise(name, *signature(name, dtype)) for dtype in DTYPES
+            for name in ("_pack_copy", "_unpack_copy")
+            + (("_pack_scaled", "_unpack_scaled") if dtype in SCALED_DTYPES else ())]
+
+
 def ptx_signatures():
     """``(python_function, signature)`` for every specialisation, for PTX tests."""
-    from numba import types  # noqa: PLC0415
     _kernels.bind()
-    table = types.Array(types.int64, 2, "C")
-    out = []
-    for name in DTYPES:
-        t = getattr(types, name)
-        arr = types.Array(t, 1, "C")
-        out.append((_pack_copy, (arr, table, arr, types.int64)))
-        out.append((_unpack_copy, (arr, table, arr, types.int64)))
-        if name in SCALED_DTYPES:
-            out.append((_pack_scaled, (arr, table, arr, types.int64, t)))
-            out.append((_unpack_scaled, (arr, table, arr, types.int64, t)))
-    return out
+    return [(_kernels.python_function(k.name), k.numba_signature())
+            for k in specialisations()]
 
 
 # --- layout ----------------------------------------------------------------------------
@@ -275,43 +282,138 @@ def _check_buffer(buffer, total: int, what: str):
 
 # --- launchers -------------------------------------------------------------------------
 
+#: Plans of recent layouts (see ``kernels/_launch.py``): a training step packs the
+#: same tensors, at the same addresses, every step.
+_pack_plans = _launch.Plans()
+_unpack_plans = _launch.Plans()
+_PTR, _SIZE = operator.attrgetter("data.ptr"), operator.attrgetter("size")
+_DTYPE = operator.attrgetter("dtype")
+
+
+class _Plan(NamedTuple):
+    """A pack or unpack of one layout on one device and stream, ready to launch."""
+
+    device: int
+    dtype: np.dtype
+    total: int
+    function: object        # CuPy's RawKernel (None: nothing to move)
+    grid: tuple
+    block: tuple
+    args: tuple             # CuPy's argument objects; the buffer's address at ``slot``
+    slot: int
+    table: object           # the device table the arguments point to (kept alive)
+
+
+def _same_kind(cp, arrays) -> bool:
+    """The arrays are contiguous and of one dtype (what a plan's key does not say)."""
+    return _launch.all_c_contiguous(arrays) and len(set(map(_DTYPE, arrays))) == 1
+
+
+def _plan(cp, name, described, dtype, device, buffer, scale, threads) -> _Plan:
+    """The plan of a pack (``name`` ``_pack_*``) or unpack of the tensors ``described``
+    into or out of a buffer (``buffer``: ``(ptr, shape)`` of a pack's given ``out``;
+    None: the buffer's address is given at each launch, :func:`_launch_plan`), made
+    on the launch stream and device."""
+    sizes, starts, total = _layout_sizes(described.sizes)
+    grid, block, chunk = launch_config(total, threads)
+    if not total:
+        return _Plan(device, dtype, 0, None, (), (), (), 0, None)
+    base, n, offsets = _launch.window_extent(described, dtype)
+    table = _launch.upload(cp, np.stack([offsets, sizes, starts]), device,
+                           _launch.stream_handle(cp.cuda.get_current_stream()))
+    kernel = _kernels.specialise(name, *signature(name, dtype))
+    buf = buffer if buffer is not None else (0, (total,))
+    win, tab = (base, (n,)), (int(table.data.ptr), table.shape)
+    values = [win, tab, buf] if name.startswith("_pack") else [buf, tab, win]
+    values.append(chunk)
+    if scale is not None:
+        values.append(scale)
+    args = _launch.cupy_args(cp, _launch.flatten(kernel.signature, values))
+    slot = _launch.data_slot(kernel.signature, 2 if name.startswith("_pack") else 0)
+    return _Plan(device, dtype, total, kernel.function(cp, device), (grid, 1, 1),
+                 (block, 1, 1), args, slot, table)
+
+
+def _launch_plan(cp, plan: _Plan, buffer) -> None:
+    args = plan.args
+    if buffer is not None:
+        args = args[:plan.slot] + (_launch.word(cp, buffer.data.ptr),) + args[plan.slot + 1:]
+    plan.function(plan.grid, plan.block, args)
+
+
 def pack(tensors, out=None, scale=None, stream=None, threads=None):
     """Copy ``tensors`` (one dtype, one device) back to back into one 1-D buffer.
 
     Args:
-        tensors: device arrays (CuPy, Numba; NumPy under the simulator), C-contiguous.
+        tensors: device arrays (CuPy, or any ``__cuda_array_interface__`` exporter;
+            NumPy under the simulator), C-contiguous.
         out: a 1-D buffer of at least the total size to write into; a new one if None.
         scale: optional factor applied to every element (floating dtypes only).
-        stream: CuPy or Numba stream (None: current CuPy stream / Numba default).
+        stream: CuPy or Numba stream or raw handle (None: the current CuPy stream).
         threads: threads per block.
     Returns:
         The fusion buffer (``out`` when given).
+
+    A layout launched before (the same addresses, sizes, dtype, ``out``, ``scale``,
+    device and stream) reuses its plan: one pass over the tensors' addresses and sizes,
+    and one launch.
     """
     if len(tensors) == 0:
         raise ValueError("nothing to pack: pass at least one tensor")
-    dtype = np.dtype(_launch.check_kernel_input(tensors[0], "tensor 0").dtype)
-    described = _launch.describe(tensors, dtype)
-    sizes, starts, total = _layout_sizes(described.sizes)
-    s = _scale_value(scale, dtype)
-    with _launch.device_context(*(() if out is None else (out,)),
-                                devices=described.devices):
+    if _launch.simulating():
+        return _pack_simulated(tensors, out, scale, threads)
+    if len(set(map(type, tensors))) != 1 or not _launch._is_cupy(tensors[0]):
+        _launch.check_kernel_input(tensors[0], "tensor 0")
+        tensors = [_launch.as_cupy(_launch.check_kernel_input(t, f"tensor {k}"))
+                   for k, t in enumerate(tensors)]
+    first = tensors[0]
+    cp = _devices.cupy()
+    device = first.data.device_id
+    if out is not None:
+        out = _launch.as_cupy(_launch.check_kernel_input(out, "out"))
+    out_key = None if out is None else (out.data.ptr, out.shape, out.strides, out.dtype)
+    key = (device, _launch.launch_handle(cp, stream, device), tuple(map(_PTR, tensors)),
+           tuple(map(_SIZE, tensors)), _launch.dtype_key(first.dtype), scale, threads,
+           out_key)
+    plan = _pack_plans.get(key)
+    if plan is not None and not _same_kind(cp, tensors):
+        plan = None
+    with _launch.on_device(cp, device), _launch.launch_stream(cp, stream):
+        if plan is None:
+            plan = _pack_plans.put(key, _pack_plan(cp, tensors, out, scale, threads, device))
         if out is None:
-            out = _launch.empty(tensors[0], (total,), dtype, stream)
-        else:
-            _launch.check_kernel_input(out, "out")
-            _check_buffer(out, total, "out")
-        if total:
-            win, offsets = _launch.window(tensors, dtype, described)
-            nstream = _launch.launch_stream(stream, like=tensors[0])
-            table = _launch.to_kernel_array(np.stack([offsets, sizes, starts]),
-                                            tensors[0], nstream)
-            grid, block, chunk = launch_config(total, threads)
-            dst = _launch.kernel_arg(out, nstream)
-            if s is None:
-                _kernels["_pack_copy"][grid, block, nstream](win, table, dst, chunk)
-            else:
-                _kernels["_pack_scaled"][grid, block, nstream](win, table, dst, chunk, s)
+            out = cp.empty(plan.total, plan.dtype)
+        if plan.function is not None:
+            _launch_plan(cp, plan, out if out_key is None else None)
     return out
+
+
+def _pack_plan(cp, tensors, out, scale, threads, device) -> _Plan:
+    """Check a new layout (every tensor and ``out``) and plan its pack."""
+    dtype = np.dtype(tensors[0].dtype)
+    described = _launch.describe(tensors, dtype)
+    if described.devices != {device}:
+        raise ValueError(f"one launch reads and writes one device, but the tensors are on "
+                         f"{sorted(f'gpu:{i}' for i in described.devices)}: copy them to "
+                         "one device first")
+    s = _scale_value(scale, dtype)
+    total = int(described.sizes.sum())
+    buffer = None
+    if out is not None:
+        _check_out(out, total, dtype, device, "out")
+        buffer = (int(out.data.ptr), (int(out.shape[0]),))
+    return _plan(cp, "_pack_copy" if s is None else "_pack_scaled", described, dtype,
+                 device, buffer, s, threads)
+
+
+def _check_out(buffer, total: int, dtype: np.dtype, device: int, what: str) -> None:
+    _launch.check_kernel_input(buffer, what)
+    _check_buffer(buffer, total, what)
+    if not _launch._is_cupy(buffer) or buffer.data.device_id != device:
+        raise ValueError(f"{what} must be a CuPy array on gpu:{device}, the tensors' device")
+    if buffer.dtype != dtype or not buffer.flags.c_contiguous:
+        raise TypeError(f"{what} must be a contiguous {dtype} array, got "
+                        f"{np.dtype(buffer.dtype)} with strides {buffer.strides}")
 
 
 def unpack(buffer, shapes, out=None, scale=None, stream=None, threads=None):
@@ -327,38 +429,102 @@ def unpack(buffer, shapes, out=None, scale=None, stream=None, threads=None):
         The list of tensors.
     """
     _launch.check_kernel_input(buffer, "buffer")
-    dtype = np.dtype(buffer.dtype)
-    described = None
+    if _launch.simulating():
+        return _unpack_simulated(buffer, shapes, out, scale, threads)
+    buffer = _launch.as_cupy(buffer)
+    cp = _devices.cupy()
+    dtype, device = np.dtype(buffer.dtype), buffer.data.device_id
     if out is None:
         shapes = [tuple(map(operator.index, s)) for s in shapes]
-        sizes, starts, total = layout(shapes)
+        with _launch.on_device(cp, device), _launch.launch_stream(cp, stream):
+            out = [cp.empty(shape, dtype) for shape in shapes]
     else:
-        out = list(out)
+        if len(set(map(type, out))) != 1 or not _launch._is_cupy(out[0]):
+            out = [_launch.as_cupy(o) for o in out]
         got = [o.shape for o in out]
         if got != shapes:  # shapes equal to the tensors' as given need no converting
             shapes = [tuple(map(operator.index, s)) for s in shapes]
             if [tuple(g) for g in got] != shapes:
                 raise ValueError(f"out has shapes {[tuple(g) for g in got]}, "
                                  f"expected {shapes}")
-        described = _launch.describe(out, dtype, what="out")
-        sizes, starts, total = _layout_sizes(described.sizes)
+    if buffer.ndim != 1 or not buffer.flags.c_contiguous:
+        raise ValueError(f"buffer must be a contiguous 1-D array, got shape "
+                         f"{tuple(buffer.shape)} strides {buffer.strides}")
+    key = (device, _launch.launch_handle(cp, stream, device), int(buffer.shape[0]),
+           _launch.dtype_key(dtype), tuple(map(_PTR, out)),
+           tuple(map(_SIZE, out)), scale, threads)
+    plan = _unpack_plans.get(key)
+    if plan is not None and not _same_kind(cp, out):
+        plan = None
+    with _launch.on_device(cp, device), _launch.launch_stream(cp, stream):
+        if plan is None:
+            plan = _unpack_plans.put(key, _unpack_plan(cp, buffer, out, scale, threads,
+                                                       device))
+        if plan.function is not None:
+            _launch_plan(cp, plan, buffer)
+    return out
+
+
+def _unpack_plan(cp, buffer, out, scale, threads, device) -> _Plan:
+    dtype = np.dtype(buffer.dtype)
+    described = _launch.describe(out, dtype, what="out")
+    if described.devices - {device}:
+        raise ValueError(f"one launch reads and writes one device, but buffer is on "
+                         f"gpu:{device} and out on "
+                         f"{sorted(f'gpu:{i}' for i in described.devices)}")
+    _check_buffer(buffer, int(described.sizes.sum()), "buffer")
+    s = _scale_value(scale, dtype)
+    # The buffer's address is given at each launch: a step's fusion buffer is new.
+    return _plan(cp, "_unpack_copy" if s is None else "_unpack_scaled", described, dtype,
+                 device, None, s, threads)
+
+
+# --- the simulator: Numba's dispatcher on NumPy arrays -----------------------------------
+
+def _pack_simulated(tensors, out, scale, threads):
+    dtype = np.dtype(_launch.check_kernel_input(tensors[0], "tensor 0").dtype)
+    described = _launch.describe(tensors, dtype)
+    sizes, starts, total = _layout_sizes(described.sizes)
+    s = _scale_value(scale, dtype)
+    if out is None:
+        out = np.empty(total, dtype)
+    else:
+        _launch.check_kernel_input(out, "out")
+        _check_buffer(out, total, "out")
+    if total:
+        base, n, offsets = _launch.window_extent(described, dtype)
+        win, table = _launch.host_window(base, n, dtype), np.stack([offsets, sizes, starts])
+        grid, block, chunk = launch_config(total, threads)
+        if s is None:
+            _kernels["_pack_copy"][grid, block](win, table, out, chunk)
+        else:
+            _kernels["_pack_scaled"][grid, block](win, table, out, chunk, s)
+    return out
+
+
+def _unpack_simulated(buffer, shapes, out, scale, threads):
+    dtype = np.dtype(buffer.dtype)
+    if out is None:
+        shapes = [tuple(map(operator.index, s)) for s in shapes]
+        out = [np.empty(shape, dtype) for shape in shapes]
+    else:
+        out = list(out)
+        got = [tuple(o.shape) for o in out]
+        shapes = [tuple(map(operator.index, s)) for s in shapes]
+        if got != shapes:
+            raise ValueError(f"out has shapes {got}, expected {shapes}")
+    described = _launch.describe(out, dtype, what="out")
+    sizes, starts, total = _layout_sizes(described.sizes)
     _check_buffer(buffer, total, "buffer")
     s = _scale_value(scale, dtype)
-    with _launch.device_context(buffer, devices=() if described is None
-                                else described.devices):
-        if out is None:
-            out = [_launch.empty(buffer, shape, dtype, stream) for shape in shapes]
-        if total:
-            win, offsets = _launch.window(out, dtype, described)
-            nstream = _launch.launch_stream(stream, like=buffer)
-            table = _launch.to_kernel_array(np.stack([offsets, sizes, starts]),
-                                            buffer, nstream)
-            grid, block, chunk = launch_config(total, threads)
-            src = _launch.kernel_arg(buffer, nstream)
-            if s is None:
-                _kernels["_unpack_copy"][grid, block, nstream](src, table, win, chunk)
-            else:
-                _kernels["_unpack_scaled"][grid, block, nstream](src, table, win, chunk, s)
+    if total:
+        base, n, offsets = _launch.window_extent(described, dtype)
+        win, table = _launch.host_window(base, n, dtype), np.stack([offsets, sizes, starts])
+        grid, block, chunk = launch_config(total, threads)
+        if s is None:
+            _kernels["_unpack_copy"][grid, block](buffer, table, win, chunk)
+        else:
+            _kernels["_unpack_scaled"][grid, block](buffer, table, win, chunk, s)
     return out
 
 

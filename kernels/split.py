@@ -1,4 +1,4 @@
-"""Split a device-resident global batch into per-replica pieces, in one launch.
+"""Split a device-resident global batch into per-replica pieces, into one buffer.
 
 The splitting rule of distributed input: a batch of ``n`` rows on ``N``
 replicas is cut in order into pieces of ``chunk = ceil(n / N)`` rows; the last
@@ -17,25 +17,30 @@ Words:
   CUDA graphs downstream then never see a new shape, even on the last partial batch.
 
 Algorithm: the output is one contiguous buffer of shape ``(N, P, words)`` (``P`` is
-``pad_to`` or ``chunk``). The grid has one layer per piece; in a layer, threads along
+``pad_to`` or ``chunk``). A gather is one launch of ``_gather_split_rows``, whose
+grid has one layer per piece; in a layer, threads along
 x take consecutive words of a row (coalesced reads and writes) and threads along y
-take rows, four per pass (loads before stores). Row ``r`` of piece ``p`` is global row
-``g = p * chunk + r``; it is copied when ``r < chunk`` and ``g < n`` and zero-filled
-otherwise. Each piece is then a view of the buffer (``out[p, :count]``, contiguous),
+take rows, four per pass (loads before stores). Row ``r`` of piece ``p`` is row ``index[g]`` of the batch, ``g = p * chunk + r``,
+copied when ``r < chunk`` and ``g < n`` and zero-filled otherwise. Each piece is then a view of the buffer (``out[p, :count]``, contiguous),
 so moving it to its replica's device is a single copy.
 
-Without ``index`` each piece's rows are one range of the batch: a CuPy batch is split
-with device-to-device copies and memsets (faster than any kernel), and a contiguous
-batch with neither option needs nothing at all (its pieces are views along axis 0).
+Without ``index`` each piece's rows are one range of the batch, so the split is
+device-to-device copies and memsets (adjacent ranges merged: one copy and at most one
+memset without padding), which move the bytes at 93-95% of one copy; no kernel does
+better. A contiguous batch with neither option needs nothing at all (its pieces are
+views along axis 0, see :func:`scatter`). A gather kernel beats CuPy's ``batch[index]``
+(1.6-1.8x on an H100 and an H200) and then costs one launch.
 """
 
 from __future__ import annotations
 
 import contextlib
-
+import math
 from typing import NamedTuple
 
 import numpy as np
+
+from gpustrat import devices as _devices
 
 from . import _launch
 
@@ -70,50 +75,10 @@ class Split(NamedTuple):
 
 # --- kernels ---------------------------------------------------------------------------
 
-def _split_rows(src, out, rows, chunk, n, zero):
-    """out[p * rows + r, :] = src[p * chunk + r, :] where that row exists (``r < chunk``
-    and inside the data), else ``zero`` (0 as a word); ``p`` is the piece, ``rows`` its
-    rows in ``out``."""
-    pieces = out.shape[0] // rows
-    words = out.shape[1]
-    w0 = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    wstep = cuda.gridDim.x * cuda.blockDim.x
-    r0 = cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y
-    rstep = cuda.gridDim.y * cuda.blockDim.y
-    p = cuda.blockIdx.z
-    while p < pieces:
-        first = p * chunk
-        valid = min(chunk, n - first)       # rows with data (0 or less: none)
-        out0 = p * rows
-        # Four rows per pass, their loads issued before their stores: one load in
-        # flight per thread leaves a GPU's memory idle.
-        r = r0
-        while r < rows:
-            g0 = first + r if r < valid else -1
-            g1 = first + r + rstep if r + rstep < valid else -1
-            g2 = first + r + 2 * rstep if r + 2 * rstep < valid else -1
-            g3 = first + r + 3 * rstep if r + 3 * rstep < valid else -1
-            w = w0
-            while w < words:
-                v0 = src[g0, w] if g0 >= 0 else zero
-                v1 = src[g1, w] if g1 >= 0 else zero
-                v2 = src[g2, w] if g2 >= 0 else zero
-                v3 = src[g3, w] if g3 >= 0 else zero
-                out[out0 + r, w] = v0
-                if r + rstep < rows:
-                    out[out0 + r + rstep, w] = v1
-                if r + 2 * rstep < rows:
-                    out[out0 + r + 2 * rstep, w] = v2
-                if r + 3 * rstep < rows:
-                    out[out0 + r + 3 * rstep, w] = v3
-                w += wstep
-            r += 4 * rstep
-        p += cuda.gridDim.z
-
-
 def _gather_split_rows(src, index, out, rows, chunk, n, zero):
-    """out[p * rows + r, :] = src[index[p * chunk + r], :] where that row exists, else
-    zeros (as :func:`_split_rows`)."""
+    """out[p * rows + r, :] = src[index[p * chunk + r], :] where that row exists (``r <
+    chunk`` and inside the index), else ``zero`` (0 as a word); ``p`` is the piece,
+    ``rows`` its rows in ``out``."""
     pieces = out.shape[0] // rows
     words = out.shape[1]
     w0 = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -157,21 +122,27 @@ _kernels = _launch.LazyKernels(globals())
 
 
 
+def signature(word, index) -> tuple:
+    """The arguments of ``_gather_split_rows`` for rows of ``word`` words and an
+    ``index`` dtype (:class:`_launch.Arg`)."""
+    w, i64 = np.dtype(word), np.dtype(np.int64)
+    rows = _launch.Arg(w, 2)
+    return (rows, _launch.Arg(np.dtype(index), 1), rows, _launch.Arg(i64), _launch.Arg(i64),
+            _launch.Arg(i64), _launch.Arg(w))
+
+
+def specialisations() -> list:
+    """Every kernel specialisation the launcher uses (:class:`_launch.Kernel`)."""
+    return [_kernels.specialise("_gather_split_rows", *signature(w, i))
+            for w in _WORDS for i in _INDEX]
+
+
 def ptx_signatures():
     """``(python_function, signature)`` for every specialisation the launcher uses,
     so that tests can compile each to PTX."""
-    from numba import types  # noqa: PLC0415
     _kernels.bind()
-    out = []
-    for w in _WORDS:
-        word = getattr(types, w)
-        src, dst = types.Array(word, 2, "C"), types.Array(word, 2, "C")
-        ints = (types.int64, types.int64, types.int64, word)
-        out.append((_split_rows, (src, dst, *ints)))
-        for i in _INDEX:
-            idx = types.Array(getattr(types, i), 1, "C")
-            out.append((_gather_split_rows, (src, idx, dst, *ints)))
-    return out
+    return [(_kernels.python_function(k.name), k.numba_signature())
+            for k in specialisations()]
 
 
 # --- launcher and reference ------------------------------------------------------------
@@ -220,20 +191,22 @@ def _check_index_range(index, src_rows: int) -> None:
                          f"rows (valid: 0 .. {src_rows - 1})")
 
 
-def _prepare(batch, index, check_index: bool, nstream):
-    """The batch made C-contiguous and the index range checked, on the launch stream
-    ``nstream`` (inside the launch's device context): the kernel then runs after the
+def _prepare(batch, index, check_index: bool, stream):
+    """The batch (and index) made C-contiguous and the index range checked, on the launch stream
+    ``stream`` (inside the launch's device context): the kernel then runs after the
     copy, and the copy's memory goes back to that stream's pool, reused only after it.
     (The launch stream was ordered after the current stream, where the batch and
     index were written, by ``_launch.launch_stream``.)"""
     cp = _launch._cupy_of(batch)
-    with (_launch.cupy_stream(cp, nstream) if cp is not None
+    with (_launch.cupy_stream(cp, stream) if cp is not None
           else contextlib.nullcontext()):
         if not _launch.is_c_contiguous(batch):
             batch = cp.ascontiguousarray(batch)
+        if index is not None and not _launch.is_c_contiguous(index):
+            index = cp.ascontiguousarray(index)
         if index is not None and check_index:
             _check_index_range(index, int(batch.shape[0]))
-    return batch
+    return batch, index
 
 
 def launch_config(pieces: int, rows: int, words: int, threads: int | None = None):
@@ -246,14 +219,12 @@ def launch_config(pieces: int, rows: int, words: int, threads: int | None = None
     return (gx, gy, min(max(int(pieces), 1), _launch.MAX_GRID_Y)), block
 
 
-def _copy_pieces(cp, batch, out, sizes, chunk, nstream) -> None:
-    """The split of a contiguous CuPy ``batch`` without a gather: each piece's rows are
-    one range of the batch, so the pieces are device-to-device copies and the rows past
-    each piece's data zero-filled with memsets, on the launch stream ``nstream``
-    (adjacent ranges merged: without padding, one copy and at most one memset)."""
-    rows_out = int(out.shape[1])
-    row = int(out.shape[2]) * out.dtype.itemsize
-    copies, zeros = [], []                  # [dst, src, bytes], [dst, bytes]
+def piece_ranges(sizes, chunk: int, rows_out: int, row: int):
+    """``(copies, zeros)`` of a split without a gather into a ``(pieces, rows_out)``
+    buffer of ``row``-byte rows: ``[dst, src, bytes]`` ranges copied from the batch and
+    ``[dst, bytes]`` ranges zero-filled, adjacent ranges merged (without padding: one
+    copy and at most one memset)."""
+    copies, zeros = [], []
     for p, count in enumerate(sizes):
         dst = p * rows_out * row
         if count:
@@ -268,31 +239,127 @@ def _copy_pieces(cp, batch, out, sizes, chunk, nstream) -> None:
                 zeros[-1][1] += size
             else:
                 zeros.append([start, size])
-    with _launch.cupy_stream(cp, nstream):
-        stream = cp.cuda.get_current_stream()
-        for dst, src, size in copies:
-            (out.data + dst).copy_from_device_async(batch.data + src, size, stream)
-        for dst, size in zeros:
-            (out.data + dst).memset_async(0, size, stream)
+    return copies, zeros
+
+
+def _copy_pieces(cp, batch, out, sizes, chunk) -> None:
+    """The split of a contiguous CuPy ``batch`` without a gather: each piece's rows are
+    one range of the batch, so the pieces are device-to-device copies and the rows past
+    each piece's data zero-filled with memsets, on CuPy's current stream (the launch
+    stream)."""
+    row = int(out.shape[2]) * out.dtype.itemsize
+    copies, zeros = piece_ranges(sizes, chunk, int(out.shape[1]), row)
+    stream = cp.cuda.get_current_stream()
+    for dst, src, size in copies:
+        (out.data + dst).copy_from_device_async(batch.data + src, size, stream)
+    for dst, size in zeros:
+        (out.data + dst).memset_async(0, size, stream)
+
+
+def _copy_pieces_host(batch, out, sizes, chunk) -> None:
+    """:func:`_copy_pieces` on host memory (the simulator's NumPy batches)."""
+    row = int(out.shape[2]) * out.dtype.itemsize
+    copies, zeros = piece_ranges(sizes, chunk, int(out.shape[1]), row)
+    src, dst = batch.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8)
+    for d, s, size in copies:
+        dst[d:d + size] = src[s:s + size]
+    for d, size in zeros:
+        dst[d:d + size] = 0
+
+
+#: Plans of recent gathers (see ``kernels/_launch.py``): a training loop gathers from
+#: the same batch buffer with the same index layout every step.
+_plans = _launch.Plans()
+
+
+class _Plan(NamedTuple):
+    """A gather of one layout (batch, index, pieces) on one device and stream."""
+
+    device: int
+    function: object        # CuPy's RawKernel
+    grid: tuple
+    block: tuple
+    args: tuple             # CuPy's argument objects; the output's address at ``slot``
+    slot: int
+    out_shape: tuple        # (pieces, rows per piece, words)
+    word: np.dtype
+    dtype: np.dtype         # the batch's
+    full_shape: tuple       # (pieces, rows per piece, *trailing)
+    sizes: list
+    padded: bool
+    rows: int               # the batch's
+
+
+def _gather(cp, batch, index, out, rows_out, chunk, n, threads, key, how) -> None:
+    """``_gather_split_rows`` into ``out`` (``(pieces, rows_out, words)``) on CuPy's
+    current device and stream; its plan is kept under ``key`` (None: not kept) with
+    ``how`` (``(dtype, full_shape, sizes, padded)``, what :func:`_pieces` needs)."""
+    word, words = out.dtype, int(out.shape[2])
+    pieces, rows = int(out.shape[0]), int(batch.shape[0])
+    device = out.data.device_id
+    kernel = _kernels.specialise("_gather_split_rows", *signature(word, index.dtype))
+    grid, block = launch_config(pieces, rows_out, words, threads)
+    values = [(int(batch.data.ptr), (rows, words)), (int(index.data.ptr), (n,)),
+              (0, (pieces * rows_out, words)), rows_out, chunk, n, 0]
+    plan = _Plan(device, kernel.function(cp, device), grid, block + (1,) * (3 - len(block)),
+                 _launch.cupy_args(cp, _launch.flatten(kernel.signature, values)),
+                 _launch.data_slot(kernel.signature, 2), tuple(out.shape), word, *how, rows)
+    if key is not None:
+        _plans.put(key, plan)
+    _launch_gather(cp, plan, out)
+
+
+def _launch_gather(cp, plan: _Plan, out) -> None:
+    args = plan.args
+    plan.function(plan.grid, plan.block, args[:plan.slot] + (_launch.word(cp, out.data.ptr),)
+                  + args[plan.slot + 1:])
+
+
+def _gather_planned(cp, plan: _Plan, index, stream, check_index: bool) -> Split:
+    """A gather whose layout was launched before: no checks but the index range."""
+    with _launch.on_device(cp, plan.device), _launch.launch_stream(cp, stream):
+        if check_index:
+            _check_index_range(index, plan.rows)
+        if plan.dtype.isbuiltin:
+            # The buffer as the pieces' dtype and shape at once (the kernel only takes
+            # its address): no views of a word buffer to make.
+            full = cp.empty(plan.full_shape, plan.dtype)
+            _launch_gather(cp, plan, full)
+            return _cut(full, plan.full_shape[1], plan.sizes, plan.padded)
+        out = cp.empty(plan.out_shape, plan.word)
+        _launch_gather(cp, plan, out)
+    return _pieces(out, plan.dtype, plan.full_shape, plan.sizes, plan.padded)
+
+
+def _pieces(out, dtype, full_shape, sizes, padded: bool) -> Split:
+    # One view of the whole buffer, then a piece per replica: indexing a device array
+    # costs microseconds of Python per call.
+    return _cut(out.view(np.uint8).view(dtype).reshape(full_shape), full_shape[1], sizes,
+                padded)
+
+
+def _cut(full, rows_out: int, sizes, padded: bool) -> Split:
+    """The pieces of ``full`` (``(pieces, rows_out, *trailing)``)."""
+    return Split([full[p] if padded or count == rows_out else full[p][:count]
+                  for p, count in enumerate(sizes)], list(sizes))
 
 
 def split(batch, num_replicas: int, index=None, pad_to: int | None = None,
           stream=None, threads: int | None = None, check_index: bool = True) -> Split:
     """Cut ``batch`` (on a GPU) into ``num_replicas`` pieces by the splitting rule, into
-    one fresh buffer: one kernel launch for a gather (or a Numba array), device copies
-    and memsets for a CuPy batch otherwise.
+    one fresh buffer: one kernel launch for a gather, device copies and memsets
+    otherwise.
 
     Args:
-        batch: a device array (CuPy, Numba, any ``__cuda_array_interface__``; NumPy
-            under the simulator), any dtype, shape ``(rows, *trailing)``.
+        batch: a device array (CuPy, any ``__cuda_array_interface__``; NumPy under the
+            simulator), any dtype, shape ``(rows, *trailing)``.
         num_replicas: number of pieces.
         index: optional 1-D int32/int64 device array; row ``g`` of the split is
             ``batch[index[g]]`` and ``n = len(index)``.
         pad_to: fixed-shape mode: every piece gets exactly ``pad_to`` rows, rows past
             its count are zeros. Must be at least ``ceil(n / num_replicas)``.
         stream: a CuPy or Numba stream (or ``cudaStream_t``); None is the current
-            CuPy stream for CuPy input, else Numba's default stream. The launch is
-            asynchronous on it.
+            CuPy stream. The launch is asynchronous on it.
         threads: threads per block (default 256, or ``GPUSTRAT_KERNEL_THREADS``).
         check_index: check that ``index`` lies in ``0 .. rows - 1`` first (reads
             two numbers back from the device, so it synchronises the stream).
@@ -306,48 +373,84 @@ def split(batch, num_replicas: int, index=None, pad_to: int | None = None,
         ValueError: ``pad_to`` too small, or arrays on different devices.
         IndexError: ``index`` outside the batch (when ``check_index``).
     """
+    key = None
+    if index is not None and _launch._is_cupy(batch) and _launch._is_cupy(index) \
+            and not _launch.simulating():
+        # A layout gathered before (a training loop's): its plan, and no other check.
+        cp = _devices.cupy()
+        device = batch.data.device_id
+        key = (device, _launch.launch_handle(cp, stream, device), batch.data.ptr,
+               batch.shape, batch.strides, _launch.dtype_key(batch.dtype), index.data.ptr,
+               index.shape, index.strides, _launch.dtype_key(index.dtype), num_replicas,
+               pad_to, threads)
+        plan = _plans.get(key)
+        if plan is not None:
+            return _gather_planned(cp, plan, index, stream, check_index)
     _launch.check_kernel_input(batch, "batch")
     if index is not None:
         _launch.check_kernel_input(index, "index")
     n, sizes, chunk, rows_out = _plan(batch, num_replicas, index, pad_to)
     trailing = tuple(int(s) for s in batch.shape[1:])
     dtype = np.dtype(batch.dtype)
-    if not _launch.is_c_contiguous(batch) and _launch._cupy_of(batch) is None:
-        raise ValueError(f"batch of shape {tuple(batch.shape)} is not C-contiguous: "
-                         "make it contiguous first")
-    with _launch.device_context(batch, *(() if index is None else (index,))):
-        nstream = _launch.launch_stream(stream, like=batch)
-        batch = _prepare(batch, index, check_index, nstream)
-        row_elems = int(np.prod(trailing, dtype=np.int64))
-        row_bytes = row_elems * dtype.itemsize
-        word = _launch.word_dtype(row_bytes, _launch.data_ptr(batch))
-        words = row_bytes // word.itemsize
-        out = _launch.empty(batch, (num_replicas, rows_out, words), word, nstream)
-        cp = _launch._cupy_of(batch)
-        if num_replicas * rows_out * words == 0:
-            pass                                # an empty buffer: nothing to write
-        elif index is None and cp is not None and not _launch.simulating():
-            _copy_pieces(cp, batch, out, sizes, chunk, nstream)
-        else:
-            # Through bytes: a dtype whose size is not a power of two (a 3-byte void
-            # or record) does not view as a word directly.
-            src = batch.reshape(int(batch.shape[0]), row_elems).view(np.uint8).view(word)
-            grid, block = launch_config(num_replicas, rows_out, words, threads)
-            src = _launch.kernel_arg(src, nstream)
-            dst = _launch.kernel_arg(out.reshape(num_replicas * rows_out, words), nstream)
-            if index is None:
-                _kernels["_split_rows"][grid, block, nstream](
-                    src, dst, rows_out, chunk, n, word.type(0))
+    row_elems = math.prod(trailing)
+    row_bytes = row_elems * dtype.itemsize
+    if _launch.simulating():
+        out = _split_simulated(batch, index, check_index, sizes, chunk, n, rows_out,
+                               num_replicas, row_elems, row_bytes, threads)
+    else:
+        cp = _devices.cupy()
+        batch = _launch.as_cupy(batch)
+        index = None if index is None else _launch.as_cupy(index)
+        device = batch.data.device_id
+        if index is not None and index.data.device_id != device:
+            raise ValueError(f"one launch reads and writes one device, but the batch is on "
+                             f"gpu:{device} and the index on gpu:{index.data.device_id}: "
+                             "copy them to one device first")
+        with _launch.on_device(cp, device), _launch.launch_stream(cp, stream):
+            given_batch, given_index = batch, index
+            batch, index = _prepare(batch, index, check_index, None)
+            if batch is not given_batch or index is not given_index:
+                key = None          # copies made for this call: no plan to keep
+            word = _launch.word_dtype(row_bytes, int(batch.data.ptr))
+            words = row_bytes // word.itemsize
+            out = cp.empty((num_replicas, rows_out, words), word)
+            if num_replicas * rows_out * words == 0:
+                pass                                # an empty buffer: nothing to write
+            elif index is None:
+                _copy_pieces(cp, batch, out, sizes, chunk)
             else:
-                _kernels["_gather_split_rows"][grid, block, nstream](
-                    src, _launch.kernel_arg(index, nstream), dst, rows_out, chunk, n,
-                    word.type(0))
-    # One view of the whole buffer, then a piece per replica: indexing a device array
-    # costs microseconds of Python per call.
-    full = out.view(np.uint8).view(dtype).reshape((num_replicas, rows_out) + trailing)
-    pieces = [full[p] if pad_to is not None or count == rows_out else full[p][:count]
-              for p, count in enumerate(sizes)]
-    return Split(pieces, list(sizes))
+                # Through bytes: a dtype whose size is not a power of two (a 3-byte
+                # void or record) does not view as a word directly.
+                src = batch.reshape(int(batch.shape[0]), row_elems).view(np.uint8).view(word)
+                _gather(cp, src, index, out, rows_out, chunk, n, threads, key,
+                        (dtype, (num_replicas, rows_out) + trailing, sizes,
+                         pad_to is not None))
+    return _pieces(out, dtype, (num_replicas, rows_out) + trailing, sizes,
+                   pad_to is not None)
+
+
+def _split_simulated(batch, index, check_index, sizes, chunk, n, rows_out, num_replicas,
+                     row_elems, row_bytes, threads):
+    """The split under Numba's simulator, of NumPy arrays: the gather kernel through
+    Numba's dispatcher, and the copies of a plain split with NumPy."""
+    batch = np.ascontiguousarray(batch)
+    index = None if index is None else np.ascontiguousarray(index)
+    if index is not None and check_index:
+        _check_index_range(index, int(batch.shape[0]))
+    word = _launch.word_dtype(row_bytes, _launch.data_ptr(batch))
+    words = row_bytes // word.itemsize
+    out = np.empty((num_replicas, rows_out, words), word)
+    if num_replicas * rows_out * words == 0:
+        return out
+    src = batch.reshape(int(batch.shape[0]), row_elems).view(np.uint8).view(word)
+    if index is None:
+        _copy_pieces_host(src, out, sizes, chunk)
+    else:
+        grid, block = launch_config(num_replicas, rows_out, words, threads)
+        _kernels["_gather_split_rows"][grid, block](
+            src, index, out.reshape(num_replicas * rows_out, words), rows_out, chunk, n,
+            word.type(0))
+    return out
 
 
 def split_reference(batch, num_replicas: int, index=None, pad_to: int | None = None,

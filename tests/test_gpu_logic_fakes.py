@@ -230,108 +230,6 @@ def test_a_collective_is_combined_on_every_replicas_stream_without_a_host_wait(f
                         ("wait", "null0", f"ev:{names[1]}", 0)]
 
 
-# --- kernel launches: argument import and the table cache (kernels/_launch.py) -------------
-
-class _Imports(list):
-    """The recorded imports ``(address, stream, sync)``; ``owners``: the owner each
-    view was given."""
-
-    def __init__(self):
-        super().__init__()
-        self.owners = []
-
-
-@pytest.fixture
-def imports(monkeypatch):
-    """Record numba.cuda.from_cuda_array_interface calls (no GPU needed).
-
-    The tests model launches on a real GPU, so the simulator is switched off for them
-    even under ``NUMBA_ENABLE_CUDASIM=1``, whose ``numba.cuda`` has no
-    ``from_cuda_array_interface`` to patch (hence ``raising=False``).
-    """
-    from numba import cuda
-    from gpustrat.kernels import _launch
-    calls = _Imports()
-
-    def fake_import(desc, owner=None, sync=True):
-        calls.append((desc["data"][0], desc["stream"], sync))
-        calls.owners.append(owner)
-        return ("numba view of", desc["data"][0])
-    monkeypatch.setattr(_launch, "simulating", lambda: False)
-    monkeypatch.setattr(_launch, "_views", type(_launch._views)())
-    monkeypatch.setattr(cuda, "from_cuda_array_interface", fake_import, raising=False)
-    return calls
-
-
-def test_a_cupy_argument_is_imported_without_a_host_wait(fake_cupy, imports):
-    from gpustrat.kernels import _launch
-    cp = fake_cupy
-    with cp.cuda.Device(1), cp.Stream("s", 1) as s:
-        x = cp.ndarray((8,), np.float32, device_id=1)
-        view = _launch.kernel_arg(x, s)
-        assert view == ("numba view of", id(x))
-        # The same range in a later launch (on another stream, which launch_stream
-        # ordered by an event): the view is reused, not imported again.
-        assert _launch.kernel_arg(x, s.ptr + 7) is view
-    assert imports == [(id(x), s.ptr, False)]
-    # CuPy's null stream is exported as 1, the legacy default stream's handle.
-    x0 = cp.ndarray((8,), np.float32, device_id=0)
-    with cp.cuda.Device(0), cp.Stream("null-like", 0) as null:
-        null.ptr = 0
-        _launch.kernel_arg(x0, 1)
-        assert _launch.stream_handle(null) == 1
-    assert imports[-1] == (id(x0), 1, False)
-    # No stream in the interface: nothing to synchronize.
-    cp.exported_stream = None
-    x1 = cp.ndarray((8,), np.float32, device_id=0)
-    _launch.kernel_arg(x1, 5)
-    assert imports[-1] == (id(x1), None, False)
-    # Another shape over the same address is another view.
-    x1.shape = (4, 2)
-    _launch.kernel_arg(x1, 5)
-    assert len(imports) == 4
-    # Host arrays pass through untouched.
-    h = np.zeros(3)
-    assert _launch.kernel_arg(h, 5) is h and len(imports) == 4
-
-
-def test_tables_upload_once_per_device_stream_and_content(fake_cupy, imports, monkeypatch):
-    from gpustrat.kernels import _launch
-    cp = fake_cupy
-    monkeypatch.setattr(_launch, "_tables", type(_launch._tables)())
-    monkeypatch.setattr(_launch, "TABLE_CACHE_SIZE", 2)
-    like1 = cp.ndarray((4,), np.float32, device_id=1)
-    t_a, t_b, t_c = (np.array([[k, 1], [2, 3]], np.int64) for k in (0, 10, 20))
-    with cp.cuda.Device(1), cp.Stream("s", 1) as s:
-        first = _launch.to_kernel_array(t_a, like1, s)
-        again = _launch.to_kernel_array(t_a.copy(), like1, s)
-    uploads = [e for e in cp.log if e[0] == "asarray"]
-    # One upload, on the launch's stream and device; the second call hits the cache.
-    assert uploads == [("asarray", 1, "s", t_a.tolist())]
-    assert first == again and first[0] == "numba view of"
-    assert [sync for _, _, sync in imports] == [False]     # one view of one table
-    # The view owns its table: a launch holding the view keeps the table's memory even
-    # when the cache drops it (another thread sharing the stream could be given it).
-    assert type(imports.owners[0]) is cp.ndarray and imports.owners[0].shape == (2, 2)
-    # A launch on a stream other than CuPy's current one uploads on that stream.
-    with cp.cuda.Device(1):
-        _launch.to_kernel_array(t_a, like1, 77)
-    assert [e for e in cp.log if e[0] == "asarray"][-1] == ("asarray", 1, "ext77",
-                                                             t_a.tolist())
-    assert imports[-1][2] is False    # uploaded on the launch stream: already ordered
-    # New content uploads; the least recently used entry is evicted past the cap.
-    with cp.cuda.Device(1), cp.Stream("s", 1) as s:
-        _launch.to_kernel_array(t_b, like1, s)
-        _launch.to_kernel_array(t_c, like1, s)
-        assert len(_launch._tables) == 2
-        n = len(cp.log)
-        _launch.to_kernel_array(t_c, like1, s)        # still cached
-        assert len(cp.log) == n
-    # Host launches take the host table as it is.
-    h = np.zeros(2)
-    assert _launch.to_kernel_array(t_a, h, None) is t_a
-
-
 def test_scatter_splits_on_the_batch_devices_stream_that_the_copies_wait_for(
         fake_cupy, monkeypatch):
     from gpustrat.kernels import split as split_mod
@@ -431,36 +329,6 @@ def test_placement_orders_a_gpu_piece_by_an_event_on_its_copy_stream(fake_cupy):
                            ("record", copy_stream, 0)]
 
 
-def test_a_launch_uses_the_stream_of_the_arrays_device_not_the_callers(fake_cupy,
-                                                                         monkeypatch):
-    from numba import cuda
-    from gpustrat.kernels import _launch
-    cp = fake_cupy
-    monkeypatch.setattr(_launch, "simulating", lambda: False)
-    numba_devs = []
-
-    class NumbaCtx:
-        def __init__(self, i):
-            self.i = i
-
-        def __enter__(self):
-            numba_devs.append(self.i)
-
-        def __exit__(self, *exc):
-            numba_devs.pop()
-
-    monkeypatch.setattr(cuda, "gpus", {0: NumbaCtx(0), 1: NumbaCtx(1)}, raising=False)
-    monkeypatch.setattr(cuda, "external_stream", lambda ptr: ("external", ptr))
-    monkeypatch.setattr(_launch, "_external_streams", {})   # no fake wrapper kept
-    x = cp.ndarray((4,), np.float32, device_id=1)
-    with cp.cuda.Device(1), cp.Stream("s1", 1) as s1:
-        with cp.cuda.Device(0), cp.Stream("s0", 0):     # the caller's current device
-            with _launch.device_context(x):
-                assert numba_devs == [1] and cp.current_device() == 1
-                assert _launch.numba_stream(None, like=x) == ("external", s1.ptr)
-            assert numba_devs == [] and cp.current_device() == 0
-
-
 def test_split_makes_a_strided_batch_contiguous_on_the_launch_stream(fake_cupy):
     from gpustrat.kernels import split as split_mod
     cp = fake_cupy
@@ -469,7 +337,7 @@ def test_split_makes_a_strided_batch_contiguous_on_the_launch_stream(fake_cupy):
         explicit = cp.Stream("sx", 1)
         # Launching on another stream: the copy goes on that stream too, so the kernel
         # runs after it and the copy's memory is reused only after the kernel.
-        out = split_mod._prepare(batch, None, True, explicit)
+        out, _ = split_mod._prepare(batch, None, True, explicit)
         assert out.device.id == 1 and out is not batch
         # Launching on the current stream: nothing to switch.
         split_mod._prepare(batch, None, True, current)

@@ -525,14 +525,14 @@ def _unpack_views(buffer, runs) -> list:
 # --- GPU: the pack kernels ----------------------------------------------------------------
 
 def _pack_gpu(tensors, out=None):
+    from gpustrat.kernels import _launch  # noqa: PLC0415
     from gpustrat.kernels.pack import pack  # noqa: PLC0415 - imports Numba
-    xp = array_module(tensors[0])
-    with device_of(tensors[0]).activate():
-        if not all(map(_CONTIGUOUS, tensors)):
+    if not _launch.all_c_contiguous(tensors):
+        xp = array_module(tensors[0])
+        with device_of(tensors[0]).activate():
             tensors = [t if t.flags.c_contiguous else xp.ascontiguousarray(t)
                        for t in tensors]
-        return pack(tensors, out=out)
-
-
-_CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
+    # pack launches on the tensors' device and its current stream, its plan kept by
+    # the layout: a steady step's pack is one pass over the addresses and one launch.
+    return pack(tensors, out=out)
 

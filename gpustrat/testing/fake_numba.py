@@ -1,15 +1,23 @@
 """The ``numba.cuda`` surface ``kernels/_launch.py`` uses, and the kernels' effects.
 
-A launch of one of gpustrat's kernels is an op on the launch stream whose reads and
-writes are those of the kernel (from its arguments and, for the window kernels, from
-the offset table the host uploaded), and whose effect is the kernel's, computed with
-NumPy when the op runs. Importing an array with ``sync=True`` synchronizes the stream
-the exporter names, as Numba does, and is counted as a host synchronization.
+A GPU launch of one of gpustrat's kernels is compiled by Numba to PTX
+(``compile_ptx``), loaded by CuPy (``cupy.RawModule(path=...).get_function(entry)``)
+and called with Numba's flattened argument words as CuPy's argument objects
+(``cupy.cuda.function.CIntptr``, ``CNumpyArray``). This module fakes both halves: its
+``compile_ptx`` writes a stand-in PTX naming the kernel, and it gives the fake CuPy it
+is built with the ``RawModule``, the argument classes and ``Device.compute_capability``
+the launch needs. A launch is then an op on CuPy's current stream whose reads and
+writes are those of the kernel (decoded from the argument words, which must follow
+Numba's array layout, and, for the window kernels, from the offset table the host
+uploaded with ``cupy.asarray``), and whose effect is the kernel's, computed with NumPy
+when the op runs. Importing an array with ``sync=True`` synchronizes the stream the
+exporter names, as Numba does, and is counted as a host synchronization.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 
 import numpy as np
 
@@ -58,6 +66,11 @@ class DeviceArray:
         shadow = getattr(self.owner, "_shadow", None)
         if shadow is None:
             shadow = getattr(self, "_shadow", None)
+        if shadow is None:
+            blk, off = self.san.block_at(self.ptr, self.nbytes)
+            memory, at, values = getattr(blk, "upload", (lambda: None, None, None))
+            if memory() is not None and at == off and values.nbytes == self.nbytes:
+                shadow = values
         if shadow is None:
             raise SanitizerError("a kernel's table must be a host upload to be modelled")
         return np.asarray(shadow).reshape(self.shape)
@@ -138,23 +151,7 @@ def _windowed(san, win, table, other, scale, packing):
     return (wins if packing else bufs) + [table.rng()], (bufs if packing else wins), run
 
 
-def _sum(san, win, offsets, out):
-    offs = np.asarray(offsets.host_values(), np.int64)
-    count = int(np.prod(out.shape))
-    parts = [_span(san, win, int(o), count) for o in offs]
-    out_np, dtype = _raw(out), win.dtype
-
-    def run():
-        acc = flat_view(*parts[0], dtype).copy()
-        for p in parts[1:]:
-            acc = (acc + flat_view(*p, dtype)).astype(dtype)
-        out_np().reshape(-1)[...] = acc
-    return parts + [offsets.rng()], [out.rng()], run
-
-
 EFFECTS = {
-    "_split_rows": lambda san, src, out, rows, chunk, n, zero: _split(
-        san, src, out, rows, chunk, n),
     "_gather_split_rows": lambda san, src, index, out, rows, chunk, n, zero: _split(
         san, src, out, rows, chunk, n, index),
     "_pack_copy": lambda san, win, table, out, chunk: _windowed(
@@ -165,7 +162,6 @@ EFFECTS = {
         san, win, table, buf, None, False),
     "_unpack_scaled": lambda san, buf, table, win, chunk, s: _windowed(
         san, win, table, buf, s, False),
-    "_sum_kernel": _sum,
 }
 
 
@@ -195,6 +191,97 @@ class _Kernel:
                 san.report("device", f"kernel {self.name} launched on {s!r} from gpu:{dev}")
             san.enqueue(s, f"kernel {self.name}", run, reads, writes)
         return launch
+
+
+class _CIntptr:
+    """``cupy.cuda.function.CIntptr``: one pointer-sized kernel parameter."""
+
+    def __init__(self, value: int):
+        self.value = int(value)
+
+
+class _CNumpyArray:
+    """``cupy.cuda.function.CNumpyArray``: a kernel parameter of a NumPy scalar's bytes."""
+
+    def __init__(self, a):
+        self.a = np.asarray(a)
+
+
+class _RawModule:
+    """``cupy.RawModule(path=...)`` of a stand-in PTX from :meth:`FakeNumbaCuda.compile_ptx`."""
+
+    def __init__(self, cuda: "FakeNumbaCuda", code=None, *, path=None, **options):
+        if code is not None or path is None:
+            raise SanitizerError("the sanitizer loads kernels from PTX files only "
+                                 "(cupy.RawModule(path=...))")
+        with open(path) as f:
+            self.ptx = f.read()
+        self.cuda = cuda
+
+    def get_function(self, name: str):
+        if f".entry {name}(" not in self.ptx or name not in self.cuda.compiled:
+            raise SanitizerError(f"no kernel {name} in the module")
+        return _RawKernel(self.cuda, *self.cuda.compiled[name])
+
+
+def _words(args, n: int, what: str) -> list:
+    got = args[:n]
+    if len(got) < n or not all(isinstance(a, _CIntptr) for a in got):
+        raise SanitizerError(f"{what}: expected {n} CIntptr words of Numba's array layout")
+    return [a.value for a in got]
+
+
+class _RawKernel:
+    """``RawModule.get_function(entry)``: a launch of the kernel ``name`` compiled for
+    ``signature`` (``_launch.Arg``s) on CuPy's current device and stream."""
+
+    def __init__(self, cuda: "FakeNumbaCuda", name: str, signature):
+        self.cuda, self.name, self.signature = cuda, name, signature
+
+    def decode(self, args) -> list:
+        """The launch's arguments from CuPy's argument objects: each array from the
+        ``5 + 2 * ndim`` words of Numba's layout (checked), each scalar its value."""
+        args, out = list(args), []
+        for k, arg in enumerate(self.signature):
+            what = f"kernel {self.name} argument {k}"
+            if not arg.ndim:
+                a = args.pop(0) if args else None
+                if isinstance(a, _CIntptr):
+                    value = np.int64(a.value)
+                elif isinstance(a, _CNumpyArray):
+                    value = a.a[()]
+                else:
+                    raise SanitizerError(f"{what}: expected a scalar of {arg.dtype}, got {a!r}")
+                if value.dtype.itemsize != arg.dtype.itemsize:
+                    raise SanitizerError(f"{what}: a scalar of {arg.dtype} is "
+                                         f"{arg.dtype.itemsize} bytes, got {value.dtype}")
+                out.append(value)
+                continue
+            words = _words(args, 5 + 2 * arg.ndim, what)
+            del args[:5 + 2 * arg.ndim]
+            meminfo, parent, nitems, itemsize, ptr = words[:5]
+            shape, strides = words[5:5 + arg.ndim], words[5 + arg.ndim:]
+            if (meminfo, parent, itemsize) != (0, 0, arg.dtype.itemsize) \
+                    or nitems != int(np.prod(shape)) \
+                    or tuple(strides) != _c(shape, arg.dtype.itemsize):
+                raise SanitizerError(f"{what}: the words {words} are not Numba's layout of "
+                                     f"a C-contiguous {arg.dtype} array of shape {shape}")
+            out.append(DeviceArray(self.cuda.san, ptr, shape, arg.dtype))
+        if args:
+            raise SanitizerError(f"kernel {self.name} got {len(args)} arguments too many")
+        return out
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        cuda, cp = self.cuda, self.cuda.cupy
+        dev, san = cp.current_device(), cuda.san
+        values = self.decode(args)
+        reads, writes, run = EFFECTS[self.name](san, *values)
+        for blk, _, _ in reads + writes:
+            if blk.device != dev:
+                san.report("device", f"kernel {self.name} launched with CuPy's current "
+                           f"device gpu:{dev} touches memory of gpu:{blk.device}")
+                break
+        san.enqueue(cp.current_stream()._s, f"kernel {self.name}", run, reads, writes)
 
 
 class _Gpus:
@@ -230,6 +317,43 @@ class FakeNumbaCuda:
         self.san, self.cupy = san, fake_cupy
         self._tls = threading.local()
         self.gpus = _Gpus(self)
+        self.compiled: dict = {}    # entry -> (kernel name, signature)
+        self._install_launch(fake_cupy)
+
+    def _install_launch(self, cp) -> None:
+        """Give the fake CuPy what a kernel launch uses of CuPy: ``RawModule``, the
+        argument objects, a compute capability, and host tables that a launch can read
+        back (``cupy.asarray`` of host data records what it uploaded on the block)."""
+        cuda = self
+        cp.RawModule = lambda code=None, **kw: _RawModule(cuda, code, **kw)
+        cp.cuda.function = type("function", (), {"CIntptr": _CIntptr,
+                                                 "CNumpyArray": _CNumpyArray})
+        cp.cuda.Device.compute_capability = "90"
+        upload = cp.asarray
+
+        def asarray(x, dtype=None):
+            out = upload(x, dtype)
+            shadow = getattr(out, "_shadow", None)
+            if shadow is not None:
+                blk, lo, _ = out._range()
+                blk.upload = (weakref.ref(out._mem), lo, shadow)
+            return out
+        cp.asarray = cp.array = asarray
+
+    def compile_ptx(self, pyfunc, sig, cc=None, **kw):
+        """A stand-in PTX for kernel ``pyfunc`` (``sig``: the launcher's ``_launch.Arg``
+        tuple), and its entry remembered for ``RawModule.get_function``."""
+        name = pyfunc.__name__
+        if name not in EFFECTS:
+            raise SanitizerError(f"kernel {name} has no modelled effect: add it to "
+                                 "gpustrat.testing.fake_numba.EFFECTS")
+        entry = f"_fake_{name}_{len(self.compiled)}"
+        self.compiled[entry] = (name, tuple(sig))
+        target = "" if cc is None else f".target sm_{cc[0]}{cc[1]}\n"
+        params = ",\n".join(f"\t.param .u{8 * a.dtype.itemsize} {entry}_param_{k}"
+                             for k, a in enumerate(sig))
+        return (f"// gpustrat sanitizer: no device code\n{target}"
+                f".visible .entry {entry}(\n{params}\n)\n{{\n}}\n", None)
 
     def _devs(self):
         d = getattr(self._tls, "devs", None)

@@ -203,5 +203,7 @@ def make_cuda(cp):
         Device=Device, Stream=Stream, ExternalStream=ExternalStream, Event=Event,
         get_current_stream=get_current_stream, runtime=runtime, alloc=alloc,
         MemoryPointer=cp._MemoryPointer, UnownedMemory=cp._Unowned,
+        # CuPy's kernel-argument objects (CIntptr, CNumpyArray): made without a device.
+        function=cp._real.cuda.function,
         get_elapsed_time=lambda start, stop: 0.0,
         is_available=lambda: True)

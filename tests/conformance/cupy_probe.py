@@ -10,7 +10,7 @@ package in a way this version does not accept.
 
 Imported (by the parent test) it only defines the table: ``ENTRY_POINTS`` maps each
 entry point's name, as gpustrat's source spells it with the module written out
-(``cupy.cuda.Device``, ``cupy.cuda.nccl.get_unique_id``, ``numba.cuda.external_stream``),
+(``cupy.cuda.Device``, ``cupy.cuda.nccl.get_unique_id``, ``numba.cuda.compile_ptx``),
 to the probe that calls it; ``COVERED_ELSEWHERE`` names those checked by another test.
 """
 
@@ -259,12 +259,6 @@ def _(cp, nccl, cuda):
     assert not x.T.flags.c_contiguous
 
 
-@entry("cupy.ndarray.__cuda_array_interface__")
-def _(cp, nccl, cuda):
-    cai = fake_array(cp).__cuda_array_interface__
-    assert cai["version"] >= 3 and "stream" in cai and cai["data"][0] == 0x10000
-
-
 @entry("cupy.ndarray.get", "cupy.ndarray.set")
 def _(cp, nccl, cuda):
     x = fake_array(cp)
@@ -459,44 +453,55 @@ def _(cp, nccl, cuda):
 
 # --- Numba ----------------------------------------------------------------------------------
 
-@entry("numba.cuda.external_stream")
+@entry("numba.cuda.compile_ptx")
 def _(cp, nccl, cuda):
-    return cuda.external_stream(12345)
+    # A launch's compilation (_launch.Kernel.ptx), with the real numba-cuda: the PTX
+    # of a pack kernel for sm_90 (no device needed, but libNVVM: without it
+    # tests/kernels/test_kernels_ptx.py skips too, and says why).
+    from numba.cuda.cudadrv import nvvm
+    from gpustrat.kernels import pack
+    try:
+        nvvm.NVVM()
+    except Exception as e:  # NvvmSupportError: no CUDA toolkit here
+        return f"not compiled: no libNVVM ({type(e).__name__})"
+    ptx, entry = pack.specialisations()[0].ptx((9, 0))
+    assert ".target sm_90" in ptx and f".entry {entry}(" in ptx
+    return entry
 
 
-@entry("numba.cuda.legacy_default_stream")
+@entry("cupy.cuda.Device.compute_capability")
 def _(cp, nccl, cuda):
-    return int(cuda.legacy_default_stream())
+    return cp.cuda.Device(0).compute_capability        # _launch.compute_capability
 
 
-@entry("numba.cuda.default_stream")
+@entry("cupy.cuda.runtime.getDevice")
 def _(cp, nccl, cuda):
-    return int(cuda.default_stream())
+    return cp.cuda.runtime.getDevice()                  # the launchers' current device
 
 
-@entry("numba.cuda.from_cuda_array_interface")
+@entry("cupy.RawModule", "cupy.RawModule.get_function")
 def _(cp, nccl, cuda):
-    # _launch.window's descriptor (kernel_arg passes a CuPy array's interface, which
-    # needs a device to be made on CuPy 14).
-    desc = {"shape": (8,), "strides": None, "typestr": "<f4", "data": (0x10000, False),
-            "version": 3}
-    return cuda.from_cuda_array_interface(desc, owner=None, sync=False)
+    # A launch's module: PTX from a file (_launch.Kernel.function; a kernel of the
+    # same form as Numba's, written here so that no libNVVM is needed); loading it is
+    # what needs a device.
+    from gpustrat.kernels import _launch
+    ptx = (".version 7.0\n.target sm_80\n.address_size 64\n\n"
+           ".visible .entry probe(\n\t.param .u64 probe_param_0\n)\n{\n\tret;\n}\n")
+    return cp.RawModule(path=_launch._ptx_file(ptx)).get_function("probe")
 
 
-@entry("numba.cuda.device_array")
+@entry("cupy.cuda.function", "cupy.cuda.function.CIntptr",
+       "cupy.cuda.function.CNumpyArray")
 def _(cp, nccl, cuda):
-    return cuda.device_array((3,), np.dtype(np.float32), stream=0)
-
-
-@entry("numba.cuda.to_device")
-def _(cp, nccl, cuda):
-    return cuda.to_device(np.zeros((3, 2), np.int64), stream=0)
-
-
-@entry("numba.cuda.gpus")
-def _(cp, nccl, cuda):
-    with cuda.gpus[1]:
-        pass
+    # The launch arguments of a plan: int64 words as CIntptr, other scalars (a float16
+    # scale) as CNumpyArray, made without a device.
+    from gpustrat.kernels import _launch
+    sig = (_launch.Arg(np.dtype(np.float16), 1), _launch.Arg(np.dtype(np.int64)),
+           _launch.Arg(np.dtype(np.float16)))
+    args = _launch.cupy_args(cp, _launch.flatten(sig, [(0x10000, (8,)), 3, 0.5]))
+    assert [type(a).__name__ for a in args] == ["CIntptr"] * 8 + ["CNumpyArray"]
+    assert all(isinstance(a, cp.cuda.function.CPointer) for a in args)
+    return len(args)
 
 
 # --- gpustrat's launchers, with real CuPy arrays --------------------------------------------
@@ -520,17 +525,17 @@ def _(cp, nccl, cuda):
     unpack(fake_array(cp, (13,), ptr=0x30000), [(3,), (5, 2)], out=fake_tensors(cp))
 
 
-@entry("gpustrat.kernels.sum_buffers.sum_buffers")
-def _(cp, nccl, cuda):
-    from gpustrat.kernels.sum_buffers import sum_buffers
-    bufs = [fake_array(cp, (4, 8), ptr=0x10000 * k) for k in (1, 2)]
-    sum_buffers(bufs, out=fake_array(cp, (8, 4), ptr=0x30000).T)
-
-
 @entry("gpustrat.kernels.split.split")
 def _(cp, nccl, cuda):
     from gpustrat.kernels.split import split
     split(fake_array(cp, (6, 3)), 4, pad_to=2)
+
+
+@entry("gpustrat.kernels.split.split (gather)")
+def _(cp, nccl, cuda):
+    from gpustrat.kernels.split import split
+    split(fake_array(cp, (6, 3)), 4, index=fake_array(cp, (6,), np.int64, ptr=0x20000),
+          check_index=False)
 
 
 # --- running --------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", \
 from gpustrat.kernels import _launch  # noqa: E402
 from gpustrat.kernels.pack import pack, pack_reference, unpack, unpack_reference  # noqa: E402
 from gpustrat.kernels.split import split, split_reference  # noqa: E402
-from gpustrat.kernels.sum_buffers import sum_buffers, sum_buffers_reference  # noqa: E402
 
 THREADS = 128
 SIZES = (1, 127, 128, 129, 300)
@@ -78,13 +77,12 @@ def test_gather_split_with_padding_matches_reference(n, dtype):
         np.concatenate([g[:c] for g, c in zip(got.pieces, got.counts)]), src[index])
 
 
-@pytest.mark.parametrize("gather", (False, True))
-def test_split_walks_rows_and_pieces_past_the_grid(monkeypatch, gather):
+def test_gather_walks_rows_and_pieces_past_the_grid(monkeypatch):
     # One block of 8 threads along rows and one grid layer: each thread walks every
     # piece and, four rows a pass, every row of it (zero rows included).
     monkeypatch.setattr(_launch, "MAX_GRID_Y", 1)
     src = data((301, 2), np.float32, 3)
-    index = np.random.default_rng(1).permutation(301)[:299] if gather else None
+    index = np.random.default_rng(1).permutation(301)[:299]
     for pad in (None, 80):
         got = split(src, 4, index=index, pad_to=pad, threads=8)
         want = split_reference(src, 4, index=index, pad_to=pad)
@@ -126,6 +124,17 @@ def test_split_of_an_itemsize_that_is_not_a_power_of_two(dtype, trailing):
         for g, w in zip(got.pieces, want.pieces):
             assert g.dtype == w.dtype and g.shape == w.shape
             assert g.tobytes() == w.tobytes()
+
+
+def test_split_without_a_gather_merges_adjacent_copies_and_zero_fills():
+    from gpustrat.kernels.split import piece_ranges
+    # Without padding the pieces are the batch's rows back to back: one copy, and one
+    # memset for the rows past the data (the last piece of 7 rows on 4 replicas).
+    assert piece_ranges([2, 2, 2, 1], 2, 2, 4) == ([[0, 0, 28]], [[28, 4]])
+    # Padding to 3 rows: each piece's rows are a copy of their own, each followed by
+    # zeros, and the zeros of an empty piece join the previous piece's.
+    assert piece_ranges([2, 2, 0], 2, 3, 4) == ([[0, 0, 8], [12, 8, 8]],
+                                                [[8, 4], [20, 16]])
 
 
 def test_split_past_the_end_and_empty_batches():
@@ -293,52 +302,3 @@ def test_unpack_shapes_in_any_integer_form_and_wrong_ones_named():
     with pytest.raises(ValueError, match="at least 13 elements"):
         unpack(buf[:12], [(3,), (5, 2)], out=[np.zeros(3, np.float32),
                                               np.zeros((5, 2), np.float32)])
-
-
-# --- sum of K buffers -------------------------------------------------------------------
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", SIZES)
-def test_sum_buffers_matches_reference(n, dtype):
-    for k in (1, 3):
-        bufs = [data((n,), dtype, 100 * k + i) for i in range(k)]
-        got = sum_buffers(bufs, threads=THREADS)
-        assert_same(got, sum_buffers_reference(bufs))
-    # Into one of its inputs, 2-D.
-    bufs = [data((2, n), dtype, 7 + i) for i in range(2)]
-    want = sum_buffers_reference(bufs)
-    assert sum_buffers(bufs, out=bufs[0], threads=THREADS) is bufs[0]
-    assert_same(bufs[0], want)
-
-
-@pytest.mark.parametrize("dtype", (np.float16, np.float32, np.int64))
-@pytest.mark.parametrize("n", (255, 256, 1000, 4099))
-def test_sum_buffers_in_unrolled_passes_and_a_grid_stride(monkeypatch, n, dtype):
-    # Two blocks of 32 threads: each thread sums four elements a pass, many passes,
-    # then the elements left over one by one.
-    monkeypatch.setattr(_launch, "MAX_USEFUL_GRID_X", 2)
-    for k in (1, 2, 5):
-        bufs = [data((n,), dtype, 300 * k + i) for i in range(k)]
-        assert_same(sum_buffers(bufs, threads=32), sum_buffers_reference(bufs))
-
-
-@pytest.mark.parametrize("dtype", (np.float32, np.int64))
-@pytest.mark.parametrize("n", (1, 129))
-def test_sum_buffers_into_a_strided_out(n, dtype):
-    bufs = [data((3, n), dtype, 40 + i) for i in range(3)]
-    want = sum_buffers_reference(bufs)
-    every_other = np.zeros((3, 2 * n), dtype)
-    out = every_other[:, ::2]
-    assert sum_buffers(bufs, out=out, threads=THREADS) is out
-    np.testing.assert_array_equal(out, want)
-    np.testing.assert_array_equal(every_other[:, 1::2], 0)   # the gaps stay untouched
-    transposed = np.zeros((n, 3), dtype).T
-    sum_buffers(bufs, out=transposed, threads=THREADS)
-    np.testing.assert_array_equal(transposed, want)
-
-
-@pytest.mark.filterwarnings("ignore:overflow encountered")
-def test_sum_buffers_integer_wraps_like_numpy():
-    a = np.full(129, np.iinfo(np.int32).max, np.int32)
-    got = sum_buffers([a, a, a], threads=THREADS)
-    assert_same(got, a + a + a)
