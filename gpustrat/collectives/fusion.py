@@ -524,6 +524,12 @@ def _unpack_views(buffer, runs) -> list:
 
 # --- GPU: the pack kernels ----------------------------------------------------------------
 
+def pack_gpu(tensors, out=None):
+    """GPU ``tensors`` (one dtype, one device) flattened back to back into one new 1-D
+    array (or ``out``) by one launch of the pack kernel."""
+    return _pack_gpu(tensors, out)
+
+
 def _pack_gpu(tensors, out=None):
     from gpustrat.kernels import _launch  # noqa: PLC0415
     from gpustrat.kernels.pack import pack  # noqa: PLC0415 - imports Numba

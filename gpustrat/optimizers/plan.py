@@ -32,7 +32,7 @@ import sys
 
 import numpy as np
 
-from gpustrat.collectives.fusion import pack_host
+from gpustrat.collectives.fusion import pack_gpu, pack_host
 from gpustrat.devices import gpu_array_type, on_device_of
 from gpustrat.distribute.collective_ops import as_array
 from gpustrat.distribute.distributed_variables import DistributedVariable, strategy_of
@@ -314,13 +314,19 @@ class FlatArenas:
         """One flat array per replica of ``tensors[j][i]``, in the plan's order (host
         replicas: in a pooled fusion buffer, reused once the step lets go of it)."""
         out = []
+        array = gpu_array_type()
         for i, dev in enumerate(row[0] for row in self.plan.devices):
-            column = [t[i] for t in tensors]
+            column = list(map(_ITEM[i], tensors)) if i < len(_ITEM) else \
+                [t[i] for t in tensors]
             if not dev.is_gpu and all(type(t) is np.ndarray for t in column):
                 out.append(pack_host(column, i))
-                continue
-            with dev.activate():
-                out.append(dev.xp.concatenate([t.reshape(-1) for t in column]))
+            elif dev.is_gpu and set(map(type, column)) == {array} and \
+                    set(map(_DTYPE, column)) == {self.plan.dtypes[0]} and \
+                    set(map(_DEVICE_ID, column)) == {dev.index}:
+                out.append(pack_gpu(column))    # one launch, no view per tensor
+            else:
+                with dev.activate():
+                    out.append(dev.xp.concatenate([t.reshape(-1) for t in column]))
         return out
 
     def step(self, optimizer, buckets: list, lr: float, step: int) -> None:
