@@ -20,7 +20,6 @@ WHERE = {
         "float16": "use np.float16", "float32": "use np.float32",
         "float64": "use np.float64", "int32": "use np.int32", "int64": "use np.int64",
         "bool": "use np.bool_", "string": "use gs.data.STRING",
-        "function": "not needed: functions run as Python (drop @tf.function)",
         "py_function": "not needed: map calls Python functions directly",
         "numpy_function": "not needed: map calls Python functions directly",
         "print": "use print",

@@ -20,7 +20,6 @@ def test_tensor_spec_is_at_the_top_level_as_in_tensorflow():
 @pytest.mark.parametrize("expr,where", [
     ("gs.GradientTape", "TensorFlow's tf.GradientTape has no counterpart in gpustrat"),
     ("gs.constant", "for TensorFlow's tf.constant: use np.asarray"),
-    ("gs.function", "drop @tf.function"),
     ("gs.keras", "optimizers are gs.optimizers"),
     ("gs.distribute.TPUStrategy", "tf.distribute.TPUStrategy has no counterpart"),
     ("gs.distribute.NcclAllReduce", "has no counterpart"),

@@ -47,7 +47,7 @@ class ReplicaContext:
             not strategy.local_devices[local_index].is_gpu
         # The only replica in sync, on a GPU: a flat list of float arrays has nothing
         # to be combined with, and is returned as it is (no copy, no launch).
-        self._only_gpu = strategy.num_replicas_in_sync == 1 and \
+        self._only_gpu = self._communicator.num_replicas == 1 and \
             strategy.local_devices[local_index].is_gpu
 
     @property

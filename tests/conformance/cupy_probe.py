@@ -312,6 +312,30 @@ def _(cp, nccl, cuda):
     return cp.sqrt(fake_array(cp, (8,)))         # optimizers/adam.py: sqrt(v)
 
 
+@entry("cupy.sort", "cupy.argsort", "cupy.int32")
+def _(cp, nccl, cuda):
+    # metrics: top-k accuracy sorts the scores; AUC's rank of each score
+    scores = fake_array(cp, (4, 5))
+    kth = cp.sort(scores, axis=-1)[:, 2]
+    return cp.argsort(cp.argsort(-scores, axis=-1), axis=-1), kth.astype(cp.int32)
+
+
+@entry("cupy.searchsorted", "cupy.bincount", "cupy.cumsum", "cupy.clip", "cupy.ones")
+def _(cp, nccl, cuda):
+    # metrics/confusion.py: thresholds' buckets, counted and accumulated
+    pred = cp.clip(fake_array(cp, (8,)), 0.0, 1.0)
+    below = cp.searchsorted(fake_array(cp, (3,)), pred, side="left")
+    counts = cp.bincount(below, weights=cp.ones((8,), np.float32), minlength=4)
+    return cp.cumsum(counts.reshape(1, -1), axis=1)
+
+
+@entry("cupy.exp", "cupy.log", "cupy.sign", "cupy.isfinite")
+def _(cp, nccl, cuda):
+    # metrics (a sigmoid, AUC's interpolation), Lion's sign, the loss scale's check
+    x = fake_array(cp, (8,))
+    return 1 / (1 + cp.exp(-x)), cp.log(x), cp.sign(x), cp.isfinite(x).all()
+
+
 @entry("cupy.square", "cupy.abs", "cupy.minimum", "cupy.sum", "cupy.ones_like")
 def _(cp, nccl, cuda):
     # optimizers: RMSprop/Adagrad/Adadelta/Nadam square the gradient, Adamax takes its
