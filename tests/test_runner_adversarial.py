@@ -571,33 +571,3 @@ def test_a_string_in_one_replicas_collective_is_a_type_error_naming_it(strategy,
     assert f"(raised in replica {n - 1} on cpu:{n - 1})" in info.value.__notes__
     check_usable(strategy)
 
-
-def test_after_a_long_step_every_replica_starts_at_once():
-    # Replica 0 waits (up to 2 s) for replica 1 to start before reaching its
-    # collective: replica 1 starts at the collective when replicas start in turn, and
-    # at the start of the step once a step was long.
-    strategy = gs.MirroredStrategy(cpus(2))
-    started = threading.Event()
-
-    def step():
-        ctx = gs.distribute.get_replica_context()
-        if ctx.replica_id_in_sync_group == 1:
-            started.set()
-            seen = True
-        else:
-            seen = started.wait(timeout=2.0)
-        ctx.all_reduce("sum", np.ones(2))
-        return seen
-
-    first = strategy.run(step).values[0]
-    started.clear()
-    second = strategy.run(step).values[0]
-    assert (first, second) == (False, True)
-    started.clear()
-
-    def short():
-        return gs.distribute.get_replica_context().all_reduce("sum", 1.0)
-
-    strategy.run(short)                  # a short step: the next starts in turn again
-    started.clear()
-    assert strategy.run(step).values[0] is False

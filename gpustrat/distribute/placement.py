@@ -38,8 +38,8 @@ import numpy as np
 
 from gpustrat import nest
 from gpustrat import timeline as _tl
-from gpustrat.devices import Device, cupy, is_gpu_array, new_stream, pinned_empty, to_device, \
-    to_host
+from gpustrat.devices import Device, cupy, is_gpu_array, kept_event, new_stream, pinned_empty, \
+    to_device, to_host
 
 _END = object()
 
@@ -150,9 +150,10 @@ class Placer:
                 events.append(None)
                 continue
             with cp.cuda.Device(dev.index):
-                events.append(cp.cuda.get_current_stream().record())
-        if int(cp.cuda.Device().id) not in {d.index for d in self._devices if d.is_gpu}:
-            events.append(cp.cuda.get_current_stream().record())
+                events.append(kept_event(cp.cuda.get_current_stream(), dev.index))
+        here = int(cp.cuda.Device().id)
+        if here not in {d.index for d in self._devices if d.is_gpu}:
+            events.append(kept_event(cp.cuda.get_current_stream(), here))
         return events
 
     def _retire_held(self) -> None:
@@ -265,7 +266,7 @@ class _Staging:
             for dev, stream in zip(self.devices, self.streams):
                 if stream is not None:
                     with dev.activate():
-                        events.append(stream.record())
+                        events.append(kept_event(stream, dev.index))
             _retire(events, allocated)
             raise
 
@@ -298,7 +299,7 @@ class _Staging:
                     allocated.append(arr)
                     arr.set(view, stream=stream)
                     placed.append(arr)
-                done = stream.record()
+                done = kept_event(stream, dev.index)   # timing-free
             self.arenas[i][self.step % self.ring][1] = done
             ready.append(done)
             out.append(placed[0] if not nest.is_nested(piece) else

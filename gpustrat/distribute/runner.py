@@ -14,9 +14,6 @@ scheduler picks an idle vCPU, so a call decides per step how to run:
    their threads, in parallel, when it was long enough for parallelism to pay
    (``INLINE_STEP_LIMIT_S``). A collective in such a replica is a mismatch and raises
    at once, where TensorFlow would hang.
-4. When replica 0 ran that long before its first collective (or to its end), the next
-   call starts every replica at once, replica 0 in the caller and the others in their
-   threads, so that none waits for replica 0's work before starting its own.
 
 Collectives meet in a :class:`Rendezvous`: the last replica to arrive computes the
 collective for everybody. On GPUs it does so with every device's replica stream made
@@ -373,21 +370,11 @@ class ReplicaRunner:
         #: step must finish before the next one starts. Also set by close().
         self._unclean: str | None = None
         self._task: tuple | None = None
-        #: Start every replica at once (the last step was long: see call()).
-        self._together = False
-        self._lead: float | None = None
-        self._t0 = 0.0
         self._finalizer = weakref.finalize(self, _stop_threads, self._threads)
 
     def replica_context_manager(self, index: int):
         """Make replica ``index``'s device and stream current (nothing for CPUs)."""
         return _replica_context(self.devices[index], self._streams[index])
-
-    def _first_wait(self) -> None:
-        # A replica is about to wait in the step's first collective.
-        if self._lead is None:
-            self._lead = time.perf_counter() - self._t0
-        self._dispatch_rest()
 
     def _dispatch_rest(self) -> None:
         # Start replicas 1..n-1 in their threads (once per call).
@@ -462,15 +449,12 @@ class ReplicaRunner:
             self._dispatched = False
             results: list = [None] * n
             errors: dict[int, BaseException] = {}
-            rv.on_wait = self._first_wait
+            rv.on_wait = self._dispatch_rest
             # The arguments were written on the caller's streams; the replica streams
             # are non-blocking, so they wait for those first (no host wait).
             for d, s in zip(self.devices, self._streams):
                 wait_for_current(d, s)
-            self._lead = None
-            t0 = self._t0 = time.perf_counter()
-            if self._together and n > 1:
-                self._dispatch_rest()
+            t0 = time.perf_counter()
             try:
                 results[0] = self._run_inline(0, fn, per_replica_args[0],
                                               per_replica_kwargs[0], enter, leave)
@@ -478,10 +462,6 @@ class ReplicaRunner:
                 errors[0] = e
                 rv.abort(e)
             rv.on_wait = None
-            # Replicas start together in the next call when this one ran long before
-            # its first collective (or had none): replica 0 alone would delay the rest.
-            lead = self._lead if self._lead is not None else time.perf_counter() - t0
-            self._together = lead >= INLINE_STEP_LIMIT_S
             if not errors and n > 1:
                 if self._dispatched:
                     rv.leave(0)
