@@ -40,24 +40,8 @@ import targets  # noqa: E402
 F32 = np.float32
 
 
-def resnet50_shapes() -> list[tuple]:
-    """The 161 trainable tensors of ResNet-50 (Keras layout: conv kernels without
-    bias, BatchNorm gamma and beta, the classifier)."""
-    shapes = [(7, 7, 3, 64), (64,), (64,)]
-    cin = 64
-    for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
-        for b in range(blocks):
-            if b == 0:
-                shapes += [(1, 1, cin, 4 * width), (4 * width,), (4 * width,)]
-            shapes += [(1, 1, cin, width), (width,), (width,),
-                       (3, 3, width, width), (width,), (width,),
-                       (1, 1, width, 4 * width), (4 * width,), (4 * width,)]
-            cin = 4 * width
-    shapes += [(2048, 1000), (1000,)]
-    return shapes
-
-
-MLP_SHAPES = [(784, 512), (512,), (512, 512), (512,), (512, 256), (256,), (256, 10), (10,)]
+# The layouts the host-cost suite measures, the same here.
+from bench_gpu_host import MLP_SHAPES, resnet50_shapes  # noqa: E402,F401
 
 RESNET_4 = "replayed step, ResNet-50 layout (161 tensors), 4 GPUs"
 RESNET_ADAM_4 = "replayed step (Adam), ResNet-50 layout, 4 GPUs"
