@@ -20,6 +20,7 @@ import copy
 import glob
 import gzip
 import io
+import itertools
 import os
 import zlib
 from typing import Any, BinaryIO, Iterator
@@ -229,25 +230,25 @@ class ListFilesDataset(Dataset):
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little")
         self._seed = int(seed)
-        self._epoch = 0
+        # Counts the shuffled orders drawn, as every reshuffling node does: a saved
+        # position records it and a restore sets it (iterator_state.epoch_counts).
+        self._epochs = itertools.count()
 
     def _with_files(self, files: list[str]) -> "ListFilesDataset":
         new = copy.copy(self)
         new._files = list(files)
-        new._epoch = 0
+        new._epochs = itertools.count()
         return new
 
     def _with_seed(self, seed: int) -> "ListFilesDataset":
         """The same file list with another shuffle seed, counting its epochs from 0."""
         new = copy.copy(self)
-        new._seed, new._seeded, new._epoch = int(seed), True, 0
+        new._seed, new._seeded, new._epochs = int(seed), True, itertools.count()
         new._agreed = True
         return new
 
     def _iter(self, ctx):
-        epoch = 0 if ctx.peek else self._epoch
-        if self._shuffle and not ctx.peek:
-            self._epoch += 1
+        epoch = next(self._epochs) if self._shuffle and not ctx.peek else 0
         yield from self._order(epoch)
 
     def _state_iter(self, ctx):
@@ -272,9 +273,8 @@ class _ListFilesIterator(StateIterator):
 
     def __init__(self, node: ListFilesDataset):
         self._node = node
-        self._epoch, self._seed = node._epoch, node._seed
-        if node._shuffle:
-            node._epoch += 1
+        self._epoch = next(node._epochs) if node._shuffle else 0
+        self._seed = node._seed
         self._start()
 
     def _start(self) -> None:
@@ -292,7 +292,8 @@ class _ListFilesIterator(StateIterator):
         self._epoch, self._seed = int(state["epoch"]), int(state["seed"])
         if node._shuffle:
             # Later iterations go on from the next epoch, with the saved seed.
-            node._epoch, node._seed = max(node._epoch, self._epoch + 1), self._seed
+            nxt = next(node._epochs)
+            node._epochs, node._seed = itertools.count(max(nxt, self._epoch + 1)), self._seed
         self._start()
         self._it.restore({"pos": state["pos"]})
 

@@ -450,7 +450,10 @@ def epoch_counts(dataset) -> list:
 def set_epoch_counts(dataset, counts) -> None:
     """Set the counters :func:`epoch_counts` read (after the iterators are restored:
     making them moves the counters)."""
-    for node, nxt in zip(_counting_nodes(dataset), counts):
+    nodes = _counting_nodes(dataset)
+    if len(nodes) != len(counts):
+        return   # saved by a version that counted other nodes: the restored counters stand
+    for node, nxt in zip(nodes, counts):
         node._epochs = itertools.count(int(nxt))
 
 
