@@ -756,10 +756,10 @@ def test_a_stopped_server_is_reported_as_lost_not_its_workers():
         format_result(rc, out, err)
     assert "did not answer the coordinator" not in err, err
     if "parameter servers [0], workers [])" not in err:
-        # Intel MPI's launcher may drop the ranks' standard error when the job is torn
-        # down after the abort (seen in one CI run); what the ranks printed to
-        # standard output (checked above) says the same.
-        assert not err and mpi_flavour() == "intel", err
+        # The launcher may drop the ranks' standard error when the job is torn down
+        # after the abort (seen under Intel MPI and MPICH, about one run in five); what
+        # the ranks printed to standard output (checked above) says the same.
+        assert not err, err
 
 
 # A per-worker dataset made while the workers run functions longer than
