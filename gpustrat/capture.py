@@ -7,8 +7,7 @@ Words:
   strategy that runs its one replica in the caller). While capturing, it is also the
   calling thread's current stream of its GPU, so that every piece of gpustrat that
   orders its work after "the current stream" (``strategy.run``'s joins,
-  ``strategy.reduce``, the NCCL communicator's fork onto its own streams and join
-  back) stays inside the capture.
+  ``strategy.reduce``, the NCCL communicator's calls) stays inside the capture.
 - *private pool*: a ``cupy.cuda.MemoryPool`` per set of graphs. Every allocation made
   while capturing comes from it (it is the process's allocator during the capture),
   and nothing else allocates from it afterwards, so the addresses the graphs use stay
@@ -259,12 +258,15 @@ class StepGraphs:
             for d, s in zip(self.devices, self.streams):
                 stack.enter_context(current_stream(d, s))
             cp.cuda.set_allocator(self.pool.malloc)
-            devices.capture_state = self.active
             try:
-                for d, s in zip(self.devices, self.streams):
-                    with cp.cuda.Device(d.index):
-                        s.begin_capture()
-                    begun.append((d, s))
+                # (The NCCL watchdog records no event from here until capture_state is
+                # None again: one on a stream being captured would join the graph.)
+                with devices.capture_lock:
+                    devices.capture_state = self.active
+                    for d, s in zip(self.devices, self.streams):
+                        with cp.cuda.Device(d.index):
+                            s.begin_capture()
+                        begun.append((d, s))
                 out = fn(*static[0], **static[1])
             except BaseException as e:  # noqa: BLE001 - ended below, then raised
                 error = e

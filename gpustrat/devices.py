@@ -105,6 +105,12 @@ _backend: Backend | None = None
 #: layers that send host data to a GPU or watch device work (see
 #: :mod:`gpustrat.capture`); None otherwise.
 capture_state = None
+#: Held while a capture begins or :func:`use_backend` changes the GPU libraries, and by
+#: a thread that records events on streams it did not issue the work on (the NCCL
+#: watchdog), which records nothing while a capture is on (an event recorded on a stream
+#: being captured would become part of the graph) nor under other libraries than the
+#: work's.
+capture_lock = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -112,17 +118,24 @@ def use_backend(backend: Backend):
     """Make ``backend`` the GPU libraries of this process inside the block (tests)."""
     global _backend
     previous = _backend
-    _backend = backend
-    gpu_count.cache_clear()
-    _marks.clear()            # events belong to the GPU libraries that made them
-    _free_events.clear()
+    with capture_lock:        # (see capture_lock)
+        _backend = backend
+        gpu_count.cache_clear()
+        _marks.clear()            # events belong to the GPU libraries that made them
+        _free_events.clear()
     try:
         yield backend
     finally:
-        _backend = previous
-        gpu_count.cache_clear()
-        _marks.clear()
-        _free_events.clear()
+        with capture_lock:
+            _backend = previous
+            gpu_count.cache_clear()
+            _marks.clear()
+            _free_events.clear()
+
+
+def current_backend():
+    """The :class:`Backend` of :func:`use_backend` in force, or None (the real CuPy)."""
+    return _backend
 
 
 def cupy():
@@ -423,13 +436,50 @@ def mark(stream, device_id: int):
     return ev
 
 
+def _reused_event(device_id: int):
+    """An event of GPU ``device_id`` from the free list, or None (several threads take
+    from it: the NCCL watchdog as well as the callers)."""
+    free = _free_events.get(device_id)
+    if free:
+        try:
+            return free.pop()
+        except IndexError:       # another thread took the last one
+            pass
+    return None
+
+
 def kept_event(stream, device_id: int):
     """A timing-free event recorded on ``stream`` now, to keep and poll; give it back
-    with :func:`release_events` once it was seen complete."""
-    free = _free_events.get(device_id)
-    ev = free.pop() if free else cupy().cuda.Event(disable_timing=True)
+    with :func:`release_events` once it was seen complete. ``device_id`` must be
+    current."""
+    ev = _reused_event(device_id)
+    if ev is None:
+        ev = cupy().cuda.Event(disable_timing=True)
     stream.record(ev)
     return ev
+
+
+def kept_events(streams, device_ids) -> list:
+    """:func:`kept_event` on each of ``streams`` (``streams[i]`` of GPU
+    ``device_ids[i]``), whichever device is current. CUDA records an event on a stream
+    of another device than the current one, so a reused event on a stream of its own
+    needs no device switch; a new event is made on its device, and a null stream
+    (handles 0 and 1) is the current device's, so those switch. A per-thread default
+    stream (handle 2) is the calling thread's."""
+    cp = cupy()
+    out = []
+    for s, dev in zip(streams, device_ids):
+        ev = _reused_event(dev) if s.ptr > 2 else None
+        if ev is not None:
+            s.record(ev)
+        else:
+            with cp.cuda.Device(dev):
+                ev = kept_event(s, dev)
+        out.append(ev)
+    return out
+
+
+PER_THREAD_STREAM = 2    # cudaStreamPerThread: a handle whose stream depends on the thread
 
 
 def release_events(events, device_ids) -> None:
@@ -437,7 +487,7 @@ def release_events(events, device_ids) -> None:
     for ev, dev in zip(events, device_ids):
         if ev is not None:
             free = _free_events.setdefault(dev, [])
-            if len(free) < 64:
+            if len(free) < 1024:   # (the watchdog gives back in bursts)
                 free.append(ev)
 
 

@@ -11,21 +11,24 @@ Words:
   0 and broadcast over MPI (``rendezvous.py``), and the cross-worker traffic goes
   through NCCL as well (NCCL picks rings and trees over NVLink, PCIe and the network
   itself), so there is no separate hierarchical NCCL-then-MPI path.
-- *ordering*: a collective's NCCL streams wait for each device's current stream (an
-  event), and each current stream then waits for its NCCL stream: the caller's later
-  work on each device is ordered after the collective, and the host never waits. A
-  result is ordered on its own device's current stream; read it with that device
-  current (``gpustrat.devices.to_host`` does), since CuPy's ``get()`` copies on the
-  current device's stream.
+- *ordering*: a collective runs on each device's current stream (inside ``run``, the
+  replica's stream), as a hand-written NCCL call does: the work queued before it is
+  ordered before it and the caller's later work after it, with no event between
+  streams and no host wait. A result is ordered on its own device's current stream;
+  read it with that device current (``gpustrat.devices.to_host`` does), since CuPy's
+  ``get()`` copies on the current device's stream.
 - *deadline*: a watchdog thread (one per communicator, started with its first
-  collective, as PyTorch's NCCL watchdog) polls an event recorded on each NCCL stream,
-  and ``ncclCommGetAsyncError``, until the work is done or ``GPUSTRAT_TIMEOUT`` seconds
-  (default 300) pass; then every local NCCL communicator is aborted, which ends the
-  stuck NCCL kernels, and the next call on the communicator raises
-  :class:`~gpustrat.errors.CollectiveTimeout` instead of hanging on a dead peer. The
-  watchdog holds the collective's buffers until its events complete, so their memory
-  is not reused while NCCL may still read or write it. An aborted communicator refuses
-  further calls.
+  collective, as PyTorch's NCCL watchdog) polls an event recorded on each stream after
+  the collective, and ``ncclCommGetAsyncError``, until the work is done or
+  ``GPUSTRAT_TIMEOUT`` seconds (default 300) pass; then every local NCCL communicator
+  is aborted, which ends the stuck NCCL kernels, and the next call on the communicator
+  raises :class:`~gpustrat.errors.CollectiveTimeout` instead of hanging on a dead
+  peer. A collective only appends to the watchdog's queue: the watchdog looks at it
+  every millisecond while it has work (never spinning, so it does not contend with the
+  caller for the interpreter), and sleeps until the next collective after a tenth of a
+  second without one. It holds the collective's buffers until its events complete, so
+  their memory is not reused while NCCL may still read or write it. An aborted
+  communicator refuses further calls.
 
 Reductions use the dtype and op table below. MEAN is ``ncclAvg`` on floating dtypes
 when the NCCL library has it (2.10 and later), else SUM followed by a division on the
@@ -43,8 +46,8 @@ raises.
 
 from __future__ import annotations
 
+import collections
 import operator
-import queue
 import threading
 import time
 import weakref
@@ -56,13 +59,15 @@ from gpustrat import devices
 from gpustrat.collectives.base import (Communicator, LocalWorkerGroup, WorkerGroup,
                                        agree_layout_over)
 from gpustrat.collectives.host import check_same_layout
-from gpustrat.devices import (Device, cupy, gpu_count, is_gpu_array, join_streams_into_current,
-                              mark, nccl_library, new_stream, release_events, to_device)
+from gpustrat.devices import (Device, cupy, gpu_count, is_gpu_array, kept_events, nccl_library,
+                              PER_THREAD_STREAM,
+                              release_events, to_device)
 from gpustrat.errors import CollectiveTimeout
 from gpustrat.reduce_util import ReduceOp
 
 _DEVICE_ID = operator.attrgetter("device.id")
 _CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
+_PTR = operator.attrgetter("ptr")
 
 ENV_TIMEOUT = "GPUSTRAT_TIMEOUT"
 
@@ -159,17 +164,19 @@ def async_error_text(e: BaseException) -> str:
 
 def wait_for(done: Callable[[], bool], timeout: float, describe: Callable[[], str],
              on_timeout: Callable[[], None], check: Callable[[], None] | None = None,
-             clock=time.monotonic, sleep=time.sleep, started: float | None = None) -> None:
+             clock=time.monotonic, sleep=time.sleep, started: float | None = None,
+             spin: int = 100, delay: float = 1e-5) -> None:
     """Poll ``done()`` until it is true, or abort and raise after ``timeout`` seconds.
 
     ``check()`` (if given) runs between polls and raises on an asynchronous error; then
     ``on_timeout()`` (the abort) runs too and the error is re-raised as RuntimeError.
-    The poll spins for the first ~100 checks, then sleeps from 10 us doubling to 1 ms.
-    ``started`` (a ``clock()`` value) is when the work was issued; default: now.
+    The poll spins for the first ``spin`` checks, then sleeps from ``delay`` seconds,
+    doubling up to 1 ms (or ``delay``, if longer). ``started`` (a ``clock()`` value) is
+    when the work was issued; default: now.
     """
     deadline = (clock() if started is None else started) + timeout
     polls = 0
-    delay = 1e-5
+    longest = max(delay, 1e-3)
     while not done():
         polls += 1
         if check is not None:
@@ -187,9 +194,9 @@ def wait_for(done: Callable[[], bool], timeout: float, describe: Callable[[], st
                 "this worker's NCCL communicators were aborted. Another worker may have "
                 "died, be stuck, or have skipped this collective; create a new strategy "
                 "to continue")
-        if polls > 100:
+        if polls > spin:
             sleep(delay)
-            delay = min(delay * 2, 1e-3)
+            delay = min(delay * 2, longest)
 
 
 class NcclCommunicator(Communicator):
@@ -243,8 +250,8 @@ class NcclCommunicator(Communicator):
             finally:
                 nccl.groupEnd()
             self._comms = comms
-        self._streams = [new_stream(d) for d in self.devices]
         self._device_ids = [d.index for d in self.devices]
+        self._args: dict = {}    # (dtype, op) -> _reduce_args
         self._watchdog: _Watchdog | None = None
 
     # --- plumbing ---------------------------------------------------------------------
@@ -257,7 +264,13 @@ class NcclCommunicator(Communicator):
 
         ``wire`` is None where NCCL has ``dtype``, else ``(how, dtype)`` from
         ``NCCL_WIRE``. post is None, "divide" (in place, inexact) or "true_divide"
-        (integer or bool MEAN to float64)."""
+        (integer or bool MEAN to float64). Worked out once per dtype and op."""
+        args = self._args.get((dtype, op))
+        if args is None:
+            args = self._args[(dtype, op)] = self._work_out_reduce_args(dtype, op)
+        return args
+
+    def _work_out_reduce_args(self, dtype, op: ReduceOp):
         dtype = np.dtype(dtype)
         wire = NCCL_WIRE.get(dtype.name)
         if wire is not None:
@@ -338,46 +351,47 @@ class NcclCommunicator(Communicator):
 
     def _run(self, what: Callable[[], str], issue: Callable[[int, object, int], None],
              keep=()) -> None:
-        """Order after each device's current stream, issue every local call in one
-        NCCL group, order each current stream after it, and hand the deadline (and
-        ``keep``, the buffers) to the watchdog. No host wait."""
+        """Issue every local call in one NCCL group, each on its device's current stream,
+        and hand the deadline (and ``keep``, the buffers) to the watchdog. No event
+        between streams, no host wait."""
         cp = cupy()
         nccl = self._nccl
+        streams = []
         nccl.groupStart()
         try:
-            for i, (comm, d) in enumerate(zip(self._comms, self.devices)):
-                with cp.cuda.Device(d.index):
-                    stream = self._streams[i]
-                    stream.wait_event(mark(cp.cuda.get_current_stream(), d.index))
+            for i, (comm, index) in enumerate(zip(self._comms, self._device_ids)):
+                with cp.cuda.Device(index):
+                    stream = cp.cuda.get_current_stream()
+                    streams.append(stream)
                     issue(i, comm, stream.ptr)
         finally:
             nccl.groupEnd()
-        events = join_streams_into_current(self.devices, self._streams,
-                                           into_current_device=False,
-                                           keep=devices.capture_state is None)
         capture = devices.capture_state
         if capture is not None:
-            # Captured: these events are a graph's, which CUDA forbids querying; the
-            # graph holds the buffers, and each replay is watched (watch_replay).
+            # Captured: the calls are the graph's, whose events CUDA forbids querying;
+            # the graph holds the buffers, and each replay is watched (watch_replay).
             capture.hold(keep)
             return
+        self._watch(streams, what, keep)
+
+    def _watch(self, streams: list, what: Callable[[], str], keep) -> None:
+        """Hand the work queued so far on ``streams`` (one per local device, in this
+        communicator's device order) to the watchdog. It records the events it polls
+        itself, except on a per-thread default stream, whose events only the calling
+        thread can record."""
         if self._watchdog is None:
             self._watchdog = _Watchdog(self)
-        self._watchdog.watch(events, what, keep)
+        if PER_THREAD_STREAM in map(_PTR, streams):
+            self._watchdog.watch(None, kept_events(streams, self._device_ids), what, keep)
+        else:
+            self._watchdog.watch(streams, None, what, keep)
 
     def watch_replay(self, streams: list, what: Callable[[], str]) -> None:
         """Watch a replayed graph: an event recorded on each local device's stream
         after its launch (one per device, in ``streams``, this communicator's device
         order) is handed to the watchdog, so the replay's collectives get the same
         deadline as eager ones. No host wait."""
-        cp = cupy()
-        events = []
-        for d, s in zip(self.devices, streams):
-            with cp.cuda.Device(d.index):
-                events.append(devices.kept_event(s, d.index))
-        if self._watchdog is None:
-            self._watchdog = _Watchdog(self)
-        self._watchdog.watch(events, what, ())
+        self._watch(streams, what, ())
 
     def _post(self, outs: list, post: str | None) -> list:
         if post is None:
@@ -576,29 +590,53 @@ class NcclCommunicator(Communicator):
         self._control = None
 
 
+#: How often the watchdog looks at its pending collectives, and how long it goes on
+#: looking without any before it sleeps until the next one (seconds).
+WATCHDOG_POLL_S = 1e-3
+WATCHDOG_IDLE_S = 0.1
+
+
 class _Watchdog:
     """Waits, in its own thread, for the collectives of one communicator to complete
     (see *deadline* in the module docstring); ``failure`` is what went wrong, if
-    anything did. Holds no reference to the communicator between collectives."""
+    anything did. Holds no reference to the communicator between collectives.
+
+    A collective costs its caller one append to a deque: its streams (or, on a
+    per-thread default stream, the events the caller recorded there), a description and
+    the buffers to hold. Every ``WATCHDOG_POLL_S`` the thread takes what came, records
+    one event on each stream for all of it (the work of every collective taken is
+    before that event on its stream) and polls those events until they complete or the
+    deadline passes; then it lets go of the buffers. It is woken (an Event) only for
+    the first collective after it went to sleep."""
 
     def __init__(self, comm: NcclCommunicator):
         self.failure: BaseException | None = None
-        self._queue: queue.Queue = queue.Queue()
+        self._pending: collections.deque = collections.deque()
+        self._asleep = False
+        self._wake = threading.Event()
         self._timeout = comm.timeout
         self._comms = list(comm._comms)
         self._device_ids = [d.index for d in comm.devices]
+        self._backend = devices.current_backend()
         self._abort_method = weakref.WeakMethod(comm.abort)
         self._thread = threading.Thread(target=self._loop, name="gpustrat-nccl-watchdog",
                                         daemon=True)
         self._thread.start()
         # A communicator dropped without close() stops its watchdog too.
-        weakref.finalize(comm, self._queue.put, None)
+        weakref.finalize(comm, self._put, None)
 
-    def watch(self, events: list, what: Callable[[], str], keep) -> None:
-        self._queue.put((time.monotonic(), events, what, keep))
+    def watch(self, streams: list | None, events: list | None, what: Callable[[], str],
+              keep) -> None:
+        self._put((streams, events, what, keep))
+
+    def _put(self, item) -> None:
+        self._pending.append(item)
+        if self._asleep:
+            self._asleep = False
+            self._wake.set()
 
     def stop(self) -> None:
-        self._queue.put(None)
+        self._put(None)
         self._thread.join(timeout=5)
 
     def _abort(self, reason: str) -> None:
@@ -616,20 +654,84 @@ class _Watchdog:
         for c in self._comms:
             c.check_async_error()
 
+    def _sleep_until_work(self) -> None:
+        """Poll for new collectives for ``WATCHDOG_IDLE_S``, then sleep until one comes."""
+        pending = self._pending
+        quiet = time.monotonic() + WATCHDOG_IDLE_S
+        while not pending and time.monotonic() < quiet:
+            time.sleep(WATCHDOG_POLL_S)
+        if pending:
+            return
+        self._asleep = True
+        if not pending:          # (one put between the two looks sets the Event)
+            self._wake.wait()
+        self._wake.clear()
+        self._asleep = False
+
+    def _events(self, batch: list) -> tuple | None:
+        """``(events, their devices)``: one event on each stream the collectives of
+        ``batch`` were issued on, with the events callers recorded themselves; None
+        while a capture is on."""
+        with devices.capture_lock:
+            if devices.capture_state is not None:
+                return None
+            if devices.current_backend() is not self._backend:
+                return [], []       # the libraries that ran the work are gone
+            streams: dict = {}
+            events, devs = [], []
+            for item_streams, item_events, _, _ in batch:
+                if item_events is not None:
+                    events += item_events
+                    devs += self._device_ids
+                else:
+                    for s, dev in zip(item_streams, self._device_ids):
+                        streams[(dev, s.ptr)] = s
+            if streams:
+                ids = [dev for dev, _ in streams]
+                events += kept_events(list(streams.values()), ids)
+                devs += ids
+        return events, devs
+
     def _loop(self) -> None:
+        pending = self._pending
+        batch: list = []
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            if self.failure is not None:
+            if not pending and not batch:
+                self._sleep_until_work()
                 continue
-            issued, events, what, keep = item
-            try:
-                wait_for(lambda: all(e.done for e in events), self._timeout, what,
-                         on_timeout=lambda: self._abort(f"{what()} failed or timed out"),
-                         check=self._check, started=issued)
-            except BaseException as e:  # raised by the communicator's next call
-                self.failure = e
-            else:
-                release_events(events, self._device_ids)
-            del item, events, keep, what   # the buffers may be reused from here on
+            stop = False
+            while pending:
+                item = pending.popleft()
+                if item is None:
+                    stop = True
+                    break
+                batch.append(item)
+            if batch and self.failure is None:
+                events = self._events(batch)
+                if events is None:        # a capture is on: look again later
+                    if not stop:
+                        time.sleep(WATCHDOG_POLL_S)
+                        continue
+                else:
+                    self._wait(batch, *events)
+            batch = []                    # the buffers may be reused from here on
+            if stop:
+                return
+
+    def _wait(self, batch: list, events: list, devs: list) -> None:
+        first = batch[0][2]
+        more = len(batch) - 1
+
+        def what() -> str:
+            return first() + (f" (or one of the {more} collectives issued after it)"
+                              if more else "")
+        try:
+            wait_for(lambda: all(e.done for e in events), self._timeout, what,
+                     on_timeout=lambda: self._abort(f"{what()} failed or timed out"),
+                     check=self._check, spin=0, delay=WATCHDOG_POLL_S)
+        except BaseException as e:  # raised by the communicator's next call
+            self.failure = e
+        else:
+            with devices.capture_lock:
+                if devices.current_backend() is self._backend:
+                    release_events(events, devs)

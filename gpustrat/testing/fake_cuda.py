@@ -55,9 +55,18 @@ def make_cuda(fake):
         def __init__(self, block=False, disable_timing=False, interprocess=False):
             self._state = EventState()
             self.ptr = id(self._state)
+            self.device_id = fake.current_device()
 
         def record(self, stream=None):
-            san.record((stream or fake.current_stream())._s, self._state)
+            stream = stream or fake.current_stream()
+            # As CUDA: the event and the stream must be of one device, whichever is
+            # current; a null stream (handle 0) is the current device's.
+            dev = fake.current_device() if stream.ptr == 0 else stream.device_id
+            if dev != self.device_id:
+                raise RuntimeError(f"cudaErrorInvalidResourceHandle: an event made on "
+                                   f"device {self.device_id} recorded on a stream of "
+                                   f"device {dev}")
+            san.record(stream._s, self._state)
 
         @property
         def done(self):

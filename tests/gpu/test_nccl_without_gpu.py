@@ -237,7 +237,6 @@ def make_worker_communicators(monkeypatch, majors, gpus_per_worker=2):
         Device=lambda i: contextlib.nullcontext()))
     monkeypatch.setattr(nccl, "cupy", lambda: cp)
     monkeypatch.setattr(nccl, "nccl_module", lambda: fakes[local.rank])
-    monkeypatch.setattr(nccl, "new_stream", lambda d: None)
     shared = {"size": len(majors), "slots": [None] * len(majors),
               "barrier": threading.Barrier(len(majors))}
     errors = []
