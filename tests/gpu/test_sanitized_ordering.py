@@ -617,3 +617,65 @@ def test_the_watchdog_stops_with_its_communicator():
         gc.collect()
         thread.join(timeout=5)
         assert not thread.is_alive()
+
+
+def test_collectives_cost_their_caller_no_event_and_the_watchdog_one_per_stream_for_a_burst():
+    import time
+    from gpustrat.collectives.nccl import NcclCommunicator
+    with testing.sanitize(seed=0) as san:
+        cp = devices.cupy()
+        comm = NcclCommunicator([Device("gpu", 0), Device("gpu", 1)])
+        try:
+            streams = []
+            bufs = []
+            for i in (0, 1):
+                with cp.cuda.Device(i):
+                    streams.append(cp.cuda.Stream(non_blocking=True))
+            with devices.current_stream(Device("gpu", 0), streams[0]), \
+                    devices.current_stream(Device("gpu", 1), streams[1]):
+                for i in (0, 1):
+                    with cp.cuda.Device(i):
+                        bufs.append(cp.ones((5,), np.float32))
+                comm.all_reduce(bufs, "sum")           # starts the watchdog
+                time.sleep(0.05)
+                # While the watchdog cannot record (the lock a capture takes), ten
+                # collectives record nothing on the caller's side.
+                with devices.capture_lock:
+                    with san.measure() as c:
+                        for _ in range(10):
+                            out = comm.all_reduce(bufs, "sum")
+                    assert c["nccl_calls"] == 20 and c["event_records"] == 0
+                    assert c["event_waits"] == 0 and c["host_syncs"] == 0
+                with san.measure() as c:
+                    t0 = time.monotonic()
+                    while comm._watchdog._pending and time.monotonic() - t0 < 10:
+                        time.sleep(0.005)
+                    time.sleep(0.05)
+                # The burst: one event per stream (two batches at most: the one the
+                # watchdog held when the lock was taken, and the ten).
+                assert 2 <= c["event_records"] <= 4
+                assert comm._watchdog.failure is None
+                assert devices.to_host(out[1]).tolist() == [2.0] * 5
+        finally:
+            comm.close()
+
+
+def test_an_event_recorded_on_a_stream_of_another_device_is_refused_as_cuda_does():
+    with testing.sanitize(seed=0):
+        cp = devices.cupy()
+        with cp.cuda.Device(1):
+            other = cp.cuda.Stream(non_blocking=True)
+        with cp.cuda.Device(0):
+            ev = cp.cuda.Event(disable_timing=True)
+            with pytest.raises(RuntimeError, match="made on device 0 recorded on a stream "
+                                                   "of device 1"):
+                ev.record(other)
+            ev.record(cp.cuda.get_current_stream())     # device 0's null stream: fine
+        with cp.cuda.Device(1):
+            with pytest.raises(RuntimeError, match="recorded on a stream of device 1"):
+                ev.record(cp.cuda.get_current_stream())  # handle 0 is device 1's here
+        # Another device current does not matter for a stream of the event's own.
+        with cp.cuda.Device(0):
+            mine = cp.cuda.Stream(non_blocking=True)
+        with cp.cuda.Device(1):
+            ev.record(mine)
