@@ -437,8 +437,7 @@ class Optimizer:
         if replica_ctx is not None and strategy is not None:
             # One leaf per replica: the merge hands over the replicas' lists as they are
             # (a PerReplica of them), without walking a hundred gradients.
-            replica_ctx.merge_call(_tl.merged("apply_gradients", self._apply_merged)
-                                   if _tl.ON else self._apply_merged,
+            replica_ctx.merge_call(self._apply_recorded if _tl.ON else self._apply_merged,
                                    args=(_StepArgs(grads, variables),
                                          not skip_gradients_aggregation))
         else:
@@ -592,6 +591,14 @@ class Optimizer:
         if accumulating:
             training_state.reset(plan)
         self._count_step(plan, step)
+
+    def _apply_recorded(self, strategy, step_args, reduce: bool) -> None:
+        """:meth:`_apply_merged`, recorded as the timeline's ``apply_gradients`` span."""
+        _tl.timed("apply_gradients", self._apply_merged, strategy, step_args, reduce)
+
+    # merge_call names its function by qualname in the replicas' signature: the same
+    # whether the step is recorded or not.
+    _apply_recorded.__qualname__ = _apply_merged.__qualname__
 
     def _count_step(self, plan: StepPlan, step: int) -> None:
         """The end of step ``step`` (from 1): the EMA, then ``iterations``."""

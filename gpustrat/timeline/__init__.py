@@ -47,13 +47,25 @@ ENV = "GPUSTRAT_TIMELINE"
 
 now = time.perf_counter_ns
 _rec: "_trace.Writer | None" = None
-_local = threading.local()
 _lock = threading.Lock()
 _env_read = False
 _attached: "weakref.WeakSet" = weakref.WeakSet()
 _COLLECTIVES = ("all_reduce", "all_reduce_inplace", "all_reduce_shared", "all_gather",
                 "broadcast", "reduce_scatter", "reduce", "gather", "reduce_named", "agree",
                 "reduce_numbers")
+
+
+class _Thread(threading.local):
+    """This thread's part in the timeline: ``tid``, its track (None until it records
+    an event, see :func:`_tid`), and ``coll``, the ns waited for peers so far in the
+    collective it is in (None outside one). Class attributes are the defaults, so the
+    hooks read them without a ``getattr`` default."""
+
+    tid = None
+    coll = None
+
+
+_local = _Thread()
 
 
 # --- turning it on and off -------------------------------------------------------------
@@ -168,7 +180,9 @@ _other_tids = itertools.count(100)
 
 
 def _tid() -> int:
-    tid = getattr(_local, "tid", None)
+    """This thread's track: 0 for the main thread, 100 on for the others (named after
+    the thread the first time)."""
+    tid = _local.tid
     if tid is None:
         t = threading.current_thread()
         tid = 0 if t is threading.main_thread() else next(_other_tids)
@@ -180,6 +194,10 @@ def _tid() -> int:
 
 
 # --- recording -------------------------------------------------------------------------
+# Each hook appends one tuple ``(name, category, track, start ns, end ns, args)`` to
+# the recording's queue and nothing else: ``args`` is the rawest form that says it all
+# (a run's step number, a wait's collective kind, a collective's tuple; see
+# trace._chrome), turned into the trace's dictionaries when the trace is merged.
 
 def emit(name: str, cat: str, t0: int, t1: int, args=None, tid=None) -> None:
     """One span from ``t0`` to ``t1`` (``now()`` values) on this thread's track.
@@ -190,7 +208,7 @@ def emit(name: str, cat: str, t0: int, t1: int, args=None, tid=None) -> None:
     rec = _rec
     if rec is not None:
         if tid is None:
-            tid = getattr(_local, "tid", None)
+            tid = _local.tid
             if tid is None:
                 tid = _tid()
         rec.events.append((name, cat, tid, t0, t1, args))
@@ -202,9 +220,6 @@ def span(name: str, t0: int, args=None, cat: str = "gpustrat") -> None:
 
 
 def _nvtx_push(name: str) -> bool:
-    rec = _rec
-    if rec is None or not rec.nvtx:
-        return False
     from gpustrat import devices  # noqa: PLC0415
     return devices.nvtx_push(name)
 
@@ -226,7 +241,7 @@ def timed(name: str, fn, *args, **kwargs):
         return fn(*args, **kwargs)
     finally:
         t1 = now()
-        tid = getattr(_local, "tid", None)
+        tid = _local.tid
         rec.events.append((name, "gpustrat", _tid() if tid is None else tid, t0, t1, None))
         if pushed:
             _nvtx_pop()
@@ -245,15 +260,6 @@ def traced(name: str):
     return wrap
 
 
-def merged(name: str, merge_fn):
-    """``merge_fn`` (a ``merge_call`` function) recorded as ``name`` where it runs."""
-    def call(*args, **kwargs):
-        return timed(name, merge_fn, *args, **kwargs)
-    # merge_call names the function in its signature (and errors) by its qualname.
-    call.__qualname__ = getattr(merge_fn, "__qualname__", name)
-    return call
-
-
 _context = None
 
 
@@ -265,46 +271,64 @@ def replica_fn(fn):
     rec = _rec
     if rec is None:
         return fn
-    step = rec.next_step()
+    rec.steps += 1
+    step = rec.steps
     current = _context.current
-    events = rec.events
+    append = rec.events.append
+    local = _local
+    nvtx = rec.nvtx
 
     def run(*args, **kwargs):
         ctx = current()[1]
         index = ctx.local_index if ctx is not None else 0
-        previous = getattr(_local, "tid", None)
-        _local.tid = index
-        pushed = rec.nvtx and _nvtx_push("run")
+        previous = local.tid
+        local.tid = index
+        pushed = nvtx and _nvtx_push("run")
         t0 = now()
         try:
             return fn(*args, **kwargs)
         finally:
-            events.append(("run", "step", index, t0, now(),
-                           (("step", step), ("replica", index))))
+            append(("run", "step", index, t0, now(), step))  # args: the step
             if pushed:
                 _nvtx_pop()
-            _local.tid = previous
+            local.tid = previous
     return run
 
 
 def replica_wait(t0: int, signature) -> None:
     """A replica waited from ``t0`` for the worker's other replicas in a collective."""
+    t1 = now()
+    rec = _rec
+    if rec is None:
+        return
     kind = signature[0] if type(signature) is tuple and signature else "collective"
-    emit("wait for replicas", "wait", t0, now(), (("kind", str(kind)),))
+    if type(kind) is not str:
+        kind = str(kind)
+    tid = _local.tid
+    rec.events.append(("wait for replicas", "wait", _tid() if tid is None else tid,
+                       t0, t1, kind))  # args: the collective's kind
 
 
 def peer_wait(t0: int, what) -> None:
     """This thread waited from ``t0`` until every worker had arrived at a collective
     (the MPI header exchange)."""
     t1 = now()
-    waited = getattr(_local, "coll", None)
-    if waited is not None:  # inside a timed collective: its wait
-        _local.coll = waited + (t1 - t0)
-        emit("wait for peers", "wait", t0, t1)
+    rec = _rec
+    if rec is None:
+        return
+    local = _local
+    waited = local.coll
+    if waited is not None:  # inside a timed collective: its wait (its kind is the span's)
+        local.coll = waited + (t1 - t0)
+        kind = None
     else:
         kind = what[0] if type(what) is tuple else what if type(what) is str else \
             "agreement"
-        emit("wait for peers", "wait", t0, t1, (("kind", kind),))
+        if type(kind) is not str:
+            kind = str(kind)
+    tid = local.tid
+    rec.events.append(("wait for peers", "wait", _tid() if tid is None else tid, t0, t1,
+                       kind))
 
 
 # --- collectives: a strategy's communicator, timed while recording ------------------------
@@ -324,14 +348,15 @@ def _wrap(comm) -> None:
     d = getattr(comm, "__dict__", None)
     if d is None or "_timeline_wrapped" in d:
         return
+    gpu = any(getattr(dev, "is_gpu", False) for dev in getattr(comm, "devices", ()))
+    if gpu:
+        _rec.nvtx = True
     ref = weakref.ref(comm)
     for name in _COLLECTIVES:
         fn = getattr(type(comm), name, None)
         if fn is not None:
-            d[name] = _timed_collective(ref, name, fn)
+            d[name] = _timed_collective(_rec, ref, name, fn, gpu)
     d["_timeline_wrapped"] = True
-    if any(getattr(dev, "is_gpu", False) for dev in getattr(comm, "devices", ())):
-        _rec.nvtx = True
 
 
 def _unwrap(comm) -> None:
@@ -341,28 +366,39 @@ def _unwrap(comm) -> None:
             d.pop(name, None)
 
 
-def _timed_collective(ref, name, fn):
-    known = None  # (on a GPU, replicas in sync, workers): fixed for a communicator
+def _timed_collective(rec, ref, name, fn, gpu: bool):
+    """Communicator method ``fn``, recorded into ``rec`` as one collective while the
+    timeline is on (a collective it calls on the same thread is part of it)."""
+    describe = _describer(name)
+    append = rec.events.append
+    local = _local
+    known = None  # (replicas, workers): fixed for a communicator
 
     def collective(*args, **kwargs):
         nonlocal known
         comm = ref()
-        if not ON or getattr(_local, "coll", None) is not None:
-            return fn(comm, *args, **kwargs)  # inside another collective of the same call
-        _local.coll = 0  # ns waited for peers so far (peer_wait adds to it)
-        rec = _rec
+        if not ON or local.coll is not None:
+            return fn(comm, *args, **kwargs)  # off, or inside another collective
+        local.coll = 0  # ns waited for peers so far (peer_wait adds to it)
         pushed = rec.nvtx and _nvtx_push(name)
         if known is None:
-            known = (bool(comm.devices) and comm.devices[0].is_gpu, comm.num_replicas,
-                     comm.num_workers)
-        starts = _device_events(comm) if known[0] else None
+            known = (comm.num_replicas, comm.num_workers)
+        starts = _device_events(comm) if gpu else None
         t0 = now()
         try:
             return fn(comm, *args, **kwargs)
         finally:
             t1 = now()
-            waited, _local.coll = _local.coll, None
-            _record_collective(rec, comm, name, args, t0, t1, waited, starts, known)
+            waited = local.coll
+            local.coll = None
+            kind, dtype, nbytes = describe(args)
+            rec.collectives += 1
+            tid = local.tid
+            # Turned into the trace's arguments when merged (trace._chrome).
+            append((kind, "collective", _tid() if tid is None else tid, t0, t1,
+                    (kind, dtype, nbytes, known[0], known[1], rec.collectives, waited)))
+            if starts is not None:
+                _pend_device_times(rec, comm, kind, t0, starts)
             if pushed:
                 _nvtx_pop()
     return collective
@@ -377,56 +413,56 @@ def _device_events(comm):
 _REDUCING = {"all_reduce": "all_reduce", "all_reduce_inplace": "all_reduce",
              "all_reduce_shared": "all_reduce", "reduce": "reduce",
              "reduce_scatter": "reduce_scatter", "reduce_numbers": "reduce_numbers"}
-_kinds: dict = {}
 _dtypes: dict = {}
 
 
-def _describe(name: str, args) -> tuple:
-    """``(kind, dtype, bytes)`` of a communicator call's arguments (remembered by the
-    objects named, so that a loop's collectives cost a few dictionary reads)."""
-    first = args[0] if args else None
-    if name == "reduce_named":
-        kind, arrays = args[2] if len(args) > 2 else name, (first,)
-    elif name == "agree":
-        return "agree", "", 0
-    else:
-        t = type(first)
-        arrays = first if t is list or t is tuple else ()
-        kind = name
-        base = _REDUCING.get(name)
-        if base is not None and len(args) > 1:
-            op = args[1]
-            key = (base, op if type(op) is str else id(op))
-            kind = _kinds.get(key)
-            if kind is None:
-                kind = _kinds[key] = f"{base}({getattr(op, 'name', op)})"
-    if not arrays:
-        return kind, "", 0
-    a = arrays[0]
-    if name == "reduce_numbers":  # Python numbers, one per local replica
-        return kind, type(a).__name__, 8 * len(arrays)
-    dt = getattr(a, "dtype", None)
-    dtype = _dtypes.get(dt)
-    if dtype is None:
-        dtype = _dtypes[dt] = "" if dt is None else str(dt)
-    if name != "all_gather" and name != "gather":
-        # The local buffers of a reduction or broadcast share one layout.
-        return kind, dtype, int(getattr(a, "nbytes", 0)) * len(arrays)
-    return kind, dtype, int(sum(getattr(x, "nbytes", 0) for x in arrays))
+def _describer(name: str):
+    """The function that gives ``(kind, dtype, bytes)`` of the arguments of a call of
+    communicator method ``name`` (the names of ops and dtypes are remembered, so that
+    a loop's collectives cost a few dictionary reads)."""
+    if name == "agree":
+        return lambda args: ("agree", "", 0)
+    base = _REDUCING.get(name)
+    kinds: dict = {}  # op (a string, or another op's id) -> kind
+    gather = name in ("all_gather", "gather")
+    numbers = name == "reduce_numbers"  # Python numbers, one per local replica
+
+    def describe(args) -> tuple:
+        first = args[0] if args else None
+        if name == "reduce_named":
+            kind, arrays = args[2] if len(args) > 2 else name, (first,)
+        else:
+            t = type(first)
+            arrays = first if t is list or t is tuple else ()
+            kind = name
+            if base is not None and len(args) > 1:
+                op = args[1]
+                key = op if type(op) is str else id(op)
+                kind = kinds.get(key)
+                if kind is None:
+                    kind = kinds[key] = f"{base}({getattr(op, 'name', op)})"
+        if not arrays:
+            return kind, "", 0
+        a = arrays[0]
+        if numbers:
+            return kind, type(a).__name__, 8 * len(arrays)
+        dt = getattr(a, "dtype", None)
+        dtype = _dtypes.get(dt)
+        if dtype is None:
+            dtype = _dtypes[dt] = "" if dt is None else str(dt)
+        if not gather:
+            # The local buffers of a reduction or broadcast share one layout.
+            return kind, dtype, getattr(a, "nbytes", 0) * len(arrays)
+        return kind, dtype, int(sum(getattr(x, "nbytes", 0) for x in arrays))
+    return describe
 
 
-def _record_collective(rec, comm, name, args, t0, t1, wait, starts, known) -> None:
-    kind, dtype, nbytes = _describe(name, args)
-    rec.collectives += 1
-    tid = getattr(_local, "tid", None)
-    # Turned into the trace's arguments when merged (trace._chrome).
-    rec.events.append((kind, "collective", _tid() if tid is None else tid, t0, t1,
-                       (kind, dtype, nbytes, known[1], known[2], rec.collectives, wait)))
-    if starts is not None:
-        from gpustrat import devices  # noqa: PLC0415
-        ends = devices.timing_events(comm.devices)
-        rec.pending_device.append((kind, t0, comm.devices, starts, ends))
-        _resolve_device_times(rec, wait=False)
+def _pend_device_times(rec, comm, kind, t0, starts) -> None:
+    """Queue the CUDA events around a collective for its device times (GPU tracks)."""
+    from gpustrat import devices  # noqa: PLC0415
+    ends = devices.timing_events(comm.devices)
+    rec.pending_device.append((kind, t0, comm.devices, starts, ends))
+    _resolve_device_times(rec, wait=False)
 
 
 def _resolve_device_times(rec, wait: bool) -> None:

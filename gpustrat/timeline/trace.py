@@ -4,7 +4,8 @@ the merged Chrome trace at ``PATH``.
 A rank's file is a stream of chunks, each a 4-byte little-endian length and a
 ``marshal`` dump of a list of event tuples ``(name, category, track, start ns, end
 ns, args)`` (a category of None marks metadata; ``args`` is None, a dict, ``((key,
-value), ...)``, or for a collective ``(kind, dtype, bytes, replicas, workers, seq, ns
+value), ...)``, a run's step number (category ``step``), a wait's collective kind (a
+string), or for a collective ``(kind, dtype, bytes, replicas, workers, seq, ns
 waiting for peers)``). Writing a chunk costs tens of
 nanoseconds per event (formatting JSON costs microseconds, on the training threads'
 CPU), and a file cut off by a crash still reads up to its last whole chunk. Its first
@@ -56,7 +57,8 @@ class Writer:
         self.device_end: dict = {}
         self.named: set = {0}
         self.nvtx = False
-        self._steps = 0
+        #: ``strategy.run`` calls recorded so far (each one's ``step``).
+        self.steps = 0
         #: Collectives recorded so far (each one's ``seq``).
         self.collectives = 0
         self.base = time.perf_counter_ns()
@@ -74,10 +76,6 @@ class Writer:
         self._thread = threading.Thread(target=self._loop, name="gpustrat-timeline",
                                         daemon=True)
         self._thread.start()
-
-    def next_step(self) -> int:
-        self._steps += 1
-        return self._steps
 
     def thread_name(self, tid: int, name: str) -> None:
         self.named.add(tid)
@@ -108,7 +106,7 @@ class Writer:
         self.flush()
         with self._write_lock:
             self._write([("gpustrat_end", None, 0, 0, 0,
-                          {"steps": self._steps, "collectives": self.collectives})])
+                          {"steps": self.steps, "collectives": self.collectives})])
             self._file.close()
             self._file = None
 
@@ -165,6 +163,10 @@ def _chrome(rank: int, event: tuple, base: int, shift_us: float) -> dict:
         args = {"kind": kind, "dtype": dtype, "bytes": nbytes, "replicas": replicas,
                 "workers": workers, "seq": seq, "wait_us": round(wait / 1000, 3),
                 "move_us": round((t1 - t0 - wait) / 1000, 3)}
+    elif cat == "step":  # a run's step
+        args = {"step": args, "replica": tid}
+    elif type(args) is str:  # a wait's collective kind
+        args = {"kind": args}
     elif type(args) is tuple:  # ((key, value), ...)
         args = dict(args)
     if args:
