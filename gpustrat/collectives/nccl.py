@@ -68,6 +68,28 @@ from gpustrat.reduce_util import ReduceOp
 _DEVICE_ID = operator.attrgetter("device.id")
 _CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
 _PTR = operator.attrgetter("ptr")
+_DATA = operator.attrgetter("data")
+
+
+def _described(*parts) -> Callable[[], str]:
+    """A collective's description for the watchdog, made only if it is needed, from
+    plain values (shapes, dtypes, names): the watchdog keeps it, and a closure over the
+    buffers would keep them referenced."""
+    return lambda: "".join(map(str, parts))
+
+
+def _memory_of(keep) -> list:
+    """The memory pointers of the arrays in ``keep`` (arrays and lists of them): what
+    the watchdog holds, so that the memory stays allocated while NCCL may use it but
+    the arrays' own reference counts, by which plans tell whether a caller still holds
+    a buffer, are untouched."""
+    out = []
+    for k in keep:
+        if type(k) is list or type(k) is tuple:
+            out += map(_DATA, k)
+        else:
+            out.append(k.data)
+    return out
 
 ENV_TIMEOUT = "GPUSTRAT_TIMEOUT"
 
@@ -372,7 +394,7 @@ class NcclCommunicator(Communicator):
             # the graph holds the buffers, and each replay is watched (watch_replay).
             capture.hold(keep)
             return
-        self._watch(streams, what, keep)
+        self._watch(streams, what, _memory_of(keep))
 
     def _watch(self, streams: list, what: Callable[[], str], keep) -> None:
         """Hand the work queued so far on ``streams`` (one per local device, in this
@@ -429,7 +451,7 @@ class NcclCommunicator(Communicator):
             self._empty(i, b.shape, b.dtype) for i, b in enumerate(bufs)]
         count = int(sends[0].nbytes) // _wire_itemsize(wire, dtype)
         if count:
-            self._run(lambda: f"NCCL all_reduce({op.name}) of {bufs[0].shape} {dtype}",
+            self._run(_described("NCCL all_reduce(", op.name, ") of ", bufs[0].shape, " ", dtype),
                       lambda i, c, s: c.allReduce(sends[i].data.ptr, outs[i].data.ptr,
                                                   count, dt, nop, s), (sends, outs))
         outs = self._from_wire(outs, dtype)
@@ -457,7 +479,7 @@ class NcclCommunicator(Communicator):
         count = int(bufs[0].nbytes) // _wire_itemsize(wire, dtype)
         if count:
             root_ptrs = [out.data.ptr] + [b.data.ptr for b in bufs[1:]]
-            self._run(lambda: f"NCCL reduce({op.name}) of {bufs[0].shape} {dtype}",
+            self._run(_described("NCCL reduce(", op.name, ") of ", bufs[0].shape, " ", dtype),
                       lambda i, c, s: c.reduce(bufs[i].data.ptr, root_ptrs[i], count, dt,
                                                nop, root, s), (bufs, out))
         return self._post([out], post)[0]
@@ -478,7 +500,7 @@ class NcclCommunicator(Communicator):
         outs = [self._empty(i, out_shape, b.dtype) for i, b in enumerate(sends)]
         recvcount = int(sends[0].nbytes) // n // _wire_itemsize(wire, dtype)
         if recvcount:
-            self._run(lambda: f"NCCL reduce_scatter({op.name}) of {shape} {dtype}",
+            self._run(_described("NCCL reduce_scatter(", op.name, ") of ", shape, " ", dtype),
                       lambda i, c, s: c.reduceScatter(sends[i].data.ptr, outs[i].data.ptr,
                                                       recvcount, dt, nop, s), (sends, outs))
         return self._post(self._from_wire(outs, dtype), post)
@@ -493,8 +515,8 @@ class NcclCommunicator(Communicator):
         nbytes = int(bufs[0].nbytes)
         dt = self._const(_BYTES)
         if nbytes:
-            self._run(lambda: f"NCCL broadcast from replica {root} of {bufs[0].shape} "
-                              f"{bufs[0].dtype}",
+            self._run(_described("NCCL broadcast from replica ", root, " of ", bufs[0].shape,
+                                 " ", bufs[0].dtype),
                       lambda i, c, s: c.broadcast(bufs[i].data.ptr, outs[i].data.ptr,
                                                   nbytes, dt, root, s), (bufs, outs))
         return outs
@@ -544,7 +566,7 @@ class NcclCommunicator(Communicator):
         nbytes = most * width
         dt = self._const(_BYTES)
         if nbytes:
-            self._run(lambda: f"NCCL all_gather(axis={ax}) of {x0.shape} {x0.dtype}",
+            self._run(_described("NCCL all_gather(axis=", ax, ") of ", x0.shape, " ", x0.dtype),
                       lambda i, c, s: c.allGather(sends[i].data.ptr, recvs[i].data.ptr,
                                                   nbytes, dt, s), (sends, recvs))
         outs = []

@@ -679,3 +679,29 @@ def test_an_event_recorded_on_a_stream_of_another_device_is_refused_as_cuda_does
             mine = cp.cuda.Stream(non_blocking=True)
         with cp.cuda.Device(1):
             ev.record(mine)
+
+
+def test_the_watchdog_holds_a_collectives_memory_but_not_its_arrays_or_lists():
+    # Plans reuse a buffer (a gradient arena, a fusion buffer) when nothing but the plan
+    # refers to it: a watchdog holding the arrays, or a list of them, would defeat that.
+    import sys
+    from gpustrat.collectives.nccl import NcclCommunicator
+    with testing.sanitize(seed=0):
+        cp = devices.cupy()
+        comm = NcclCommunicator([Device("gpu", 0), Device("gpu", 1)])
+        try:
+            bufs = []
+            for i in (0, 1):
+                with cp.cuda.Device(i):
+                    bufs.append(cp.ones((6,), np.float32))
+            comm.all_reduce_inplace(bufs, "sum")
+            before = [sys.getrefcount(bufs)] + [sys.getrefcount(b) for b in bufs]
+            with devices.capture_lock:        # the watchdog holds the next one meanwhile
+                comm.all_reduce_inplace(bufs, "sum")
+                comm.all_reduce(bufs, "max")
+                assert len(comm._watchdog._pending) >= 1
+                after = [sys.getrefcount(bufs)] + [sys.getrefcount(b) for b in bufs]
+            assert after == before
+            assert devices.to_host(bufs[1]).tolist() == [4.0] * 6
+        finally:
+            comm.close()
