@@ -14,21 +14,29 @@ streaming memory.
    - a Python function that holds the GIL for about 5 ms per element (calibrated in
      this run), on 2 processes versus serial (target: >= 1.8x), with the thread pool's
      speed beside it (the GIL's ceiling, which TensorFlow's ``py_function`` shares);
-     the same against TensorFlow's ``map(py_function, num_parallel_calls=AUTOTUNE)``
-     (>= 1.8x) and PyTorch's ``DataLoader(num_workers=2)`` (>= 1.0x) when they import;
+     the same function (``peers.python_work``) against TensorFlow's
+     ``map(py_function, num_parallel_calls=AUTOTUNE)`` (>= 1.8x) and PyTorch's
+     ``DataLoader(num_workers=2)`` (>= 1.0x), run in a child process of the interpreter
+     ``--peers-python`` (or ``$GPUSTRAT_PEERS_PYTHON``; this one by default), so that
+     the peers can be installed in a virtual environment of their own and are never
+     imported here; a peer that does not import there is "not installed";
    - the per-element cost of a trivial function (target: <= 50 us);
    - 1 MiB NumPy output per element, in GB/s delivered to the consumer (>= 1 GB/s).
 
-   Speeds are the steady state, the fastest of 3 epochs: the clock starts after the
-   first element, once the pool's processes have started (their start, once per
-   epoch, is reported apart).
+   Speeds are the steady state, the fastest of 3 epochs (serial, threads and
+   processes interleaved, one epoch of each per round): the clock starts after the
+   first element, once the pool's processes have started. Every epoch starts a new
+   pool, as a user's does; the start (to the first element) is reported apart. Each
+   round also times two plain processes sharing the same calls (``peers.
+   two_core_ceiling``): what the machine's 2 cores give this function at that moment,
+   the ceiling of any pipeline (on a shared virtual machine it moves between runs).
    The load average is printed with them: on a shared machine they are noisy.
 
-``--quick`` uses small sizes (a few seconds in all). If TensorFlow imports, tf.data's
-numbers for the same pipelines are printed beside ours. ``main(argv)`` returns the
+``--quick`` uses small sizes (a few seconds in all). If TensorFlow imports here,
+tf.data's numbers for the pipelines of 1 and 2 are printed beside ours. ``main(argv)`` returns the
 results as a dict, for ``python -m gpustrat bench``.
 
-Usage: python benchmarks/bench_data.py [--quick] [--json [FILE]]
+Usage: python benchmarks/bench_data.py [--quick] [--json [FILE]] [--peers-python PYTHON]
 """
 
 from __future__ import annotations
@@ -149,16 +157,16 @@ def bench_npy_rss(file_bytes: int, batch_bytes: int) -> dict:
             "target_peak_rss_mib": 512}
 
 
-def _python_work(x, loops: int):
-    """Pure Python arithmetic: holds the GIL for the whole call."""
-    s = 0
-    for k in range(loops):
-        s += (k * 7 + x) % 13
-    return s
+def _peers():
+    try:
+        from benchmarks import peers  # noqa: PLC0415 - imported as benchmarks.bench_data
+    except ImportError:
+        import peers  # noqa: PLC0415 - run as a script: benchmarks/ is on sys.path
+    return peers
 
 
 def _gil_bound(x, loops: int):
-    return np.int64(_python_work(int(x), loops))
+    return np.int64(_peers().python_work(int(x), loops))
 
 
 def _best_call(fn, repeats: int = 5) -> float:
@@ -171,14 +179,27 @@ def _best_call(fn, repeats: int = 5) -> float:
 
 
 def _calibrate(seconds: float) -> int:
-    """Loops of :func:`_python_work` that take about ``seconds`` here (the fastest of
-    a few timings: on a loaded machine the others include waits for a core)."""
+    """Loops of :func:`peers.python_work` that take about ``seconds`` here (the fastest
+    of a few timings: on a loaded machine the others include waits for a core)."""
+    work = _peers().python_work
     loops = 10_000
     while True:
-        spent = _best_call(lambda: _python_work(1, loops))
+        spent = _best_call(lambda: work(1, loops))
         if spent > 0.02:
             return max(1, int(loops * seconds / spent))
         loops *= 4
+
+
+def _epoch(ds, elements: int) -> tuple[float, float]:
+    """(seconds to the first element, seconds for the rest) of one epoch of ``ds``."""
+    t0 = time.perf_counter()
+    it = iter(ds)
+    next(it)
+    t1 = time.perf_counter()
+    n = 1 + sum(1 for _ in it)
+    t2 = time.perf_counter()
+    assert n == elements, (n, elements)
+    return t1 - t0, t2 - t1
 
 
 def _steady(ds, elements: int, repeats: int = 1) -> tuple[float, float]:
@@ -186,14 +207,8 @@ def _steady(ds, elements: int, repeats: int = 1) -> tuple[float, float]:
     fastest of ``repeats`` epochs (a shared machine slows some of them)."""
     first = rest = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        it = iter(ds)
-        next(it)
-        t1 = time.perf_counter()
-        n = 1 + sum(1 for _ in it)
-        t2 = time.perf_counter()
-        assert n == elements, (n, elements)
-        first, rest = min(first, t1 - t0), min(rest, t2 - t1)
+        f, r = _epoch(ds, elements)
+        first, rest = min(first, f), min(rest, r)
     return first, rest
 
 
@@ -205,54 +220,69 @@ def _one_mib(x):
     return np.full(MIB // 8, x, np.int64)
 
 
-def bench_processes(elements: int, trivial: int, big: int, repeats: int) -> dict:
-    """Worker-process ``map`` against serial, threads and the peers that import (each
-    the fastest of ``repeats`` epochs)."""
+def bench_processes(elements: int, trivial: int, big: int, repeats: int,
+                    peers_python: str | None = None) -> dict:
+    """Worker-process ``map`` against serial, threads and, in a child process of
+    ``peers_python`` (this interpreter when None), TensorFlow and PyTorch.
+
+    Serial, threads and processes run in ``repeats`` interleaved rounds (one epoch of
+    each per round), so that a slow spell of the shared machine slows all three; each
+    figure is the fastest epoch, and the speed-up is also given per round. An epoch on
+    processes starts a new pool (as every epoch a user iterates does); its speed is the
+    steady state after the first element, and the pool's start (to the first element)
+    is reported apart.
+    """
     import functools  # noqa: PLC0415
 
     from gpustrat.data import Dataset  # noqa: PLC0415
     loops = _calibrate(0.005)
     fn = functools.partial(_gil_bound, loops=loops)
     base = Dataset.range(elements)
-    r = repeats
-    c0 = time.process_time()
-    _, serial = _steady(base.map(fn), elements, r)
-    serial_cpu = (time.process_time() - c0) / (r * elements) * 1e3
-    _, threads = _steady(base.map(fn, num_parallel_calls=2), elements, r)
-    start, procs = _steady(base.map(fn, num_parallel_calls=2, use_processes=True),
-                           elements, r)
+    serial_ds = base.map(fn)
+    threads_ds = base.map(fn, num_parallel_calls=2)
+    procs_ds = base.map(fn, num_parallel_calls=2, use_processes=True)
+    serial = threads = procs = start = float("inf")
+    rounds, ceilings = [], []
+    c_serial = 0.0
     n = elements - 1
-    out = {"elements": elements, "call_ms": serial / (elements - 1) * 1e3, "serial_s": serial,
-           "threads_s": threads, "processes_s": procs, "pool_start_s": start,
-           "speedup": serial / procs, "threads_speedup": serial / threads,
+    for _ in range(repeats):
+        c0 = time.process_time()
+        _, s = _epoch(serial_ds, elements)
+        c_serial += time.process_time() - c0
+        _, t = _epoch(threads_ds, elements)
+        f, p = _epoch(procs_ds, elements)
+        ceilings.append(s / _peers().two_core_ceiling(loops, n))
+        rounds.append(s / p)
+        serial, threads, procs, start = min(serial, s), min(threads, t), min(procs, p), \
+            min(start, f)
+    out = {"elements": elements, "loops": loops, "call_ms": serial / n * 1e3,
+           "serial_s": serial, "threads_s": threads, "processes_s": procs,
+           "pool_start_s": start, "speedup": serial / procs,
+           "speedup_per_round": rounds, "two_core_ceiling_per_round": ceilings,
+           "threads_speedup": serial / threads,
            "per_element_ms": {"serial": serial / n * 1e3, "processes": procs / n * 1e3}}
-    consumer, workers = _cpu_per_element(
-        base.map(fn, num_parallel_calls=2, use_processes=True), elements)
-    out["cpu_ms_per_element"] = {"serial": serial_cpu, "consumer": consumer,
-                                 "workers": workers}
-    tf = _tensorflow()
-    if tf is not None:
-        def tf_fn(x):
-            return tf.py_function(fn, [x], tf.int64)
-        tds = tf.data.Dataset.range(elements).map(tf_fn, num_parallel_calls=tf.data.AUTOTUNE)
-        _, out["tf_s"] = _steady(tds, elements, r)
-        out["vs_tf"] = out["tf_s"] / procs
-    torch_out = _torch_loader(fn, elements)
-    if torch_out is not None:
-        out["torch_s"] = torch_out
-        out["vs_torch"] = torch_out / procs
+    consumer, workers = _cpu_per_element(procs_ds, elements)
+    out["cpu_ms_per_element"] = {"serial": c_serial / (repeats * elements) * 1e3,
+                                 "consumer": consumer, "workers": workers}
+    python = peers_python or os.environ.get("GPUSTRAT_PEERS_PYTHON") or sys.executable
+    peer = _peers().run_gil_map(python, loops, elements, repeats)
+    out["peers"] = dict(peer, interpreter=python)
+    if "tf_s" in peer:
+        out["vs_tf"] = peer["tf_s"] / procs
+    if "torch_s" in peer:
+        out["vs_torch"] = peer["torch_s"] / procs
     # The per-element cost of a trivial function: processes against iterating the
     # source alone, in the same run.
     src = Dataset.range(trivial)
-    _, bare = _steady(src, trivial, r)
+    _, bare = _steady(src, trivial, repeats)
     _, small = _steady(src.map(_trivial, num_parallel_calls=2, use_processes=True),
-                       trivial, r)
+                       trivial, repeats)
     out["trivial_elements"] = trivial
     out["overhead_us"] = max(0.0, small - bare) / (trivial - 1) * 1e6
     # 1 MiB outputs: what the consumer receives per second (the first element,
     # waiting for the pool, left out).
     _, spent = _steady(Dataset.range(big).map(_one_mib, num_parallel_calls=2,
-                                              use_processes=True), big, r)
+                                              use_processes=True), big, repeats)
     out["big_elements"] = big
     out["big_gb_per_s"] = (big - 1) * MIB / spent / 1e9
     out.update(_cpu_per_mib(Dataset.range(big).map(_one_mib, num_parallel_calls=2,
@@ -291,37 +321,12 @@ def _cpu_per_mib(ds, elements: int) -> dict:
             if consumer + worker > 0 else float("inf")}
 
 
-def _torch_loader(fn, elements: int) -> float | None:
-    """Steady-state seconds of a PyTorch ``DataLoader(num_workers=2)`` over ``fn``;
-    None when torch does not import."""
-    try:
-        import peers  # noqa: PLC0415
-    except ImportError:
-        from benchmarks import peers  # noqa: PLC0415
-    t = peers.torch()
-    if t is None:
-        return None
-
-    class Items(t.utils.data.Dataset):
-        def __len__(self):
-            return elements
-
-        def __getitem__(self, i):
-            return fn(i)
-
-    loader = t.utils.data.DataLoader(Items(), batch_size=None, num_workers=2)
-    t0 = time.perf_counter()
-    it = iter(loader)
-    next(it)
-    t1 = time.perf_counter()
-    n = 1 + sum(1 for _ in it)
-    assert n == elements
-    return time.perf_counter() - t1
-
-
-def _peer_missing(name: str) -> str:
-    return (f"{name} is not installed here (not a dependency; the comparison runs when it "
-            "imports)")
+def _peer_missing(name: str, peer: dict) -> str:
+    if "error" in peer:
+        return f"{name}: the peers' child process failed ({peer['error']})"
+    return (f"{name} is not installed for {peer.get('interpreter')} (not a dependency; "
+            "give an interpreter that has it with --peers-python or "
+            "GPUSTRAT_PEERS_PYTHON)")
 
 
 def _tensorflow():
@@ -339,17 +344,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", nargs="?", const="-", metavar="FILE",
                         help="write the results as JSON to FILE (no FILE, or '-': print "
                              "them instead of the table), as the other suites do")
+    parser.add_argument("--peers-python", metavar="PYTHON",
+                        help="interpreter with TensorFlow and/or PyTorch installed, for the "
+                             "GIL-bound map's peer rows, run in a child process (default: "
+                             "$GPUSTRAT_PEERS_PYTHON, else this interpreter)")
     args = parser.parse_args(argv)
     if args.quick:
         results = {"slices": bench_slices(20_000, 3),
                    "parallel_map": bench_parallel_map(160),
                    "npy_rss": bench_npy_rss(256 * MIB, 16 * MIB),
-                   "processes": bench_processes(80, 5000, 100, 2)}
+                   "processes": bench_processes(80, 5000, 100, 2,
+                                                args.peers_python)}
     else:
         results = {"slices": bench_slices(20_000, 20),
                    "parallel_map": bench_parallel_map(1000),
                    "npy_rss": bench_npy_rss(2048 * MIB, 64 * MIB),
-                   "processes": bench_processes(400, 50_000, 1000, 3)}
+                   "processes": bench_processes(400, 50_000, 1000, 3,
+                                                args.peers_python)}
     table = args.json != "-"
     if table:
         s, m, r = results["slices"], results["parallel_map"], results["npy_rss"]
@@ -368,7 +379,23 @@ def main(argv: list[str] | None = None) -> dict:
               f"({p['speedup']:.2f}x; pool start {p['pool_start_s']:.2f} s); processor time "
               f"per element: serial {p['cpu_ms_per_element']['serial']:.2f} ms, processes "
               f"{p['cpu_ms_per_element']['workers']:.2f} ms in workers + "
-              f"{p['cpu_ms_per_element']['consumer']:.3f} ms here")
+              f"{p['cpu_ms_per_element']['consumer']:.3f} ms here; speed-up per round "
+              + " ".join(f"{v:.2f}x" for v in p["speedup_per_round"])
+              + " (two plain processes, no pipeline: "
+              + " ".join(f"{v:.2f}x" for v in p["two_core_ceiling_per_round"]) + ")")
+        q = p["peers"]
+        if "error" in q:
+            print(f"peers: {q['error']}")
+        else:
+            tf_p = (f"tf.data map(py_function, AUTOTUNE) {q['tf_s']:.2f} s "
+                    f"({p['vs_tf']:.2f}x slower than 2 processes)" if "tf_s" in q
+                    else "TensorFlow not installed")
+            torch_p = (f"torch DataLoader(num_workers=2) {q['torch_s']:.2f} s "
+                       f"({p['vs_torch']:.2f}x; its workers' start "
+                       f"{q['torch_first_s']:.2f} s)" if "torch_s" in q
+                       else "PyTorch not installed")
+            print(f"peers ({q['interpreter']}, same function and elements, steady state): "
+                  f"serial there {q['serial_s']:.2f} s; {tf_p}; {torch_p}")
         print(f"map on processes: trivial function {p['overhead_us']:.1f} us/element; "
               f"1 MiB outputs {p['big_gb_per_s']:.2f} GB/s (processor time per MiB: "
               f"consumer {p['big_consumer_cpu_ms_per_mib']:.2f} ms, workers "
@@ -390,11 +417,12 @@ def main(argv: list[str] | None = None) -> dict:
         targets.check("GIL-bound 5 ms map, 2 processes vs tf.data py_function AUTOTUNE",
                       p["vs_tf"], 1.8, "x", echo=table) if "vs_tf" in p else
         targets.not_measured("GIL-bound 5 ms map, 2 processes vs tf.data py_function "
-                             "AUTOTUNE", 1.8, _peer_missing("TensorFlow"), "x", echo=table),
+                             "AUTOTUNE", 1.8, _peer_missing("TensorFlow", p["peers"]), "x",
+                             echo=table),
         targets.check("GIL-bound 5 ms map, 2 processes vs torch DataLoader(num_workers=2)",
                       p["vs_torch"], 1.0, "x", echo=table) if "vs_torch" in p else
         targets.not_measured("GIL-bound 5 ms map, 2 processes vs torch DataLoader"
-                             "(num_workers=2)", 1.0, _peer_missing("PyTorch"), "x",
+                             "(num_workers=2)", 1.0, _peer_missing("PyTorch", p["peers"]), "x",
                              echo=table),
         targets.check("map on processes, trivial function overhead", p["overhead_us"], 50,
                       "us", higher_is_better=False, echo=table),

@@ -20,6 +20,15 @@ What is compared:
   (``batch_size=b``, rows fetched one by one and collated, as most code writes it) and
   one whose sampler yields whole index batches (a single fancy-indexing per batch, the
   fastest plain DataLoader).
+- ``gil_map``: a GIL-bound pure-Python function (:func:`python_work`, the one
+  ``bench_data``'s gpustrat rows call) mapped over ``range(n)`` by TensorFlow's
+  ``Dataset.map(lambda i: tf.py_function(f, [i], tf.int64), num_parallel_calls=AUTOTUNE)``
+  and by PyTorch's ``DataLoader(dataset, batch_size=None, num_workers=2)``, with a serial
+  loop of the same interpreter beside them. ``bench_data`` runs it in a child process
+  (``python benchmarks/peers.py gil-map ...``), with another interpreter when it is given
+  one (``--peers-python``, or ``GPUSTRAT_PEERS_PYTHON``): the peers can live in a virtual
+  environment of their own, and neither is imported by the process that measures
+  gpustrat.
 """
 
 from __future__ import annotations
@@ -156,3 +165,138 @@ def torch_input_throughput(array, batch: int, replicas: int = 2, epochs: int = 3
                      "batches_per_s": state["steps"] / seconds,
                      "gb_per_s": array.nbytes / seconds / 1e9}
     return out
+
+
+# --- a GIL-bound map, run in a child process ------------------------------------------
+
+def python_work(x, loops: int):
+    """Pure Python arithmetic: holds the GIL for the whole call (about ``loops`` times
+    40 ns here)."""
+    s = 0
+    for k in range(loops):
+        s += (k * 7 + x) % 13
+    return s
+
+
+def _steady_epochs(make_iter, elements: int, repeats: int) -> tuple[float, float]:
+    """(seconds to the first element, seconds for the rest), each the fastest of
+    ``repeats`` epochs."""
+    first = rest = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        it = make_iter()
+        next(it)
+        t1 = time.perf_counter()
+        n = 1 + sum(1 for _ in it)
+        t2 = time.perf_counter()
+        assert n == elements, (n, elements)
+        first, rest = min(first, t1 - t0), min(rest, t2 - t1)
+        del it
+    return first, rest
+
+
+def _tensorflow():
+    try:
+        import tensorflow as tf  # noqa: PLC0415 - optional peer
+    except Exception:
+        return None
+    return tf
+
+
+def gil_map(loops: int, elements: int, repeats: int) -> dict:
+    """Steady-state seconds (the first element excluded) of TensorFlow's and PyTorch's
+    parallel maps of :func:`python_work` over ``range(elements)``, the fastest of
+    ``repeats`` epochs, and of a serial loop here; a peer that does not import is left
+    out (its key absent), with its error under ``missing``."""
+    import functools  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    fn = functools.partial(python_work, loops=loops)
+    out = {"python": sys.version.split()[0], "missing": {}}
+    _, out["serial_s"] = _steady_epochs(lambda: map(fn, range(elements)), elements,
+                                        repeats)
+    tf = _tensorflow()
+    if tf is None:
+        out["missing"]["tensorflow"] = "does not import"
+    else:
+        def tf_fn(i):
+            return tf.py_function(lambda v: fn(int(v)), [i], tf.int64)
+        ds = tf.data.Dataset.range(elements).map(tf_fn, num_parallel_calls=tf.data.AUTOTUNE)
+        out["tf_first_s"], out["tf_s"] = _steady_epochs(lambda: iter(ds), elements, repeats)
+        out["tf_version"] = tf.__version__
+    t = torch()
+    if t is None:
+        out["missing"]["torch"] = "does not import"
+    else:
+        class Items(t.utils.data.Dataset):
+            def __len__(self):
+                return elements
+
+            def __getitem__(self, i):
+                return fn(i)
+
+        loader = t.utils.data.DataLoader(Items(), batch_size=None, num_workers=2)
+        out["torch_first_s"], out["torch_s"] = _steady_epochs(lambda: iter(loader),
+                                                              elements, repeats)
+        out["torch_version"] = t.__version__
+    return out
+
+
+def run_gil_map(python: str, loops: int, elements: int, repeats: int,
+                timeout: float = 900) -> dict:
+    """:func:`gil_map` in a child process of interpreter ``python`` (this file run as a
+    script); ``{"error": text}`` when the child fails."""
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)   # the peers' environment, not gpustrat's
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    try:
+        proc = subprocess.run([python, os.path.abspath(__file__), "gil-map", str(loops),
+                               str(elements), str(repeats)], capture_output=True,
+                              text=True, timeout=timeout, env=env)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"error": f"{python}: {e}"}
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"error": f"{python} exited with status {proc.returncode}: "
+                         + " | ".join(tail)}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _work_at(start_at: float, loops: int, count: int) -> None:
+    """Wait for the monotonic clock to reach ``start_at``, then call
+    :func:`python_work` ``count`` times; print (start, end) on that clock."""
+    while time.monotonic() < start_at:
+        time.sleep(min(0.01, max(0.0, start_at - time.monotonic())))
+    t0 = time.monotonic()
+    for i in range(count):
+        python_work(i, loops)
+    print(t0, time.monotonic())
+
+
+def two_core_ceiling(loops: int, elements: int) -> float:
+    """Seconds two plain processes of this interpreter take for ``elements`` calls of
+    :func:`python_work` between them (half each, started together once both are up):
+    what 2 cores give this function at the moment, no pipeline involved."""
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    start_at = time.monotonic() + 1.0
+    half = [elements // 2, elements - elements // 2]
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "work",
+                               repr(start_at), str(loops), str(n)],
+                              stdout=subprocess.PIPE, text=True) for n in half]
+    spans = [tuple(map(float, p.communicate()[0].split())) for p in procs]
+    return max(e for _, e in spans) - min(s for s, _ in spans)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    if sys.argv[1:2] == ["work"] and len(sys.argv) == 5:
+        _work_at(float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    elif sys.argv[1:2] == ["gil-map"] and len(sys.argv) == 5:
+        print(json.dumps(gil_map(*map(int, sys.argv[2:]))))
+    else:
+        sys.exit("usage: python peers.py gil-map LOOPS ELEMENTS REPEATS")

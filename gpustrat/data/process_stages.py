@@ -28,6 +28,13 @@ _TASK_S = 2e-3
 _MAX_BATCH = 256
 #: ... and at most this many output bytes (outputs this large travel one per task).
 _BATCH_BYTES = 4 << 20
+#: Tasks' worth of elements per worker that a map holds unreturned (sent, computed or
+#: waiting for their turn in input order): room for a fast worker to go on while a
+#: slow one computes the element due first ...
+_WINDOW = 4
+#: ... when a task's outputs are under this many bytes; larger ones hold _DEPTH tasks'
+#: worth (memory stays bounded by what the workers are computing).
+_WINDOW_BYTES = 1 << 20
 
 log = logging.getLogger("gpustrat")
 
@@ -73,7 +80,8 @@ class MapRun:
 
     def _feed(self) -> None:
         pool = self.pool
-        limit = _DEPTH * self._size * self._batch
+        window = _WINDOW if self._out_bytes * self._batch < _WINDOW_BYTES else _DEPTH
+        limit = window * self._size * self._batch
         for w in pool.workers:
             while not self.exhausted and len(w.tasks) < _DEPTH and \
                     len(self._inputs) < limit:

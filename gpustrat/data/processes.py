@@ -25,8 +25,10 @@ Words:
         (one at first; more when calls are short, so that each message carries about
         2 ms of work and small outputs travel together), or a request for
         the next elements of one open ``interleave`` slot. A worker holds at most
-        :data:`_DEPTH` tasks, and a ``map`` holds at most ``2 * processes`` tasks'
-        elements unreturned (computed or not): in-flight work and memory are bounded.
+        :data:`_DEPTH` tasks, and a ``map`` holds at most ``4 * processes`` tasks'
+        elements unreturned (computed or not; room for a fast worker to run ahead of
+        a slow one whose element is due first), ``2 * processes`` when a task's
+        outputs reach 1 MiB: in-flight work and memory are bounded.
     segment: a file in ``/dev/shm`` (shared memory) holding the large arrays of one
         answer. The worker writes each contiguous array of at least
         :data:`_OUT_OF_BAND` bytes into it (the one copy); the consumer maps the file
@@ -55,6 +57,7 @@ import mmap
 import os
 import pickle
 import secrets
+import select
 import signal
 import socket
 import subprocess
@@ -64,7 +67,7 @@ import threading
 import time
 import traceback
 import weakref
-from multiprocessing.connection import Connection, wait as wait_for
+from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 
@@ -536,12 +539,20 @@ class Pool:
         except BaseException:
             self.close()
             raise
-        self._by_conn = {w.conn: w for w in self.workers}
+        # The connections of the workers that hold tasks, registered once per busy
+        # spell (not a new selector per wait).
+        self._poller = select.poll()
+        self._by_fd = {w.conn.fileno(): w for w in self.workers}
+        self._polled: set = set()
 
     def send(self, w: _Worker, task, holds) -> None:
         """Give ``w`` a task; ``holds`` is what the task is about (for its answer and
         for the error if ``w`` dies)."""
         w.tasks.append(holds)
+        fd = w.conn.fileno()
+        if fd not in self._polled:
+            self._poller.register(fd, select.POLLIN)
+            self._polled.add(fd)
         try:
             w.send(task)
         except OSError:
@@ -550,17 +561,19 @@ class Pool:
     def receive(self, block: bool = True) -> list:
         """``(worker, what its oldest task holds, answer)`` for every answer that
         arrived (waiting for one when ``block``)."""
-        busy = [w.conn for w in self.workers if w.tasks]
-        if not busy:
+        if not self._polled:
             return []
         out = []
-        for conn in wait_for(busy, None if block else 0):
-            w = self._by_conn[conn]
+        for fd, _ in self._poller.poll(None if block else 0):
+            w = self._by_fd[fd]
             try:
-                data = conn.recv_bytes()
+                data = w.conn.recv_bytes()
             except (EOFError, OSError):
                 self.died(w)
             out.append((w, w.tasks.popleft(), w.maps.decode(data)))
+            if not w.tasks:
+                self._poller.unregister(fd)
+                self._polled.discard(fd)
         return out
 
     def died(self, w: _Worker):
