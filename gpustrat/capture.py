@@ -62,8 +62,8 @@ import traceback
 import numpy as np
 
 from gpustrat import devices, nest
-from gpustrat.devices import (Device, cupy, current_stream, is_gpu_array,
-                              join_streams_into_current, new_stream, wait_for_current)
+from gpustrat.devices import (Device, cupy, current_stream, is_gpu_array, new_stream,
+                              wait_for_current)
 from gpustrat.function import _RECAPTURE, CaptureError, map_leaves
 from gpustrat.values import DistributedValues
 

@@ -513,30 +513,23 @@ def wait_for_current(device: Device, stream) -> None:
             stream.wait_event(mark(current, device.index))
 
 
-def join_streams_into_current(devices, streams, into_current_device: bool = True,
-                              keep: bool = False) -> list | None:
+def join_streams_into_current(devices, streams) -> None:
     """Make the calling thread's current stream of each GPU ``devices[i]`` wait for
-    ``streams[i]``, and (``into_current_device``) its current stream of the current
-    device wait for all of them: CuPy's ``get()`` copies on the current device's stream,
-    whichever device the array is on. Events only: no host wait.
-
-    Returns:
-        With ``keep``, the event recorded on each stream, to poll (None for CPU
-        devices; see :func:`kept_event`); else None.
-    """
-    n = len(devices)
+    ``streams[i]``, and its current stream of the current device wait for all of them:
+    CuPy's ``get()`` copies on the current device's stream, whichever device the array
+    is on. Events only: no host wait."""
     if not any(d.is_gpu and s is not None for d, s in zip(devices, streams)):
-        return [None] * n if keep else None
+        return
     cp = cupy()
-    events: list = [None] * n
+    events: list = [None] * len(devices)
     for i, (d, s) in enumerate(zip(devices, streams)):
         if d.is_gpu and s is not None:
             with cp.cuda.Device(d.index):
-                events[i] = kept_event(s, d.index) if keep else mark(s, d.index)
+                events[i] = mark(s, d.index)
                 current = cp.cuda.get_current_stream()
                 if current.ptr != s.ptr:
                     current.wait_event(events[i])
-    if into_current_device and capture_state is None:
+    if capture_state is None:
         # (Not while capturing: one graph per device has no edge to another device;
         # the replay joins the devices after its launch.)
         here = int(cp.cuda.Device().id)
@@ -544,7 +537,6 @@ def join_streams_into_current(devices, streams, into_current_device: bool = True
         for d, ev in zip(devices, events):
             if ev is not None and d.index != here:
                 current.wait_event(ev)
-    return events if keep else None
 
 
 @contextlib.contextmanager

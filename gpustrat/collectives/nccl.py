@@ -59,9 +59,8 @@ from gpustrat import devices
 from gpustrat.collectives.base import (Communicator, LocalWorkerGroup, WorkerGroup,
                                        agree_layout_over)
 from gpustrat.collectives.host import check_same_layout
-from gpustrat.devices import (Device, cupy, gpu_count, is_gpu_array, kept_events, nccl_library,
-                              PER_THREAD_STREAM,
-                              release_events, to_device)
+from gpustrat.devices import (PER_THREAD_STREAM, Device, cupy, gpu_count, is_gpu_array,
+                              kept_events, nccl_library, release_events, to_device)
 from gpustrat.errors import CollectiveTimeout
 from gpustrat.reduce_util import ReduceOp
 
@@ -729,13 +728,13 @@ class _Watchdog:
                     break
                 batch.append(item)
             if batch and self.failure is None:
-                events = self._events(batch)
-                if events is None:        # a capture is on: look again later
+                recorded = self._events(batch)
+                if recorded is None:      # a capture is on: look again later
                     if not stop:
                         time.sleep(WATCHDOG_POLL_S)
                         continue
                 else:
-                    self._wait(batch, *events)
+                    self._wait(batch, *recorded)
             batch = []                    # the buffers may be reused from here on
             if stop:
                 return
