@@ -642,7 +642,7 @@ class DistributedIterator:
 
     def __del__(self):
         try:
-            self._placer.close()
+            self._placer.close_later()
         except Exception:
             pass
 

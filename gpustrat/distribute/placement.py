@@ -36,10 +36,10 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from gpustrat import nest
+from gpustrat import finalizers, nest
 from gpustrat import timeline as _tl
-from gpustrat.devices import Device, cupy, is_gpu_array, kept_event, new_stream, pinned_empty, \
-    to_device, to_host
+from gpustrat.devices import PER_THREAD_STREAM, Device, cupy, is_gpu_array, kept_event, \
+    kept_events, new_stream, pinned_empty, to_device, to_host
 
 _END = object()
 
@@ -80,8 +80,12 @@ class Placer:
         self._held: list = []
         self._last = None
         self._release: list | None = None
+        #: The consumer's streams at the last handover, ``(stream, device index)`` pairs
+        #: (None for CPU devices): a close from a finalizer orders after them.
+        self._consumer: list | None = None
         _prune_retired()
         if self._gpu:
+            finalizers.start()
             self._buffer_size = buffer_size
             self._queue: queue.Queue = queue.Queue(maxsize=buffer_size)
             self._stop = threading.Event()
@@ -119,7 +123,8 @@ class Placer:
         pieces alive until the consumer's work queued so far has completed."""
         cp = cupy()
         here = int(cp.cuda.Device().id)
-        released = self._consumer_events()   # after everything queued before
+        self._consumer = self._consumer_streams()
+        released = self._consumer_events(self._consumer)   # after everything queued before
         for dev, ev in zip(self._devices, ready):
             if ev is not None:
                 with cp.cuda.Device(dev.index):
@@ -138,29 +143,38 @@ class Placer:
         self._release = released
         _prune_retired()
 
-    def _consumer_events(self) -> list:
-        """Per device (None for CPU devices), an event recorded on the calling thread's
-        current stream of that device, then one on its current stream of the current device
-        if that is none of them (CuPy's ``get()`` copies there): after the work queued so
-        far."""
+    def _consumer_streams(self) -> list:
+        """Per device, the calling thread's current stream of it as ``(stream, device
+        index)`` (None for CPU devices), then its current stream of the current device if
+        that is none of them (CuPy's ``get()`` copies there)."""
         cp = cupy()
-        events = []
+        pairs = []
         for dev in self._devices:
             if not dev.is_gpu:
-                events.append(None)
+                pairs.append(None)
                 continue
             with cp.cuda.Device(dev.index):
-                events.append(kept_event(cp.cuda.get_current_stream(), dev.index))
+                pairs.append((cp.cuda.get_current_stream(), dev.index))
         here = int(cp.cuda.Device().id)
         if here not in {d.index for d in self._devices if d.is_gpu}:
-            events.append(kept_event(cp.cuda.get_current_stream(), here))
-        return events
+            pairs.append((cp.cuda.get_current_stream(), here))
+        return pairs
 
-    def _retire_held(self) -> None:
+    @staticmethod
+    def _consumer_events(pairs: list) -> list:
+        """An event recorded now on each stream of :meth:`_consumer_streams`' pairs (None
+        for None): after the work queued there so far."""
+        gpu = [p for p in pairs if p is not None]
+        events = iter(kept_events([s for s, _ in gpu], [d for _, d in gpu]))
+        return [None if p is None else next(events) for p in pairs]
+
+    def _retire_held(self, pairs: list | None = None) -> None:
         """Retire the pieces handed over and still possibly in use, until the work queued
-        so far on the calling thread's current streams has completed."""
+        so far on ``pairs``' streams (default: the calling thread's current streams) has
+        completed."""
         if self._held or self._last is not None:
-            _retire(self._consumer_events(), (self._held, self._last))
+            pairs = self._consumer_streams() if pairs is None else pairs
+            _retire(self._consumer_events(pairs), (self._held, self._last))
         self._held, self._last = [], None
 
     def _retire_queued(self) -> None:
@@ -205,12 +219,32 @@ class Placer:
     def close(self) -> None:
         """Stop placing; the pieces placed or handed over are retired (see the module
         docstring), ordered after the calling thread's current streams."""
+        self._close(None)
+
+    def close_later(self) -> None:
+        """:meth:`close` for a finalizer: it only queues the close on the cleanup thread
+        (:mod:`gpustrat.finalizers`), which orders the pieces handed over after the
+        streams that consumed the last step instead."""
+        if self._thread is None:   # (what the garbage collector does anyway)
+            self._close(None)
+        else:
+            finalizers.defer(self._close, self._consumer or [])
+
+    def _close(self, pairs: list | None) -> None:
         if self._thread is not None:
             if self._thread.is_alive():
                 self._stop.set()
                 self._thread.join(timeout=5)
             self._retire_queued()
-            self._retire_held()
+            if pairs is not None and any(p is not None and p[0].ptr == PER_THREAD_STREAM
+                                         for p in pairs):
+                # Another thread's per-thread stream cannot be recorded on from here:
+                # wait for the devices instead (this is the cleanup thread, not the user's).
+                for p in pairs:
+                    if p is not None:
+                        cupy().cuda.Device(p[1]).synchronize()
+                pairs = []
+            self._retire_held(pairs)
         close = getattr(self._steps, "close", None)
         if close is not None and self._thread is None:
             close()

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import gpustrat as gs
-from gpustrat import devices, testing
+from gpustrat import devices, finalizers, testing
 from gpustrat.data import Dataset
 from gpustrat.devices import Device, join_streams_into_current, new_stream, wait_for_current
+from gpustrat.distribute import placement
 from gpustrat.distribute.placement import Placer
 
 DEVS = [Device("gpu", 0), Device("gpu", 1)]
@@ -278,6 +279,58 @@ def test_closing_with_steps_queued_keeps_the_pieces_until_the_work_using_them_ha
         assert not blocks & _in_use(san)
         got = [float(devices.to_host(s)) for s in sums]
     assert got == [-64.0, -64.0]
+    assert not san.reports
+
+
+def test_an_iterator_collected_where_its_close_would_wait_is_closed_on_the_cleanup_thread():
+    # The collector may run a dropped iterator's finalizer on a thread that holds a lock
+    # the close needs (here the retired pieces' lock; in a test suite the sanitizer's,
+    # which the placer's thread was waiting for): the close goes to the cleanup thread,
+    # and the last step's pieces stay out of the pool until the work queued on the
+    # streams that consumed them has run.
+    with _no_automatic_collection(), testing.sanitize(seed=0, run_probability=0) as san:
+        cp = devices.cupy()
+        s = gs.MirroredStrategy([d.name for d in DEVS])
+        try:
+            x = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
+            dist = s.experimental_distribute_dataset(Dataset.from_tensor_slices(x).batch(16))
+            held = [iter(dist)]
+            pieces = list(s.experimental_local_results(next(held[0])))
+            blocks = _blocks(san, pieces)
+            current = []
+            for d in DEVS:
+                with cp.cuda.Device(d.index):
+                    current.append(cp.cuda.get_current_stream())
+            go = _busy(san, current)
+            sums = []
+            for d, piece in zip(DEVS, pieces):
+                with d.activate():
+                    sums.append((piece - 1).sum())
+            del pieces, piece
+
+            def drop():
+                with placement._retired_lock:
+                    held.pop()
+                    gc.collect()
+
+            t = threading.Thread(target=drop, daemon=True)
+            t.start()
+            t.join(20)
+            assert not t.is_alive(), "the finalizer waited for a lock its own thread held"
+            assert finalizers.wait()
+            assert not [t for t in threading.enumerate() if t.name == "gpustrat-placer"]
+            assert blocks <= _in_use(san)     # the reads are still queued
+            _placer_activity()
+            assert blocks <= _in_use(san)
+            go.set()
+            for d in DEVS:
+                cp.cuda.Device(d.index).synchronize()
+            _placer_activity()
+            assert not blocks & _in_use(san)
+            got = [float(devices.to_host(v)) for v in sums]
+        finally:
+            s.close()
+    assert got == [float((x[:8] - 1).sum()), float((x[8:16] - 1).sum())]
     assert not san.reports
 
 
