@@ -16,6 +16,9 @@ class ReduceOp(enum.Enum):
 
     @staticmethod
     def from_value(op) -> "ReduceOp":
+        found = OPS_BY_KEY.get(op if type(op) is str else id(op))
+        if found is not None:
+            return found
         if isinstance(op, ReduceOp):
             return op
         if isinstance(op, str):

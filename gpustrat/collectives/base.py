@@ -187,6 +187,12 @@ class Communicator(abc.ABC):
         ``strategy.reduce`` returns). Backends may override to do less work."""
         return self.all_reduce(buffers, op)[0]
 
+    def reduce_checked(self, buffers: Sequence[Any], op: ReduceOp):
+        """:meth:`reduce` of buffers the caller has checked: one per local replica, each
+        on its replica's device, of one shape and one dtype, and ``op`` a
+        :class:`ReduceOp`. Backends may skip their own checks of those."""
+        return self.reduce(buffers, op)
+
     def gather(self, buffers: Sequence[Any], axis: int = 0):
         """The all-gather result on local replica 0's device only (what
         ``strategy.gather`` returns). Backends may override to do less work."""

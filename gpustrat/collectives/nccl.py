@@ -70,6 +70,13 @@ _PTR = operator.attrgetter("ptr")
 _DATA = operator.attrgetter("data")
 
 
+#: Each collective's name with each op, ``_NAMED[id(op)]["reduce"]``: reading an Enum
+#: member's ``name`` runs Python code.
+_NAMED = {id(op): {kind: f"{kind}({op.name})" for kind in ("all_reduce", "reduce",
+                                                             "reduce_scatter")}
+          for op in ReduceOp}
+
+
 def _described(*parts) -> Callable[[], str]:
     """A collective's description for the watchdog, made only if it is needed, from
     plain values (shapes, dtypes, names): the watchdog keeps it, and a closure over the
@@ -286,9 +293,9 @@ class NcclCommunicator(Communicator):
         ``wire`` is None where NCCL has ``dtype``, else ``(how, dtype)`` from
         ``NCCL_WIRE``. post is None, "divide" (in place, inexact) or "true_divide"
         (integer or bool MEAN to float64). Worked out once per dtype and op."""
-        args = self._args.get((dtype, op))
+        args = self._args.get((dtype, id(op)))   # (an Enum member hashes in Python)
         if args is None:
-            args = self._args[(dtype, op)] = self._work_out_reduce_args(dtype, op)
+            args = self._args[(dtype, id(op))] = self._work_out_reduce_args(dtype, op)
         return args
 
     def _work_out_reduce_args(self, dtype, op: ReduceOp):
@@ -340,7 +347,7 @@ class NcclCommunicator(Communicator):
                 res.append(o.astype(dtype))
         return res
 
-    def _prepare(self, buffers, what: str) -> list:
+    def _check_usable(self) -> None:
         failure = self._watchdog.failure if self._watchdog is not None else None
         if failure is not None:
             raise type(failure)(f"{failure} [found by the watchdog after an earlier "
@@ -348,6 +355,9 @@ class NcclCommunicator(Communicator):
         if self._aborted:
             raise RuntimeError(f"this NCCL communicator was aborted ({self._aborted}); "
                                "create a new strategy to continue")
+
+    def _prepare(self, buffers, what: str) -> list:
+        self._check_usable()
         if len(buffers) != self.num_local:
             raise ValueError(f"{what}: got {len(buffers)} buffers for {self.num_local} local "
                              "replicas")
@@ -375,16 +385,16 @@ class NcclCommunicator(Communicator):
         """Issue every local call in one NCCL group, each on its device's current stream,
         and hand the deadline (and ``keep``, the buffers) to the watchdog. No event
         between streams, no host wait."""
-        cp = cupy()
+        current_stream = cupy().cuda.get_current_stream
         nccl = self._nccl
         streams = []
         nccl.groupStart()
         try:
+            # No device switch: within a group NCCL sets each communicator's device.
             for i, (comm, index) in enumerate(zip(self._comms, self._device_ids)):
-                with cp.cuda.Device(index):
-                    stream = cp.cuda.get_current_stream()
-                    streams.append(stream)
-                    issue(i, comm, stream.ptr)
+                stream = current_stream(index)
+                streams.append(stream)
+                issue(i, comm, stream.ptr)
         finally:
             nccl.groupEnd()
         capture = devices.capture_state
@@ -441,8 +451,9 @@ class NcclCommunicator(Communicator):
 
     def _all_reduce(self, buffers, op, inplace: bool):
         op = ReduceOp.from_value(op)
-        bufs = self._prepare(buffers, f"all_reduce({op.name})")
-        check_same_layout(bufs, f"all_reduce({op.name})")
+        what = _NAMED[id(op)]["all_reduce"]
+        bufs = self._prepare(buffers, what)
+        check_same_layout(bufs, what)
         dtype = bufs[0].dtype
         wire, dt, nop, post = self._reduce_args(dtype, op)
         sends = self._to_wire(bufs, wire)
@@ -450,7 +461,7 @@ class NcclCommunicator(Communicator):
             self._empty(i, b.shape, b.dtype) for i, b in enumerate(bufs)]
         count = int(sends[0].nbytes) // _wire_itemsize(wire, dtype)
         if count:
-            self._run(_described("NCCL all_reduce(", op.name, ") of ", bufs[0].shape, " ", dtype),
+            self._run(_described("NCCL ", what, " of ", bufs[0].shape, " ", dtype),
                       lambda i, c, s: c.allReduce(sends[i].data.ptr, outs[i].data.ptr,
                                                   count, dt, nop, s), (sends, outs))
         outs = self._from_wire(outs, dtype)
@@ -467,8 +478,20 @@ class NcclCommunicator(Communicator):
         that replica (the other devices receive nothing, and nothing is allocated
         there). Dtypes NCCL reduces through another dtype take the all-reduce path."""
         op = ReduceOp.from_value(op)
-        bufs = self._prepare(buffers, f"reduce({op.name})")
-        check_same_layout(bufs, f"reduce({op.name})")
+        what = _NAMED[id(op)]["reduce"]
+        bufs = self._prepare(buffers, what)
+        check_same_layout(bufs, what)
+        return self._reduce(bufs, op, what)
+
+    def reduce_checked(self, buffers, op):
+        """:meth:`reduce` of buffers the caller checked (see the base class): only their
+        contiguity is left to look at."""
+        if not all(map(_CONTIGUOUS, buffers)):
+            return self.reduce(buffers, op)
+        self._check_usable()
+        return self._reduce(buffers, op, _NAMED[id(op)]["reduce"])
+
+    def _reduce(self, bufs: list, op: ReduceOp, what: str):
         dtype = bufs[0].dtype
         wire, dt, nop, post = self._reduce_args(dtype, op)
         if wire is not None and wire[0] != "view":
@@ -478,15 +501,16 @@ class NcclCommunicator(Communicator):
         count = int(bufs[0].nbytes) // _wire_itemsize(wire, dtype)
         if count:
             root_ptrs = [out.data.ptr] + [b.data.ptr for b in bufs[1:]]
-            self._run(_described("NCCL reduce(", op.name, ") of ", bufs[0].shape, " ", dtype),
+            self._run(_described("NCCL ", what, " of ", bufs[0].shape, " ", dtype),
                       lambda i, c, s: c.reduce(bufs[i].data.ptr, root_ptrs[i], count, dt,
                                                nop, root, s), (bufs, out))
         return self._post([out], post)[0]
 
     def reduce_scatter(self, buffers, op):
         op = ReduceOp.from_value(op)
-        bufs = self._prepare(buffers, f"reduce_scatter({op.name})")
-        check_same_layout(bufs, f"reduce_scatter({op.name})")
+        what = _NAMED[id(op)]["reduce_scatter"]
+        bufs = self._prepare(buffers, what)
+        check_same_layout(bufs, what)
         n = self.num_replicas
         shape = bufs[0].shape
         if len(shape) == 0 or shape[0] % n:
@@ -499,7 +523,7 @@ class NcclCommunicator(Communicator):
         outs = [self._empty(i, out_shape, b.dtype) for i, b in enumerate(sends)]
         recvcount = int(sends[0].nbytes) // n // _wire_itemsize(wire, dtype)
         if recvcount:
-            self._run(_described("NCCL reduce_scatter(", op.name, ") of ", shape, " ", dtype),
+            self._run(_described("NCCL ", what, " of ", shape, " ", dtype),
                       lambda i, c, s: c.reduceScatter(sends[i].data.ptr, outs[i].data.ptr,
                                                       recvcount, dt, nop, s), (sends, outs))
         return self._post(self._from_wire(outs, dtype), post)

@@ -41,6 +41,9 @@ _NUMBER_NAMES = frozenset(
 _REAL_NAMES = frozenset(n for n in _NUMBER_NAMES if "complex" not in n)
 _ORDERED = (ReduceOp.MAX, ReduceOp.MIN)
 _DEVICE_ID = operator.attrgetter("device.id")
+_DTYPE = operator.attrgetter("dtype")
+#: The native-order integer and floating dtypes (kinds ``i``, ``u``, ``f``).
+_NUMBER_DTYPES = frozenset(np.dtype(c) for c in np.typecodes["AllInteger"] + np.typecodes["Float"])
 
 
 def check_leaf(x: Any, op: ReduceOp | None, what: str, where: str) -> None:
@@ -176,7 +179,7 @@ def _on_their_gpus(comps: Sequence[Any], devices) -> bool:
     array = gpu_array_type()
     return (array is not None and devices[0].is_gpu and set(map(type, comps)) == {array}
             and list(map(_DEVICE_ID, comps)) == [d.index for d in devices]
-            and all(c.dtype.kind in "iuf" for c in comps))
+            and set(map(_DTYPE, comps)) <= _NUMBER_DTYPES)
 
 
 def reduce_components(comm: Communicator, op: ReduceOp, comps: Sequence[Any],
@@ -224,7 +227,7 @@ def _reduce_arrays(comm: Communicator, op: ReduceOp, arrays: list, axis: int | N
         # bytes (or break the MPI library) instead of failing. Over MPI this check
         # rides in the header of the reduce itself.
         comm.agree_layout(first.shape, first.dtype, NAMES_AXIS_NONE[id(op)], HINT_AXIS_NONE)
-        return comm.reduce(arrays, op)
+        return comm.reduce_checked(arrays, op)
     if len(arrays) == 1 and op is not _MEAN:
         a = arrays[0]
         if a.ndim and -a.ndim <= axis < a.ndim and a.shape[axis] == 1 and \
