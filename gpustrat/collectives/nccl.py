@@ -64,7 +64,7 @@ from gpustrat.devices import (PER_THREAD_STREAM, Device, cupy, gpu_count, is_gpu
 from gpustrat.errors import CollectiveTimeout
 from gpustrat.reduce_util import ReduceOp
 
-_DEVICE_ID = operator.attrgetter("device.id")
+_DEVICE_ID = operator.attrgetter("data.device_id")   # (no Device object made)
 _CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
 _PTR = operator.attrgetter("ptr")
 _DATA = operator.attrgetter("data")

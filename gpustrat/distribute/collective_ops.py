@@ -24,7 +24,7 @@ from gpustrat.reduce_util import ReduceOp
 
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
-_DEVICE_ID = operator.attrgetter("device.id")
+_DEVICE_ID = operator.attrgetter("data.device_id")   # (no Device object made)
 
 
 def as_array(x: Any, device: Device):

@@ -40,8 +40,9 @@ _NUMBER_NAMES = frozenset(
 #: Those that MAX and MIN take: numbers with an order (no complex).
 _REAL_NAMES = frozenset(n for n in _NUMBER_NAMES if "complex" not in n)
 _ORDERED = (ReduceOp.MAX, ReduceOp.MIN)
-_DEVICE_ID = operator.attrgetter("device.id")
+_DEVICE_ID = operator.attrgetter("data.device_id")   # (no Device object made)
 _DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
 #: The native-order integer and floating dtypes (kinds ``i``, ``u``, ``f``).
 _NUMBER_DTYPES = frozenset(np.dtype(c) for c in np.typecodes["AllInteger"] + np.typecodes["Float"])
 
@@ -139,8 +140,7 @@ def _shared(comm: Communicator, error: Exception) -> Exception:
 def _check_dtypes(comm: Communicator, arrays: list) -> None:
     """The local replicas' arrays of a reduction have one dtype (else told, and
     raised)."""
-    first = arrays[0].dtype
-    if any(a.dtype != first for a in arrays[1:]):
+    if len(arrays) > 1 and len(set(map(_DTYPE, arrays))) > 1:
         raise _shared(comm, ValueError(
             f"cannot reduce per-replica values of different dtypes "
             f"({', '.join(f'replica {i}: {a.dtype}' for i, a in enumerate(arrays))}): "
@@ -218,7 +218,7 @@ def _reduce_arrays(comm: Communicator, op: ReduceOp, arrays: list, axis: int | N
     if axis is None:
         first = arrays[0]
         _check_dtypes(comm, arrays)
-        if len(arrays) > 1 and any(a.shape != first.shape for a in arrays[1:]):
+        if len(arrays) > 1 and len(set(map(_SHAPE, arrays))) > 1:
             raise _shared(comm, ValueError(
                 f"cannot reduce per-replica values of different shapes with axis=None "
                 f"({_shapes(arrays)}); partial batches give such shapes: pass axis=0 to "

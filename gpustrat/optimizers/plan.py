@@ -42,7 +42,7 @@ from gpustrat.values import DistributedValues, PerReplica
 _NO_CONTEXT = contextlib.nullcontext()
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
-_DEVICE_ID = operator.attrgetter("device.id")
+_DEVICE_ID = operator.attrgetter("data.device_id")   # (no Device object made)
 _ITEM = [operator.itemgetter(i) for i in range(64)]
 
 
