@@ -594,6 +594,7 @@ def test_bench_gpu_runs_on_the_sanitizer_and_counts_no_host_wait_per_step(capsys
     result = bench.main(["--sanitizer"])
     out = capsys.readouterr().out
     assert "cupy: batch[index]: ok" in out and "pack (1000 tensors): ok" in out
+    assert "the optimizer step's weights match the hand-written update: ok" in out
     counts = result["step_counts"]
     assert len(counts) == 6
     assert all(c["host_syncs_step_threads"] == 0 and c["nccl_calls"] == 4 for c in counts)
@@ -705,3 +706,23 @@ def test_the_watchdog_holds_a_collectives_memory_but_not_its_arrays_or_lists():
             assert devices.to_host(bufs[1]).tolist() == [4.0] * 6
         finally:
             comm.close()
+
+
+def test_bench_gpus_optimizer_row_refuses_weights_that_differ_from_the_hand_written_update(
+        monkeypatch):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu_rows", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    shapes = [(4, 3), (3,)]
+    with testing.sanitize(seed=0):
+        row = bench.optimizer_rows(devices.cupy(), shapes, 2, timed=False)
+        assert row["tensors"] == 2 and row["parameters"] == 15
+        # An optimizer whose rate is not the hand-written one's is caught.
+        real_sgd = gs.optimizers.SGD
+        monkeypatch.setattr(gs.optimizers, "SGD",
+                            lambda lr, **kw: real_sgd(lr * 2, **kw))
+        with pytest.raises(AssertionError, match="differ by up to"):
+            bench.optimizer_rows(devices.cupy(), shapes, 2, timed=False)
