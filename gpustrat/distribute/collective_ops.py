@@ -107,12 +107,12 @@ _FLAT_KINDS = {"SUM": frozenset("iufc"), "MEAN": frozenset("iufc"),
                "MAX": frozenset("iufb"), "MIN": frozenset("iufb")}
 
 
-def flat_layout(value, array_type, device_index: int | None, op_name: str
-                ) -> FlatLayout | None:
-    """The :class:`FlatLayout` of ``value`` when it is a list or tuple of two or more
-    arrays of exactly ``array_type``, all on GPU ``device_index`` (None: host arrays),
-    of dtypes ``op_name`` reduces; else None (the general path checks and converts).
-    One C-level pass per attribute, no per-leaf Python."""
+def flat_dtypes(value, array_type, device_index: int | None, op_name: str
+                ) -> tuple | None:
+    """The dtypes of ``value`` when it is a list or tuple of two or more arrays of
+    exactly ``array_type``, all on GPU ``device_index`` (None: host arrays), of dtypes
+    ``op_name`` reduces; else None (the general path checks and converts). One C-level
+    pass per attribute, no per-leaf Python."""
     kind = type(value)
     if (kind is not list and kind is not tuple) or len(value) < 2 or \
             set(map(type, value)) != {array_type}:
@@ -123,7 +123,12 @@ def flat_layout(value, array_type, device_index: int | None, op_name: str
     kinds = _FLAT_KINDS[op_name]
     if not all(d.kind in kinds for d in set(dtypes)):
         return None
-    return FlatLayout(kind, tuple(map(_SHAPE, value)), dtypes)
+    return dtypes
+
+
+def flat_layout_of(value, dtypes: tuple) -> FlatLayout:
+    """The :class:`FlatLayout` of ``value``, whose :func:`flat_dtypes` are ``dtypes``."""
+    return FlatLayout(type(value), tuple(map(_SHAPE, value)), dtypes)
 
 
 class _FlatPlan:

@@ -100,13 +100,14 @@ class ReplicaContext:
         name = _OP_NAMES[id(op)]
         device = self._strategy.local_devices[self._local_index]
         if device.is_gpu:
-            flat = collective_ops.flat_layout(value, gpu_array_type(), device.index, name)
+            dtypes = collective_ops.flat_dtypes(value, gpu_array_type(), device.index, name)
         else:
-            flat = collective_ops.flat_layout(value, np.ndarray, None, name)
-        if flat is not None and self._only_gpu and self._rendezvous.returned is None and \
-                (op is not ReduceOp.MEAN or all(d.kind in "fc" for d in set(flat.dtypes))):
-            return list(value) if flat.kind is list else value
-        if flat is not None:
+            dtypes = collective_ops.flat_dtypes(value, np.ndarray, None, name)
+        if dtypes is not None and self._only_gpu and self._rendezvous.returned is None and \
+                (op is not ReduceOp.MEAN or all(d.kind in "fc" for d in set(dtypes))):
+            return list(value) if type(value) is list else value
+        if dtypes is not None:
+            flat = collective_ops.flat_layout_of(value, dtypes)
             # A flat list of arrays (a model's gradients): its layout is the signature,
             # compared whole, and the reduction is planned once per layout.
             return self._exchange(
