@@ -138,7 +138,8 @@ def stop(merge: bool = True):
 @contextlib.contextmanager
 def record(path):
     """Record a timeline of the block to ``path`` (a Chrome trace JSON file, opened by
-    Perfetto, chrome://tracing and Nsight Systems' importer).
+    Perfetto and chrome://tracing; on GPUs Nsight Systems shows the same names as NVTX
+    ranges).
 
     Every rank must enter and leave the block (rank 0 merges every rank's events at
     its end). Inside, each ``strategy.run`` (per replica), collective, input

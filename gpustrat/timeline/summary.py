@@ -171,6 +171,24 @@ def _colour(e) -> str:
     return "#bdbdbd"
 
 
+def plot_window(spans: list, steps: int) -> tuple[float, float, int]:
+    """``(start, end, steps shown)`` of a plot of the last ``steps`` steps of every rank:
+    from the earliest start of any rank's ``steps``-th last ``run`` (its replica 0's)
+    to the end of the last span. With no ``run``, every span."""
+    starts: dict = {}
+    for e in spans:
+        if e["name"] == "run" and e["tid"] == 0:
+            starts.setdefault(e["pid"], []).append(e["ts"])
+    if starts:
+        lo = min(sorted(ts)[-steps] if len(ts) >= steps else min(ts)
+                 for ts in starts.values())
+        shown = min(steps, max(len(ts) for ts in starts.values()))
+    else:
+        lo, shown = (min(e["ts"] for e in spans) if spans else 0), 0
+    hi = max((e["ts"] + e["dur"] for e in spans), default=lo + 1)
+    return lo, hi, shown
+
+
 def plot(events: list, out: str, steps: int = 10) -> tuple[int, int]:
     """A Gantt chart of the last ``steps`` steps, one row per track (rank, replica),
     written to ``out`` as a PNG of ``PLOT_WIDTH`` by ``PLOT_TOP + PLOT_ROW * rows``
@@ -187,9 +205,7 @@ def plot(events: list, out: str, steps: int = 10) -> tuple[int, int]:
     except ImportError as e:
         raise RuntimeError("--plot needs matplotlib: pip install -e '.[plot]'") from e
     spans = _spans(events)
-    runs = sorted(e["ts"] for e in spans if e["name"] == "run" and e["tid"] == 0)
-    lo = runs[-steps] if len(runs) >= steps else (min(e["ts"] for e in spans) if spans else 0)
-    hi = max((e["ts"] + e["dur"] for e in spans), default=lo + 1)
+    lo, hi, shown_steps = plot_window(spans, steps)
     shown = [e for e in spans if e["ts"] + e["dur"] >= lo and e["tid"] < 100]
     rows = sorted({(e["pid"], e["tid"]) for e in shown}) or [(0, 0)]
     height = PLOT_TOP + PLOT_ROW * len(rows)
@@ -211,7 +227,7 @@ def plot(events: list, out: str, steps: int = 10) -> tuple[int, int]:
     ax.set_yticklabels([f"rank {p} replica {t}" for p, t in rows])
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xlim(0, (hi - lo) / 1e3)
-    ax.set_xlabel(f"ms (the last {min(steps, len(runs))} steps)" if runs else "ms")
+    ax.set_xlabel(f"ms (the last {shown_steps} steps)" if shown_steps else "ms")
     legend = [Patch(color=c, label=n) for n, c in _COLOURS.items()] + \
         [Patch(color="#31a354", label="collective"), Patch(color="#bdbdbd", label="other")]
     fig.legend(handles=legend, loc="upper center", ncol=len(legend), fontsize=7,

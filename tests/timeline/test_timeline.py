@@ -180,6 +180,10 @@ def test_summary_json_and_the_plot_of_a_two_replica_loop(tmp_path):
     assert got["last_to_arrive"] == {"0": 0} and got["straggler"] is None
     assert got["collectives"]["reduce(SUM)"]["count"] == 8
     assert got["collectives"]["reduce(SUM)"]["bytes"] == 8 * 16
+    k = got["collectives"]["reduce(SUM)"]
+    assert k["bytes_per_s"] == pytest.approx(k["bytes"] / k["time_s"])
+    if k["moving_bytes_per_s"] is not None:   # (None: no time spent moving data)
+        assert k["moving_bytes_per_s"] >= k["bytes_per_s"] > 0
     text = subprocess.run([sys.executable, "-m", "gpustrat", "timeline", "summary",
                            str(path)], capture_output=True, text=True, cwd=REPO,
                           timeout=120).stdout
@@ -253,3 +257,20 @@ def test_the_environment_variable_records_a_whole_program(tmp_path):
     assert out.returncode == 0, out.stderr
     spans = check_trace(load(path))                 # merged at exit
     assert sum(e["name"] == "run" for e in spans) == 6
+
+
+def test_the_plot_shows_the_last_steps_of_every_rank():
+    # Two ranks whose steps interleave: each rank's last 3 steps are in the window, not
+    # the last 3 starts of the two ranks pooled (which would show rank 0's last step
+    # and a half).
+    def run(rank, ts):
+        return {"ph": "X", "name": "run", "pid": rank, "tid": 0, "ts": ts, "dur": 8}
+    spans = [run(0, 10 * k) for k in range(10)] + [run(1, 10 * k + 5) for k in range(10)]
+    lo, hi, shown = summary.plot_window(spans, 3)
+    assert (lo, hi, shown) == (70, 103, 3)
+    for rank in (0, 1):
+        starts = sorted(e["ts"] for e in spans if e["pid"] == rank)
+        assert all(ts >= lo for ts in starts[-3:]) and starts[-4] < lo
+    # A rank with fewer steps than asked shows all of them.
+    lo, _, shown = summary.plot_window([run(0, 5), run(0, 15), run(1, 40)], 3)
+    assert (lo, shown) == (5, 2)
