@@ -46,7 +46,10 @@ class Adafactor(Optimizer):
         super().__init__(learning_rate, name, compression, **common)
 
     def slot_shape(self, name: str, shape: tuple) -> tuple:
-        if name == "velocity":
+        # Only the factored second moments r and c have shapes of their own; every other
+        # slot (velocity, and the base class's accumulator and EMA average) is shaped as
+        # the variable.
+        if name not in ("r", "c"):
             return shape
         if len(shape) < 2:
             return ()

@@ -65,7 +65,8 @@ def test_gradient_accumulation(n, buffers):     # OptimizerTest.test_gradient_ac
         assert int(opt._iterations.numpy()) == calls and int(opt.iterations) == updates
 
 
-ALGORITHMS = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam"]
+ALGORITHMS = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam",
+              "Lion", "Ftrl", "Lamb", "Adafactor"]
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -146,6 +147,27 @@ def test_ema(n, buffers):                       # OptimizerTest.test_ema
     if s is not None:
         for c in s.experimental_local_results(v):
             np.testing.assert_allclose(c.numpy(), want[-1][0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_ema_follows_the_weights_with_every_algorithm(name, n):
+    # The average starts at the weights after the first step and then moves by
+    # (1 - ema_momentum) towards them after each step, whatever the algorithm (a matrix
+    # and a vector: Adafactor factors the one, not the other).
+    rng = np.random.default_rng(2)
+    s, (m, b, opt) = make(n, lambda: (
+        gs.Variable(np.float32([[0.9, -0.2], [0.5, 0.1]])), gs.Variable(np.float32([0.3, 0.7])),
+        getattr(O, name)(use_ema=True, ema_momentum=0.8)))
+    want = None
+    for _ in range(4):
+        apply(s, opt, [rng.random((2, 2)).astype(np.float32),
+                       rng.random(2).astype(np.float32)], [m, b])
+        now = [value(m), value(b)]
+        want = now if want is None else [0.8 * w + 0.2 * x for w, x in zip(want, now)]
+    for v, w in zip((m, b), want):
+        np.testing.assert_allclose(value(opt.get_slot(v, "average")), w, rtol=1e-5,
+                                   atol=1e-6)
 
 
 def test_ema_finalize_and_fit_values():
