@@ -79,6 +79,10 @@ PROGRAMS = {{
                                  use_ema=True, ema_momentum=0.5),
     "scheduled": lambda: O.Adam(O.schedules.CosineDecay(0.1, 4, warmup_target=0.2,
                                                         warmup_steps=2)),
+    "lion": lambda: O.Lion(0.01),
+    "ftrl": lambda: O.Ftrl(0.1, l1_regularization_strength=0.01),
+    "lamb": lambda: O.Lamb(0.01),
+    "adafactor": lambda: O.Adafactor(0.1, use_ema=True),
 }}
 rng = np.random.default_rng(0)
 G = rng.standard_normal((7, 3)).astype(np.float32)
@@ -115,6 +119,6 @@ s.close()
 
 @pytest.mark.parametrize("local", [["cpu:0"], ["cpu:0", "cpu:1"]])
 def test_loss_scaling_accumulation_and_schedules_across_workers(local):
-    # The skip decision (a NaN on the last replica of the last worker) is the same on
+    # Lion, Ftrl, Lamb and Adafactor too. The skip decision (a NaN on the last replica of the last worker) is the same on
     # every worker, and every worker's weights are one process's on the global batch.
     assert_mpi_ok(2, OPTIMIZERS.format(local=local), timeout=180, expect_lines=2)
