@@ -39,6 +39,16 @@ WHERE = {
                   "gs.train.Checkpoint",
         "random": "use np.random",
         "math": "use NumPy (np.add, np.sqrt, ...)",
+        "linalg": "use np.linalg",
+        "bfloat16": f"{_NONE}: NumPy has no bfloat16; use np.float16 or np.float32",
+        "half": "use np.float16", "double": "use np.float64",
+        "summary": f"{_NONE}: write metrics with print or a logger on worker 0; "
+                   "gs.timeline records where a step's time goes (docs/timeline.md)",
+        "saved_model": f"{_NONE}: save and restore variables with gs.train.Checkpoint",
+        "losses": "loss helpers are gs.nn (compute_average_loss, scale_regularization_loss)",
+        "image": f"{_NONE}: decode and transform images in a map function (NumPy, PIL)",
+        "strings": f"{_NONE}: handle strings in a map function (Python str)",
+        "sparse": _NONE, "ragged": _NONE, "autograph": f"{_NONE}: gs.function runs Python",
     },
     "gpustrat.distribute": {
         "TPUStrategy": f"{_NONE} (no TPUs)",
@@ -56,6 +66,11 @@ WHERE = {
         "CentralStorageStrategy": f"{_NONE}; MirroredStrategy keeps a copy per replica",
     },
     "gpustrat.distribute.experimental": {
+        "PreemptionCheckpointHandler": f"{_NONE}: save a gs.train.CheckpointManager "
+                                       "checkpoint every few steps and resume with "
+                                       "restore_or_initialize (docs/checkpoint.md)",
+        "CollectiveHints": f"{_NONE}: fusion is planned per layout "
+                           "(GPUSTRAT_FUSION_BUCKET_BYTES sets the bucket size)",
         "CentralStorageStrategy": f"{_NONE}; MirroredStrategy keeps a copy per replica",
         "TPUStrategy": f"{_NONE} (no TPUs)",
         "CommunicationOptions": f"{_NONE}: the strategy picks NCCL, MPI or host reductions",
@@ -72,6 +87,28 @@ WHERE = {
         "SqlDataset": _NONE,
     },
 }
+
+
+# TensorFlow's dtypes and array functions that NumPy has under the same name (reductions
+# drop their reduce_ prefix): for tf.NAME, use np.NAME.
+_NUMPY_DTYPES = ("int8", "int16", "uint8", "uint16", "uint32", "uint64", "complex64",
+                 "complex128")
+_NUMPY_FUNCTIONS = ("zeros", "ones", "zeros_like", "ones_like", "fill", "range", "reshape",
+                    "concat", "stack", "unstack", "split", "tile", "transpose", "squeeze",
+                    "expand_dims", "matmul", "tensordot", "einsum", "where", "abs", "sqrt",
+                    "exp", "square", "maximum", "minimum", "argmax", "argmin", "sort",
+                    "argsort", "cumsum", "equal", "gather", "one_hot", "clip_by_value",
+                    "reduce_max", "reduce_min", "reduce_prod", "reduce_any", "reduce_all",
+                    "rank", "size", "shape", "identity", "linspace", "meshgrid")
+_NUMPY_SPELLING = {"fill": "np.full", "range": "np.arange", "concat": "np.concatenate",
+                   "unstack": "list(x) or np.split", "gather": "np.take",
+                   "one_hot": "np.eye(depth)[indices]", "clip_by_value": "np.clip",
+                   "rank": "x.ndim", "size": "x.size", "shape": "x.shape",
+                   "identity": "x (or x.copy())"}
+for _name in _NUMPY_DTYPES + _NUMPY_FUNCTIONS:
+    _np_name = _NUMPY_SPELLING.get(_name, "np." + _name.removeprefix("reduce_"))
+    WHERE["gpustrat"].setdefault(_name, f"use {_np_name}")
+del _name, _np_name
 
 
 def attribute_error(module: str, name: str) -> AttributeError:

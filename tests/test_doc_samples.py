@@ -198,3 +198,42 @@ def test_the_markers_are_found_and_samples_are_run():
         b.where for b in SAMPLES if b.output is None and "print(" in b.code]
     assert os.path.isfile(REPO / "docs" / "distributed_input.md")
     assert any(b.page.name == "distributed_input.md" for b in SAMPLES)
+
+
+#: The first line of an indented (unfenced) block that reads as Python.
+_PYTHON_START = re.compile(r"^(from \S+ import |import |def |class |with |for |if |@)")
+
+
+def indented_python(page: Path, root: Path = REPO) -> list[str]:
+    """Where ``page`` has an indented code block (four spaces after a blank line, outside
+    fences and lists) that starts like Python: such a block is neither run nor marked."""
+    found, in_fence, previous = [], False, ""
+    for n, text in enumerate(page.read_text().splitlines(), 1):
+        if _FENCE.match(text):
+            in_fence = not in_fence
+        elif not in_fence and text.startswith("    ") and not previous.strip() and \
+                _PYTHON_START.match(text[4:]):
+            found.append(f"{page.relative_to(root)}:{n}: {text.strip()}")
+        if not in_fence and text.strip() and not text.startswith("    ") and \
+                re.match(r"^\s*([-*]|\d+\.) ", text):
+            previous = "list"   # an indented line after a list item continues it
+        elif not text.strip() and previous == "list":
+            previous = "list"
+        else:
+            previous = text
+    return found
+
+
+def test_no_page_shows_python_in_an_indented_block():
+    problems = [p for page in PAGES for p in indented_python(page)]
+    assert not problems, ("Python in an indented block is neither run nor marked: fence "
+                          "it as ```python (a sample, or a fragment after "
+                          f"{FRAGMENT}):\n" + "\n".join(problems))
+
+
+def test_the_indented_python_check_finds_a_block(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("Text.\n\n    from gpustrat import testing\n    x = 1\n\n"
+                    "Run:\n\n    python -m gpustrat demo\n\n- a list item\n\n"
+                    "    import os   (continues the item)\n")
+    assert indented_python(page, tmp_path) == ["page.md:3: from gpustrat import testing"]

@@ -28,6 +28,16 @@ def test_tensor_spec_is_at_the_top_level_as_in_tensorflow():
     ("gs.distribute.experimental.CentralStorageStrategy", "has no counterpart"),
     ("gs.data.Iterator", "gs.data.DatasetIterator"),
     ("gs.data.FixedLengthRecordDataset", "has no counterpart"),
+    ("gs.zeros", "for TensorFlow's tf.zeros: use np.zeros"),
+    ("gs.reduce_max", "use np.max"),
+    ("gs.concat", "use np.concatenate"),
+    ("gs.uint8", "use np.uint8"),
+    ("gs.bfloat16", "NumPy has no bfloat16"),
+    ("gs.summary", "has no counterpart"),
+    ("gs.saved_model", "gs.train.Checkpoint"),
+    ("gs.losses", "gs.nn"),
+    ("gs.distribute.experimental.PreemptionCheckpointHandler", "CheckpointManager"),
+    ("gs.distribute.experimental.CollectiveHints", "GPUSTRAT_FUSION_BUCKET_BYTES"),
 ])
 def test_a_tensorflow_name_says_where_it_lives_or_that_it_has_none(expr, where):
     with pytest.raises(AttributeError, match="has no attribute") as e:
@@ -55,3 +65,13 @@ def test_every_listed_name_is_really_missing_and_every_pointer_exists():
     # The gpustrat names the hints point to exist.
     assert gs.distribute.experimental.ParameterServerStrategy and gs.data.DatasetIterator
     assert gs.data.STRING is not None and gs.data.TFRecordWriter and gs.Mirrored
+    assert gs.nn.compute_average_loss and gs.nn.scale_regularization_loss
+    assert gs.train.CheckpointManager.restore_or_initialize
+    from gpustrat.collectives import fusion
+    assert "GPUSTRAT_FUSION_BUCKET_BYTES" in fusion.__doc__
+    # Every NumPy spelling a hint gives exists.
+    import numpy as np
+    for name in _porting._NUMPY_DTYPES + _porting._NUMPY_FUNCTIONS:
+        spelled = _porting.WHERE["gpustrat"][name].removeprefix("use ")
+        if spelled.startswith("np.") and "(" not in spelled and " " not in spelled:
+            assert hasattr(np, spelled[3:]), (name, spelled)
