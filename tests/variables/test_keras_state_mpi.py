@@ -1,6 +1,6 @@
 """Keras 3 training state across 2 MPI workers (launched with mpiexec under a timeout):
-the metrics of Keras's loops and the optimizer features give what one process gives on
-the whole global batch."""
+the metrics of Keras's loops (a custom metric too) and the optimizer features give what
+one process gives on the whole global batch."""
 
 from __future__ import annotations
 
@@ -21,7 +21,28 @@ import gpustrat as gs
 from gpustrat.data import Dataset
 s = gs.MultiWorkerMirroredStrategy(devices={local})
 M = gs.metrics
+
+
+class TruePositives(M.Metric):      # the custom metric of Keras's Metric documentation
+    def __init__(self, name="true_positives"):
+        super().__init__(name=name)
+        self.tp = self.add_variable(shape=(), initializer="zeros", name="tp")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        values = (np.asarray(y_true) > 0.5) & (np.asarray(y_pred) > 0.5)
+        values = values.astype(self.dtype) * np.asarray(sample_weight, self.dtype)[:, None]
+        self.tp.assign_add(values.sum(dtype=self.dtype))
+
+    def result(self):
+        return self.tp.value()
+
+
 makers = {{
+    "categorical": lambda: M.CategoricalAccuracy(),
+    "top2_categorical": lambda: M.TopKCategoricalAccuracy(k=2),
+    "mse_wrapper": lambda: M.MeanMetricWrapper(lambda t, p: ((t - p) ** 2).mean(axis=-1),
+                                               name="mse"),
+    "custom": lambda: TruePositives(),
     "auc": lambda: M.AUC(num_thresholds=11),
     "pr_auc": lambda: M.AUC(num_thresholds=7, curve="PR", multi_label=True),
     "precision": lambda: M.Precision(thresholds=[0.3, 0.6]),
@@ -46,6 +67,10 @@ def update(ms, p, t, y, w):
     ms["recall"].update_state(t, p)
     ms["top2"].update_state(y, p)
     ms["binary"].update_state(t, p)
+    ms["categorical"].update_state(t, p)
+    ms["top2_categorical"].update_state(t, p, sample_weight=w)
+    ms["mse_wrapper"].update_state(t, p, sample_weight=w)
+    ms["custom"].update_state(t, p, sample_weight=w)
 
 
 ds = Dataset.from_tensor_slices((scores, onehot, labels, weights)).batch(4)
