@@ -141,3 +141,36 @@ def test_every_worker_is_refused_once_before_any_training():
     assert rc == 0, report
     assert sorted(line for line in out.splitlines() if line.startswith("REFUSED")) == \
         ["REFUSED 0 1", "REFUSED 1 1"], report
+
+
+WARNED = r"""
+import sys, tempfile, warnings
+import numpy as np
+import gpustrat as gs
+from gpustrat.data import Dataset
+s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+with s.scope():
+    w = gs.Variable(np.zeros(2), name="w")
+it = iter(s.experimental_distribute_dataset(Dataset.range(16).batch(4)))
+next(it)
+path = sys.argv[1]
+ckpt = gs.train.Checkpoint(w=w)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    ckpt.save(path + "/a")
+    ckpt.save(path + "/a")
+texts = [str(c.message) for c in caught]
+print("WARNED", s.worker_index, len(texts),
+      sum("but not the iterator (1 steps taken so far)" in t for t in texts), flush=True)
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(90)
+def test_the_missing_iterator_warning_is_printed_once_by_worker_0(tmp_path):
+    rc, out, err = run_mpi(2, WARNED, timeout=80, args=[str(tmp_path)],
+                           env={"GPUSTRAT_TIMEOUT": "30"})
+    report = format_result(rc, out, err)
+    assert rc == 0, report
+    assert sorted(line for line in out.splitlines() if line.startswith("WARNED")) == \
+        ["WARNED 0 1 1", "WARNED 1 0 0"], report
