@@ -15,6 +15,8 @@ Words:
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from gpustrat.devices import array_module, on_device_of, to_host
@@ -93,8 +95,8 @@ class LossScaleOptimizer:
                                   agg=agg)
         self.dynamic_scale = zeros(strategy, (), np.float32, f"{self.name}/dynamic_scale",
                                    agg=agg)
-        self._write(self.dynamic_scale, self.initial_scale)
         self._held = None
+        self._set(self.initial_scale, 0)    # held on the host too: no read back
         inner_optimizer._summed_gate = self._gate
 
     # --- what Keras's LossScaleOptimizer shows --------------------------------------------
@@ -167,7 +169,7 @@ class LossScaleOptimizer:
         decide."""
         scale, count = self._state()
         firsts = [grads[0] for _, grads in sums] if flat else [row[0] for row in sums]
-        if not all(map(_finite, firsts)):
+        if not _all_finite(firsts):
             self._set(scale * 0.5, 0)
             return None
         inv = 1.0 / scale
@@ -245,16 +247,31 @@ def _first(var):
     return var.values[0] if isinstance(var, DistributedVariable) else var
 
 
-def _finite(x) -> bool:
-    """Whether every element of ``x`` is finite: one sum (finite only if every element
-    is), and the element-wise check only when the sum is not (an overflowing sum of
-    finite values)."""
-    xp = array_module(x)
-    with on_device_of(x), np.errstate(over="ignore", invalid="ignore"):
-        wide = np.float32 if x.dtype.itemsize < 4 else x.dtype
-        if np.isfinite(float(to_host(x.sum(dtype=wide)))):
+def _all_finite(arrays: list) -> bool:
+    """Whether every element of every array (one replica's, on one device) is finite,
+    with one number read back to the host: a reduction per array whose result is finite
+    only if each element is, added up on the arrays' device. On the host it is the dot
+    product of a contiguous float32 or float64 array with itself (one BLAS pass, three
+    times faster than NumPy's sum); on a GPU, the sum (one reduction kernel, no cuBLAS),
+    in float32 for narrower floats. Only when the total is not finite (an inf or a NaN,
+    or large finite values overflowing it) are the elements checked one by one."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = None
+        for x in arrays:
+            if type(x) is np.ndarray and x.dtype.itemsize >= 4 and x.flags.c_contiguous:
+                flat = x.reshape(-1)
+                probe = np.dot(flat, flat)
+            else:
+                with on_device_of(x):
+                    probe = x.sum(dtype=np.float32 if x.dtype.itemsize < 4 else x.dtype)
+            total = probe if total is None else total + probe
+        if math.isfinite(float(to_host(total))):
             return True
-        return bool(to_host(xp.isfinite(x).all()))
+        for x in arrays:
+            with on_device_of(x):
+                if not bool(to_host(array_module(x).isfinite(x).all())):
+                    return False
+        return True
 
 
 def _unscale_in_place(g, inv: float):

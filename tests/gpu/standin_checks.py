@@ -275,6 +275,38 @@ def check_a_steady_mirrored_training_step_runs_and_is_counted():
         assert c["host_syncs"] == 1
 
 
+def check_a_loss_scaled_step_reads_one_number_back_whatever_its_tensors():
+    with testing.stand_in(num_devices=4) as gpus:
+        cp = devices.cupy()
+        strategy = gs.MirroredStrategy(GPUS)
+        layouts = {"float32": [((8, 4), F32), ((4,), F32), ((4, 2), F32)],
+                   "float32 and float16": [((8, 4), F32), ((4,), F32), ((4, 2), np.float16),
+                                           ((2,), np.float16)]}
+        for label, layout in layouts.items():
+            with strategy.scope():
+                variables = [gs.Variable(np.zeros(s, d)) for s, d in layout]
+                opt = gs.optimizers.LossScaleOptimizer(gs.optimizers.SGD(0.1))
+
+            def step(buffers):
+                if buffers:
+                    grads = opt.gradient_buffers(variables)
+                    for g in grads:
+                        g[...] = 1.0
+                else:
+                    grads = [cp.full(s, 1.0, d) for s, d in layout]
+                opt.apply_gradients(zip(grads, variables))
+
+            for buffers in (False, True):
+                for _ in range(2):                 # the first step plans
+                    strategy.run(step, args=(buffers,))
+                with gpus.measure() as c:
+                    strategy.run(step, args=(buffers,))
+                # The skip decision: one number for the whole step, not one per tensor
+                # or per bucket.
+                assert c["host_syncs"] == 1, (label, buffers, c["sync_sites"])
+                assert c["nccl_calls"] >= 4, c
+
+
 def check_the_demo_step_runs():
     from gpustrat import demo
     with testing.stand_in(num_devices=4) as gpus:

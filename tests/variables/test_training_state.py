@@ -277,6 +277,27 @@ def test_an_overflowing_sum_of_finite_values_is_still_checked_per_element():
     assert int(opt.iterations.numpy()) == 1
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_the_decision_over_tensors_of_two_dtypes(n):
+    # Variables of two dtypes are not one flat buffer: the check covers every tensor.
+    s = gs.MirroredStrategy([f"cpu:{i}" for i in range(n)])
+    with s.scope():
+        a = gs.Variable(np.zeros(3, np.float32), name="a")
+        b = gs.Variable(np.zeros(2, np.float16), name="b")
+        opt = O.LossScaleOptimizer(O.SGD(learning_rate=1.0), initial_scale=1.0)
+
+    def step(ga, gb):
+        opt.apply_gradients([(np.float32(ga) / n, a), (np.float16(gb) / n, b)])
+    s.run(step, args=([1.0, 2.0, 3.0], [1.0, -np.inf]))     # an inf in the float16 one
+    assert int(opt.iterations.numpy()) == 0 and float(opt.scale_loss(1.0)) == 0.5
+    np.testing.assert_array_equal(value(a), [0.0, 0.0, 0.0])
+    # Finite tensors whose checks add up past float32's range: still applied.
+    s.run(step, args=([1.4e19, 1.4e19, 0.0], [1.0, 2.0]))
+    assert int(opt.iterations.numpy()) == 1
+    np.testing.assert_allclose(value(a), [-2.8e19, -2.8e19, 0.0], rtol=1e-6)
+    np.testing.assert_array_equal(value(b), np.float16([-2.0, -4.0]))
+
+
 def test_serialization_arguments_and_checkpoint(tmp_path):
     # .test_serialization, .test_init_dynamic_arg, .test_init_unsupported_arg,
     # .test_init_base_optimizer_unsupported_args.
