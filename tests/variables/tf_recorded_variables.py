@@ -539,8 +539,9 @@ TF_OTHER = {'ON_WRITE/float32/NONE/trainable': True,
                        'int32',
  'bad/int_into_float': [[1.0, 2.0], [1.0, 2.0], [1, 2], [1, 2]]}
 
-# TensorFlow 2.21 (tensorflow-cpu) on the programs Keras users' loops run, as reported
-# beside the recordings above: a MirroredStrategy on 2 logical CPUs unless named.
+# TensorFlow 2.21 (tensorflow-cpu) on the programs Keras users' loops run: a
+# MirroredStrategy on 2 logical CPUs unless named. Recorded by record_tf_loops.py
+# (tensorflow-cpu 2.21.0, 2026-12-03; ``--check`` compares a new run with these).
 TF_LOOPS = {
     # v = tf.Variable(10.0, aggregation=SUM) in the scope; strategy.run(lambda:
     # v.assign_add(2.0)): the same Python value on every replica.
