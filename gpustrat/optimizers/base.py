@@ -127,7 +127,14 @@ class Optimizer:
     def __init__(self, learning_rate, name: str, compression=None, *, weight_decay=None,
                  clipnorm=None, clipvalue=None, global_clipnorm=None,
                  exclude_from_weight_decay=None, gradient_accumulation_steps=None,
-                 use_ema=False, ema_momentum=0.99, ema_overwrite_frequency=None):
+                 use_ema=False, ema_momentum=0.99, ema_overwrite_frequency=None,
+                 loss_scale_factor=None):
+        if loss_scale_factor is not None:
+            raise ValueError(
+                f"loss_scale_factor={loss_scale_factor!r} is not supported: multiply the "
+                "loss by the factor and divide the gradients by it before "
+                "apply_gradients, or wrap the optimizer in "
+                "gs.optimizers.LossScaleOptimizer for dynamic loss scaling")
         (self.gradient_accumulation_steps, self.use_ema, self.ema_momentum,
          self.ema_overwrite_frequency) = training_state.check(
             gradient_accumulation_steps, use_ema, ema_momentum, ema_overwrite_frequency)
@@ -173,11 +180,14 @@ class Optimizer:
     def iterations(self):
         """The number of steps applied (an int64 variable). With
         ``gradient_accumulation_steps`` n, as Keras: the number of updates, the calls
-        of ``apply_gradients`` divided by n (a 0-d int64 array, read-only; the
-        variable counting every call is saved in checkpoints)."""
+        of ``apply_gradients`` divided by n (a read-only 0-d int64 array which, as
+        Keras's tensor, also has ``numpy()``; the variable counting every call is
+        saved in checkpoints)."""
         n = self.gradient_accumulation_steps
         if n:
-            return np.asarray(self._step_count() // n, np.int64)
+            count = np.asarray(self._step_count() // n, np.int64).view(_UpdateCount)
+            count.flags.writeable = False
+            return count
         return self._iterations
 
     @property
@@ -187,8 +197,9 @@ class Optimizer:
         if callable(lr):
             if not isinstance(lr, schedules.LearningRateSchedule):
                 return schedules.rate_at(lr, None)
-            n = self.gradient_accumulation_steps
-            return schedules.rate_at(lr, self._step_count() // n if n else self._step_count())
+            # As Keras: the schedule sees every call of apply_gradients counted (with
+            # gradient_accumulation_steps too, where ``iterations`` counts updates).
+            return schedules.rate_at(lr, self._step_count())
         return float(lr)
 
     @learning_rate.setter
@@ -516,7 +527,8 @@ class Optimizer:
             _devices.capture_state.note_optimizer(self, lr, step)
         accumulating = self.gradient_accumulation_steps
         # The update's step number (from 1): with accumulation, the applied steps'
-        # (Keras's iterations), which a schedule and bias corrections see.
+        # (Keras's iterations), which bias corrections see; the learning rate's
+        # schedule saw every call (``lr`` above, as Keras).
         update = step
         if accumulating:
             update = step // accumulating
@@ -767,14 +779,12 @@ class Optimizer:
                 pass
         config = {"name": self.name, "learning_rate": lr,
                   "compression": None if self.compression is None else str(self.compression)}
-        # The common settings when set (so that an optimizer without them reads as
-        # before); AdamW always shows its weight decay.
+        # Keras's common settings, always (as Keras's get_config has them).
         for k in ("weight_decay",) + clipping.NAMES:
-            if getattr(self, k) is not None:
-                config[k] = getattr(self, k)
+            config[k] = getattr(self, k)
         if self._exclude:
             config["exclude_from_weight_decay"] = list(self._exclude)
-        config.update(training_state.config(self))
+        config.update(training_state.config(self), loss_scale_factor=None)
         return config
 
     @classmethod
@@ -788,9 +798,17 @@ class Optimizer:
         return cls(**config)
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "name")
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items()
+                         if k != "name" and (k not in _UNSET or _UNSET[k] != v))
         return f"{type(self).__name__}({args})"
 
+
+#: The settings every config holds, at the values that mean "not used": a repr leaves
+#: them out.
+_UNSET = {"compression": None, "weight_decay": None, "clipnorm": None, "clipvalue": None,
+          "global_clipnorm": None, "use_ema": False, "ema_momentum": 0.99,
+          "ema_overwrite_frequency": None, "gradient_accumulation_steps": None,
+          "loss_scale_factor": None}
 
 #: Per optimizer class: a function giving the values of its ``agreed_settings``.
 _SETTINGS: dict = {}
@@ -863,3 +881,11 @@ def _check_pairs(grads_and_vars, known: list | None = None) -> tuple[list, list]
         raise ValueError("apply_gradients: a variable appears twice; sum its gradients "
                          "first")
     return [g for g, _ in kept], variables
+
+
+class _UpdateCount(np.ndarray):
+    """``Optimizer.iterations`` under gradient accumulation: a read-only 0-d int64
+    array with ``numpy()``, as the tensor Keras returns there."""
+
+    def numpy(self) -> np.ndarray:
+        return np.array(self.view(np.ndarray))

@@ -174,12 +174,7 @@ def finalize(optimizer, variables) -> None:
 
 
 def config(optimizer) -> dict:
-    """The settings for ``get_config`` (only those set, so that a config without them
-    reads as before)."""
-    out = {}
-    if optimizer.gradient_accumulation_steps:
-        out["gradient_accumulation_steps"] = optimizer.gradient_accumulation_steps
-    if optimizer.use_ema:
-        out.update(use_ema=True, ema_momentum=optimizer.ema_momentum,
-                   ema_overwrite_frequency=optimizer.ema_overwrite_frequency)
-    return out
+    """The settings for ``get_config`` (always, as Keras's config has them)."""
+    return {"use_ema": optimizer.use_ema, "ema_momentum": optimizer.ema_momentum,
+            "ema_overwrite_frequency": optimizer.ema_overwrite_frequency,
+            "gradient_accumulation_steps": optimizer.gradient_accumulation_steps}

@@ -78,7 +78,87 @@ CASES = {
     "nadam_defaults": ("Nadam", {"learning_rate": 0.0625}),
     "adamax_defaults": ("Adamax", {"learning_rate": 0.0625}),
     "adadelta_defaults": ("Adadelta", {"learning_rate": 1.0}),
+    # Optimizers added with Keras 3.
+    "lion": ("Lion", {"learning_rate": 0.0625, "beta_1": BETA_1, "beta_2": 0.984375}),
+    "ftrl": ("Ftrl", {"learning_rate": 0.25, "initial_accumulator_value": 0.125,
+                      "l1_regularization_strength": 0.0625,
+                      "l2_regularization_strength": 0.125,
+                      "l2_shrinkage_regularization_strength": 0.03125, "beta": 0.25}),
+    "lamb": ("Lamb", {"learning_rate": 0.0625, "beta_1": BETA_1, "beta_2": BETA_2,
+                      "epsilon": EPSILON}),
+    "adafactor": ("Adafactor", {"learning_rate": 0.25, "beta_2_decay": -0.75,
+                                "epsilon_1": 2.0 ** -60, "epsilon_2": 2.0 ** -10,
+                                "clip_threshold": 1.0}),
+    # Learning-rate schedules: (schedule class, its arguments), made on each side.
+    "sgd_exponential_decay": ("SGD", {"learning_rate": ("ExponentialDecay", {
+        "initial_learning_rate": 0.125, "decay_steps": 2, "decay_rate": 0.5}),
+        "momentum": 0.5}),
+    "sgd_exponential_decay_staircase": ("SGD", {"learning_rate": ("ExponentialDecay", {
+        "initial_learning_rate": 0.125, "decay_steps": 2, "decay_rate": 0.5,
+        "staircase": True})}),
+    "rmsprop_piecewise_constant": ("RMSprop", {"learning_rate": (
+        "PiecewiseConstantDecay", {"boundaries": [2, 4],
+                                   "values": [0.125, 0.0625, 0.03125]}),
+        "rho": RHO, "epsilon": EPSILON}),
+    "sgd_polynomial_decay": ("SGD", {"learning_rate": ("PolynomialDecay", {
+        "initial_learning_rate": 0.125, "decay_steps": 4,
+        "end_learning_rate": 0.015625, "power": 2.0})}),
+    "sgd_polynomial_decay_cycle": ("SGD", {"learning_rate": ("PolynomialDecay", {
+        "initial_learning_rate": 0.125, "decay_steps": 2,
+        "end_learning_rate": 0.015625, "power": 0.5, "cycle": True})}),
+    "sgd_inverse_time_decay": ("SGD", {"learning_rate": ("InverseTimeDecay", {
+        "initial_learning_rate": 0.125, "decay_steps": 2, "decay_rate": 0.5})}),
+    "adam_cosine_decay_warmup": ("Adam", {"learning_rate": ("CosineDecay", {
+        "initial_learning_rate": 0.0, "decay_steps": 4, "alpha": 0.25,
+        "warmup_target": 0.125, "warmup_steps": 3}),
+        "beta_1": BETA_1, "beta_2": BETA_2, "epsilon": EPSILON}),
+    "sgd_cosine_decay_restarts": ("SGD", {"learning_rate": ("CosineDecayRestarts", {
+        "initial_learning_rate": 0.125, "first_decay_steps": 2, "t_mul": 2.0,
+        "m_mul": 0.5, "alpha": 0.25}), "momentum": 0.5}),
+    # Gradient accumulation and the moving average of the weights.
+    "sgd_accumulation": ("SGD", {"learning_rate": 0.0625, "momentum": 0.5,
+                                 "gradient_accumulation_steps": 2}),
+    "adam_accumulation_schedule": ("Adam", {"learning_rate": ("ExponentialDecay", {
+        "initial_learning_rate": 0.125, "decay_steps": 2, "decay_rate": 0.5}),
+        "beta_1": BETA_1, "beta_2": BETA_2, "epsilon": EPSILON,
+        "gradient_accumulation_steps": 3}),
+    "adam_ema": ("Adam", {"learning_rate": 0.0625, "beta_1": BETA_1, "beta_2": BETA_2,
+                          "epsilon": EPSILON, "use_ema": True, "ema_momentum": 0.75}),
+    "sgd_ema_overwrite": ("SGD", {"learning_rate": 0.0625, "momentum": 0.5,
+                                  "use_ema": True, "ema_momentum": 0.75,
+                                  "ema_overwrite_frequency": 3}),
+    # Dynamic loss scaling: the gradients are multiplied by the scale; those of step
+    # INF_STEP (from 0) hold an inf, so that step is skipped and the scale halves.
+    "sgd_loss_scale": ("SGD", {"learning_rate": 0.0625, "momentum": 0.5,
+                               "loss_scale": {"initial_scale": 64.0,
+                                              "dynamic_growth_steps": 2}}),
+    "adam_loss_scale": ("Adam", {"learning_rate": 0.0625, "beta_1": BETA_1,
+                                 "beta_2": BETA_2, "epsilon": EPSILON,
+                                 "loss_scale": {"initial_scale": 1024.0,
+                                                "dynamic_growth_steps": 3}}),
 }
+
+#: The step (from 0) whose gradients hold an inf in the loss-scaled cases.
+INF_STEP = 2
+
+
+def make_optimizer(optimizers, cls: str, kwargs: dict, keras: bool):
+    """Case ``(cls, kwargs)`` as an optimizer of ``optimizers`` (``keras.optimizers`` or
+    ``gpustrat.optimizers``): a schedule given as ``(name, arguments)`` is made from
+    its ``schedules``, ``loss_scale`` wraps the optimizer in a LossScaleOptimizer, and
+    ``exclude_from_weight_decay`` is a method call in Keras."""
+    kwargs = dict(kwargs)
+    if isinstance(kwargs.get("learning_rate"), tuple):
+        name, args = kwargs["learning_rate"]
+        kwargs["learning_rate"] = getattr(optimizers.schedules, name)(**args)
+    scaled = kwargs.pop("loss_scale", None)
+    exclude = kwargs.pop("exclude_from_weight_decay", None) if keras else None
+    opt = getattr(optimizers, cls)(**kwargs)
+    if exclude:
+        opt.exclude_from_weight_decay(var_names=exclude)
+    if scaled is not None:
+        opt = optimizers.LossScaleOptimizer(opt, **scaled)
+    return opt
 
 
 def dtypes_of(name: str) -> tuple:
@@ -98,7 +178,15 @@ KERAS_SLOTS = {
     "Adamax": {"momentum": "_m", "norm": "_u"},
     "Adadelta": {"accumulated_grad": "_accumulated_grads",
                  "accumulated_delta_var": "_accumulated_delta_vars"},
+    "Lion": {"momentum": "_momentums"},
+    "Ftrl": {"accumulator": "_accumulators", "linear": "_linears"},
+    "Lamb": {"momentum": "_momentums", "velocity": "_velocities"},
+    "Adafactor": {"r": "_r", "c": "_c", "velocity": "_v"},
 }
+#: gpustrat's slot of the weights' moving average (``use_ema``) and of the accumulated
+#: gradients (``gradient_accumulation_steps``), as Keras holds them.
+KERAS_EMA_SLOT = {"average": "_model_variables_moving_average"}
+KERAS_ACCUMULATOR_SLOT = {"gradient_accumulator": "_accumulated_gradients"}
 
 
 def data(dtype: str):

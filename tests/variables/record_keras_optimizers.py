@@ -25,8 +25,9 @@ sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
 
-from keras_optimizer_cases import (CASES, KERAS_SLOTS, batches, data, dtypes_of,  # noqa
-                                   gradients)
+from keras_optimizer_cases import (CASES, INF_STEP, KERAS_ACCUMULATOR_SLOT,  # noqa
+                                   KERAS_EMA_SLOT, KERAS_SLOTS,
+                                   batches, data, dtypes_of, gradients, make_optimizer)
 
 
 def clipped(kwargs: dict, grads: list) -> bool:
@@ -46,24 +47,31 @@ def run(keras, tf, cls: str, kwargs: dict, dtype: str) -> dict:
     _, _, w0, b0 = data(dtype)
     w = keras.Variable(w0, dtype=dtype, name="kernel")
     b = keras.Variable(b0, dtype=dtype, name="bias")
-    kwargs = dict(kwargs)
-    exclude = kwargs.pop("exclude_from_weight_decay", None)
-    opt = getattr(keras.optimizers, cls)(**kwargs)
-    if exclude:
-        opt.exclude_from_weight_decay(var_names=exclude)
-    steps, clips = [], 0
-    for xb, yb in batches(dtype):
+    opt = make_optimizer(keras.optimizers, cls, kwargs, keras=True)
+    inner = getattr(opt, "inner_optimizer", opt)
+    steps, clips, scales = [], 0, []
+    for k, (xb, yb) in enumerate(batches(dtype)):
         grads = gradients(w.numpy(), b.numpy(), xb, yb, len(xb))
         clips += clipped(kwargs, grads)
+        if inner is not opt:
+            scale = float(opt.scale_loss(1.0))
+            scales.append(scale)
+            grads = [g * scale * (np.inf if k == INF_STEP else 1) for g in grads]
         opt.apply_gradients([(tf.constant(g), v) for g, v in zip(grads, [w, b])])
         steps.append([w.numpy().tolist(), b.numpy().tolist()])
     slots = {}
-    for name, attr in KERAS_SLOTS[cls].items():
-        held = getattr(opt, attr, None) or []
+    names = dict(KERAS_SLOTS[cls], **(KERAS_EMA_SLOT if kwargs.get("use_ema") else {}),
+                 **(KERAS_ACCUMULATOR_SLOT if kwargs.get("gradient_accumulation_steps")
+                    else {}))
+    for name, attr in names.items():
+        held = getattr(inner, attr, None) or []
         if held:
             slots[name] = [held[0].numpy().tolist(), held[1].numpy().tolist()]
-    return {"steps": steps, "slots": slots, "clipped_steps": int(clips),
-            "iterations": int(opt.iterations.numpy())}
+    out = {"steps": steps, "slots": slots, "clipped_steps": int(clips),
+           "iterations": int(opt.iterations.numpy())}
+    if scales:
+        out["scales"] = scales + [float(opt.scale_loss(1.0))]
+    return out
 
 
 def main() -> None:

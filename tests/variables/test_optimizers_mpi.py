@@ -225,7 +225,7 @@ from test_optimizers_keras_parity import train
 s = gs.MultiWorkerMirroredStrategy(devices=["cpu:0"])
 out = {{}}
 for name in {names!r}:
-    steps, slots, final, _ = train(s, name, "float32", buffers=name.startswith("adagrad"))
+    steps, slots, *_ = train(s, name, "float32", buffers=name.startswith("adagrad"))
     out[name] = [[[a.tolist() for a in step] for step in steps],
                  {{k: [a.tolist() for a in v] for k, v in slots.items()}}]
 with open(sys.argv[1] + f".rank{{s.worker_index}}.json", "w") as f:
@@ -240,15 +240,19 @@ def test_new_optimizers_with_clipping_match_one_process_across_workers(tmp_path)
     # workers, so every rank ends where one process does on the same global batches.
     import gpustrat as gs
     from test_optimizers_keras_parity import train
+    # And the training state of Keras 3: a schedule seen through accumulation, the
+    # moving average overwriting the weights, and a loss scale whose skipped step has
+    # its inf on the last worker only.
     names = ["rmsprop_clipnorm_active", "nadam_global_clipnorm_active",
-             "adagrad_clipvalue_active"]
+             "adagrad_clipvalue_active", "adam_accumulation_schedule",
+             "sgd_ema_overwrite", "sgd_loss_scale"]
     out = tmp_path / "clipped"
     assert_mpi_ok(2, CLIPPED.format(here=str(HERE), names=names), timeout=300,
                   args=(out,), expect_lines=2)
     for name in names:
         one = gs.MirroredStrategy(["cpu:0"])
         try:
-            steps, slots, _, _ = train(one, name, "float32")
+            steps, slots, *_ = train(one, name, "float32")
         finally:
             one.close()
         for rank in range(2):

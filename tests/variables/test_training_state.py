@@ -63,6 +63,11 @@ def test_gradient_accumulation(n, buffers):     # OptimizerTest.test_gradient_ac
         np.testing.assert_allclose(value(opt.get_slot(v, "gradient_accumulator")),
                                    np.full((2, 2), acc))
         assert int(opt._iterations.numpy()) == calls and int(opt.iterations) == updates
+        # As Keras's tensor: numpy() too (a Keras loop's opt.iterations.numpy()), and
+        # it cannot be written.
+        assert opt.iterations.numpy() == updates and opt.iterations.numpy().shape == ()
+        with pytest.raises(ValueError, match="read-only"):
+            opt.iterations[...] = 7
 
 
 ALGORITHMS = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam",
@@ -87,7 +92,10 @@ def test_gradient_accumulation_with_weight_decay(name, n):
     np.testing.assert_allclose(value(v3), value(v1), rtol=1e-5, atol=1e-6)
 
 
-def test_accumulation_with_a_schedule_sees_the_updates():
+def test_accumulation_with_a_schedule_sees_every_call():
+    # Keras 3.15.1 (TensorFlow 2.21) on this program: the schedule is called with the
+    # raw call counter, so the rates are 0.1, 0.05, ... and the updates at calls 2, 4
+    # and 6 use 0.05, 0.0125 and 0.003125; iterations counts the 3 updates.
     schedule = O.schedules.ExponentialDecay(0.1, 1, 0.5)
     v = gs.Variable(np.zeros(2, np.float32))
     opt = O.SGD(schedule, gradient_accumulation_steps=2)
@@ -95,8 +103,9 @@ def test_accumulation_with_a_schedule_sees_the_updates():
     for _ in range(6):
         rates.append(opt.learning_rate)
         opt.apply_gradients([(np.ones(2, np.float32), v)])
-    assert rates == [0.1, 0.1, 0.05, 0.05, 0.025, 0.025]
-    np.testing.assert_allclose(value(v), -np.full(2, 0.175), rtol=1e-6)
+    np.testing.assert_allclose(rates, [0.1, 0.05, 0.025, 0.0125, 0.00625, 0.003125])
+    np.testing.assert_allclose(value(v), -np.full(2, 0.065625), rtol=1e-6)
+    assert int(opt.iterations.numpy()) == 3
 
 
 def test_accumulation_mid_way_is_saved_and_restored(tmp_path):
@@ -201,7 +210,16 @@ def test_ema_arguments_and_config():
     assert again.get_config() == config
     assert again.kept_slot_names == ("momentum", "velocity", "gradient_accumulator",
                                      "average")
-    assert "use_ema" not in O.Adam(0.01).get_config()
+    # Keras's common settings are in every config, as Keras's get_config has them.
+    plain = O.Adam(0.01).get_config()
+    assert {k: plain[k] for k in ("use_ema", "ema_momentum", "ema_overwrite_frequency",
+                                  "gradient_accumulation_steps", "loss_scale_factor")} == \
+        {"use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
+         "gradient_accumulation_steps": None, "loss_scale_factor": None}
+    assert O.Adam.from_config(plain).get_config() == plain
+    with pytest.raises(ValueError, match=r"loss_scale_factor=128.0 is not supported: .*"
+                                         r"LossScaleOptimizer"):
+        O.Adam(0.01, loss_scale_factor=128.0)
 
 
 # --- LossScaleOptimizer (loss_scale_optimizer_test.py) ---------------------------------------
