@@ -155,3 +155,8 @@ def test_defaults_are_keras_defaults():
                     getattr(gs.optimizers, cls)(**{key: 2.0})
             else:
                 assert config.get(key) == value, f"{cls}.{key}"
+        # A config Keras wrote (its settings, every common one included) builds ours.
+        again = getattr(gs.optimizers, cls).from_config(dict(keras_config)).get_config()
+        assert again.pop("learning_rate") == pytest.approx(config.pop("learning_rate"),
+                                                           rel=1e-7)   # float32 there
+        assert again == config, cls
