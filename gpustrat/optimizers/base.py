@@ -803,12 +803,14 @@ class Optimizer:
         return f"{type(self).__name__}({args})"
 
 
-#: The settings every config holds, at the values that mean "not used": a repr leaves
-#: them out.
-_UNSET = {"compression": None, "weight_decay": None, "clipnorm": None, "clipvalue": None,
-          "global_clipnorm": None, "use_ema": False, "ema_momentum": 0.99,
-          "ema_overwrite_frequency": None, "gradient_accumulation_steps": None,
-          "loss_scale_factor": None}
+#: Keras's settings common to every optimizer, at the values that mean "not used" (a
+#: LossScaleOptimizer leaves them to its inner optimizer).
+COMMON_SETTINGS = {"weight_decay": None, "clipnorm": None, "global_clipnorm": None,
+                   "clipvalue": None, "use_ema": False, "ema_momentum": 0.99,
+                   "ema_overwrite_frequency": None, "loss_scale_factor": None,
+                   "gradient_accumulation_steps": None}
+#: What every config holds at those values: a repr leaves them out.
+_UNSET = {"compression": None, **COMMON_SETTINGS}
 
 #: Per optimizer class: a function giving the values of its ``agreed_settings``.
 _SETTINGS: dict = {}

@@ -23,12 +23,7 @@ from gpustrat.devices import array_module, on_device_of, to_host
 from gpustrat.distribute import context
 from gpustrat.distribute.distributed_variables import DistributedVariable, zeros
 from gpustrat.distribute.variables import VariableAggregation
-
-#: The optimizer settings a LossScaleOptimizer leaves to its inner optimizer.
-_INNER_ONLY = {"weight_decay": None, "clipnorm": None, "global_clipnorm": None,
-               "clipvalue": None, "use_ema": False, "ema_momentum": 0.99,
-               "ema_overwrite_frequency": None, "loss_scale_factor": None,
-               "gradient_accumulation_steps": None}
+from gpustrat.optimizers.base import COMMON_SETTINGS, Optimizer
 
 
 class LossScaleOptimizer:
@@ -58,14 +53,13 @@ class LossScaleOptimizer:
             raise ValueError("LossScaleOptimizer no longer supports `dynamic=False` (as "
                              "Keras 3): for a fixed scale, multiply the loss by it and "
                              "divide the gradients by it before apply_gradients")
-        for arg, default in _INNER_ONLY.items():
+        for arg, default in COMMON_SETTINGS.items():
             if arg in kwargs and kwargs.pop(arg) != default:
                 raise ValueError(f"LossScaleOptimizer does not support `{arg}`. Instead, "
                                  f"set `{arg}` on the `inner_optimizer`.")
         if kwargs:
             raise ValueError("LossScaleOptimizer does not support arguments: "
                              f"`{'`, `'.join(kwargs)}`.")
-        from gpustrat.optimizers.base import Optimizer  # noqa: PLC0415
         if not isinstance(inner_optimizer, Optimizer):
             raise TypeError(f"LossScaleOptimizer wraps a gs.optimizers optimizer, got "
                             f"{inner_optimizer!r}")

@@ -87,3 +87,19 @@ def batches(name: str):
         weight = rng.uniform(0.0, 2.0, n).astype(np.float32) if weighted else None
         out.append((y_true, y_pred, weight))
     return out
+
+
+def make(metrics, cls: str, kwargs: dict):
+    """Case ``(cls, kwargs)`` as a metric of ``metrics`` (``keras.metrics`` or
+    ``gpustrat.metrics``); a ``fn`` argument names a function of that module."""
+    kwargs = dict(kwargs)
+    if "fn" in kwargs:
+        kwargs["fn"] = getattr(metrics, kwargs["fn"])
+    return getattr(metrics, cls)(**kwargs)
+
+
+def update(m, y_true, y_pred, weight) -> None:
+    if y_pred is None:      # Mean: the values, weighted
+        m.update_state(y_true, sample_weight=weight)
+    else:
+        m.update_state(y_true, y_pred, sample_weight=weight)

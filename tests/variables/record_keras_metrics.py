@@ -21,23 +21,7 @@ sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
 
-from keras_metric_cases import CASES, batches  # noqa: E402
-
-
-def make(metrics, cls: str, kwargs: dict):
-    """Case ``(cls, kwargs)`` as a metric of ``metrics`` (``keras.metrics`` or
-    ``gpustrat.metrics``); a ``fn`` argument names a function of that module."""
-    kwargs = dict(kwargs)
-    if "fn" in kwargs:
-        kwargs["fn"] = getattr(metrics, kwargs["fn"])
-    return getattr(metrics, cls)(**kwargs)
-
-
-def update(m, y_true, y_pred, weight) -> None:
-    if y_pred is None:      # Mean: the values, weighted
-        m.update_state(y_true, sample_weight=weight)
-    else:
-        m.update_state(y_true, y_pred, sample_weight=weight)
+from keras_metric_cases import CASES, batches, make, update  # noqa: E402
 
 
 def run(keras, name: str) -> list:

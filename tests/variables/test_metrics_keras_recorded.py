@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 import gpustrat as gs
-from keras_metric_cases import CASES, batches
-from record_keras_metrics import make, update
+from keras_metric_cases import CASES, batches, make, update
 
 RECORDED = json.loads((Path(__file__).resolve().parent / "keras_metrics.json")
                       .read_text())
