@@ -147,15 +147,22 @@ class DistributedVariable(Variable):
         ctx = self._context("read")
         return self._values[ctx.local_index if ctx is not None else 0].device
 
+    #: Whether a read or write in replica context first waits for the replica's
+    #: pending merges (an optimizer's step, which updates mirrored variables).
+    _settles = True
+
     def _context(self, what: str):
         """The replica context of this variable's strategy, None in cross-replica
-        context (or outside any scope, as TensorFlow enters the variable's strategy)."""
+        context (or outside any scope, as TensorFlow enters the variable's strategy).
+        In replica context, the optimizer steps this replica issued have run."""
         strategy, ctx = context.current()
         if strategy is not None and strategy is not self._strategy:
             raise ValueError(
                 f"variable {self._name!r} was made under {self._strategy!r} and cannot be "
                 f"{what} under another strategy, {strategy!r}: use each variable with "
                 "the strategy whose scope made it")
+        if ctx is not None and self._settles:
+            ctx._rendezvous.settle(ctx.local_index)
         return ctx
 
     # --- reading --------------------------------------------------------------------
@@ -291,6 +298,9 @@ class MirroredVariable(DistributedVariable):
 
 class SyncOnReadVariable(DistributedVariable):
     """Per-replica components, aggregated when read in cross-replica context."""
+
+    # Each replica's own component (a metric's count): no optimizer step updates it.
+    _settles = False
 
     _kind = "SyncOnReadVariable"
 

@@ -156,6 +156,16 @@ class ReplicaContext:
         return self._exchange(sig, (merge_fn, tuple(args), dict(kwargs or {})),
                               self._merge_combine)
 
+    def merge_call_later(self, merge_fn: Callable, args: tuple = ()) -> None:
+        """:meth:`merge_call` of a merge whose result no replica needs (an optimizer's
+        step): this replica goes on at once, and ``merge_fn`` runs (once per worker,
+        with every local replica's arguments merged) when the last local replica has
+        called. A replica that reads or writes a mirrored variable of the strategy
+        before that first waits for it, so it reads what the merge wrote."""
+        name = getattr(merge_fn, "__qualname__", type(merge_fn).__name__)
+        self._rendezvous.deposit(self._local_index, ("merge_call", name, ()),
+                                 (merge_fn, tuple(args), {}), self._merge_combine)
+
     def _merge_combine(self, items: list) -> list:
         # Runs once per worker, in the thread of the last replica to arrive.
         strategy = self._strategy

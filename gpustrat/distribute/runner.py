@@ -12,8 +12,20 @@ scheduler picks an idle vCPU, so a call decides per step how to run:
    issue the same collectives, in the same order). They then run in turn in the
    calling thread under their own device contexts when the step was short, or in
    their threads, in parallel, when it was long enough for parallelism to pay
-   (``INLINE_STEP_LIMIT_S``). A collective in such a replica is a mismatch and raises
-   at once, where TensorFlow would hang.
+   (``INLINE_STEP_LIMIT_S``; on GPUs, whose replicas' host work is launches that the
+   interpreter's lock serializes anyway, only when replica 0 spent part of its step
+   waiting, ``INLINE_WAIT_SHARE``). A collective in such a replica is a mismatch and
+   raises at once, where TensorFlow would hang.
+
+A *deposit* (:meth:`Rendezvous.deposit`, what ``apply_gradients`` issues) is a
+collective whose replicas need no answer: each gives its part and goes on, and the
+last to give runs the combination. It does not make replica 0 wait, so a step whose
+only collective is ``apply_gradients`` runs every replica in the caller, with no
+thread woken. A replica that then reads or writes a mirrored variable of the strategy
+(``Rendezvous.settle``) first waits for the deposits it made to be combined (the
+replicas that have not run yet are started in their threads for it), so it reads the
+values the update wrote, as after a ``merge_call``. A step ends with every deposit
+combined, or raises naming the replicas that did not make it.
 
 Collectives meet in a :class:`Rendezvous`: the last replica to arrive computes the
 collective for everybody. On GPUs it does so with every device's replica stream made
@@ -51,6 +63,9 @@ from gpustrat.errors import CollectiveMismatch, CollectiveTimeout
 
 #: A replica-0 step shorter than this runs the other replicas inline, in the caller.
 INLINE_STEP_LIMIT_S = 200e-6
+#: On GPUs: a replica-0 step that spent less than this share of its time off the CPU
+#: (waiting for the device or for input) runs the other replicas inline, however long.
+INLINE_WAIT_SHARE = 0.25
 
 
 #: ``Rendezvous.returned`` between the steps of a runner: no collective can meet then.
@@ -95,6 +110,12 @@ class Rendezvous:
         #: workers may already wait in the collective; they are told (see
         #: ``Communicator.share_error``).
         self.share_error: Callable[[Exception], None] | None = None
+        #: Deposits (:meth:`deposit`): how many each replica made in this step, and by
+        #: number those some replicas have still to make (``[values, signatures,
+        #: count]``); which replicas' functions returned.
+        self._deposits = [0] * n
+        self._open: dict = {}
+        self._finished = [False] * n
 
     def exchange(self, index: int, signature: Any, value: Any,
                  combine: Callable[[list], list]) -> Any:
@@ -157,6 +178,87 @@ class Rendezvous:
             raise error
         return results[index]
 
+    def deposit(self, index: int, signature: Any, value: Any,
+                combine: Callable[[list], Any]) -> None:
+        """A collective whose replicas need no answer: replica ``index`` gives its part
+        and goes on; the last replica to give its part runs ``combine(parts)`` (in its
+        thread, with every replica's stream current; an error it raises is this
+        replica's). The ``k``-th deposits of the replicas are combined together, and
+        their signatures must agree."""
+        with self._cond:
+            if self._broken is not None:
+                raise ReplicaAborted("another replica failed") from self._broken
+            if self.returned == NO_STEP:
+                raise self._unmatched(index, signature)
+            if self.n == 1:
+                combine([value])
+                return
+            k = self._deposits[index]
+            self._deposits[index] = k + 1
+            entry = self._open.get(k)
+            if entry is None:
+                entry = self._open[k] = [[None] * self.n, [None] * self.n, 0]
+            entry[0][index] = value
+            entry[1][index] = signature
+            entry[2] += 1
+            if entry[2] < self.n:
+                return
+            del self._open[k]
+            _check_signatures(entry[1], self.share_error)
+            if self.streams is None:
+                combine(entry[0])
+            else:
+                with self.streams():
+                    combine(entry[0])
+            self._cond.notify_all()      # replicas waiting in settle()
+
+    def settle(self, index: int) -> None:
+        """Wait until the deposits replica ``index`` made have been combined (it is
+        about to read or write a variable they may update). Replicas that have not
+        run yet are started, in their threads, for it (``on_wait``).
+
+        Raises:
+            ValueError: a replica whose function returned did not make one of them.
+        """
+        if self.n == 1 or not self._open:
+            return
+        if self.on_wait is not None:
+            self.on_wait()
+        with self._cond:
+            mine = self._deposits[index]
+            while True:
+                if self._broken is not None:
+                    raise ReplicaAborted("another replica failed") from self._broken
+                waiting = [k for k in self._open if k < mine]
+                if not waiting:
+                    return
+                missing = self._missing(waiting[0])
+                if missing:
+                    raise self._unmade(waiting[0], missing)
+                self._cond.wait()
+
+    def _missing(self, k: int) -> list:
+        """The replicas whose functions returned without making deposit ``k``."""
+        sigs = self._open[k][1]
+        return [j for j in range(self.n) if sigs[j] is None and self._finished[j]]
+
+    def _unmade(self, k: int, missing: list) -> ValueError:
+        sigs = self._open[k][1]
+        made = [j for j in range(self.n) if sigs[j] is not None]
+        kind, name = next(s for s in sigs if s is not None)[:2]
+        return ValueError(
+            f"replica {made[0]} called {kind} ({name}) but replica {missing[0]} returned "
+            "from its function without calling it; every replica must issue the same "
+            "collectives in the same order")
+
+    def unmade_deposits(self) -> ValueError | None:
+        """At the end of a step: the error of a deposit some replicas did not make."""
+        if not self._open:
+            return None
+        k = min(self._open)
+        self._finished = [True] * self.n
+        return self._unmade(k, self._missing(k))
+
     def call_alone(self, index: int, kind: str, what: Any, collective: Callable,
                    *args: Any) -> Any:
         """:meth:`exchange` for a worker's only replica on a CPU, given one array:
@@ -192,7 +294,16 @@ class Rendezvous:
         with self._cond:
             if self.returned is None:
                 self.returned = index
+            self._finished[index] = True
             self._cond.notify_all()
+
+    def begin(self) -> None:
+        """A step starts (no replica thread runs yet)."""
+        self.returned = None
+        if self.n > 1:
+            self._deposits = [0] * self.n
+            self._open = {}
+            self._finished = [False] * self.n
 
     def abort(self, error: BaseException) -> None:
         with self._cond:
@@ -205,6 +316,9 @@ class Rendezvous:
             self._slots, self._sigs, self._count = [None] * self.n, [None] * self.n, 0
             self._broken = None
             self.returned = NO_STEP
+            self._deposits = [0] * self.n
+            self._open = {}
+            self._finished = [False] * self.n
             # The last outcome may hold an error whose traceback reaches the strategy.
             self.clear_outcome()
 
@@ -363,6 +477,8 @@ class ReplicaRunner:
         self._threads = [_ReplicaThread(self.rendezvous, i, d, st) for i, (d, st)
                          in enumerate(zip(self.devices, self._streams))][1:]
         self._call_lock = threading.Lock()
+        self._gpu = any(d.is_gpu for d in self.devices)
+        self._next = 1
         self._started = False
         self._dispatched = False
         self._step = 0
@@ -377,7 +493,8 @@ class ReplicaRunner:
         return _replica_context(self.devices[index], self._streams[index])
 
     def _dispatch_rest(self) -> None:
-        # Start replicas 1..n-1 in their threads (once per call).
+        # Start the replicas that have not run yet (from self._next) in their threads
+        # (once per call).
         if self._dispatched:
             return
         self._dispatched = True
@@ -387,10 +504,19 @@ class ReplicaRunner:
             self._started = True
         fn, per_args, per_kwargs, enter, leave = self._task
         self._step += 1
-        for t in self._threads:
+        for t in self._threads[self._next - 1:]:
             t.task = (self._step, fn, per_args[t.index], per_kwargs[t.index], enter, leave)
             t.error = None
             t.go.release()
+
+    def _inline_pays(self, t0: float, c0: float) -> bool:
+        """Whether the replicas after replica 0, which issued no collective that
+        waits, run in turn in the caller (else in their threads, in parallel): when its
+        step was short, or on GPUs when it spent little of it waiting."""
+        wall = time.perf_counter() - t0
+        if wall < INLINE_STEP_LIMIT_S:
+            return True
+        return self._gpu and wall - (time.thread_time() - c0) < INLINE_WAIT_SHARE * wall
 
     def _run_inline(self, index: int, fn, args, kwargs, enter, leave):
         with self.replica_context_manager(index):
@@ -402,6 +528,8 @@ class ReplicaRunner:
 
     def _collect(self, results: list, errors: dict) -> None:
         for t in self._threads:
+            if t.task is None:      # ran inline in this call
+                continue
             t.done.acquire()
             if t.error is not None:
                 errors[t.index] = t.error
@@ -444,9 +572,10 @@ class ReplicaRunner:
                 self._drain()
             n = len(self.devices)
             rv = self.rendezvous
-            rv.returned = None
+            rv.begin()
             self._task = (fn, per_replica_args, per_replica_kwargs, enter, leave)
             self._dispatched = False
+            self._next = 1          # the first replica neither run nor dispatched
             results: list = [None] * n
             errors: dict[int, BaseException] = {}
             rv.on_wait = self._dispatch_rest
@@ -455,30 +584,37 @@ class ReplicaRunner:
             for d, s in zip(self.devices, self._streams):
                 wait_for_current(d, s)
             t0 = time.perf_counter()
+            c0 = time.thread_time() if self._gpu else 0.0
             try:
                 results[0] = self._run_inline(0, fn, per_replica_args[0],
                                               per_replica_kwargs[0], enter, leave)
             except BaseException as e:
                 errors[0] = e
                 rv.abort(e)
-            rv.on_wait = None
             if not errors and n > 1:
                 if self._dispatched:
                     rv.leave(0)
                 else:
-                    # Replica 0 issued no collective, so none of the others may.
-                    rv.returned = 0
-                    if time.perf_counter() - t0 < INLINE_STEP_LIMIT_S:
+                    # Replica 0 issued no collective that waits (at most deposits), so
+                    # none of the others may.
+                    rv.leave(0)
+                    if self._inline_pays(t0, c0):
                         for i in range(1, n):
+                            if self._dispatched:    # started by a settle() of replica i-1
+                                break
+                            self._next = i + 1
                             try:
                                 results[i] = self._run_inline(
                                     i, fn, per_replica_args[i], per_replica_kwargs[i],
                                     enter, leave)
                             except BaseException as e:
                                 errors[i] = e
+                                rv.abort(e)
                                 break
+                            rv.leave(i)
                     else:
                         self._dispatch_rest()
+            rv.on_wait = None
             if self._dispatched:
                 try:
                     self._collect(results, errors)
@@ -492,6 +628,11 @@ class ReplicaRunner:
                 rv.clear_outcome()
             self._task = None
             rv.returned = NO_STEP
+            if not errors and n > 1:
+                unmade = rv.unmade_deposits()
+                if unmade is not None:
+                    errors[min(i for i in range(n) if rv._deposits[i] < max(rv._deposits))] \
+                        = unmade
             # The caller reads the results (and frees the inputs, after an error too) on
             # its own streams: they wait for the replica streams on the device.
             join_streams_into_current(self.devices, self._streams)

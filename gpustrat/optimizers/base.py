@@ -446,11 +446,24 @@ class Optimizer:
             return remote(self, grads, variables)
         strategy, replica_ctx = context.current()
         if replica_ctx is not None and strategy is not None:
+            merge = self._apply_recorded if _tl.ON else self._apply_merged
+            plan = self._known_plan(variables)
+            i = replica_ctx.local_index
+            if plan is not None and plan.packs and not self.gradient_accumulation_steps \
+                    and self.compression is None and not plan.is_buffers(i, grads):
+                # The replica's gradients, packed now into one buffer (one launch), are
+                # all the step needs of them: the replica goes on at once, the last to
+                # call runs the step, and the caller may reuse its arrays at once. A
+                # replica reading the variables (or iterations, or slots) before the
+                # step ran waits for it then.
+                replica_ctx.merge_call_later(
+                    merge, args=(_StepArgs(plan.packed(i, grads), variables, True),
+                                 not skip_gradients_aggregation))
+                return self._iterations
             # One leaf per replica: the merge hands over the replicas' lists as they are
             # (a PerReplica of them), without walking a hundred gradients.
-            replica_ctx.merge_call(self._apply_recorded if _tl.ON else self._apply_merged,
-                                   args=(_StepArgs(grads, variables),
-                                         not skip_gradients_aggregation))
+            replica_ctx.merge_call(merge, args=(_StepArgs(grads, variables),
+                                                not skip_gradients_aggregation))
         else:
             self._apply_merged(strategy, _StepArgs(grads, variables), False)
         return self._iterations
@@ -551,10 +564,12 @@ class Optimizer:
         clips = self.clipnorm is not None or self.clipvalue is not None or \
             self.global_clipnorm is not None
         gate = self._summed_gate
-        arenas = plan.buffer_arenas([a.grads for a in per_replica])
+        # (Every replica's, or none: packed gradients come only in a deposit.)
+        arenas = [a.grads for a in per_replica] if per_replica[0].packed else \
+            plan.buffer_arenas([a.grads for a in per_replica])
         if arenas is not None:
-            # The gradients were written into the plan's gradient buffers: reduced in
-            # place, with no per-gradient check or copy.
+            # The gradients were written into the plan's gradient buffers, or packed by
+            # the replicas: reduced in place, with no per-gradient check or copy.
             buckets = self._reduce_arenas(plan, arenas, agree) if reduce else \
                 [(plan.indices, arenas)]
             if gate is not None and gate(buckets, True) is None:
@@ -829,11 +844,14 @@ def _getter(names: tuple):
 class _StepArgs:
     """One replica's gradients and variables, passed to the merge as one value."""
 
-    __slots__ = ("grads", "variables")
+    __slots__ = ("grads", "variables", "packed")
 
-    def __init__(self, grads: list, variables: list):
+    def __init__(self, grads: list, variables: list, packed: bool = False):
+        #: The gradients, one per variable; ``packed``: one flat array of them all
+        #: (``StepPlan.packed``).
         self.grads = grads
         self.variables = variables
+        self.packed = packed
 
 
 def _cast(x, dtype):

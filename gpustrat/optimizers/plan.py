@@ -184,22 +184,52 @@ class StepPlan:
             else:
                 # The same gradient on every replica (each replica passed this value).
                 parts = (g,) * n
-            row = list(parts)
-            shape, dtype = self.shapes[j], self.dtypes[j]
-            for i, a in enumerate(row):
-                if type(a) is not np.ndarray or self.gpu:
-                    a = row[i] = as_array(a, self.devices[i][j])
-                if a.shape != shape:
-                    raise ValueError(f"the gradient of variable {self.names[j]!r} has shape "
-                                     f"{tuple(a.shape)} but the variable has {shape}")
-                if a.dtype != dtype:
-                    if a.dtype.kind not in "fc":
-                        raise TypeError(f"the gradient of variable {self.names[j]!r} has "
-                                        f"dtype {a.dtype}: gradients must be floating point")
-                    with on_device_of(a):        # cast on the gradient's device
-                        row[i] = a.astype(dtype)
-            out.append(row)
+            out.append([self._checked(a, i, j) for i, a in enumerate(parts)])
         return out
+
+    def _checked(self, a, i: int, j: int):
+        """Replica i's gradient ``a`` of variable j as an array of the variable's dtype
+        on its component's device; raises if its shape differs or it is not floating
+        point."""
+        if type(a) is not np.ndarray or self.gpu:
+            a = as_array(a, self.devices[i][j])
+        shape, dtype = self.shapes[j], self.dtypes[j]
+        if a.shape != shape:
+            raise ValueError(f"the gradient of variable {self.names[j]!r} has shape "
+                             f"{tuple(a.shape)} but the variable has {shape}")
+        if a.dtype != dtype:
+            if a.dtype.kind not in "fc":
+                raise TypeError(f"the gradient of variable {self.names[j]!r} has "
+                                f"dtype {a.dtype}: gradients must be floating point")
+            with on_device_of(a):        # cast on the gradient's device
+                a = a.astype(dtype)
+        return a
+
+    @property
+    def packs(self) -> bool:
+        """Whether a replica's step can give its gradients packed (:meth:`packed`):
+        several local replicas whose variables live in flat arenas, one per replica."""
+        return self.flat is not None and self._buffered and self.n_local > 1
+
+    def is_buffers(self, i: int, grads: list) -> bool:
+        """Whether ``grads`` are exactly local replica i's gradient buffers."""
+        held = self._buffers[i]
+        return held is not None and len(grads) == len(held[1]) and \
+            all(map(operator.is_, grads, held[1]))
+
+    def packed(self, i: int, grads: list):
+        """Local replica i's gradients (one per variable, in the plan's order), checked
+        as :meth:`gradients` does, flattened back to back into one new array on its
+        device (written on its current stream; on a host, a pooled buffer): the layout of
+        its gradient buffers."""
+        dev = self.devices[i][0]
+        if not (self._gpu_column_ok(grads, i) if self.gpu else self._host_column_ok(grads)):
+            if len(grads) != len(self.shapes):
+                raise ValueError(f"{len(grads)} gradients for {len(self.shapes)} variables")
+            grads = [self._checked(a, i, j) for j, a in enumerate(grads)]
+        if dev.is_gpu:
+            return pack_gpu(grads)      # one launch, no view per tensor
+        return pack_host(grads, i)      # a pooled buffer, reused once the step let go
 
     def step_each(self, optimizer, tensors: list, lr: float, step: int) -> None:
         """Update each variable's components in turn (``tensors[j][i]`` summed)."""
