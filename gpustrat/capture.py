@@ -211,7 +211,10 @@ class StepGraphs:
         self.devices = list(strategy.local_devices)
         runner = getattr(strategy, "_runner", None)
         streams = getattr(runner, "_streams", None) if runner is not None else None
-        self.streams = list(streams) if streams else [new_stream(d) for d in self.devices]
+        # (A lone replica has none of its own: it runs on the caller's stream, which
+        # the capture makes one of its own.)
+        self.streams = list(streams) if streams and None not in streams else \
+            [new_stream(d) for d in self.devices]
         self.pool = cp.cuda.MemoryPool()
         self.position = {d.index: i for i, d in enumerate(self.devices)}
         self.inputs: list = []        # (position, static buffer) in argument order

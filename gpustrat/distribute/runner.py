@@ -36,6 +36,8 @@ allocated from the pool arena of the stream that uses them. At the end of ``run`
 caller's current stream of each device waits (an event, not the host) for the replica
 stream, and its current stream of the current device for every replica stream (CuPy's
 ``get()`` copies there), so the caller reads results, and frees inputs, in order.
+A lone GPU replica has no stream of its own: it runs in the caller, on the caller's
+current stream, so there is nothing to order and no event.
 
 If a replica raises, the rendezvous is broken so that
 replicas waiting in a collective stop instead of hanging, and the caller re-raises the
@@ -408,6 +410,8 @@ def _replica_context(device: Device, stream):
     """Make a replica's device and stream current (nothing for CPUs)."""
     if not device.is_gpu:
         return _NO_CONTEXT
+    if stream is None:           # a lone replica: the caller's current stream
+        return cupy().cuda.Device(device.index)
     return _DeviceAndStream(cupy().cuda.Device(device.index), stream)
 
 
@@ -470,7 +474,10 @@ class ReplicaRunner:
         self.rendezvous = Rendezvous(len(self.devices))
         self.rendezvous.returned = NO_STEP
         # One stream per GPU replica, made now (a strategy's creation, not import time).
-        self._streams = [new_stream(d) for d in self.devices]
+        # A lone replica runs in the caller, on the caller's current stream: nothing
+        # to order between streams, so no event before and after each call.
+        self._streams = [new_stream(d) for d in self.devices] if len(self.devices) > 1 \
+            else [None]
         if any(s is not None for s in self._streams):
             # Not a bound method: the threads reach the rendezvous, not the runner.
             self.rendezvous.streams = _replica_streams(self.devices, self._streams)
