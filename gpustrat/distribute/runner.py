@@ -253,13 +253,15 @@ class Rendezvous:
             "from its function without calling it; every replica must issue the same "
             "collectives in the same order")
 
-    def unmade_deposits(self) -> ValueError | None:
-        """At the end of a step: the error of a deposit some replicas did not make."""
+    def unmade_deposits(self) -> tuple[int, ValueError] | None:
+        """At the end of a step: the first replica that made fewer deposits than
+        another, and the error naming it."""
         if not self._open:
             return None
         k = min(self._open)
         self._finished = [True] * self.n
-        return self._unmade(k, self._missing(k))
+        missing = self._missing(k)
+        return missing[0], self._unmade(k, missing)
 
     def call_alone(self, index: int, kind: str, what: Any, collective: Callable,
                    *args: Any) -> Any:
@@ -599,12 +601,10 @@ class ReplicaRunner:
                 errors[0] = e
                 rv.abort(e)
             if not errors and n > 1:
-                if self._dispatched:
-                    rv.leave(0)
-                else:
+                rv.leave(0)
+                if not self._dispatched:
                     # Replica 0 issued no collective that waits (at most deposits), so
                     # none of the others may.
-                    rv.leave(0)
                     if self._inline_pays(t0, c0):
                         for i in range(1, n):
                             if self._dispatched:    # started by a settle() of replica i-1
@@ -638,8 +638,7 @@ class ReplicaRunner:
             if not errors and n > 1:
                 unmade = rv.unmade_deposits()
                 if unmade is not None:
-                    errors[min(i for i in range(n) if rv._deposits[i] < max(rv._deposits))] \
-                        = unmade
+                    errors[unmade[0]] = unmade[1]
             # The caller reads the results (and frees the inputs, after an error too) on
             # its own streams: they wait for the replica streams on the device.
             join_streams_into_current(self.devices, self._streams)
