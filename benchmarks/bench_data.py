@@ -29,8 +29,9 @@ streaming memory.
    pool, as a user's does; the start (to the first element) is reported apart. Each
    round also times two plain processes sharing the same calls (``peers.
    two_core_ceiling``): what the machine's 2 cores give this function at that moment,
-   the ceiling of any pipeline (on a shared virtual machine it moves between runs).
-   The load average is printed with them: on a shared machine they are noisy.
+   the ceiling of any pipeline (on a shared virtual machine it moves between runs),
+   with their processor time per call beside serial's (what a call costs when both
+   cores are busy). The load average is printed with them: on a shared machine they are noisy.
 
 ``--quick`` uses small sizes (a few seconds in all). If TensorFlow imports here,
 tf.data's numbers for the pipelines of 1 and 2 are printed beside ours. ``main(argv)`` returns the
@@ -242,7 +243,7 @@ def bench_processes(elements: int, trivial: int, big: int, repeats: int,
     threads_ds = base.map(fn, num_parallel_calls=2)
     procs_ds = base.map(fn, num_parallel_calls=2, use_processes=True)
     serial = threads = procs = start = float("inf")
-    rounds, ceilings = [], []
+    rounds, ceilings, busy_cpu = [], [], []
     c_serial = 0.0
     n = elements - 1
     for _ in range(repeats):
@@ -251,7 +252,9 @@ def bench_processes(elements: int, trivial: int, big: int, repeats: int,
         c_serial += time.process_time() - c0
         _, t = _epoch(threads_ds, elements)
         f, p = _epoch(procs_ds, elements)
-        ceilings.append(s / _peers().two_core_ceiling(loops, n))
+        both, per_call = _peers().two_core_ceiling(loops, n)
+        ceilings.append(s / both)
+        busy_cpu.extend(per_call)
         rounds.append(s / p)
         serial, threads, procs, start = min(serial, s), min(threads, t), min(procs, p), \
             min(start, f)
@@ -263,7 +266,8 @@ def bench_processes(elements: int, trivial: int, big: int, repeats: int,
            "per_element_ms": {"serial": serial / n * 1e3, "processes": procs / n * 1e3}}
     consumer, workers = _cpu_per_element(procs_ds, elements)
     out["cpu_ms_per_element"] = {"serial": c_serial / (repeats * elements) * 1e3,
-                                 "consumer": consumer, "workers": workers}
+                                 "consumer": consumer, "workers": workers,
+                                 "two_plain_processes": [c * 1e3 for c in busy_cpu]}
     python = peers_python or os.environ.get("GPUSTRAT_PEERS_PYTHON") or sys.executable
     peer = _peers().run_gil_map(python, loops, elements, repeats)
     out["peers"] = dict(peer, interpreter=python)
@@ -382,7 +386,10 @@ def main(argv: list[str] | None = None) -> dict:
               f"{p['cpu_ms_per_element']['consumer']:.3f} ms here; speed-up per round "
               + " ".join(f"{v:.2f}x" for v in p["speedup_per_round"])
               + " (two plain processes, no pipeline: "
-              + " ".join(f"{v:.2f}x" for v in p["two_core_ceiling_per_round"]) + ")")
+              + " ".join(f"{v:.2f}x" for v in p["two_core_ceiling_per_round"])
+              + "; their processor time per call: "
+              + " ".join(f"{v:.2f}" for v in p["cpu_ms_per_element"]["two_plain_processes"])
+              + " ms)")
         q = p["peers"]
         if "error" in q:
             print(f"peers: {q['error']}")

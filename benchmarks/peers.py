@@ -266,19 +266,22 @@ def run_gil_map(python: str, loops: int, elements: int, repeats: int,
 
 def _work_at(start_at: float, loops: int, count: int) -> None:
     """Wait for the monotonic clock to reach ``start_at``, then call
-    :func:`python_work` ``count`` times; print (start, end) on that clock."""
+    :func:`python_work` ``count`` times; print (start, end) on that clock and the
+    processor seconds the calls took."""
     while time.monotonic() < start_at:
         time.sleep(min(0.01, max(0.0, start_at - time.monotonic())))
-    t0 = time.monotonic()
+    t0, c0 = time.monotonic(), time.process_time()
     for i in range(count):
         python_work(i, loops)
-    print(t0, time.monotonic())
+    print(t0, time.monotonic(), time.process_time() - c0)
 
 
-def two_core_ceiling(loops: int, elements: int) -> float:
+def two_core_ceiling(loops: int, elements: int) -> tuple[float, list[float]]:
     """Seconds two plain processes of this interpreter take for ``elements`` calls of
     :func:`python_work` between them (half each, started together once both are up):
-    what 2 cores give this function at the moment, no pipeline involved."""
+    what 2 cores give this function at the moment, no pipeline involved; and each
+    process's processor seconds per call (beside a lone process's, what a call costs
+    when both cores are busy)."""
     import os  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
@@ -288,7 +291,8 @@ def two_core_ceiling(loops: int, elements: int) -> float:
                                repr(start_at), str(loops), str(n)],
                               stdout=subprocess.PIPE, text=True) for n in half]
     spans = [tuple(map(float, p.communicate()[0].split())) for p in procs]
-    return max(e for _, e in spans) - min(s for s, _ in spans)
+    return (max(e for _, e, _ in spans) - min(s for s, _, _ in spans),
+            [cpu / n for (_, _, cpu), n in zip(spans, half)])
 
 
 if __name__ == "__main__":

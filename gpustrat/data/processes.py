@@ -8,9 +8,11 @@ Words:
         ``interleave`` over one epoch). It starts at the iterator's first ``next`` and
         is stopped (its processes killed and reaped) when the iterator is closed,
         garbage collected or fails, and at interpreter exit. A worker also exits by
-        itself when its parent dies: a thread of the worker reads the socket to the
-        parent, which the kernel closes when the parent exits for any reason
-        (SIGKILL included), and looks at ``os.getppid()`` every second.
+        itself when its parent dies: a thread of the worker waits for the socket to
+        the parent to hang up, which the kernel does when the parent exits for any
+        reason (SIGKILL included), and looks at ``os.getppid()`` every second. The
+        worker's main thread reads its tasks itself, between calls: a task sent while
+        a call runs waits in the socket and wakes no thread of the worker.
     worker: a clean Python interpreter started with :mod:`subprocess` (vfork and exec:
         this process is never forked, so an initialised MPI library or CUDA context is
         never copied). It imports gpustrat and the function, which travels by value
@@ -298,27 +300,23 @@ class _Mappings:
 
 # --- the worker side -----------------------------------------------------------------
 
-def _read_tasks(conn: Connection, tasks, parent: int, segments: list) -> None:
-    """Worker thread: tasks from the parent into ``tasks``; the worker removes its
-    segments and exits when the parent is gone (its socket end closed, or this
-    process re-parented)."""
+def _watch_parent(fd: int, parent: int, segments: list) -> None:
+    """Worker thread: the worker removes its segments and exits when the parent is
+    gone (its end of the socket closed, or this process re-parented). It waits for the
+    peer's hang-up only, not for data: a task arriving does not wake it, so it never
+    takes the GIL from a call in progress."""
+    watcher = select.poll()
+    watcher.register(fd, getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR)
     while True:
         try:
-            if conn.poll(1.0):
-                tasks.append(conn.recv_bytes())
-                with _wake:
-                    _wake.notify()
-                continue
-            if os.getppid() == parent:
-                continue
-        except (EOFError, OSError):
-            pass
-        for seg in segments:
-            seg.remove_all()
-        os._exit(0)
-
-
-_wake = threading.Condition()
+            hung_up = bool(watcher.poll(1000))
+        except OSError:
+            hung_up = True
+        if hung_up or os.getppid() != parent:
+            break
+    for seg in segments:
+        seg.remove_all()
+    os._exit(0)
 
 
 def _error_info(e: BaseException) -> tuple:
@@ -362,16 +360,26 @@ def _worker_main() -> None:
     _keep_freed_memory()
     fd, parent = int(sys.argv[1]), int(sys.argv[2])
     conn = Connection(fd)
-    tasks: collections.deque = collections.deque()
-    holder: list = []   # the segments, once known (for the reader thread to remove)
-    threading.Thread(target=_read_tasks, args=(conn, tasks, parent, holder),
-                     daemon=True).start()
+    holder: list = []   # the segments, once known (for the watcher to remove)
+    if hasattr(select, "POLLRDHUP"):
+        threading.Thread(target=_watch_parent, args=(fd, parent, holder),
+                         daemon=True).start()
 
     def next_task():
-        with _wake:
-            while not tasks:
-                _wake.wait()
-        task, freed = pickle.loads(tasks.popleft())
+        # Tasks wait in the socket's buffer; this thread reads the next one only once
+        # the last is done (without POLLRDHUP, it also looks for the parent).
+        while not conn.poll(1.0):
+            if os.getppid() != parent:
+                for seg in holder:
+                    seg.remove_all()
+                os._exit(0)
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            for seg in holder:
+                seg.remove_all()
+            os._exit(0)
+        task, freed = pickle.loads(data)
         if freed:
             holder[0].give_back(freed)
         return task

@@ -288,8 +288,23 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def start_child():
-    proc = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE,
+BUSY_CHILD = textwrap.dedent("""
+    import gpustrat as gs
+
+    def busy(x):   # pure Python for a minute: the call holds its worker's GIL
+        s = 0
+        for k in range(3 * 10**9):
+            s += k % 7
+        return s
+
+    it = iter(gs.data.Dataset.range(4).map(busy, num_parallel_calls=2, use_processes=True))
+    print("RUNNING", flush=True)
+    next(it)
+""")
+
+
+def start_child(code=CHILD):
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=repo_env())
     line = proc.stdout.readline()
     assert line.strip() == "RUNNING", proc.stderr.read() if proc.poll() is not None else line
@@ -329,6 +344,22 @@ def test_workers_exit_when_their_parent_is_killed():
         proc.wait()
         assert wait_gone(proc.pid, timeout=10) == [], workers
         assert segments() == []   # each worker removed its own as it left
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_workers_exit_when_their_parent_is_killed_in_the_middle_of_a_python_call():
+    # The call holds the GIL and would run for a minute: the worker still leaves at
+    # once when its parent dies (not when the call ends).
+    proc = start_child(BUSY_CHILD)
+    try:
+        workers = worker_pids(proc.pid)
+        time.sleep(1.5)   # both workers are in their call by now
+        assert worker_pids(proc.pid) == workers
+        proc.kill()
+        proc.wait()
+        assert wait_gone(proc.pid, timeout=5) == [], workers
     finally:
         proc.kill()
         proc.wait()
