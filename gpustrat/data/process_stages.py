@@ -329,6 +329,7 @@ class RemoteSlot:
             self.owner.release(self)
             try:
                 self.worker.send(("close", self.sid))
+                self.owner.pool._watch(self.worker)   # what its socket did not take
             except OSError:
                 pass
         self._ended = True

@@ -62,6 +62,7 @@ import secrets
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -479,21 +480,47 @@ _CODE = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
 
 
 class _Worker:
-    __slots__ = ("proc", "conn", "tasks", "index", "freed", "maps", "__weakref__")
+    __slots__ = ("proc", "conn", "tasks", "index", "freed", "maps", "outbox", "_sock",
+                 "__weakref__")
 
     def __init__(self, proc, conn, index, shm_dir):
         self.proc, self.conn, self.index = proc, conn, index
         self.tasks: collections.deque = collections.deque()   # what each task holds
+        # Bytes of messages the socket has not taken yet. The worker reads a task only
+        # between calls, and may be writing a large answer meanwhile: a blocking write
+        # here could wait for it while it waits for this process to read.
+        self.outbox = bytearray()
+        self._sock = socket.socket(fileno=os.dup(conn.fileno()))
         # Its segments whose arrays are all freed (appended by finalizers, in whatever
         # thread frees the last array), handed back with its next task.
         self.freed: collections.deque = collections.deque()
         self.maps = _Mappings(shm_dir, self.freed)
 
     def send(self, task) -> None:
+        """Queue a message (in ``Connection.send_bytes``'s framing) and write what the
+        socket takes now without blocking; :meth:`flush` writes the rest."""
         freed = []
         while self.freed:
             freed.append(self.freed.popleft())
-        self.conn.send_bytes(pickle.dumps((task, freed), _PROTOCOL))
+        data = pickle.dumps((task, freed), _PROTOCOL)
+        n = len(data)
+        self.outbox += (struct.pack("!i", n) if n <= 0x7fffffff
+                        else struct.pack("!iQ", -1, n))
+        self.outbox += data
+        self.flush()
+
+    def flush(self) -> None:
+        """Write as much of the outbox as the socket takes without blocking."""
+        while self.outbox:
+            try:
+                sent = self._sock.send(self.outbox, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            del self.outbox[:sent]
+
+    def close(self) -> None:
+        self._sock.close()
+        self.conn.close()
 
 
 def _stop(workers: list, shm_dir: str, prefix: str) -> None:
@@ -506,7 +533,7 @@ def _stop(workers: list, shm_dir: str, prefix: str) -> None:
                 pass
     for w in workers:
         try:
-            w.conn.close()
+            w.close()
         except OSError:
             pass
         w.proc.wait()
@@ -557,31 +584,51 @@ class Pool:
         """Give ``w`` a task; ``holds`` is what the task is about (for its answer and
         for the error if ``w`` dies)."""
         w.tasks.append(holds)
-        fd = w.conn.fileno()
-        if fd not in self._polled:
-            self._poller.register(fd, select.POLLIN)
-            self._polled.add(fd)
         try:
             w.send(task)
         except OSError:
             self.died(w)
+        self._watch(w)
+
+    def _watch(self, w: _Worker) -> None:
+        """Poll ``w`` for answers while it holds tasks, and for room in its socket
+        while its outbox holds bytes."""
+        fd = w.conn.fileno()
+        events = (select.POLLIN if w.tasks else 0) | (select.POLLOUT if w.outbox else 0)
+        if fd in self._polled:
+            if events:
+                self._poller.modify(fd, events)
+            else:
+                self._poller.unregister(fd)
+                self._polled.discard(fd)
+        elif events:
+            self._poller.register(fd, events)
+            self._polled.add(fd)
 
     def receive(self, block: bool = True) -> list:
         """``(worker, what its oldest task holds, answer)`` for every answer that
-        arrived (waiting for one when ``block``)."""
-        if not self._polled:
-            return []
+        arrived (waiting for one when ``block``); messages waiting in outboxes are
+        written as their sockets take them."""
         out = []
-        for fd, _ in self._poller.poll(None if block else 0):
-            w = self._by_fd[fd]
-            try:
-                data = w.conn.recv_bytes()
-            except (EOFError, OSError):
-                self.died(w)
-            out.append((w, w.tasks.popleft(), w.maps.decode(data)))
-            if not w.tasks:
-                self._poller.unregister(fd)
-                self._polled.discard(fd)
+        while self._polled and not out:
+            for fd, events in self._poller.poll(None if block else 0):
+                w = self._by_fd[fd]
+                if events & select.POLLOUT:
+                    try:
+                        w.flush()
+                    except OSError:
+                        self.died(w)
+                if events & ~select.POLLOUT and not w.tasks:
+                    w.outbox.clear()   # gone while it owed nothing: nothing to tell
+                elif events & ~select.POLLOUT:
+                    try:
+                        data = w.conn.recv_bytes()
+                    except (EOFError, OSError):
+                        self.died(w)
+                    out.append((w, w.tasks.popleft(), w.maps.decode(data)))
+                self._watch(w)
+            if not block:
+                break
         return out
 
     def died(self, w: _Worker):

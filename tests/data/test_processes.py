@@ -76,6 +76,18 @@ def test_results_in_input_order_with_nested_and_large_outputs():
         assert g["pair"][0].dtype == np.float32 and g["pair"][0].flags.writeable
 
 
+@pytest.mark.timeout(60)
+def test_large_tasks_and_large_answers_cross_without_waiting_for_each_other():
+    # Fast calls on 300 KB inputs with 24 KB outputs: a task carries many inputs (tens
+    # of MB, more than a socket holds) and its answer many outputs in the message
+    # itself. The consumer must not block writing a worker's next task while that
+    # worker blocks writing its answer.
+    src = Dataset.range(600).map(lambda i: np.full(300_000 // 8, i, np.int64))
+    ds = src.map(lambda a: a[:3000].copy(), num_parallel_calls=2, use_processes=True)
+    got = [int(x[0]) for x in ds]
+    assert got == list(range(600))
+
+
 def test_many_short_calls_travel_in_batches_and_keep_their_order():
     ds = Dataset.range(3000).map(lambda x: x * 2, num_parallel_calls=2, use_processes=True)
     it = iter(ds)
