@@ -328,8 +328,7 @@ class RemoteSlot:
                 and self.sid in self.owner._slots:
             self.owner.release(self)
             try:
-                self.worker.send(("close", self.sid))
-                self.owner.pool._watch(self.worker)   # what its socket did not take
+                self.owner.pool.post(self.worker, ("close", self.sid))
             except OSError:
                 pass
         self._ended = True

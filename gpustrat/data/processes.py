@@ -314,7 +314,11 @@ def _watch_parent(fd: int, parent: int, segments: list) -> None:
         except OSError:
             hung_up = True
         if hung_up or os.getppid() != parent:
-            break
+            _leave(segments)
+
+
+def _leave(segments: list) -> None:
+    """The parent is gone: remove this worker's segments and exit."""
     for seg in segments:
         seg.remove_all()
     os._exit(0)
@@ -371,15 +375,11 @@ def _worker_main() -> None:
         # the last is done (without POLLRDHUP, it also looks for the parent).
         while not conn.poll(1.0):
             if os.getppid() != parent:
-                for seg in holder:
-                    seg.remove_all()
-                os._exit(0)
+                _leave(holder)
         try:
             data = conn.recv_bytes()
         except (EOFError, OSError):
-            for seg in holder:
-                seg.remove_all()
-            os._exit(0)
+            _leave(holder)
         task, freed = pickle.loads(data)
         if freed:
             holder[0].give_back(freed)
@@ -480,8 +480,8 @@ _CODE = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
 
 
 class _Worker:
-    __slots__ = ("proc", "conn", "tasks", "index", "freed", "maps", "outbox", "_sock",
-                 "__weakref__")
+    __slots__ = ("proc", "conn", "tasks", "index", "freed", "maps", "outbox", "_sent",
+                 "_sock", "__weakref__")
 
     def __init__(self, proc, conn, index, shm_dir):
         self.proc, self.conn, self.index = proc, conn, index
@@ -490,6 +490,7 @@ class _Worker:
         # between calls, and may be writing a large answer meanwhile: a blocking write
         # here could wait for it while it waits for this process to read.
         self.outbox = bytearray()
+        self._sent = 0   # bytes of the outbox written already
         self._sock = socket.socket(fileno=os.dup(conn.fileno()))
         # Its segments whose arrays are all freed (appended by finalizers, in whatever
         # thread frees the last array), handed back with its next task.
@@ -511,12 +512,18 @@ class _Worker:
 
     def flush(self) -> None:
         """Write as much of the outbox as the socket takes without blocking."""
-        while self.outbox:
-            try:
-                sent = self._sock.send(self.outbox, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                return
-            del self.outbox[:sent]
+        with memoryview(self.outbox) as view:
+            while self._sent < len(view):
+                try:
+                    self._sent += self._sock.send(view[self._sent:], socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    return
+        self.drop()
+
+    def drop(self) -> None:
+        """Forget the outbox (all written, or the worker is gone)."""
+        self.outbox.clear()
+        self._sent = 0
 
     def close(self) -> None:
         self._sock.close()
@@ -585,9 +592,14 @@ class Pool:
         for the error if ``w`` dies)."""
         w.tasks.append(holds)
         try:
-            w.send(task)
+            self.post(w, task)
         except OSError:
             self.died(w)
+
+    def post(self, w: _Worker, message) -> None:
+        """Send ``w`` a message; what its socket does not take now goes out from
+        :meth:`receive` (an OSError if ``w`` is gone)."""
+        w.send(message)
         self._watch(w)
 
     def _watch(self, w: _Worker) -> None:
@@ -619,7 +631,7 @@ class Pool:
                     except OSError:
                         self.died(w)
                 if events & ~select.POLLOUT and not w.tasks:
-                    w.outbox.clear()   # gone while it owed nothing: nothing to tell
+                    w.drop()   # gone while it owed nothing: nothing to tell
                 elif events & ~select.POLLOUT:
                     try:
                         data = w.conn.recv_bytes()
